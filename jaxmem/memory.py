@@ -1,0 +1,166 @@
+"""Memory measurement. Every figure carries the way it was obtained (``source``), and nothing is
+reported that was not measured: a runtime peak appears only where the backend reports one.
+
+Sources used here:
+- ``counted``: sum of ``size * itemsize`` over real or shape-inferred arrays.
+- ``residual accounting``: the residuals ``jax.vjp`` keeps for the backward pass, read from the
+  jaxpr of the VJP (the same method as ``jax.ad_checkpoint.print_saved_residuals``).
+- ``compiled plan (XLA:<platform>)``: ``compiled.memory_analysis()`` of the jitted step.
+- ``runtime peak``: ``device.memory_stats()["peak_bytes_in_use"]`` (GPU/TPU only; None on CPU).
+- ``process max RSS``: the OS's high-water mark of this process's resident memory (host memory
+  of everything in the process, not just the model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One array the backward pass keeps."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    origin: str  # "argument" (an input of f, e.g. a parameter), "computed", "constant" or "literal"
+    memory_kind: str | None  # e.g. "pinned_host" for offloaded residuals; None = default device
+
+
+def _aval_bytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def saved_residuals(f: Callable[..., Any], *args: Any) -> list[Residual]:
+    """The arrays ``jax.vjp(f, *args)`` saves for the backward pass, each counted once.
+
+    Written here because ``jax.ad_checkpoint.print_saved_residuals`` only prints: it reads the
+    same thing, the residual outputs of the VJP's jaxpr.
+    """
+    flat_args, in_tree = jax.tree_util.tree_flatten(args)
+
+    def flat_f(*flat):
+        return f(*jax.tree_util.tree_unflatten(in_tree, flat))
+
+    closed, (_, vjp_shape) = jax.make_jaxpr(lambda *a: jax.vjp(flat_f, *a), return_shape=True)(
+        *flat_args
+    )
+    jaxpr = closed.jaxpr
+    n_res = len(jax.tree_util.tree_leaves(vjp_shape))
+    outvars = jaxpr.outvars[len(jaxpr.outvars) - n_res :]
+    invars = set(jaxpr.invars)
+    constvars = set(jaxpr.constvars)
+    seen: set[Any] = set()
+    out: list[Residual] = []
+    for v in outvars:
+        is_literal = isinstance(v, jax.extend.core.Literal)
+        if not is_literal:
+            if v in seen:
+                continue
+            seen.add(v)
+        aval = v.aval
+        origin = (
+            "literal"
+            if is_literal
+            else "argument"
+            if v in invars
+            else "constant"
+            if v in constvars
+            else "computed"
+        )
+        kind = getattr(aval, "memory_space", None)
+        kind_name = None if kind is None else str(kind).split(".")[-1].lower()
+        out.append(
+            Residual(
+                shape=tuple(aval.shape),
+                dtype=str(aval.dtype),
+                nbytes=_aval_bytes(aval),
+                origin=origin,
+                memory_kind=None if kind_name in (None, "device", "any") else kind_name,
+            )
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualSummary:
+    activation_bytes_device: int  # computed residuals in device memory
+    activation_bytes_host: int  # computed residuals placed in host memory (offloaded)
+    argument_bytes: int  # inputs/parameters the backward keeps anyway (not extra memory)
+    n_residuals: int
+
+
+def summarize_residuals(residuals: Sequence[Residual]) -> ResidualSummary:
+    computed = [r for r in residuals if r.origin in ("computed", "constant")]
+    return ResidualSummary(
+        activation_bytes_device=sum(r.nbytes for r in computed if r.memory_kind is None),
+        activation_bytes_host=sum(r.nbytes for r in computed if r.memory_kind is not None),
+        argument_bytes=sum(r.nbytes for r in residuals if r.origin == "argument"),
+        n_residuals=len(residuals),
+    )
+
+
+def compiled_plan(compiled: Any) -> dict[str, int]:
+    """``memory_analysis()`` of a compiled program (``jax.jit(f).lower(*args).compile()``, where
+    ``args`` may be arrays or ``jax.ShapeDtypeStruct``s)."""
+    stats = compiled.memory_analysis()
+    return {
+        "argument_bytes": int(stats.argument_size_in_bytes),
+        "output_bytes": int(stats.output_size_in_bytes),
+        "alias_bytes": int(stats.alias_size_in_bytes),
+        "temp_bytes": int(stats.temp_size_in_bytes),
+        "generated_code_bytes": int(stats.generated_code_size_in_bytes),
+    }
+
+
+def device_peak_bytes() -> int | None:
+    """Peak bytes in use on the default device, or None where the backend does not say (CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return int(stats["peak_bytes_in_use"])
+
+
+def process_max_rss_bytes() -> int:
+    """The process's peak resident set size (``getrusage``: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One line of a memory table."""
+
+    quantity: str
+    nbytes: int
+    source: str
+
+
+def format_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def render_table(figures: Sequence[Figure], title: str) -> Any:
+    """A rich table of figures, each with how it was obtained."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("quantity")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right")
+    table.add_column("how obtained")
+    for f in figures:
+        table.add_row(f.quantity, f"{f.nbytes:,}", format_bytes(f.nbytes), f.source)
+    return table

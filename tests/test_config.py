@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from flax import nnx
+
+from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig, get_preset
+from jaxmem.model import Decoder
+from jaxmem.train import tree_bytes
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_validates_and_round_trips(name):
+    cfg = get_preset(name)
+    assert ModelConfig(**dataclasses.asdict(cfg)) == cfg
+    assert cfg.n_params > 0
+
+
+def test_gpt2_124m_parameter_count_is_the_published_one():
+    # 124,439,808: GPT-2 small with tied embeddings (nanoGPT prints the same count).
+    assert PRESETS["gpt2-124m"].n_params == 124_439_808
+    assert 6.5e9 < PRESETS["gpt3-6.7b"].n_params < 6.9e9
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        PRESETS["tiny"],
+        PRESETS["seed"],
+        ModelConfig(
+            vocab_size=259,
+            d_model=72,
+            n_heads=3,
+            n_layers=5,
+            d_ff=200,
+            max_seq_len=13,
+            bias=False,
+            tie_embeddings=False,
+            norm="post",
+        ),
+    ],
+    ids=["tiny", "seed", "odd"],
+)
+def test_analytic_parameter_count_matches_the_real_arrays(cfg):
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    assert tree_bytes(nnx.state(model, nnx.Param)) == 4 * cfg.n_params
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"d_model": 100, "n_heads": 3}, "d_model=100 is not divisible by n_heads=3"),
+        ({"n_layers": 0}, "n_layers=0 must be a positive integer"),
+        ({"vocab_size": 2.5}, "vocab_size=2.5"),
+        ({"norm": "middle"}, "norm='middle' is not one of"),
+        ({"activation": "swish"}, "activation='swish' is not one of"),
+        ({"bias": 1}, "bias=1 must be True or False"),
+        ({"layer_norm_eps": 0.0}, "layer_norm_eps=0.0"),
+    ],
+)
+def test_bad_model_values_are_named(change, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        PRESETS["tiny"].replace(**change)
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match="unknown preset 'huge'; choose one of: tiny, small"):
+        get_preset("huge")
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRESETS["tiny"].d_model = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"lr": 0.0}, "lr=0.0 must be a positive float"),
+        ({"name": "lion"}, "optimizer='lion' is not one of"),
+        ({"b2": 1.0}, "b2=1.0 must be in"),
+        ({"weight_decay": -1.0}, "weight_decay=-1.0"),
+    ],
+)
+def test_bad_optimizer_values_are_named(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        OptimizerConfig(**kwargs)

@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.torch import load_file as torch_load_file
+from safetensors.torch import save_file as torch_save_file
+
+import torch_ref
+from jaxmem.config import PRESETS, ModelConfig
+from jaxmem.model import Block, Decoder
+from jaxmem.weights import (
+    WeightMapError,
+    key_map,
+    load_safetensors,
+    load_torch_state_dict,
+    read_safetensors_config,
+    save_safetensors,
+    to_torch_state_dict,
+)
+
+ODD = ModelConfig(
+    vocab_size=259,
+    d_model=72,
+    n_heads=3,
+    n_layers=5,
+    d_ff=200,
+    max_seq_len=13,
+    bias=False,
+    tie_embeddings=False,
+)
+
+
+@pytest.mark.parametrize("cfg", [PRESETS["tiny"], ODD], ids=["tiny", "odd"])
+def test_key_map_covers_the_torch_model_exactly(cfg):
+    torch_model = torch_ref.Decoder(cfg)
+    entries = key_map(cfg)
+    assert {e.torch_key for e in entries} == set(torch_model.state_dict())
+    for e in entries:
+        assert tuple(torch_model.state_dict()[e.torch_key].shape) == e.torch_shape
+
+
+@pytest.mark.parametrize("cfg", [PRESETS["tiny"], ODD], ids=["tiny", "odd"])
+def test_safetensors_round_trip_jax_torch_jax_is_bitwise(cfg, tmp_path):
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    save_safetensors(model, tmp_path / "a.safetensors")
+    assert read_safetensors_config(tmp_path / "a.safetensors") == cfg
+
+    torch_model = torch_ref.Decoder(cfg)
+    torch_model.load_state_dict(torch_load_file(tmp_path / "a.safetensors"), strict=True)
+    torch_save_file(torch_model.state_dict(), tmp_path / "b.safetensors")
+
+    back = Decoder(cfg, rngs=nnx.Rngs(1))
+    load_safetensors(back, tmp_path / "b.safetensors")
+    original, restored = to_torch_state_dict(model), to_torch_state_dict(back)
+    for key in original:
+        np.testing.assert_array_equal(restored[key], original[key])
+
+
+def test_missing_unexpected_and_misshaped_keys_are_named_and_nothing_is_written():
+    cfg = PRESETS["tiny"]
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    before = to_torch_state_dict(model)
+    good = {k: torch.from_numpy(v.copy()) for k, v in before.items()}
+
+    missing = dict(good)
+    del missing["blocks.layers.1.ffn.2.bias"]
+    with pytest.raises(WeightMapError, match=r"missing \['blocks.layers.1.ffn.2.bias'\]"):
+        load_torch_state_dict(model, missing)
+
+    extra = dict(good, **{"lm_head.weight": torch.zeros(259, 64)})
+    with pytest.raises(WeightMapError, match=r"unexpected \['lm_head.weight'\]"):
+        load_torch_state_dict(model, extra)
+
+    wrong = dict(good)
+    wrong["wte.weight"] = torch.zeros(64, 259)  # transposed
+    wrong["norm_f.bias"] = torch.ones(64)  # a valid change that must not be applied
+    with pytest.raises(WeightMapError, match=r"wte.weight: got \(64, 259\), expected \(259, 64\)"):
+        load_torch_state_dict(model, wrong)
+
+    after = to_torch_state_dict(model)
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key])
+
+
+def test_a_single_block_uses_the_seed_layer_keys():
+    cfg = PRESETS["seed"]
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    sd = to_torch_state_dict(block, cfg=cfg)
+    assert set(sd) == set(torch_ref.Block(cfg).state_dict())
+    assert sd["self_attn.in_proj_weight"].shape == (1536, 512)
+    with pytest.raises(ValueError, match="pass cfg="):
+        to_torch_state_dict(block)
+
+
+def test_failed_save_leaves_no_file(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_safetensors(Decoder(PRESETS["tiny"], rngs=nnx.Rngs(0)), tmp_path / "w.safetensors")
+    assert list(tmp_path.iterdir()) == []
