@@ -31,7 +31,9 @@ class Residual:
     dtype: str
     nbytes: int
     origin: str  # "argument" (an input of f, e.g. a parameter), "computed", "constant" or "literal"
-    memory_kind: str | None  # e.g. "pinned_host" for offloaded residuals; None = default device
+    memory_kind: str | None  # "host" for offloaded residuals; None = default device memory
+    name: str | None = None  # the checkpoint_name tag it was saved under, if any; "<layer input>"
+    # for the input of a scanned (checkpointed) block, which scan keeps without a tag
 
 
 def _aval_bytes(aval: Any) -> int:
@@ -49,6 +51,7 @@ def saved_residuals(f: Callable[..., Any], *args: Any) -> list[Residual]:
     def flat_f(*flat):
         return f(*jax.tree_util.tree_unflatten(in_tree, flat))
 
+    # The same recipe as jax's own (private) saved_residuals.
     closed, (_, vjp_shape) = jax.make_jaxpr(lambda *a: jax.vjp(flat_f, *a), return_shape=True)(
         *flat_args
     )
@@ -84,9 +87,53 @@ def saved_residuals(f: Callable[..., Any], *args: Any) -> list[Residual]:
                 nbytes=_aval_bytes(aval),
                 origin=origin,
                 memory_kind=None if kind_name in (None, "device", "any") else kind_name,
+                name=None if is_literal else _residual_name(jaxpr, v),
             )
         )
     return out
+
+
+# Primitives a saved value may pass through after its checkpoint_name tag: the rounding marker
+# remat inserts, the copy to host memory of an offloaded name, and no-op casts.
+_PASS_THROUGH = ("reduce_precision", "device_put", "convert_element_type", "copy", "copy_p")
+
+
+def _sub_jaxpr(eqn: Any) -> Any | None:
+    for key in ("jaxpr", "call_jaxpr"):
+        sub = eqn.params.get(key)
+        if sub is not None:
+            return getattr(sub, "jaxpr", sub)
+    return None
+
+
+def _residual_name(jaxpr: Any, var: Any, depth: int = 0) -> str | None:
+    """The tag a residual was saved under, following it through scan bodies and calls."""
+    if depth > 16:
+        return None
+    for eqn in jaxpr.eqns:
+        # A value saved before its tag (e.g. a matmul output kept by a dots policy) is named by
+        # the tag that consumes it.
+        if eqn.primitive.name == "name" and eqn.invars[0] is var:
+            return eqn.params["name"]
+    for eqn in jaxpr.eqns:
+        if var not in eqn.outvars:
+            continue
+        prim = eqn.primitive.name
+        if prim == "name":
+            return eqn.params["name"]
+        if prim in _PASS_THROUGH:
+            return _residual_name(jaxpr, eqn.invars[0], depth + 1)
+        sub = _sub_jaxpr(eqn)
+        if sub is None:
+            return None
+        inner = sub.outvars[eqn.outvars.index(var)]
+        if prim == "scan" and inner in sub.invars:
+            position = sub.invars.index(inner)
+            n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+            if n_consts <= position < n_consts + n_carry:
+                return "<layer input>"
+        return _residual_name(sub, inner, depth + 1)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +142,16 @@ class ResidualSummary:
     activation_bytes_host: int  # computed residuals placed in host memory (offloaded)
     argument_bytes: int  # inputs/parameters the backward keeps anyway (not extra memory)
     n_residuals: int
+
+
+def bytes_by_name(residuals: Sequence[Residual]) -> dict[str, int]:
+    """Computed residual bytes grouped by tag name (``"<untagged>"`` for the rest)."""
+    out: dict[str, int] = {}
+    for r in residuals:
+        if r.origin in ("computed", "constant"):
+            key = r.name or "<untagged>"
+            out[key] = out.get(key, 0) + r.nbytes
+    return out
 
 
 def summarize_residuals(residuals: Sequence[Residual]) -> ResidualSummary:

@@ -1,0 +1,258 @@
+"""jaxmem memory policies, proved three ways: numerics (gradients equal the no-remat run),
+structure (exactly the policy's names are saved, offloaded ones in host memory, and the CUDA
+program places them in pinned_host), cost (matmul FLOPs move the right way)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxmem.config import PRESETS, ConfigError
+from jaxmem.flops import grad_matmul_flops
+from jaxmem.memory import saved_residuals, summarize_residuals
+from jaxmem.model import CHECKPOINT_NAMES, Decoder
+from jaxmem.parity import lm_batch, tolerance
+from jaxmem.remat import (
+    POLICIES,
+    LayerSelection,
+    MemoryPolicy,
+    check_backend,
+    get_policy,
+    layers_fn,
+    nested_segment_size,
+)
+from jaxmem.train import lm_loss_fn
+
+CFG = PRESETS["tiny"].replace(n_layers=4)
+LAYER_INPUT = "<layer input>"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = Decoder(CFG, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    inputs, targets = lm_batch(CFG, 4, 32, seed=1)
+    batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    return graphdef, params, batch
+
+
+def scalar_loss(graphdef, policy, n_layers=CFG.n_layers):
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, n_layers))
+    return lambda p, b: loss(p, b)[0]
+
+
+def named(residuals):
+    """{name: memory kinds seen} over the computed residuals that carry a name."""
+    out: dict[str, set] = {}
+    for r in residuals:
+        if r.origin == "computed" and r.name is not None:
+            out.setdefault(r.name, set()).add(r.memory_kind)
+    return out
+
+
+@pytest.fixture(scope="module")
+def needed_names(setup):
+    """The tags the backward pass reads: what a policy allowed to save every name saves."""
+    graphdef, params, batch = setup
+    everything = MemoryPolicy(name="all", save=CHECKPOINT_NAMES)
+    return set(named(saved_residuals(scalar_loss(graphdef, everything), params, batch)))
+
+
+def test_presets_exist_and_unknown_names_are_listed():
+    assert set(POLICIES) >= {"none", "full", "dots", "selective", "mlp", "offload", "nested"}
+    with pytest.raises(ConfigError, match="unknown memory policy 'most'; choose one of: none"):
+        get_policy("most")
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_gradients_equal_the_no_remat_run(setup, name):
+    graphdef, params, batch = setup
+    base_loss, base_grads = jax.value_and_grad(scalar_loss(graphdef, POLICIES["none"]))(
+        params, batch
+    )
+    loss, grads = jax.value_and_grad(scalar_loss(graphdef, POLICIES[name]))(params, batch)
+    tol = tolerance("float32", "remat_vs_none")
+    np.testing.assert_allclose(float(loss), float(base_loss), rtol=tol.rtol, atol=tol.atol)
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(base_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.parametrize("name", ["full", "dots", "selective", "mlp", "offload", "nested"])
+def test_saved_names_are_exactly_what_the_policy_keeps(setup, needed_names, name):
+    graphdef, params, batch = setup
+    policy = POLICIES[name]
+    seen = named(saved_residuals(scalar_loss(graphdef, policy), params, batch))
+    expected = needed_names & (set(policy.save) | set(policy.offload))
+    assert set(seen) - {LAYER_INPUT} == expected
+    for n in policy.offload:
+        if n in expected:
+            assert seen[n] == {"host"}, (n, seen[n])
+    for n in policy.save:
+        if n in expected:
+            assert seen[n] == {None}, (n, seen[n])
+
+
+def test_full_remat_keeps_only_the_block_inputs(setup):
+    graphdef, params, batch = setup
+    residuals = saved_residuals(scalar_loss(graphdef, POLICIES["full"]), params, batch)
+    inputs = [r for r in residuals if r.name == LAYER_INPUT]
+    b, s = batch["inputs"].shape
+    assert [r.shape for r in inputs] == [(CFG.n_layers, b, s, CFG.d_model)]
+
+
+def test_nested_keeps_one_input_per_segment(setup):
+    graphdef, params, batch = setup
+    residuals = saved_residuals(scalar_loss(graphdef, POLICIES["nested"]), params, batch)
+    k = nested_segment_size(CFG.n_layers)
+    inputs = [r for r in residuals if r.name == LAYER_INPUT]
+    b, s = batch["inputs"].shape
+    assert [r.shape for r in inputs] == [(CFG.n_layers // k, b, s, CFG.d_model)]
+
+
+def test_offload_moves_residuals_to_pinned_host_in_eager_vjp(setup):
+    graphdef, params, batch = setup
+    loss = scalar_loss(graphdef, POLICIES["offload"])
+    _, vjp_fn = jax.vjp(lambda p: loss(p, batch), params)
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(vjp_fn)}
+    assert "pinned_host" in kinds and "device" in kinds
+
+
+def test_offload_cuda_program_places_each_offloaded_name_in_pinned_host(setup, needed_names):
+    graphdef, params, batch = setup
+    loss = scalar_loss(graphdef, POLICIES["offload"])
+    grad = jax.jit(lambda p, b: jax.grad(loss)(p, b))
+    text = grad.trace(params, batch).lower(lowering_platforms=("cuda",)).as_text()
+    placed = [
+        line
+        for line in text.splitlines()
+        if "annotate_device_placement" in line and '"pinned_host"' in line
+    ]
+    b, s = batch["inputs"].shape
+    shapes = {
+        "query_proj": f"{b}x{s}x{CFG.n_heads}x{CFG.head_dim}xf32",
+        "key_proj": f"{b}x{s}x{CFG.n_heads}x{CFG.head_dim}xf32",
+        "value_proj": f"{b}x{s}x{CFG.n_heads}x{CFG.head_dim}xf32",
+        "mlp_up": f"{b}x{s}x{CFG.d_ff}xf32",
+    }
+    offloaded = needed_names & set(POLICIES["offload"].offload)
+    assert offloaded == set(shapes)
+    assert len(placed) == len(offloaded)  # one host placement per offloaded name per layer body
+    for name in offloaded:
+        assert any(f"tensor<{shapes[name]}>" in line for line in placed), name
+
+
+def test_offload_changes_device_and_host_bytes_by_the_offloaded_tensors(setup):
+    graphdef, params, batch = setup
+    offload = summarize_residuals(
+        saved_residuals(scalar_loss(graphdef, POLICIES["offload"]), params, batch)
+    )
+    same_on_device = MemoryPolicy(
+        name="x", save=POLICIES["offload"].save + POLICIES["offload"].offload
+    )
+    device = summarize_residuals(
+        saved_residuals(scalar_loss(graphdef, same_on_device), params, batch)
+    )
+    assert offload.activation_bytes_host > 0
+    assert device.activation_bytes_host == 0
+    assert (
+        device.activation_bytes_device - offload.activation_bytes_device
+        == offload.activation_bytes_host
+    )
+
+
+def test_flops_rise_and_saved_bytes_fall_in_order(setup):
+    graphdef, params, batch = setup
+    flops, device_bytes = {}, {}
+    for name in ("none", "selective", "full", "nested"):
+        f = scalar_loss(graphdef, POLICIES[name])
+        flops[name] = grad_matmul_flops(f, params, batch)
+        device_bytes[name] = summarize_residuals(
+            saved_residuals(f, params, batch)
+        ).activation_bytes_device
+    assert flops["none"] < flops["selective"] < flops["full"] < flops["nested"]
+    assert (
+        device_bytes["none"]
+        > device_bytes["selective"]
+        > device_bytes["full"]
+        > device_bytes["nested"]
+    )
+    # Recompute is bounded by one extra forward: forward ≈ 1/3 of fwd+bwd matmul FLOPs.
+    assert flops["full"] < flops["none"] * (1 + 1 / 3) + 1
+
+
+def test_layer_selection_checkpoints_only_the_chosen_layers(setup):
+    graphdef, params, batch = setup
+    policy = MemoryPolicy(name="two_of_four", layers=LayerSelection(layers=(0, 2)))
+    f = scalar_loss(graphdef, policy)
+    base = scalar_loss(graphdef, POLICIES["none"])
+    full = scalar_loss(graphdef, POLICIES["full"])
+    flops = [grad_matmul_flops(g, params, batch) for g in (base, f, full)]
+    assert flops[0] < flops[1] < flops[2]
+    # Half the layers recomputed: half of full remat's extra FLOPs.
+    assert flops[1] - flops[0] == (flops[2] - flops[0]) // 2
+    tol = tolerance("float32", "remat_vs_none")
+    g1, g0 = jax.grad(f)(params, batch), jax.grad(base)(params, batch)
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (
+            lambda: MemoryPolicy(save=("query_proj", "qkv")),
+            "unknown tag name(s) ['qkv']; valid names: block_input",
+        ),
+        (
+            lambda: MemoryPolicy(save=("mlp_up",), offload=("mlp_up",)),
+            "['mlp_up'] are both saved and offloaded",
+        ),
+        (
+            lambda: MemoryPolicy(save_dots=True, offload=("mlp_up",)),
+            "save_dots cannot be combined with offload",
+        ),
+        (lambda: MemoryPolicy(nested=True, save=("mlp_up",)), "nested recomputes whole segments"),
+        (lambda: MemoryPolicy(remat=False, save=("mlp_up",)), "remat=False keeps everything"),
+        (lambda: MemoryPolicy.custom({"mlp_up": "disk"}), "must each be one of"),
+        (lambda: LayerSelection(every=2, first=1), "takes one of every/first/layers"),
+        (
+            lambda: LayerSelection(layers=(0, 9)).indices(4),
+            "layer indices [9] are out of range for n_layers=4",
+        ),
+        (lambda: LayerSelection(first=5).indices(4), "first=5 exceeds n_layers=4"),
+    ],
+)
+def test_invalid_policies_raise_naming_the_value(make, fragment):
+    with pytest.raises(ConfigError) as exc:
+        make()
+    assert fragment in str(exc.value)
+
+
+def test_offload_on_a_backend_without_pinned_host_raises():
+    class NoHostDevice:
+        def addressable_memories(self):
+            class M:
+                kind = "device"
+
+            return [M()]
+
+    with pytest.raises(ConfigError, match="only has memory kinds \\['device'\\]"):
+        check_backend(POLICIES["offload"], NoHostDevice())
+
+
+def test_custom_policy_matches_the_equivalent_preset():
+    choices = {n: "device" for n in POLICIES["selective"].save}
+    assert MemoryPolicy.custom(choices, name="selective") == POLICIES["selective"]
+    mixed = MemoryPolicy.custom({"query_proj": "offload", "mlp_up": "device"})
+    assert mixed.offload == ("query_proj",) and mixed.save == ("mlp_up",)
+    assert mixed.choice("attn_probs") == "recompute"
+
+
+def test_layer_selection_indices():
+    assert LayerSelection(every=2).indices(5) == (0, 2, 4)
+    assert LayerSelection(first=2).indices(3) == (0, 1)
+    assert LayerSelection(layers=(2, 0)).indices(3) == (0, 2)
+    assert LayerSelection().indices(3) == (0, 1, 2)
