@@ -69,8 +69,8 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
             rtol=1e-6,
             atol=1e-7,
             reason="same framework, same ops: recompute replays the forward exactly, but XLA may "
-            "fuse the recomputed and the original forward differently; measured max abs diff 3.7e-8 "
-            "on tiny x4 layers for every preset",
+            "fuse the recomputed and the original forward differently; measured max abs diff "
+            "3.7e-8 on tiny x4 layers for every preset",
         ),
         "adamw_weights": Tolerance(
             rtol=1e-5,

@@ -76,7 +76,9 @@ def test_gradients_equal_the_no_remat_run(setup, name):
     loss, grads = jax.value_and_grad(scalar_loss(graphdef, POLICIES[name]))(params, batch)
     tol = tolerance("float32", "remat_vs_none")
     np.testing.assert_allclose(float(loss), float(base_loss), rtol=tol.rtol, atol=tol.atol)
-    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(base_grads)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(base_grads), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol.rtol, atol=tol.atol)
 
 
@@ -195,7 +197,7 @@ def test_layer_selection_checkpoints_only_the_chosen_layers(setup):
     assert flops[1] - flops[0] == (flops[2] - flops[0]) // 2
     tol = tolerance("float32", "remat_vs_none")
     g1, g0 = jax.grad(f)(params, batch), jax.grad(base)(params, batch)
-    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0)):
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol.rtol, atol=tol.atol)
 
 
