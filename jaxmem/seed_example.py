@@ -20,6 +20,7 @@ from flax import nnx
 from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.loss import mse_sum
 from jaxmem.model import BlockStack
+from jaxmem.remat import MemoryPolicy, get_policy, layers_fn
 from jaxmem.weights import load_torch_state_dict
 
 SEED_CONFIG: ModelConfig = PRESETS["seed"]
@@ -44,24 +45,26 @@ def train(
     data: tuple[np.ndarray, np.ndarray] | None = None,
     torch_state_dict: Mapping[str, np.ndarray] | None = None,
     seed: int = 0,
+    policy: MemoryPolicy | None = None,
 ) -> list[float]:
     """Run the example for ``steps`` Adam steps; returns the loss before each update.
 
     ``torch_state_dict`` (keys ``layers.{i}.…`` of ``torch_ref.BlockStack``) sets the initial
-    weights, so a PyTorch run can be reproduced exactly.
+    weights, so a PyTorch run can be reproduced exactly. ``policy`` applies a memory policy.
     """
     stack = BlockStack(cfg, rngs=nnx.Rngs(seed))
     if torch_state_dict is not None:
         load_torch_state_dict(stack, torch_state_dict)
     x, target = data if data is not None else seed_data(d_model=cfg.d_model)
     graphdef, params = nnx.split(stack, nnx.Param)
+    run_layers = None if policy is None else layers_fn(policy, cfg.n_layers)
     tx = optax.adam(lr)
     opt_state = tx.init(params)
 
     @jax.jit
     def step(params, opt_state, x, target):
         def loss_fn(p):
-            err_sum, n = mse_sum(nnx.merge(graphdef, p)(x), target)
+            err_sum, n = mse_sum(nnx.merge(graphdef, p)(x, layers_fn=run_layers), target)
             return err_sum / n  # nn.MSELoss(): mean over every element
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -79,8 +82,9 @@ def train(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="Adam steps (default 5)")
+    parser.add_argument("--policy", default="none", help="memory policy (default none)")
     args = parser.parse_args(argv)
-    for i, loss in enumerate(train(args.steps)):
+    for i, loss in enumerate(train(args.steps, policy=get_policy(args.policy))):
         print(f"step {i}: mse {loss:.6f}")
 
 

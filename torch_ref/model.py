@@ -102,13 +102,26 @@ def causal_mask(cfg: ModelConfig, seq_len: int, device: torch.device) -> torch.T
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
 
 
+def run_layers(layers: nn.ModuleList, x_bsd: torch.Tensor, mask_ss: torch.Tensor | None):
+    """The plain loop over blocks (no memory policy)."""
+    for layer in layers:
+        x_bsd = layer(x_bsd, mask_ss)
+    return x_bsd
+
+
 class BlockStack(nn.Module):
-    """``n_layers`` blocks, ``[B, S, D] -> [B, S, D]``."""
+    """``n_layers`` blocks, ``[B, S, D] -> [B, S, D]``.
+
+    ``layers_fn(layers, x, mask)`` decides how the blocks run (default ``run_layers``);
+    ``torch_ref.remat.apply_memory_policy`` sets it, mirroring jaxmem's ``layers_fn`` hook. It is
+    a plain attribute, so the state dict is the same under every policy.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers_fn = run_layers
 
     def forward(self, x_bsd: torch.Tensor) -> torch.Tensor:
         seq_len = x_bsd.shape[1]
@@ -117,9 +130,7 @@ class BlockStack(nn.Module):
                 f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
         mask_ss = causal_mask(self.cfg, seq_len, x_bsd.device)
-        for layer in self.layers:
-            x_bsd = layer(x_bsd, mask_ss)
-        return x_bsd
+        return self.layers_fn(self.layers, x_bsd, mask_ss)
 
 
 class Decoder(nn.Module):

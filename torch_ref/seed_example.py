@@ -10,9 +10,11 @@ import numpy as np
 import torch
 
 from jaxmem.config import PRESETS, ModelConfig
+from jaxmem.remat import MemoryPolicy, get_policy
 from jaxmem.seed_example import seed_data
 from torch_ref.loss import mse_sum
 from torch_ref.model import BlockStack
+from torch_ref.remat import apply_memory_policy
 
 SEED_CONFIG: ModelConfig = PRESETS["seed"]
 
@@ -25,12 +27,15 @@ def train(
     data: tuple[np.ndarray, np.ndarray] | None = None,
     module: torch.nn.Module | None = None,
     state_dict: Mapping[str, torch.Tensor] | None = None,
+    policy: MemoryPolicy | None = None,
 ) -> list[float]:
     """Adam on MSE, as in the seed; returns the loss before each update. ``module`` replaces the
     block stack (e.g. the seeds' own ``DecoderLayer``)."""
     model = module if module is not None else BlockStack(cfg)
     if state_dict is not None:
         model.load_state_dict(state_dict, strict=True)
+    if policy is not None:
+        apply_memory_policy(model, policy)
     x, target = data if data is not None else seed_data(d_model=cfg.d_model)
     x, target = torch.from_numpy(x), torch.from_numpy(target)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
@@ -48,8 +53,9 @@ def train(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="Adam steps (default 5)")
+    parser.add_argument("--policy", default="none", help="memory policy (default none)")
     args = parser.parse_args(argv)
-    for i, loss in enumerate(train(args.steps)):
+    for i, loss in enumerate(train(args.steps, policy=get_policy(args.policy))):
         print(f"step {i}: mse {loss:.6f}")
 
 
