@@ -62,6 +62,19 @@ def activation_fn(name: str) -> Callable[[Array], Array]:
     raise ValueError(f"activation={name!r} is not one of gelu, gelu_tanh, relu")
 
 
+def _linear_kwargs(cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any) -> dict:
+    """Linear layers multiply in the compute dtype, accumulate and add the bias in fp32, and round
+    once (callers cast the result back): PyTorch's addmm under autocast does the same, and it keeps
+    the bias gradient's reduction over batch and sequence in fp32."""
+    return dict(
+        use_bias=cfg.bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        preferred_element_type=jnp.float32,
+        rngs=rngs,
+    )
+
+
 class LayerNorm(nnx.Module):
     """LayerNorm whose statistics and affine transform are always computed in fp32.
 
@@ -96,7 +109,7 @@ class SelfAttention(nnx.Module):
         self.head_dim = cfg.head_dim
         self.dtype = dtype
         d = cfg.d_model
-        common = dict(use_bias=cfg.bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        common = _linear_kwargs(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.in_proj = nnx.Linear(d, 3 * d, kernel_init=_normal(cfg.init_std), **common)
         # GPT-2: residual-branch output projections scaled by 1/sqrt(2 L).
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -104,7 +117,7 @@ class SelfAttention(nnx.Module):
 
     def __call__(self, x_bsd: Array, mask_ss: Array | None) -> Array:
         b, s, d = x_bsd.shape
-        qkv = self.in_proj(x_bsd)  # [B, S, 3D]
+        qkv = self.in_proj(x_bsd).astype(self.dtype)  # [B, S, 3D]
         q, k, v = jnp.split(qkv, 3, axis=-1)
         q = checkpoint_name(q.reshape(b, s, self.n_heads, self.head_dim), "query_proj")
         k = checkpoint_name(k.reshape(b, s, self.n_heads, self.head_dim), "key_proj")
@@ -120,7 +133,7 @@ class SelfAttention(nnx.Module):
         probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(self.dtype), "attn_probs")
         context = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(b, s, d)  # [B, S, D]
         context = checkpoint_name(context, "attn_context")
-        return checkpoint_name(self.out_proj(context), "attn_out")
+        return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")
 
 
 class FeedForward(nnx.Module):
@@ -128,16 +141,17 @@ class FeedForward(nnx.Module):
     activation)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
-        common = dict(use_bias=cfg.bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        common = _linear_kwargs(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dtype = dtype
         self.up = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_normal(cfg.init_std), **common)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.down = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_normal(out_std), **common)
         self.activation = cfg.activation
 
     def __call__(self, x_bsd: Array) -> Array:
-        h = checkpoint_name(self.up(x_bsd), "mlp_up")  # [B, S, F]
+        h = checkpoint_name(self.up(x_bsd).astype(self.dtype), "mlp_up")  # [B, S, F]
         h = checkpoint_name(activation_fn(self.activation)(h), "mlp_act")
-        return checkpoint_name(self.down(h), "mlp_down")  # [B, S, D]
+        return checkpoint_name(self.down(h).astype(self.dtype), "mlp_down")  # [B, S, D]
 
 
 class Block(nnx.Module):
@@ -266,6 +280,7 @@ class Decoder(nnx.Module):
                 kernel_init=_normal(cfg.init_std),
                 dtype=dtype,
                 param_dtype=param_dtype,
+                preferred_element_type=jnp.float32,  # compute-dtype inputs, fp32 logits
                 rngs=rngs,
             )
         )

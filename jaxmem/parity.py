@@ -166,7 +166,9 @@ def jax_loss_and_grads(
         return loss_sum / n, logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    grad_sd = to_torch_state_dict(nnx.merge(graphdef, grads))
+    grad_sd = {
+        k: v.astype(np.float32) for k, v in to_torch_state_dict(nnx.merge(graphdef, grads)).items()
+    }
     return float(loss), np.asarray(logits), grad_sd
 
 
@@ -183,8 +185,8 @@ def torch_loss_and_grads(
     loss_sum, n = torch_cross_entropy_sum(logits, torch.from_numpy(targets).long())
     loss = loss_sum / n
     loss.backward()
-    grads = {k: p.grad.detach().numpy().copy() for k, p in torch_model.named_parameters()}
-    return float(loss.detach()), logits.detach().numpy(), grads
+    grads = {k: p.grad.detach().float().numpy() for k, p in torch_model.named_parameters()}
+    return float(loss.detach()), logits.detach().float().numpy(), grads
 
 
 def run_parity(

@@ -29,6 +29,25 @@ def activation_module(name: str) -> nn.Module:
     raise ValueError(f"activation={name!r} is not one of gelu, gelu_tanh, relu")
 
 
+def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls run in: autocast's when it is on, else the tensor's own."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def fp32_einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Compute-dtype operands, fp32 result: jnp.einsum(..., preferred_element_type=float32).
+
+    Products of bf16/fp16 values are exact in fp32, so rounding the operands to the compute
+    dtype and multiplying in fp32 (autocast off, or it would cast them back down) is that op.
+    """
+    cdt = compute_dtype_of(a)
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.einsum(equation, a.to(cdt).float(), b.to(cdt).float())
+
+
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` computed in fp32 and cast back (CPU autocast does not upcast it; jaxmem
     always normalises in fp32)."""
@@ -59,7 +78,7 @@ class SelfAttention(nn.Module):
         b, s, d = x_bsd.shape
         qkv = F.linear(x_bsd, self.in_proj_weight, self.in_proj_bias)  # [B, S, 3D]
         q, k, v = (t.reshape(b, s, self.n_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
-        scores = torch.einsum("bqhk,bshk->bhqs", q.float(), k.float()) / math.sqrt(self.head_dim)
+        scores = fp32_einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.head_dim)  # fp32
         if mask_ss is not None:
             scores = scores.masked_fill(~mask_ss, torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [B, H, S, S]
@@ -155,14 +174,12 @@ class Decoder(nn.Module):
         seq_len = tokens_bs.shape[1]
         pos = torch.arange(seq_len, device=tokens_bs.device)
         x = self.wte(tokens_bs) + self.wpe(pos)[None]  # [B, S, D]
+        x = x.to(compute_dtype_of(x))  # the residual stream runs in the compute dtype, as in jaxmem
         x = self.blocks(x)
         if self.norm_f is not None:
             x = self.norm_f(x)
-        if self.lm_head is None:
-            logits = x @ self.wte.weight.T
-        else:
-            logits = self.lm_head(x)
-        return logits.float()
+        head = self.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
+        return fp32_einsum("bsd,vd->bsv", x, head)  # fp32 logits
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
