@@ -42,7 +42,8 @@ def bench_preset(name: str, batch: int, seq_len: int, repeats: int) -> dict:
     tx = make_optimizer(opt_cfg)
     opt_state = tx.init(params)
     jax_batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-    step = make_train_step(lm_loss_fn(graphdef), tx).lower(params, opt_state, jax_batch).compile()
+    step_fn = make_train_step(lm_loss_fn(graphdef), tx)
+    step = step_fn.lower(params, opt_state, None, jax_batch).compile()
     torch_opt = make_torch_optimizer(torch_model, opt_cfg)
     x_t, y_t = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
 
@@ -55,7 +56,7 @@ def bench_preset(name: str, batch: int, seq_len: int, repeats: int) -> dict:
     state = [params, opt_state]
 
     def jax_step():
-        state[0], state[1], metrics = step(state[0], state[1], jax_batch)
+        state[0], state[1], _, metrics = step(state[0], state[1], None, jax_batch)
         jax.block_until_ready(metrics["loss"])
 
     for _ in range(3):  # warm-up outside the timer

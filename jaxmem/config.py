@@ -191,15 +191,24 @@ def get_preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
 
 
-OPTIMIZERS: tuple[str, ...] = ("adamw",)
+OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "adafactor")
+MEMORY_KINDS: tuple[str, ...] = ("device", "pinned_host")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """Optimizer hyper-parameters, identical in meaning for optax and ``torch.optim``.
 
-    Weight decay is decoupled (AdamW) and applied only to matrices and embeddings (Linear kernels,
-    ``wte``/``wpe``), never to biases or LayerNorm scales, in both frameworks.
+    - ``adamw``: decoupled weight decay (``torch.optim.AdamW`` semantics).
+    - ``sgd``: SGD with (heavy-ball) momentum and L2 weight decay added to the gradient
+      (``torch.optim.SGD`` semantics).
+    - ``adafactor``: factored second moments (Shazeer & Stern 2018): optimizer state of
+      O(rows + cols) per matrix instead of O(rows * cols). optax's and PyTorch's variants differ
+      in their defaults, so adafactor is not part of the cross-framework parity tests.
+
+    Weight decay applies only to matrices and embeddings (Linear kernels, ``wte``/``wpe``).
+    ``state_memory="pinned_host"`` keeps the optimizer state in host memory between steps (it is
+    brought to the device for the update); ``params_memory`` does the same for the parameters.
     """
 
     name: str = "adamw"
@@ -208,6 +217,9 @@ class OptimizerConfig:
     b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.01
+    momentum: float = 0.9
+    state_memory: str = "device"
+    params_memory: str = "device"
 
     def __post_init__(self) -> None:
         _require(self.name in OPTIMIZERS, f"optimizer={self.name!r} is not one of {OPTIMIZERS}")
@@ -215,8 +227,40 @@ class OptimizerConfig:
             isinstance(self.lr, float) and self.lr > 0.0,
             f"lr={self.lr!r} must be a positive float (e.g. 3e-4)",
         )
-        for name in ("b1", "b2"):
+        for name in ("b1", "b2", "momentum"):
             value = getattr(self, name)
             _require(0.0 <= value < 1.0, f"{name}={value!r} must be in [0, 1)")
         _require(self.eps > 0.0, f"eps={self.eps!r} must be positive")
         _require(self.weight_decay >= 0.0, f"weight_decay={self.weight_decay!r} must be >= 0")
+        for name in ("state_memory", "params_memory"):
+            value = getattr(self, name)
+            _require(value in MEMORY_KINDS, f"{name}={value!r} is not one of {MEMORY_KINDS}")
+
+
+ACCUM_MODES: tuple[str, ...] = ("scan", "multisteps")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AccumConfig:
+    """Gradient accumulation over ``steps`` microbatches of one batch.
+
+    - ``scan``: one jitted step scans the microbatches, sums loss sums, valid-token counts and
+      gradients, and divides once.
+    - ``multisteps``: ``optax.MultiSteps`` (summing, ``use_grad_mean=False``) called once per
+      microbatch; each microbatch's gradient is divided by the whole batch's valid-token count,
+      so the sum is the big batch's mean gradient.
+    """
+
+    steps: int = 1
+    mode: str = "scan"
+
+    def __post_init__(self) -> None:
+        _require_positive_int("accum steps", self.steps)
+        _require(self.mode in ACCUM_MODES, f"accum mode={self.mode!r} is not one of {ACCUM_MODES}")
+
+    def check_batch(self, batch_size: int) -> None:
+        _require(
+            batch_size % self.steps == 0,
+            f"batch size {batch_size} is not divisible by accum steps {self.steps}; "
+            f"use a multiple of {self.steps}",
+        )

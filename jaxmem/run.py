@@ -107,7 +107,7 @@ def run_training(
 
     first = _to_device(*next(train_iter))
     t0 = time.perf_counter()
-    compiled = step_fn.lower(params, opt_state, first).compile()
+    compiled = step_fn.lower(params, opt_state, None, first).compile()
     compile_s = time.perf_counter() - t0
     plan = memory.compiled_plan(compiled)
     figures = memory_figures(graphdef, params, opt_state, first, plan)
@@ -142,7 +142,7 @@ def run_training(
     ) as progress:
         task = progress.add_task("train", total=steps, loss=float("nan"), tps=0.0)
         for step in range(1, steps + 1):
-            params, opt_state, metrics = compiled(params, opt_state, batch)
+            params, opt_state, _, metrics = compiled(params, opt_state, None, batch)
             pending.append((step, metrics["loss"]))
             batch = _to_device(*next(train_iter))  # host work overlaps the async step
             if step % log_every == 0 or step == steps:

@@ -42,7 +42,7 @@ def test_adamw_twenty_steps_match():
     losses_jax = []
     for inputs, targets in batches:
         batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-        params, opt_state, metrics = step(params, opt_state, batch)
+        params, opt_state, _, metrics = step(params, opt_state, None, batch)
         losses_jax.append(float(metrics["loss"]))
 
     torch_opt = make_torch_optimizer(torch_model, opt_cfg)
