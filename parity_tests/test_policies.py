@@ -20,8 +20,9 @@ from jaxmem.flops import grad_matmul_flops
 from jaxmem.memory import saved_residuals
 from jaxmem.model import Decoder
 from jaxmem.parity import compare_state_dicts, lm_batch, tolerance, torch_model_from
+from jaxmem.precision import PRECISIONS
 from jaxmem.remat import POLICIES, LayerSelection, MemoryPolicy, layers_fn
-from jaxmem.train import lm_loss_fn
+from jaxmem.train import lm_loss_fn, make_model
 from jaxmem.weights import to_torch_state_dict
 from torch_ref import seed_example as torch_seed
 from torch_ref.loss import cross_entropy_sum
@@ -34,6 +35,7 @@ from torch_ref.remat import (
     unread_by_backward,
     validate_for_torch,
 )
+from torch_ref.train import TORCH_DTYPES
 
 F32 = "float32"
 NAMED = ("selective", "mlp", "offload")
@@ -102,10 +104,16 @@ def test_policy_numerics_in_both_frameworks(case, name):
     assert_grads(grads_j, grads_t, "grads")
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", NAMED)
-def test_both_frameworks_keep_the_same_tags_in_the_same_memory(case, name):
+def test_both_frameworks_keep_the_same_tags_in_the_same_memory(case, name, precision):
     cfg, graphdef, params, batch, torch_model, x, y = case
     policy = POLICIES[name]
+    prec = PRECISIONS[precision]
+    if prec.is_mixed:  # the same weights, computed in bf16
+        model = make_model(cfg, prec)
+        nnx.update(model, params)
+        graphdef, params = nnx.split(model, nnx.Param)
     *_, f = jax_run(cfg, graphdef, params, batch, policy)
     # A block's input is the previous block's output: JAX's scan keeps it under whichever of
     # the three names it meets first; torch's checkpoint keeps its input. Same tensor, same bytes.
@@ -124,8 +132,12 @@ def test_both_frameworks_keep_the_same_tags_in_the_same_memory(case, name):
     # Without a final norm the LM head reads the last block's output, which JAX keeps inside the
     # scan (torch keeps it outside the checkpoint, as the head's saved input): one more [B, S, D].
     n_inputs = cfg.n_layers + (0 if cfg.final_norm else 1)
-    assert input_bytes == n_inputs * b * s * cfg.d_model * 4
-    *_, runner = torch_run(torch_model, x, y, policy)
+    assert input_bytes == n_inputs * b * s * cfg.d_model * prec.compute.itemsize
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec.is_mixed):
+        *_, runner = torch_run(torch_model, x, y, policy)
+    assert {k.dtype for k in runner.kept} == {TORCH_DTYPES[prec.compute_dtype]} | (
+        {torch.float32} if prec.is_mixed else set()  # fp32 LayerNorm statistics / softmax
+    )
     torch_kept: dict[str, set] = {}
     for k in runner.kept:
         for n in k.names:
@@ -302,3 +314,30 @@ def test_seed_example_runs_under_every_policy_in_both_frameworks(name):
     )
     tol = tolerance(F32, "adamw_loss")
     np.testing.assert_allclose(losses_j, losses_t, rtol=tol.rtol, atol=tol.atol)
+
+
+def test_torch_offload_moves_exactly_the_offloaded_bytes_to_host(case):
+    """Against the same names kept on device, offload lowers device bytes and raises host bytes
+    by exactly the offloaded tensors' bytes, as in jaxmem (tests/test_remat.py)."""
+    from torch_ref.memory import forward_live_bytes
+
+    cfg, graphdef, params, batch, torch_model, x, y = case
+    offload = POLICIES["offload"]
+    on_device = MemoryPolicy(name="on_device", save=offload.save + offload.offload)
+    measured = {}
+    for policy in (offload, on_device):
+        runner = apply_memory_policy(torch_model.blocks, policy)
+
+        def forward():
+            loss_sum, n = cross_entropy_sum(torch_model(x), y)
+            return loss_sum / n
+
+        loss, live = forward_live_bytes(
+            forward,
+            host_storages=lambda r=runner: {k.storage for k in r.kept if k.memory == "host"},
+        )
+        loss.backward()
+        measured[policy.name] = (live, sum(k.nbytes for k in runner.kept if k.memory == "host"))
+    (off, offloaded_bytes), (dev, _) = measured["offload"], measured["on_device"]
+    assert offloaded_bytes > 0 and off.host_bytes == offloaded_bytes and dev.host_bytes == 0
+    assert dev.device_bytes - off.device_bytes == offloaded_bytes

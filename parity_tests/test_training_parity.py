@@ -263,6 +263,8 @@ def _train_both(opt_cfg, steps=10):
     step = make_train_step(lm_loss_fn(graphdef), tx, opt_cfg=opt_cfg)
     if opt_cfg.state_memory != "device":
         opt_state = place(opt_state, opt_cfg.state_memory)
+    if opt_cfg.params_memory != "device":
+        params = place(params, opt_cfg.params_memory)
     torch_model = torch_model_from(ref)
     opt = make_torch_optimizer(torch_model, opt_cfg)
     for i in range(steps):
@@ -370,3 +372,13 @@ def test_pure_bf16_stores_half_the_parameter_bytes():
     pure = nnx.state(make_model(CFG, PRECISIONS["pure-bf16"]), nnx.Param)
     assert tree_bytes(pure) * 2 == tree_bytes(mixed)
     assert optax is not None
+
+
+def test_parameters_and_state_in_host_memory_give_the_same_weights():
+    final_dev, *_ = _train_both(OptimizerConfig(lr=1e-3), steps=3)
+    host = OptimizerConfig(lr=1e-3, state_memory="pinned_host", params_memory="pinned_host")
+    final_host, _, opt_state, _, params = _train_both(host, steps=3)
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves((params, opt_state))}
+    assert kinds == {"pinned_host"}
+    for key in final_dev:
+        np.testing.assert_array_equal(final_host[key], final_dev[key])

@@ -91,6 +91,7 @@ class KeptTensor:
     dtype: torch.dtype
     device: torch.device
     nbytes: int
+    storage: int  # data_ptr of the kept copy's storage (for memory accounting)
 
 
 class _Decider:
@@ -138,7 +139,9 @@ class _KeepMode(TorchDispatchMode):
         else:
             stored = tree_map_only(torch.Tensor, lambda t: t.detach(), out)
         self.storage.append((func, stored))
-        for t in [out] if isinstance(out, torch.Tensor) else out:
+        outs = [out] if isinstance(out, torch.Tensor) else out
+        kept = [stored] if isinstance(stored, torch.Tensor) else stored
+        for t, copy in zip(outs, kept, strict=True):
             if isinstance(t, torch.Tensor):
                 device = torch.device("cpu") if choice == "offload" else t.device
                 self.kept.append(
@@ -150,6 +153,7 @@ class _KeepMode(TorchDispatchMode):
                         dtype=t.dtype,
                         device=device,
                         nbytes=t.numel() * t.element_size(),
+                        storage=copy.untyped_storage().data_ptr(),
                     )
                 )
         return out
