@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/jaxmem train --preset small --steps 150 --batch-size 16 --seq-len 128 --eval-every 50
+	$(BIN)/jaxmem train --preset small --policy selective --steps 150 --batch-size 16 --seq-len 128 --eval-every 50
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -15,11 +15,14 @@ from collections.abc import Sequence
 from jaxmem.config import (
     PLANNING_ONLY,
     PRESETS,
+    AccumConfig,
     ConfigError,
     ModelConfig,
     OptimizerConfig,
     get_preset,
 )
+from jaxmem.precision import PRECISIONS, get_precision
+from jaxmem.remat import POLICIES, check_backend, get_policy
 
 EXIT_USAGE = 2
 EXIT_PARITY_FAILED = 1
@@ -152,7 +155,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"use at most {cfg.max_seq_len}"
         )
     try:
-        opt_cfg = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay)
+        opt_cfg = OptimizerConfig(name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay)
+        policy = get_policy(args.policy)
+        check_backend(policy)
+        precision = get_precision(args.precision)
+        accum = AccumConfig(steps=args.accum)
+        accum.check_batch(args.batch_size)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     if args.out is not None:
@@ -166,6 +174,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_training(
         cfg,
         opt_cfg,
+        policy=policy,
+        precision=precision,
+        accum=accum,
         preset_name=args.preset_name,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -218,7 +229,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seq-len", type=_positive_int, default=None, help="default min(128, max_seq_len)"
     )
-    p.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW lr (default 1e-3)")
+    p.add_argument(
+        "--policy",
+        default="none",
+        help=f"memory policy: {', '.join(POLICIES)} (default none)",
+    )
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        help=f"one of {', '.join(PRECISIONS)} (default fp32)",
+    )
+    p.add_argument(
+        "--accum", type=_positive_int, default=1, help="microbatches per step (default 1)"
+    )
+    p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor (default adamw)")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="default 0.1")
     p.add_argument("--seed", type=int, default=0, help="default 0")
     p.add_argument(

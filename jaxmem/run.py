@@ -18,9 +18,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jaxmem import data as data_lib
 from jaxmem import memory
-from jaxmem.config import ModelConfig, OptimizerConfig
-from jaxmem.model import Decoder
-from jaxmem.train import lm_loss_fn, make_optimizer, make_train_step, tree_bytes
+from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig
+from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.remat import POLICIES, MemoryPolicy, layers_fn
+from jaxmem.train import (
+    NO_ACCUM,
+    init_loss_scale,
+    lm_loss_fn,
+    make_model,
+    make_optimizer,
+    make_train_step,
+    tree_bytes,
+)
 from jaxmem.weights import save_safetensors
 
 
@@ -29,14 +38,17 @@ def _to_device(inputs: np.ndarray, targets: np.ndarray) -> dict[str, jax.Array]:
 
 
 def memory_figures(
-    graphdef: nnx.GraphDef,
+    loss_fn: Any,
     params: Any,
     opt_state: Any,
     batch: dict[str, jax.Array],
     plan: dict[str, int],
+    accum_steps: int = 1,
 ) -> list[memory.Figure]:
-    """The memory table of one training step. Every figure is measured, with its method."""
-    loss_fn = lm_loss_fn(graphdef)
+    """The memory table of one training step. Every figure is measured, with its method.
+    Residuals are those of one microbatch (what the backward keeps at a time)."""
+    if accum_steps > 1:
+        batch = jax.tree_util.tree_map(lambda a: a[: a.shape[0] // accum_steps], batch)
     grads_shape = jax.eval_shape(jax.grad(lambda p: loss_fn(p, batch)[0]), params)
     residuals = memory.summarize_residuals(
         memory.saved_residuals(lambda p: loss_fn(p, batch)[0], params)
@@ -45,10 +57,15 @@ def memory_figures(
     figures = [
         memory.Figure("parameters", tree_bytes(params), "counted (arrays)"),
         memory.Figure("gradients", tree_bytes(grads_shape), "counted (jax.eval_shape of grad)"),
-        memory.Figure("optimizer state (AdamW m, v)", tree_bytes(opt_state), "counted (arrays)"),
+        memory.Figure("optimizer state", tree_bytes(opt_state), "counted (arrays)"),
         memory.Figure(
-            "saved activations (backward residuals)",
-            residuals.activation_bytes_device + residuals.activation_bytes_host,
+            "saved activations, device memory",
+            residuals.activation_bytes_device,
+            "residual accounting (jaxpr of jax.vjp)",
+        ),
+        memory.Figure(
+            "saved activations, host memory (offloaded)",
+            residuals.activation_bytes_host,
             "residual accounting (jaxpr of jax.vjp)",
         ),
         memory.Figure(
@@ -81,6 +98,9 @@ def run_training(
     cfg: ModelConfig,
     opt_cfg: OptimizerConfig,
     *,
+    policy: MemoryPolicy = POLICIES["none"],
+    precision: Precision = PRECISIONS["fp32"],
+    accum: AccumConfig = NO_ACCUM,
     preset_name: str,
     steps: int,
     batch_size: int,
@@ -96,24 +116,26 @@ def run_training(
     train_tokens, val_tokens = data_lib.train_val_split(tokens)
     train_iter = data_lib.random_windows(train_tokens, batch_size, seq_len, seed)
 
-    model = Decoder(cfg, rngs=nnx.Rngs(seed))
+    model = make_model(cfg, precision, seed=seed)
     graphdef, params = nnx.split(model, nnx.Param)
     del model  # params are donated to the step; keep no second reference
     tx = make_optimizer(opt_cfg)
     opt_state = tx.init(params)
-    loss_fn = lm_loss_fn(graphdef)
-    step_fn = make_train_step(loss_fn, tx)
+    loss_fn = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    step_fn = make_train_step(loss_fn, tx, precision=precision, accum=accum, opt_cfg=opt_cfg)
     eval_fn = jax.jit(lambda p, b: loss_fn(p, b)[0])
+    loss_scale = init_loss_scale(precision)
 
     first = _to_device(*next(train_iter))
     t0 = time.perf_counter()
-    compiled = step_fn.lower(params, opt_state, None, first).compile()
+    compiled = step_fn.lower(params, opt_state, loss_scale, first).compile()
     compile_s = time.perf_counter() - t0
     plan = memory.compiled_plan(compiled)
-    figures = memory_figures(graphdef, params, opt_state, first, plan)
+    figures = memory_figures(loss_fn, params, opt_state, first, plan, accum.steps)
     console.print(
         f"[bold]jaxmem train[/] preset={preset_name} ({cfg.n_params / 1e6:.2f} M params), "
-        f"batch {batch_size} x seq {seq_len}, AdamW lr {opt_cfg.lr}, {steps} steps on "
+        f"policy {policy.name}, precision {precision.name}, accum {accum.steps} ({accum.mode}), "
+        f"batch {batch_size} x seq {seq_len}, {opt_cfg.name} lr {opt_cfg.lr}, {steps} steps on "
         f"{jax.devices()[0].platform}; corpus: {train_tokens.size:,} train / "
         f"{val_tokens.size:,} val byte tokens (Python stdlib sources); "
         f"compiled in {compile_s:.1f} s"
@@ -142,7 +164,7 @@ def run_training(
     ) as progress:
         task = progress.add_task("train", total=steps, loss=float("nan"), tps=0.0)
         for step in range(1, steps + 1):
-            params, opt_state, _, metrics = compiled(params, opt_state, None, batch)
+            params, opt_state, loss_scale, metrics = compiled(params, opt_state, loss_scale, batch)
             pending.append((step, metrics["loss"]))
             batch = _to_device(*next(train_iter))  # host work overlaps the async step
             if step % log_every == 0 or step == steps:
@@ -163,11 +185,17 @@ def run_training(
     wall = time.perf_counter() - t_start
     tokens_per_s = steps * tokens_per_step / wall
 
-    console.print(memory.render_table(figures, f"memory of one training step ({preset_name})"))
+    console.print(
+        memory.render_table(figures, f"memory of one training step ({preset_name})"),
+        width=max(console.width, 110),
+    )
     summary = {
         "preset": preset_name,
         "config": dataclasses.asdict(cfg),
         "optimizer": dataclasses.asdict(opt_cfg),
+        "policy": policy.name,
+        "precision": dataclasses.asdict(precision),
+        "accum": dataclasses.asdict(accum),
         "steps": steps,
         "batch_size": batch_size,
         "seq_len": seq_len,

@@ -58,6 +58,14 @@ def test_parity_command_exits_nonzero_when_frameworks_disagree(tmp_path, monkeyp
         (["train", "--preset", "tiny", "--lr", "-1"], "-1.0 must be positive"),
         (["train", "--preset", "tiny", "--seq-len", "1000"], "--seq-len 1000 exceeds"),
         (["train", "--preset", "seed"], "--preset seed is the seeds' single layer"),
+        (["train", "--preset", "gpt2-124m"], "planning-only shape"),
+        (["train", "--preset", "tiny", "--policy", "most"], "unknown memory policy 'most'"),
+        (["train", "--preset", "tiny", "--precision", "fp8"], "unknown precision 'fp8'"),
+        (["train", "--preset", "tiny", "--optimizer", "lion"], "optimizer='lion' is not one of"),
+        (
+            ["train", "--preset", "tiny", "--batch-size", "6", "--accum", "4"],
+            "batch size 6 is not divisible by accum steps 4",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
