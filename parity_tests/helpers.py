@@ -31,6 +31,13 @@ def masked_batch(cfg: ModelConfig, batch: int, seq_len: int, seed: int) -> dict[
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
 
 
+def torch_batch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """The same batch as torch tensors (token ids as int64, as nn.Embedding wants)."""
+    out = {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
+    out["inputs"], out["targets"] = out["inputs"].long(), out["targets"].long()
+    return out
+
+
 def jax_grads(
     reference: Decoder,
     batch: dict[str, np.ndarray],
@@ -69,8 +76,7 @@ def torch_grads(
     model.load_state_dict(state, strict=True)
     model = model.to(TORCH_DTYPES[precision.param_dtype])
     apply_memory_policy(model.blocks, policy)
-    tbatch = {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
-    tbatch["inputs"], tbatch["targets"] = tbatch["inputs"].long(), tbatch["targets"].long()
+    tbatch = torch_batch(batch)
     loss_sum, n = accumulate_grads(model, tbatch, precision=precision, accum_steps=accum_steps)
     grads = {k: p.grad.detach().float().numpy() for k, p in model.named_parameters()}
     return float(loss_sum / n), grads

@@ -37,6 +37,7 @@ from parity_tests.helpers import (
     masked_batch,
     normwise_error,
     reference_model,
+    torch_batch,
     torch_grads,
 )
 from torch_ref.train import HybridDeviceOptimizer, make_scaler, train_step
@@ -154,8 +155,7 @@ def test_accumulated_training_equals_big_batch_training(reference, mode):
         model = torch_model_from(reference)
         opt = make_torch_optimizer(model, opt_cfg)
         for b in batches:
-            tb = {key: torch.from_numpy(v) for key, v in b.items()}
-            tb["inputs"], tb["targets"] = tb["inputs"].long(), tb["targets"].long()
+            tb = torch_batch(b)
             train_step(model, opt, tb, precision=PRECISIONS["fp32"], accum_steps=k)
         return {key: v.detach().numpy() for key, v in model.state_dict().items()}
 
@@ -221,8 +221,7 @@ def test_fp16_overflow_steps_are_skipped_and_training_recovers():
     torch_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in before.items()})
     opt = make_torch_optimizer(torch_model, OptimizerConfig(lr=1e-3))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
-    tb = {k: torch.from_numpy(v) for k, v in b.items()}
-    tb["inputs"], tb["targets"] = tb["inputs"].long(), tb["targets"].long()
+    tb = torch_batch(b)
     torch_skipped = 0
     for _ in range(31):
         old = scaler.get_scale()
@@ -272,8 +271,7 @@ def _train_both(opt_cfg, steps=10):
         params, opt_state, _, _ = step(
             params, opt_state, None, {k: jnp.asarray(v) for k, v in b.items()}
         )
-        tb = {k: torch.from_numpy(v) for k, v in b.items()}
-        tb["inputs"], tb["targets"] = tb["inputs"].long(), tb["targets"].long()
+        tb = torch_batch(b)
         train_step(torch_model, opt, tb, precision=PRECISIONS["fp32"])
     final_j = to_torch_state_dict(nnx.merge(graphdef, params))
     final_t = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
@@ -342,8 +340,7 @@ def test_hybrid_device_optimizer_matches_the_plain_one(fraction):
         assert opt_hybrid.offloaded_numel == total and opt_hybrid.device is None
     for i in range(5):
         b = masked_batch(CFG, BATCH, SEQ, seed=200 + i)
-        tb = {k: torch.from_numpy(v) for k, v in b.items()}
-        tb["inputs"], tb["targets"] = tb["inputs"].long(), tb["targets"].long()
+        tb = torch_batch(b)
         train_step(plain, opt_plain, tb, precision=PRECISIONS["fp32"])
         train_step(hybrid, opt_hybrid, tb, precision=PRECISIONS["fp32"])
     for (k, a), (_, b_) in zip(
