@@ -185,9 +185,9 @@ def run_training(
     wall = time.perf_counter() - t_start
     tokens_per_s = steps * tokens_per_step / wall
 
-    console.print(
-        memory.render_table(figures, f"memory of one training step ({preset_name})"),
-        width=max(console.width, 110),
+    # A console of its own so the table keeps its columns on narrow or non-tty outputs.
+    Console(file=console.file, width=max(console.width, 110)).print(
+        memory.render_table(figures, f"memory of one training step ({preset_name})")
     )
     summary = {
         "preset": preset_name,
