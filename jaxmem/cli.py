@@ -188,6 +188,119 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------- memory
+FRAMEWORKS = ("jax", "torch")
+
+
+def _names(text: str, valid: Sequence[str], what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise UsageError(f"unknown {what} {bad or [text]}; choose from: {', '.join(valid)}")
+    return names
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    cfg: ModelConfig = args.preset
+    policies = _names(args.policies, list(POLICIES), "policies")
+    frameworks = _names(args.frameworks, FRAMEWORKS, "frameworks")
+    try:
+        precision = get_precision(args.precision)
+        opt_cfg = OptimizerConfig(name=args.optimizer)
+        for name in policies:
+            check_backend(get_policy(name))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if args.preset_name == "seed":
+        raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
+    planning = args.preset_name in PLANNING_ONLY
+    seq_len = args.seq_len or (cfg.max_seq_len if planning else min(64, cfg.max_seq_len))
+    if seq_len > cfg.max_seq_len:
+        raise UsageError(
+            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
+            f"use at most {cfg.max_seq_len}"
+        )
+    _check_writable_json(args.json)
+    from rich.console import Console
+
+    from jaxmem.report import jax_record, torch_record
+
+    console = Console()
+    if planning and "torch" in frameworks:
+        console.print(
+            f"[yellow]{args.preset_name} is planning-only: torch_ref needs real weights, so only "
+            "the JAX plan (compiled from shapes, no weights allocated) is reported.[/]"
+        )
+        frameworks = [f for f in frameworks if f != "torch"]
+    records = []
+    for name in policies:
+        policy = get_policy(name)
+        for fw in frameworks:
+            if fw == "jax":
+                rec = jax_record(
+                    cfg, policy, precision, opt_cfg, args.batch_size, seq_len, abstract=planning
+                )
+            else:
+                rec = torch_record(cfg, policy, precision, opt_cfg, args.batch_size, seq_len)
+            rec["preset"] = args.preset_name
+            records.append(rec)
+    _print_memory_table(console, records, args.preset_name, args.batch_size, seq_len, planning)
+    if args.json:
+        _write_json_atomic(args.json, records)
+        console.print(f"wrote {len(records)} records to {args.json}")
+    return 0
+
+
+def _print_memory_table(console, records, preset, batch, seq_len, planning) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from jaxmem.memory import format_bytes
+
+    kind = "planned from shapes" if planning else "measured"
+    table = Table(
+        title=f"memory of one training step: {preset}, batch {batch} x seq {seq_len} "
+        f"({kind}, {records[0]['precision']})"
+    )
+    for col in (
+        "framework",
+        "policy",
+        "saved device",
+        "saved host",
+        "analytic",
+        "compiled temp",
+        "opt state",
+        "GFLOP (hw / model)",
+        "peak",
+    ):
+        table.add_column(col, justify="left" if col in ("framework", "policy") else "right")
+    for r in records:
+        temp = r["compiled_temp_bytes"]
+        table.add_row(
+            r["framework"],
+            r["policy"],
+            format_bytes(r["saved_activation_bytes_device"]),
+            format_bytes(r["saved_activation_bytes_host"]),
+            format_bytes(r["analytic_activation_bytes"]),
+            "-" if temp is None else format_bytes(temp),
+            format_bytes(r["opt_state_bytes"]),
+            f"{r['flops'] / 1e9:,.1f} / {r['model_flops'] / 1e9:,.1f}",
+            format_bytes(r["peak_bytes"]),
+        )
+    wide = Console(file=console.file, width=max(console.width, 150))
+    wide.print(table)
+    sources = sorted(
+        {(r["framework"], r["saved_source"], r["flops_source"], r["peak_source"]) for r in records}
+    )
+    wide.print("How each figure was obtained:")
+    for fw, saved, flops, peak in sources:
+        wide.print(f"  {fw}: saved = {saved}; GFLOP = {flops}; peak = {peak}")
+    wide.print(
+        "  analytic = jaxmem.analytic (the block's backward reads, by policy; stack only); "
+        "model FLOPs = analytic, no recompute"
+    )
+
+
 # ----------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -215,6 +328,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
     p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
     p.set_defaults(func=cmd_parity)
+
+    p = sub.add_parser(
+        "memory",
+        help="measure (or plan) the memory of one training step per policy, JAX and PyTorch",
+        description="For each policy and framework: parameter, gradient and optimizer-state "
+        "bytes, saved activations (device / host), the analytic model, the compiled plan (JAX), "
+        "FLOPs and a peak, each labelled with how it was obtained. Planning-only presets are "
+        "compiled from shapes (no weights allocated); a CPU plan is a proxy for a GPU's.",
+    )
+    p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--policies", default="none,full,selective,offload", help="comma-separated")
+    p.add_argument("--frameworks", default="jax,torch", help="jax,torch (default both)")
+    p.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
+    p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="default 8")
+    p.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=None,
+        help="default 64 (max_seq_len for planning presets)",
+    )
+    p.add_argument("--json", metavar="OUT.json", help="write the records as a JSON list")
+    p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser(
         "train",

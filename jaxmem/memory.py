@@ -69,13 +69,14 @@ def saved_residuals(f: Callable[..., Any], *args: Any) -> list[Residual]:
                 continue
             seen.add(v)
         aval = v.aval
+        root = v if is_literal else _alias_root(jaxpr, v)
         origin = (
             "literal"
             if is_literal
             else "argument"
-            if v in invars
+            if root in invars
             else "constant"
-            if v in constvars
+            if root in constvars
             else "computed"
         )
         kind = getattr(aval, "memory_space", None)
@@ -91,6 +92,19 @@ def saved_residuals(f: Callable[..., Any], *args: Any) -> list[Residual]:
             )
         )
     return out
+
+
+# Reshapes and slices of an input are views of memory that exists anyway (XLA lays them out as
+# bitcasts or reads them in place): a residual derived from a parameter only through these is
+# the parameter, not new memory.
+_VIEWS = ("reshape", "squeeze", "expand_dims", "slice")
+
+
+def _alias_root(jaxpr: Any, var: Any) -> Any:
+    for eqn in jaxpr.eqns:
+        if var in eqn.outvars and eqn.primitive.name in _VIEWS:
+            return _alias_root(jaxpr, eqn.invars[0])
+    return var
 
 
 # Primitives a saved value may pass through after its checkpoint_name tag: the rounding marker

@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 
 from jaxmem.config import ConfigError
 from jaxmem.model import CHECKPOINT_NAMES, LayerFn, LayersFn, scan_layers
@@ -296,25 +295,23 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
         def run_nested(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
             inner = remat(layer_fn)
 
-            def segment(x, start, size):
-                # Slice the segment's parameters inside the checkpoint so they stay views of
-                # the (already resident) stacked parameters, not saved copies.
-                seg_state = jax.tree_util.tree_map(
-                    lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), stacked
-                )
+            def segment(x, seg_state):
                 return scan_layers(inner, x, seg_state)
 
+            segment = jax.checkpoint(segment, policy=ckpt_policy, prevent_cse=False)
             n_full = n_layers // k
             if n_full:
-                full_segment = jax.checkpoint(
-                    lambda x, i: segment(x, i * k, k), policy=ckpt_policy, prevent_cse=False
+                # [L, ...] -> [L/k, k, ...] is a reshape (no copy) of the resident parameters; the
+                # segment's slice then arrives through scan, so the backward accumulates each
+                # segment's gradient into its own slice (slicing inside the checkpoint instead
+                # makes XLA build full-size [L, ...] gradient buffers per segment).
+                head = jax.tree_util.tree_map(
+                    lambda a: a[: n_full * k].reshape(n_full, k, *a.shape[1:]), stacked
                 )
-                x = scan_layers(full_segment, x, jnp.arange(n_full))
+                x = scan_layers(segment, x, head)
             if n_layers % k:
-                last = jax.checkpoint(
-                    lambda x: segment(x, n_full * k, n_layers - n_full * k), policy=ckpt_policy
-                )
-                x = last(x)
+                tail = jax.tree_util.tree_map(lambda a: a[n_full * k :], stacked)
+                x = segment(x, tail)
             return x
 
         return run_nested

@@ -76,6 +76,84 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert message in err[-1]
 
 
+def test_memory_command_writes_one_record_per_framework_and_policy(tmp_path):
+    out = tmp_path / "m.json"
+    proc = run_cli(
+        "memory",
+        "--preset",
+        "tiny",
+        "--policies",
+        "none,full,selective,offload",
+        "--frameworks",
+        "jax,torch",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    assert {(r["framework"], r["policy"]) for r in records} == {
+        (f, p) for f in ("jax", "torch") for p in ("none", "full", "selective", "offload")
+    }
+    for r in records:
+        for key in cli_record_fields():
+            assert key in r, key
+        assert r["peak_source"] and r["saved_source"] and r["flops_source"]
+        assert (r["compiled_temp_bytes"] is None) == (r["framework"] == "torch")
+    by = {(r["framework"], r["policy"]): r for r in records}
+    for fw in ("jax", "torch"):
+        assert by[(fw, "offload")]["saved_activation_bytes_host"] > 0
+        assert by[(fw, "full")]["flops"] > by[(fw, "none")]["flops"]
+    assert "How each figure was obtained" in proc.stdout
+
+
+def cli_record_fields():
+    from jaxmem.report import RECORD_FIELDS
+
+    return RECORD_FIELDS
+
+
+def test_memory_command_plans_a_large_preset_from_shapes(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run_cli(
+        "memory",
+        "--preset",
+        "gpt2-1.5b",
+        "--policies",
+        "full",
+        "--precision",
+        "bf16",
+        "--batch-size",
+        "1",
+        "--seq-len",
+        "256",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    (record,) = json.loads(out.read_text())
+    assert record["planned_from_shapes"] is True and record["framework"] == "jax"
+    assert record["params_bytes"] == 4 * 1_557_611_200  # fp32 master weights, analytic count
+    assert "compiled plan" in record["peak_source"]
+    assert "planning-only" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["memory", "--preset", "huge"], "unknown preset 'huge'"),
+        (["memory", "--policies", "none,most"], "unknown policies ['most']"),
+        (["memory", "--frameworks", "jax,tf"], "unknown frameworks ['tf']"),
+        (["memory", "--precision", "fp8"], "unknown precision 'fp8'"),
+        (["memory", "--seq-len", "100"], "--seq-len 100 exceeds"),
+    ],
+)
+def test_memory_command_bad_input(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_train_refuses_a_non_empty_out_dir_and_writes_nothing(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
     with pytest.raises(SystemExit) as exc:
