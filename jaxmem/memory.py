@@ -33,7 +33,8 @@ class Residual:
     origin: str  # "argument" (an input of f, e.g. a parameter), "computed", "constant" or "literal"
     memory_kind: str | None  # "host" for offloaded residuals; None = default device memory
     name: str | None = None  # the checkpoint_name tag it was saved under, if any; "<layer input>"
-    # for the input of a scanned (checkpointed) block, which scan keeps without a tag
+    # for the input of a scanned (checkpointed) block, which scan keeps without a tag;
+    # "<stack output>" for the last block's output kept by what follows the stack
 
 
 def _aval_bytes(aval: Any) -> int:
@@ -140,7 +141,10 @@ def _residual_name(jaxpr: Any, var: Any, depth: int = 0) -> str | None:
         sub = _sub_jaxpr(eqn)
         if sub is None:
             return None
-        inner = sub.outvars[eqn.outvars.index(var)]
+        index = eqn.outvars.index(var)
+        if prim == "scan" and index < eqn.params["num_carry"]:
+            return "<stack output>"  # the final carry: the last layer's output, kept downstream
+        inner = sub.outvars[index]
         if prim == "scan" and inner in sub.invars:
             position = sub.invars.index(inner)
             n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]

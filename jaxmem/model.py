@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxmem import ops
 from jaxmem.config import ModelConfig
 
 # The tags a memory policy can refer to, in the order the block computes them. Every tag is applied
@@ -54,9 +55,9 @@ def _normal(std: float) -> nnx.Initializer:
 def activation_fn(name: str) -> Callable[[Array], Array]:
     """The MLP non-linearity; ``gelu`` is exact (erf) like ``torch.nn.GELU()``."""
     if name == "gelu":
-        return lambda x: jax.nn.gelu(x, approximate=False)
+        return lambda x: ops.gelu(x, False)
     if name == "gelu_tanh":
-        return lambda x: jax.nn.gelu(x, approximate=True)
+        return lambda x: ops.gelu(x, True)
     if name == "relu":
         return jax.nn.relu
     raise ValueError(f"activation={name!r} is not one of gelu, gelu_tanh, relu")
@@ -84,6 +85,9 @@ class LayerNorm(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
         self.dtype = dtype
+        self.eps = cfg.layer_norm_eps
+        # nnx.LayerNorm holds the parameters (scale, bias); the math is jaxmem.ops.layer_norm,
+        # whose backward keeps only the input and per-row statistics.
         self.norm = nnx.LayerNorm(
             cfg.d_model,
             epsilon=cfg.layer_norm_eps,
@@ -94,7 +98,8 @@ class LayerNorm(nnx.Module):
         )
 
     def __call__(self, x: Array) -> Array:
-        return self.norm(x.astype(jnp.float32)).astype(self.dtype)
+        bias = None if self.norm.bias is None else self.norm.bias[...]
+        return ops.layer_norm(x, self.norm.scale[...], bias, self.eps).astype(self.dtype)
 
 
 class SelfAttention(nnx.Module):
@@ -128,9 +133,11 @@ class SelfAttention(nnx.Module):
             jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * scale
         )  # [B, H, S, S]
         if mask_ss is not None:
-            scores = jnp.where(mask_ss, scores, jnp.finfo(jnp.float32).min)
+            # An additive [S, S] bias: its backward needs nothing (a where() would keep a
+            # [B, H, S, S] broadcast of the mask for the backward pass).
+            scores = scores + jnp.where(mask_ss, 0.0, jnp.finfo(jnp.float32).min)
         scores = checkpoint_name(scores, "attn_scores")
-        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(self.dtype), "attn_probs")
+        probs = checkpoint_name(ops.softmax(scores).astype(self.dtype), "attn_probs")
         context = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(b, s, d)  # [B, S, D]
         context = checkpoint_name(context, "attn_context")
         return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")

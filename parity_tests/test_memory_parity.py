@@ -45,7 +45,7 @@ def jax_named_bytes(policy, precision=FP32):
 def test_jax_stack_bytes_equal_the_analytic_model(name, precision):
     prec = PRECISIONS[precision]
     measured = jax_named_bytes(POLICIES[name], prec)
-    stack = sum(v for k, v in measured.items() if k != "<untagged>")
+    stack = sum(v for k, v in measured.items() if k not in ("<untagged>", "<stack output>"))
     estimate = analytic.saved_activation_bytes(CFG, POLICIES[name], B, S, prec)
     assert stack == estimate.device_bytes + estimate.host_bytes
 
@@ -146,8 +146,11 @@ def test_depth_scaling_of_compiled_plans():
     per_layer_none = [(none[i + 1] - none[i]) / (depths[i + 1] - depths[i]) for i in range(2)]
     assert abs(per_layer_none[0] - per_layer_none[1]) <= 0.01 * per_layer_none[0]  # linear
     block_input = B * S * CFG.d_model * 4
-    for i in range(2):  # full remat: exactly one more block input per layer
-        assert full[i + 1] - full[i] == (depths[i + 1] - depths[i]) * block_input
+    for i in range(2):  # full remat: one more block input per layer
+        expected = (depths[i + 1] - depths[i]) * block_input
+        # XLA's buffer assignment packs a few KiB differently at some depths (measured: exact
+        # for 9 -> 16, 2.5 % under for 4 -> 9); a second tensor per layer would be +100 %.
+        assert abs((full[i + 1] - full[i]) - expected) <= 0.05 * expected
     # nested: the plan grows by the same amount for each step of ⌈√L⌉ (4 -> 9 -> 16 layers:
     # +5 then +7 layers), i.e. with √L, not with L.
     assert nested[1] - nested[0] == nested[2] - nested[1]

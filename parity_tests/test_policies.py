@@ -118,7 +118,7 @@ def test_both_frameworks_keep_the_same_tags_in_the_same_memory(case, name, preci
     # A block's input is the previous block's output: JAX's scan keeps it under whichever of
     # the three names it meets first; torch's checkpoint keeps its input. Same tensor, same bytes.
     block_output = "mlp_residual" if cfg.norm == "pre" else "norm2_out"
-    layer_inputs = {"<layer input>", "block_input", block_output}
+    layer_inputs = {"<layer input>", "block_input", block_output, "<stack output>"}
     jax_kept: dict[str, set] = {}
     input_bytes = 0
     for r in saved_residuals(f, params, batch):
@@ -129,9 +129,9 @@ def test_both_frameworks_keep_the_same_tags_in_the_same_memory(case, name, preci
         else:
             jax_kept.setdefault(r.name, set()).add("host" if r.memory_kind else "device")
     b, s = batch["inputs"].shape
-    # Without a final norm the LM head reads the last block's output, which JAX keeps inside the
-    # scan (torch keeps it outside the checkpoint, as the head's saved input): one more [B, S, D].
-    n_inputs = cfg.n_layers + (0 if cfg.final_norm else 1)
+    # Plus the last block's output, which the final norm (pre-norm) or the LM head (post-norm)
+    # keeps (torch keeps it too, outside the checkpoints): one more [B, S, D].
+    n_inputs = cfg.n_layers + 1
     assert input_bytes == n_inputs * b * s * cfg.d_model * prec.compute.itemsize
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec.is_mixed):
         *_, runner = torch_run(torch_model, x, y, policy)

@@ -48,7 +48,7 @@ def named(residuals):
     """{name: memory kinds seen} over the computed residuals that carry a name."""
     out: dict[str, set] = {}
     for r in residuals:
-        if r.origin == "computed" and r.name is not None:
+        if r.origin == "computed" and r.name is not None and r.name != "<stack output>":
             out.setdefault(r.name, set()).add(r.memory_kind)
     return out
 
