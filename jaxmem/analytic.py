@@ -5,13 +5,14 @@ that is (``backward_reads``). For the dropout-free pre-norm GELU block with p-by
 ``d_ff = 4h``, ``a`` heads, sequence ``s``, batch ``b`` and hidden ``h``, the per-layer total is
 
     p·sbh · (1 norm1 input + 1 norm1_out + 3 q,k,v + 1 context + 1 attn_residual + 1 norm2_out
-             + 4 mlp_up + 4 mlp_act) + p·a·s²·b (softmax output)
-    = sbh·(16p + p·a·s/h)    → sbh·(32 + 2as/h) in 16-bit.
+             + 4 mlp_up + 4 mlp_act) + p·a·s²·b (probabilities, read by probs·v)
+             + 4·a·s²·b when p < 4 (softmax runs in fp32 and its backward reads its fp32 output)
+    = sbh·(16p + p·a·s/h)  in fp32,    sbh·(32 + 6as/h) in 16-bit.
 
-Korthikanti et al. (2022, eq. 1) derive sbh·(34 + 5as/h) for Megatron's GPT layer; the difference
-is dropout (two 1-byte sbh masks, and an as²b mask plus its 2-byte output) which this model does
-not have. Recomputing the attention core (``selective``: probabilities and context) leaves
-sbh·15p, i.e. 30·sbh in 16-bit — at most half of ``none`` whenever as/h ≥ 14.
+Korthikanti et al. (2022, eq. 1) derive sbh·(34 + 5as/h) for Megatron's GPT layer, with dropout
+(two 1-byte sbh masks, an as²b mask and its 2-byte output) and a 16-bit softmax; this model has
+no dropout and an fp32 softmax. Recomputing the attention core (``selective``: probabilities and
+context) leaves sbh·15p, i.e. 30·sbh in 16-bit: under half of ``none`` for any as/h ≥ 1.
 
 Parameters, gradients and optimizer state are counted from the config (``jaxmem.config``'s
 analytic parameter count); tests check each against real arrays.
@@ -104,7 +105,7 @@ def saved_activation_bytes(
     """
     sizes = tag_bytes(cfg, batch, seq_len, precision)
     reads = backward_reads(cfg)
-    everything = sum(sizes[n] for n in reads)
+    everything = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in reads)
     if policy.nested:
         k = nested_segment_size(cfg.n_layers)
         n_seg = math.ceil(cfg.n_layers / k)
@@ -124,12 +125,20 @@ def saved_activation_bytes(
         else:
             on_device = ({"block_input"} | set(policy.save)) & (reads | {"block_input"})
             on_host = set(policy.offload) & reads - on_device
-        d = sum(sizes[n] for n in on_device)
-        h = sum(sizes[n] for n in on_host)
+        d = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in on_device)
+        h = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in on_host)
         device += d
         host += h
         per_layer.append(d + h)
     return ActivationEstimate(device, host, tuple(per_layer))
+
+
+def _fp32_softmax_extra(name: str, sizes: dict[str, int], precision: Precision) -> int:
+    """Keeping the probabilities in 16-bit also keeps softmax's fp32 output (its backward reads
+    it), unless the compute dtype is fp32 and the two are one tensor."""
+    if name != "attn_probs" or precision.compute.itemsize == FP32:
+        return 0
+    return sizes["attn_scores"]  # a [B, H, S, S] fp32 tensor
 
 
 def param_bytes(cfg: ModelConfig, precision: Precision) -> int:

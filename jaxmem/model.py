@@ -32,7 +32,7 @@ CHECKPOINT_NAMES: tuple[str, ...] = (
     "key_proj",  # [B, S, H, K]
     "value_proj",  # [B, S, H, K]
     "attn_scores",  # [B, H, S, S] q·k / sqrt(K), masked, fp32
-    "attn_probs",  # [B, H, S, S] softmax of the scores (fp32, cast to compute dtype)
+    "attn_probs",  # [B, H, S, S] softmax of the scores, fp32 (cast to the compute dtype after)
     "attn_context",  # [B, S, D] probabilities applied to values, heads merged
     "attn_out",  # [B, S, D] out_proj of the context
     "attn_residual",  # [B, S, D] block input + attention output (before norm1 in post-norm)
@@ -137,7 +137,7 @@ class SelfAttention(nnx.Module):
             # [B, H, S, S] broadcast of the mask for the backward pass).
             scores = scores + jnp.where(mask_ss, 0.0, jnp.finfo(jnp.float32).min)
         scores = checkpoint_name(scores, "attn_scores")
-        probs = checkpoint_name(ops.softmax(scores).astype(self.dtype), "attn_probs")
+        probs = ops.softmax(scores, self.dtype, "attn_probs")  # tagged inside (see ops)
         context = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(b, s, d)  # [B, S, D]
         context = checkpoint_name(context, "attn_context")
         return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 
@@ -64,19 +66,27 @@ layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 # --------------------------------------------------------------------------------------- softmax
-@jax.custom_vjp
-def softmax(x: Array) -> Array:
-    """Softmax over the last axis (in ``x``'s dtype); the backward keeps only the output."""
-    return jax.nn.softmax(x, axis=-1)
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def softmax(x: Array, out_dtype: Any, tag: str | None = None) -> Array:
+    """Softmax over the last axis in ``x``'s dtype, tagged ``tag``, then cast to ``out_dtype``.
+
+    The backward keeps only the (tagged) output. Tagging inside lets the kept output and the
+    tagged probabilities be one tensor (tagging outside would make them two tensors, and a scan
+    would keep both)."""
+    return _softmax_fwd(x, out_dtype, tag)[0]
 
 
-def _softmax_fwd(x):
+def _softmax_fwd(x, out_dtype, tag):
     y = jax.nn.softmax(x, axis=-1)
-    return y, y
+    if tag is not None:
+        y = checkpoint_name(y, tag)  # the softmax output itself, as PyTorch's _softmax op
+    out = y.astype(out_dtype)  # no-op when the dtypes agree: then out and y are one tensor
+    return out, y
 
 
-def _softmax_bwd(y, g):
-    return (y * (g - jnp.sum(g * y, axis=-1, keepdims=True)),)
+def _softmax_bwd(out_dtype, tag, y, g):
+    g = g.astype(y.dtype)
+    return ((y * (g - jnp.sum(g * y, axis=-1, keepdims=True))),)
 
 
 softmax.defvjp(_softmax_fwd, _softmax_bwd)

@@ -14,8 +14,8 @@ Presets (``POLICIES``):
 - ``selective``: Megatron-style (Korthikanti et al. 2022): keep the projections and elementwise
   outputs, recompute the attention core (scores, softmax, context).
 - ``mlp``: keep the attention side, recompute the MLP.
-- ``offload``: ``selective`` with its kept projections sent to host memory (``pinned_host``)
-  instead of kept on device.
+- ``offload``: ``selective`` with everything it keeps but the block input sent to host memory
+  (``pinned_host``): device memory close to ``full``'s at ``selective``'s FLOPs.
 - ``nested``: √L segments: checkpoint every ⌈√L⌉ blocks and fully recompute inside (the JAX
   analogue of ``torch.utils.checkpoint.checkpoint_sequential``).
 - ``MemoryPolicy.custom({...})``: a per-name choice of ``device`` / ``offload`` / ``recompute``,
@@ -192,7 +192,6 @@ class MemoryPolicy:
 
 
 ATTENTION_CORE = ("attn_scores", "attn_probs", "attn_context")
-PROJECTIONS = ("query_proj", "key_proj", "value_proj", "attn_out", "mlp_up", "mlp_down")
 MLP_SIDE = ("mlp_up", "mlp_act", "mlp_down", "mlp_residual")
 
 POLICIES: dict[str, MemoryPolicy] = {
@@ -205,8 +204,8 @@ POLICIES: dict[str, MemoryPolicy] = {
     "mlp": MemoryPolicy(name="mlp", save=tuple(n for n in CHECKPOINT_NAMES if n not in MLP_SIDE)),
     "offload": MemoryPolicy(
         name="offload",
-        save=tuple(n for n in CHECKPOINT_NAMES if n not in ATTENTION_CORE + PROJECTIONS),
-        offload=PROJECTIONS,
+        save=("block_input",),
+        offload=tuple(n for n in CHECKPOINT_NAMES if n not in ATTENTION_CORE + ("block_input",)),
     ),
     "nested": MemoryPolicy(name="nested", nested=True),
 }

@@ -133,17 +133,20 @@ def test_offload_cuda_program_places_each_offloaded_name_in_pinned_host(setup, n
         if "annotate_device_placement" in line and '"pinned_host"' in line
     ]
     b, s = batch["inputs"].shape
+    bsd, bsf = f"{b}x{s}x{CFG.d_model}xf32", f"{b}x{s}x{CFG.d_ff}xf32"
+    heads = f"{b}x{s}x{CFG.n_heads}x{CFG.head_dim}xf32"
     shapes = {
-        "query_proj": f"{b}x{s}x{CFG.n_heads}x{CFG.head_dim}xf32",
-        "key_proj": f"{b}x{s}x{CFG.n_heads}x{CFG.head_dim}xf32",
-        "value_proj": f"{b}x{s}x{CFG.n_heads}x{CFG.head_dim}xf32",
-        "mlp_up": f"{b}x{s}x{CFG.d_ff}xf32",
+        "query_proj": heads,
+        "key_proj": heads,
+        "value_proj": heads,
+        "mlp_up": bsf,
+        "mlp_act": bsf,
     }
     offloaded = needed_names & set(POLICIES["offload"].offload)
-    assert offloaded == set(shapes)
+    assert {"query_proj", "mlp_up", "norm1_out"} <= offloaded
     assert len(placed) == len(offloaded)  # one host placement per offloaded name per layer body
     for name in offloaded:
-        assert any(f"tensor<{shapes[name]}>" in line for line in placed), name
+        assert any(f"tensor<{shapes.get(name, bsd)}>" in line for line in placed), name
 
 
 def test_offload_changes_device_and_host_bytes_by_the_offloaded_tensors(setup):

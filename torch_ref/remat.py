@@ -75,9 +75,10 @@ def unread_by_backward(cfg: ModelConfig) -> frozenset[str]:
     """Tags whose values no backward op reads: they only feed additions (whose backward needs
     no inputs) or leave the block. Keeping them would only cost memory; JAX's partial evaluation
     drops them the same way (a test checks both frameworks agree)."""
+    # attn_scores: softmax's backward reads its output, not its input.
     if cfg.norm == "pre":
-        return frozenset({"attn_out", "mlp_down", "mlp_residual"})
-    return frozenset({"attn_out", "mlp_down", "norm2_out"})
+        return frozenset({"attn_scores", "attn_out", "mlp_down", "mlp_residual"})
+    return frozenset({"attn_scores", "attn_out", "mlp_down", "norm2_out"})
 
 
 @dataclasses.dataclass(frozen=True)
