@@ -9,7 +9,6 @@ plan compiled for XLA:CPU is a proxy for the GPU's: the same program, another co
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -201,7 +200,3 @@ def torch_record(
         "peak_bytes": int(peak),
         "peak_source": source,
     }
-
-
-def as_dict(x: Any) -> Any:
-    return dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x
