@@ -27,17 +27,16 @@ import jax
 import jax.numpy as jnp
 import torch
 from flax import nnx
-from torch.utils.flop_counter import FlopCounterMode
 
 from jaxmem.config import get_preset
 from jaxmem.flops import grad_matmul_flops
 from jaxmem.memory import compiled_plan, saved_residuals, summarize_residuals
 from jaxmem.model import Decoder
 from jaxmem.parity import lm_batch, torch_model_from
+from jaxmem.precision import PRECISIONS
 from jaxmem.remat import POLICIES, layers_fn
 from jaxmem.train import lm_loss_fn
-from torch_ref.loss import cross_entropy_sum
-from torch_ref.memory import forward_live_bytes
+from torch_ref.memory import measure_lm_step
 from torch_ref.remat import apply_memory_policy
 
 SHAPES = {"tiny": (8, 64), "small": (8, 128)}
@@ -76,19 +75,7 @@ def measure(preset: str, policies: list[str]) -> list[dict]:
         )
         runner = apply_memory_policy(torch_model.blocks, policy)
         torch_model.zero_grad(set_to_none=True)
-        with FlopCounterMode(display=False) as counter:
-
-            def forward():
-                loss_sum, n = cross_entropy_sum(torch_model(x), y)
-                return loss_sum / n
-
-            loss_t, live = forward_live_bytes(
-                forward,
-                host_storages=lambda runner=runner: {
-                    k.storage for k in runner.kept if k.memory == "host"
-                },
-            )
-            loss_t.backward()
+        live, torch_flops = measure_lm_step(torch_model, runner, x, y, PRECISIONS["fp32"])
         rows.append(
             {
                 "preset": preset,
@@ -99,7 +86,7 @@ def measure(preset: str, policies: list[str]) -> list[dict]:
                 "saved_bytes_device": live.device_bytes,
                 "saved_bytes_host": live.host_bytes,
                 "saved_source": "live-tensor accounting (forward allocations alive at its end)",
-                "flops": counter.get_total_flops(),
+                "flops": torch_flops,
                 "flops_source": "torch.utils.flop_counter.FlopCounterMode",
                 "compiled_temp_bytes": None,
             }

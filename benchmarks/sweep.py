@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import matplotlib
 import torch
 from flax import nnx
-from torch.utils.flop_counter import FlopCounterMode
 
 from jaxmem.config import get_preset
 from jaxmem.flops import grad_matmul_flops
@@ -37,8 +36,7 @@ from jaxmem.parity import lm_batch, torch_model_from
 from jaxmem.precision import PRECISIONS
 from jaxmem.remat import POLICIES, layers_fn
 from jaxmem.train import lm_loss_fn, make_model
-from torch_ref.loss import cross_entropy_sum
-from torch_ref.memory import forward_live_bytes
+from torch_ref.memory import measure_lm_step
 from torch_ref.remat import apply_memory_policy
 from torch_ref.train import TORCH_DTYPES
 
@@ -79,25 +77,11 @@ def point(cfg, policy_name, precision_name, batch, seq_len, *, torch_too=True, c
         tm = torch_model_from(reference).to(TORCH_DTYPES[prec.param_dtype])
         runner = apply_memory_policy(tm.blocks, policy)
         x, y = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
-
-        def forward():
-            with torch.autocast(
-                "cpu", dtype=TORCH_DTYPES[prec.compute_dtype], enabled=prec.is_mixed
-            ):
-                logits = tm(x)
-            s, n = cross_entropy_sum(logits, y)
-            return s / n
-
-        with FlopCounterMode(display=False) as counter:
-            out, live = forward_live_bytes(
-                forward,
-                host_storages=lambda: {k.storage for k in runner.kept if k.memory == "host"},
-            )
-            out.backward()
+        live, torch_flops = measure_lm_step(tm, runner, x, y, prec)
         row.update(
             torch_device_bytes=live.device_bytes,
             torch_host_bytes=live.host_bytes,
-            torch_flops=counter.get_total_flops(),
+            torch_flops=torch_flops,
         )
     return row
 

@@ -20,6 +20,7 @@ from jaxmem import analytic
 from jaxmem.config import ModelConfig, OptimizerConfig
 from jaxmem.flops import grad_matmul_flops
 from jaxmem.memory import compiled_plan, device_peak_bytes, saved_residuals, summarize_residuals
+from jaxmem.parity import lm_batch
 from jaxmem.precision import Precision
 from jaxmem.remat import MemoryPolicy, layers_fn
 from jaxmem.train import (
@@ -53,9 +54,8 @@ def _batch(cfg: ModelConfig, batch: int, seq_len: int, abstract: bool) -> dict[s
     if abstract:
         spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
         return {"inputs": spec, "targets": spec}
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
-    return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+    inputs, targets = lm_batch(cfg, batch, seq_len, seed=0)
+    return {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
 
 
 def jax_record(
@@ -135,11 +135,9 @@ def torch_record(
     """Run one torch_ref training step and measure it."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.flop_counter import FlopCounterMode
 
     import torch_ref
-    from torch_ref.loss import cross_entropy_sum
-    from torch_ref.memory import forward_live_bytes
+    from torch_ref.memory import measure_lm_step
     from torch_ref.remat import apply_memory_policy
     from torch_ref.train import TORCH_DTYPES
     from torch_ref.train import make_optimizer as make_torch_optimizer
@@ -152,23 +150,12 @@ def torch_record(
     x = torch.from_numpy(np.array(data["inputs"])).long().to(device)
     y = torch.from_numpy(np.array(data["targets"])).long().to(device)
 
-    def forward():
-        with torch.autocast(
-            device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
-        ):
-            logits = model(x)
-        loss_sum, n = cross_entropy_sum(logits, y)
-        return loss_sum / n
-
     tracker = MemTracker()
     tracker.track_external(model, opt)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    with tracker, FlopCounterMode(display=False) as counter:
-        loss, live = forward_live_bytes(
-            forward, host_storages=lambda: {k.storage for k in runner.kept if k.memory == "host"}
-        )
-        loss.backward()
+    with tracker:
+        live, flops = measure_lm_step(model, runner, x, y, precision)
         grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
         opt.step()
     if device == "cuda":
@@ -194,7 +181,7 @@ def torch_record(
         "analytic_activation_bytes": estimate.device_bytes + estimate.host_bytes,
         "compiled_temp_bytes": None,
         "compiled_plan": None,
-        "flops": counter.get_total_flops(),
+        "flops": flops,
         "flops_source": "torch.utils.flop_counter.FlopCounterMode (hardware FLOPs)",
         "model_flops": analytic.model_flops(cfg, batch, seq_len),
         "peak_bytes": int(peak),

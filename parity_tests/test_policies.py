@@ -334,7 +334,7 @@ def test_torch_offload_moves_exactly_the_offloaded_bytes_to_host(case):
 
         loss, live = forward_live_bytes(
             forward,
-            host_storages=lambda r=runner: {k.storage for k in r.kept if k.memory == "host"},
+            host_storages=runner.host_storages,
         )
         loss.backward()
         measured[policy.name] = (live, sum(k.nbytes for k in runner.kept if k.memory == "host"))

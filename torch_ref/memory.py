@@ -80,3 +80,37 @@ def forward_live_bytes(
         else:
             device_bytes += nbytes
     return out, LiveBytes(device_bytes=device_bytes, host_bytes=host_bytes, n_storages=n)
+
+
+def measure_lm_step(
+    model: torch.nn.Module,
+    runner: Any,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    precision: Any,
+) -> tuple[LiveBytes, int]:
+    """One forward + backward of the mean LM loss (autocast for mixed precision).
+
+    Returns the bytes the forward leaves for the backward (live-tensor accounting; the host
+    copies of ``runner``, a ``torch_ref.remat.PolicyLayers``, counted as host) and the matmul
+    FLOPs executed (``FlopCounterMode``, recompute included). Gradients stay in ``.grad``.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torch_ref.loss import cross_entropy_sum
+    from torch_ref.train import TORCH_DTYPES
+
+    device = inputs.device.type
+
+    def forward():
+        with torch.autocast(
+            device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
+        ):
+            logits = model(inputs)
+        loss_sum, n = cross_entropy_sum(logits, targets)
+        return loss_sum / n
+
+    with FlopCounterMode(display=False) as counter:
+        loss, live = forward_live_bytes(forward, host_storages=runner.host_storages)
+        loss.backward()
+    return live, counter.get_total_flops()

@@ -227,6 +227,10 @@ class PolicyLayers:
 
         return checkpoint(layer, x, mask, use_reentrant=False, context_fn=contexts)
 
+    def host_storages(self) -> set[int]:
+        """Storages of the copies the last forward moved to host memory (for accounting)."""
+        return {k.storage for k in self.kept if k.memory == "host"}
+
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
         self.kept = []
         if not self.policy.remat:
