@@ -75,7 +75,7 @@ def measure(preset: str, policies: list[str]) -> list[dict]:
         )
         runner = apply_memory_policy(torch_model.blocks, policy)
         torch_model.zero_grad(set_to_none=True)
-        live, torch_flops = measure_lm_step(torch_model, runner, x, y, PRECISIONS["fp32"])
+        live, _, torch_flops = measure_lm_step(torch_model, runner, x, y, PRECISIONS["fp32"])
         rows.append(
             {
                 "preset": preset,

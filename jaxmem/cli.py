@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from jaxmem.config import (
     PLANNING_ONLY,
     PRESETS,
-    AccumConfig,
     ConfigError,
     ModelConfig,
     OptimizerConfig,
@@ -26,6 +25,7 @@ from jaxmem.remat import POLICIES, check_backend, get_policy
 
 EXIT_USAGE = 2
 EXIT_PARITY_FAILED = 1
+EXIT_RUN_FAILED = 1  # a training run stopped at run time (non-finite loss, out of memory)
 
 
 class UsageError(Exception):
@@ -136,55 +136,133 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ train
-def cmd_train(args: argparse.Namespace) -> int:
-    cfg: ModelConfig = args.preset
-    if args.preset_name == "seed":
-        raise UsageError(
-            "--preset seed is the seeds' single layer (run `python -m jaxmem.seed_example`); "
-            "train an LM preset such as tiny or small"
-        )
-    if args.preset_name in PLANNING_ONLY:
-        raise UsageError(
-            f"--preset {args.preset_name} is a planning-only shape "
-            f"({cfg.n_params / 1e6:,.0f} M parameters); train tiny or small on this machine"
-        )
-    args.seq_len = args.seq_len or min(128, cfg.max_seq_len)
-    if args.seq_len > cfg.max_seq_len:
-        raise UsageError(
-            f"--seq-len {args.seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
-            f"use at most {cfg.max_seq_len}"
-        )
-    try:
-        opt_cfg = OptimizerConfig(name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay)
-        policy = get_policy(args.policy)
-        check_backend(policy)
-        precision = get_precision(args.precision)
-        accum = AccumConfig(steps=args.accum)
-        accum.check_batch(args.batch_size)
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
-    if args.out is not None:
-        if os.path.exists(args.out) and os.listdir(args.out):
-            raise UsageError(f"--out {args.out} exists and is not empty; choose a new directory")
-        parent = os.path.dirname(os.path.abspath(args.out))
-        if not os.access(parent, os.W_OK):
-            raise UsageError(f"--out {args.out}: {parent} is not writable")
-    from jaxmem.run import run_training
+# flag -> (section, key) of jaxmem.job.JobConfig.to_dict(); None values (flag not given) are
+# skipped, so a flag overrides the config file only when given.
+TRAIN_FLAGS: dict[str, tuple[str, str]] = {
+    "preset": ("", "preset"),
+    "precision": ("", "precision"),
+    "policy": ("memory", "policy"),
+    "save": ("memory", "save"),
+    "offload": ("memory", "offload"),
+    "n_layers": ("model", "n_layers"),
+    "d_model": ("model", "d_model"),
+    "n_heads": ("model", "n_heads"),
+    "d_ff": ("model", "d_ff"),
+    "optimizer": ("optimizer", "name"),
+    "lr": ("optimizer", "lr"),
+    "weight_decay": ("optimizer", "weight_decay"),
+    "accum": ("accum", "steps"),
+    "accum_mode": ("accum", "mode"),
+    "data": ("data", "path"),
+    "framework": ("run", "framework"),
+    "steps": ("run", "steps"),
+    "batch_size": ("run", "batch_size"),
+    "seq_len": ("run", "seq_len"),
+    "seed": ("run", "seed"),
+    "eval_every": ("run", "eval_every"),
+    "checkpoint_every": ("run", "checkpoint_every"),
+    "keep": ("run", "keep_checkpoints"),
+    "sample_tokens": ("run", "sample_tokens"),
+    "prompt": ("run", "prompt"),
+}
 
-    run_training(
-        cfg,
-        opt_cfg,
-        policy=policy,
-        precision=precision,
-        accum=accum,
-        preset_name=args.preset_name,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        out_dir=args.out,
+
+def resolve_job(args: argparse.Namespace):
+    """Defaults < the checkpoint's saved config (with --resume) < --config file < flags and
+    --set. Raises ConfigError with the bad value."""
+    from jaxmem.job import JobConfig, merge, parse_assignment, read_config_file
+
+    layered: dict = {}
+    if args.resume and args.out:
+        from jaxmem.run import latest_checkpoint
+
+        framework = args.framework or "jax"
+        _, saved = latest_checkpoint(args.out, framework)
+        if saved is None and args.framework is None:
+            _, saved = latest_checkpoint(args.out, "torch")
+        layered = saved or {}
+    if args.config:
+        layered = merge(layered, read_config_file(args.config))
+    flags: dict = {}
+    for flag, (section, key) in TRAIN_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if flag in ("save", "offload"):
+            value = [n.strip() for n in value.split(",") if n.strip()]
+        if section:
+            flags.setdefault(section, {})[key] = value
+        else:
+            flags[key] = value
+    if (args.save or args.offload) and args.policy is None:
+        flags.setdefault("memory", {})["policy"] = "custom"
+    layered = merge(layered, flags)
+    for assignment in args.set or ():
+        layered = merge(layered, parse_assignment(assignment))
+    return JobConfig.from_dict(layered)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from jaxmem.checkpoint import CheckpointError
+    from jaxmem.data import DataError
+
+    try:
+        job = resolve_job(args)
+        from jaxmem.run import prepare_job
+
+        prepared = prepare_job(job, args.out, resume=args.resume)
+    except (ConfigError, DataError, CheckpointError) as e:
+        raise UsageError(str(e)) from None
+    from jaxmem.run import RunFailed, run_training
+
+    try:
+        run_training(prepared)
+    except RunFailed as e:
+        print(f"jaxmem train: {e}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from jaxmem.data import DataError, prepare_bin
+
+    try:
+        meta = prepare_bin(args.source, args.out, val_fraction=args.val_fraction)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    print(
+        f"wrote {args.out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
+        f"({meta['val_tokens']:,} tokens), meta.json: uint16 byte tokens from {meta['source']}; "
+        f"train with: jaxmem train --data {args.out}"
     )
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from jaxmem.run import plot_losses
+
+    runs = []
+    for run_dir in args.runs:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            raise UsageError(
+                f"{run_dir} has no metrics.jsonl; give run directories of jaxmem train"
+            )
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        if not records:
+            raise UsageError(f"{path} is empty; the run logged no step yet")
+        label = os.path.basename(os.path.normpath(run_dir))
+        config = os.path.join(run_dir, "config.yaml")
+        if os.path.isfile(config):
+            from jaxmem.job import read_config_file
+
+            run = read_config_file(config).get("run", {})
+            label = f"{label} ({run.get('framework', 'jax')})"
+        runs.append((label, records))
+    _check_writable_json(args.out)
+    plot_losses(runs, args.out)
+    print(f"wrote {args.out}: loss curves of {len(runs)} run(s)")
     return 0
 
 
@@ -299,6 +377,117 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
         "  analytic = jaxmem.analytic (the block's backward reads, by policy; stack only); "
         "model FLOPs = analytic, no recompute"
     )
+    for r in records:
+        if r["framework"] == "torch":
+            wide.print(
+                f"  torch {r['policy']}: saved-tensor hooks see "
+                f"{format_bytes(r['hook_saved_bytes_device'] + r['hook_saved_bytes_host'])} "
+                "(blind to what a selective policy keeps itself)"
+            )
+    _print_differences(wide, records)
+
+
+def _print_differences(console, records) -> None:
+    """Per-tensor differences between the frameworks, per policy (never hidden)."""
+    from rich.table import Table
+
+    from jaxmem.memory import format_bytes
+    from jaxmem.report import name_differences
+
+    by_policy: dict[str, dict[str, dict]] = {}
+    for r in records:
+        by_policy.setdefault(r["policy"], {})[r["framework"]] = r
+    for policy, pair in by_policy.items():
+        if set(pair) != {"jax", "torch"}:
+            continue
+        rows = name_differences(pair["jax"]["saved_by_name"], pair["torch"]["saved_by_name"])
+        if not rows:
+            console.print(f"{policy}: jaxmem and torch_ref save the same bytes for every tensor")
+            continue
+        table = Table(title=f"{policy}: saved tensors that differ (jaxmem vs torch_ref)")
+        for col in ("tensor", "jaxmem", "torch_ref", "torch - jax"):
+            table.add_column(col, justify="left" if col == "tensor" else "right")
+        for row in rows:
+            diff = row["torch_bytes"] - row["jax_bytes"]
+            table.add_row(
+                row["name"],
+                format_bytes(row["jax_bytes"]),
+                format_bytes(row["torch_bytes"]),
+                ("+" if diff > 0 else "-") + format_bytes(abs(diff)),
+            )
+        console.print(table)
+    if any(set(pair) == {"jax", "torch"} for pair in by_policy.values()):
+        console.print(
+            "  <untagged>: what jaxmem keeps outside tagged tensors (embedding, final norm, loss); "
+            "<op in block / outside the stack>: torch_ref's untagged saved outputs, by op"
+        )
+
+
+# ------------------------------------------------------------------------------------------ bench
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: give comma-separated positive integers") from None
+    if not values or min(values) <= 0:
+        raise UsageError(f"{flag} {text!r}: give comma-separated positive integers")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from jaxmem.bench import DEFAULT, QUICK, run_sweep
+
+    plan = QUICK if args.quick else DEFAULT
+    overrides = {
+        "preset": args.bench_preset,
+        "batch": args.batch_size,
+        "seq_len": args.seq_len,
+        "repeats": args.repeats,
+        "depths": args.depths and _int_list(args.depths, "--depths"),
+        "seq_lens": args.seq_lens and _int_list(args.seq_lens, "--seq-lens"),
+        "accum_steps": args.accum and _int_list(args.accum, "--accum"),
+        "timed_policies": args.time_policies
+        and tuple(_names(args.time_policies, list(POLICIES), "policies")),
+    }
+    plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v})
+    try:
+        cfg = get_preset(plan.preset)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if plan.preset in PLANNING_ONLY or plan.preset == "seed":
+        raise UsageError(
+            f"--preset {plan.preset} cannot run both frameworks on this machine; "
+            "bench tiny or small (plan large presets with `jaxmem memory`)"
+        )
+    for seq in (plan.seq_len, *plan.seq_lens):
+        if seq > cfg.max_seq_len:
+            raise UsageError(
+                f"sequence length {seq} exceeds {plan.preset}'s max_seq_len={cfg.max_seq_len}"
+            )
+    for k in plan.accum_steps:
+        if plan.batch % k:
+            raise UsageError(
+                f"--accum {k} does not divide --batch-size {plan.batch}; "
+                "use divisors of the batch size"
+            )
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} is a file; give a directory")
+    parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {out}: {parent} is not a writable directory")
+    from rich.console import Console
+
+    console = Console()
+    result = run_sweep(plan, out, progress=lambda m: console.log(m))
+    console.print(open(os.path.join(out, "sweep.md")).read())
+    console.print(
+        f"wrote {out}/sweep.json, sweep.md, bytes_per_policy.png, memory_vs_layers.png, "
+        f"pareto.png, step_time.png ({result['meta']['device']})"
+    )
+    return 0
 
 
 # ----------------------------------------------------------------------------------------- parser
@@ -353,49 +542,171 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser(
-        "train",
-        help="train a preset on the embedded corpus and print its memory table",
-        description="Train a decoder preset with AdamW on the embedded corpus (the Python "
-        "standard library's sources, byte-level tokens) and print a memory table whose every "
-        "figure says how it was obtained.",
-    )
-    p.add_argument("--preset", default="small", help="tiny or small (default small)")
-    p.add_argument("--steps", type=_positive_int, default=200, help="default 200")
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="default 16")
-    p.add_argument(
-        "--seq-len", type=_positive_int, default=None, help="default min(128, max_seq_len)"
+        "bench",
+        help="sweep policies x precision, depth, sequence length, accumulation and step time "
+        "in both frameworks; JSON, Markdown and PNG plots",
+        description="The cross-framework benchmark: saved activation bytes (device + host), "
+        "matmul FLOPs executed and JAX's compiled plan per policy x precision, depth, sequence "
+        "length and accumulation, and median step time per policy (interleaved runs, compile "
+        "and warm-up excluded), jaxmem vs torch_ref on the same weights and batches. Default: "
+        "around `small`, a few minutes on 2 CPU cores; --quick: `tiny`, under a minute.",
     )
     p.add_argument(
-        "--policy",
-        default="none",
-        help=f"memory policy: {', '.join(POLICIES)} (default none)",
+        "--preset",
+        dest="bench_preset",
+        default=None,
+        help="tiny or small (default small; quick: tiny)",
+    )
+    p.add_argument("--quick", action="store_true", help="the tiny plan (fewer points, 3 repeats)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="default 8 (quick 4)")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="default 128 (quick 32)")
+    p.add_argument("--depths", default=None, help="layer counts, e.g. 2,4,8,12")
+    p.add_argument("--seq-lens", default=None, help="sequence lengths, e.g. 64,128,256")
+    p.add_argument("--accum", default=None, help="microbatch counts, e.g. 1,2,4")
+    p.add_argument(
+        "--time-policies",
+        default=None,
+        help="policies to time (default none,selective,full,offload,nested)",
+    )
+    p.add_argument("--repeats", type=_positive_int, default=None, help="timed runs (default 10)")
+    p.add_argument(
+        "--out", default="bench-results", help="output directory (default bench-results)"
+    )
+    p.set_defaults(func=cmd_bench)
+
+    _train_parser(sub)
+
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize text into nanoGPT-style uint16 train.bin / val.bin for --data",
+        description="Byte-tokenize a text file or a directory of text files (or, with no "
+        "source, the embedded Python-stdlib corpus) into train.bin and val.bin (raw little-endian "
+        "uint16, nanoGPT's format) plus meta.json; the last --val-fraction is validation data. "
+        "Existing files are never overwritten.",
     )
     p.add_argument(
-        "--precision",
-        default="fp32",
-        help=f"one of {', '.join(PRECISIONS)} (default fp32)",
+        "source",
+        nargs="?",
+        default=None,
+        help="text file or directory (default: the embedded corpus)",
     )
-    p.add_argument(
-        "--accum", type=_positive_int, default=1, help="microbatches per step (default 1)"
+    p.add_argument("--out", required=True, help="directory for train.bin, val.bin, meta.json")
+    p.add_argument("--val-fraction", type=_positive_float, default=0.05, help="default 0.05")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser(
+        "plot",
+        help="loss curves of several runs (e.g. --framework jax and torch) on one plot",
     )
-    p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor (default adamw)")
-    p.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="default 0.1")
-    p.add_argument("--seed", type=int, default=0, help="default 0")
-    p.add_argument(
-        "--eval-every", type=_positive_int, default=100, help="validation interval (default 100)"
-    )
-    p.add_argument(
-        "--out", default=None, help="new directory for metrics.jsonl, memory.json, weights"
-    )
-    p.set_defaults(func=cmd_train)
+    p.add_argument("runs", nargs="+", help="run directories written by jaxmem train --out")
+    p.add_argument("--out", default="loss_curves.png", help="PNG path (default loss_curves.png)")
+    p.set_defaults(func=cmd_plot)
     return parser
+
+
+def _train_parser(sub) -> None:
+    from jaxmem.job import RunConfig
+
+    run = RunConfig()
+    opt = OptimizerConfig()
+    p = sub.add_parser(
+        "train",
+        help="train a preset (JAX or torch_ref) with checkpoints, metrics, plots and a sample",
+        description="Train a decoder preset on the embedded corpus (the Python standard "
+        "library's sources, byte tokens) or your --data, under a memory policy, precision and "
+        "accumulation; checkpoints every --checkpoint-every steps (orbax for JAX) and --resume "
+        "continues a run exactly. Settings come from the defaults, the preset, --config "
+        "(TOML/YAML, sections as in the run's config.yaml) and these flags, in that order; "
+        "--set section.key=value reaches every other setting. Bad input exits with code 2 "
+        "before anything is written; a run stopped by a non-finite loss or out of memory exits "
+        "with code 1.",
+        epilog="presets: "
+        + ", ".join(n for n in PRESETS if n not in PLANNING_ONLY and n != "seed")
+        + f"; policies: {', '.join(POLICIES)}; precisions: {', '.join(PRECISIONS)}; "
+        "tags for --save/--offload: " + ", ".join(_checkpoint_names()),
+    )
+    a = p.add_argument
+    a("--config", help="TOML or YAML file of settings (a run's config.yaml repeats it)")
+    a(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="any setting, e.g. --set model.norm=post --set optimizer.b2=0.95 (repeatable)",
+    )
+    a(
+        "--out",
+        default=None,
+        help="run directory: config.yaml, metrics.jsonl, loss.png, "
+        "summary.json, sample.txt, checkpoints/ (default: nothing written)",
+    )
+    a("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    a(
+        "--framework",
+        choices=("jax", "torch"),
+        default=None,
+        help="jax (jaxmem) or torch (torch_ref, same weights and data) (default jax)",
+    )
+    a("--preset", default=None, help="model preset (default small)")
+    a("--n-layers", type=_positive_int, default=None, help="override the preset's layer count")
+    a("--d-model", type=_positive_int, default=None, help="override the preset's width")
+    a("--n-heads", type=_positive_int, default=None, help="override the preset's heads")
+    a("--d-ff", type=_positive_int, default=None, help="override the preset's MLP width")
+    a(
+        "--policy",
+        default=None,
+        help=f"memory policy: {', '.join(POLICIES)}, or custom (default none)",
+    )
+    a("--save", default=None, help="custom policy: tags kept in device memory, comma-separated")
+    a("--offload", default=None, help="custom policy: tags sent to host memory, comma-separated")
+    a("--precision", default=None, help=f"one of {', '.join(PRECISIONS)} (default fp32)")
+    a("--accum", type=_positive_int, default=None, help="microbatches per step (default 1)")
+    a("--accum-mode", default=None, help="scan or multisteps (default scan)")
+    a("--optimizer", default=None, help=f"adamw, sgd or adafactor (default {opt.name})")
+    a("--lr", type=_positive_float, default=None, help=f"learning rate (default {opt.lr})")
+    a("--weight-decay", type=float, default=None, help=f"default {opt.weight_decay}")
+    a(
+        "--data",
+        default=None,
+        help="text file, directory of text, or nanoGPT .bin / directory "
+        "with train.bin (default: the embedded stdlib corpus)",
+    )
+    a("--steps", type=_positive_int, default=None, help=f"default {run.steps}")
+    a("--batch-size", type=_positive_int, default=None, help=f"default {run.batch_size}")
+    a("--seq-len", type=_positive_int, default=None, help=f"default {run.seq_len}")
+    a("--seed", type=int, default=None, help=f"weights and data order (default {run.seed})")
+    a("--eval-every", type=_positive_int, default=None, help=f"default {run.eval_every}")
+    a(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=None,
+        help=f"default {run.checkpoint_every}",
+    )
+    a(
+        "--keep",
+        type=_positive_int,
+        default=None,
+        help=f"checkpoints kept (default {run.keep_checkpoints})",
+    )
+    a(
+        "--sample-tokens",
+        type=int,
+        default=None,
+        help=f"text sample length at the end (default {run.sample_tokens}; 0: none)",
+    )
+    a("--prompt", default=None, help=f"sample prompt (default {run.prompt!r})")
+    p.set_defaults(func=cmd_train)
+
+
+def _checkpoint_names() -> tuple[str, ...]:
+    from jaxmem.model import CHECKPOINT_NAMES
+
+    return CHECKPOINT_NAMES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if hasattr(args, "preset"):
+    if hasattr(args, "preset") and args.command != "train":  # train resolves its own config
         args.preset_name = args.preset
         try:
             args.preset = get_preset(args.preset)

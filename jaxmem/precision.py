@@ -144,3 +144,27 @@ class DynamicLossScale:
 def all_finite(tree: Any) -> jax.Array:
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def check_precision_backend(precision: Precision, device: jax.Device | None = None) -> None:
+    """Raise ``ConfigError`` if the backend cannot compute in ``precision``'s dtypes.
+
+    TPUs have no float16 arithmetic; elsewhere a one-element matmul is compiled and run in each
+    16-bit dtype the precision uses, so an unsupported backend fails here, with the fix, rather
+    than in the middle of a compile.
+    """
+    device = device or jax.devices()[0]
+    for dtype in {precision.compute_dtype, precision.param_dtype} - {"float32"}:
+        if dtype == "float16" and device.platform == "tpu":
+            raise ConfigError(
+                f"precision {precision.name!r} computes in float16, which {device.platform} "
+                "does not support; use bf16"
+            )
+        try:
+            x = jax.device_put(jnp.ones((1, 1), dtype), device)
+            jax.block_until_ready(jnp.dot(x, x))
+        except Exception as e:  # backends raise their own error types
+            raise ConfigError(
+                f"precision {precision.name!r} needs {dtype}, which this {device.platform} "
+                f"backend rejects ({type(e).__name__}); use fp32 or bf16"
+            ) from None

@@ -19,7 +19,13 @@ from flax import nnx
 from jaxmem import analytic
 from jaxmem.config import ModelConfig, OptimizerConfig
 from jaxmem.flops import grad_matmul_flops
-from jaxmem.memory import compiled_plan, device_peak_bytes, saved_residuals, summarize_residuals
+from jaxmem.memory import (
+    bytes_by_name,
+    compiled_plan,
+    device_peak_bytes,
+    saved_residuals,
+    summarize_residuals,
+)
 from jaxmem.parity import lm_batch
 from jaxmem.precision import Precision
 from jaxmem.remat import MemoryPolicy, layers_fn
@@ -47,6 +53,8 @@ RECORD_FIELDS = (
     "model_flops",
     "peak_bytes",
     "peak_source",
+    "saved_by_name",
+    "saved_argument_bytes",
 )
 
 
@@ -82,7 +90,8 @@ def jax_record(
     def f(p, b):
         return loss(p, b)[0]
 
-    residuals = summarize_residuals(saved_residuals(f, params, data))
+    saved = saved_residuals(f, params, data)
+    residuals = summarize_residuals(saved)
     grads = jax.eval_shape(jax.grad(f), params, data)
     step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg)
     scale = init_loss_scale(precision)
@@ -113,6 +122,8 @@ def jax_record(
         "saved_activation_bytes_device": residuals.activation_bytes_device,
         "saved_activation_bytes_host": residuals.activation_bytes_host,
         "saved_source": "residual accounting (jaxpr of jax.vjp; parameters excluded)",
+        "saved_by_name": bytes_by_name(saved),
+        "saved_argument_bytes": residuals.argument_bytes,
         "analytic_activation_bytes": estimate.device_bytes + estimate.host_bytes,
         "compiled_temp_bytes": plan["temp_bytes"],
         "compiled_plan": plan,
@@ -155,7 +166,7 @@ def torch_record(
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with tracker:
-        live, flops = measure_lm_step(model, runner, x, y, precision)
+        live, hooks, flops = measure_lm_step(model, runner, x, y, precision)
         grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
         opt.step()
     if device == "cuda":
@@ -178,6 +189,12 @@ def torch_record(
         "saved_activation_bytes_device": live.device_bytes,
         "saved_activation_bytes_host": live.host_bytes,
         "saved_source": "live-tensor accounting (forward allocations alive at its end)",
+        "saved_by_name": live.by_name,
+        "saved_argument_bytes": hooks.argument_bytes,
+        "hook_saved_bytes_device": hooks.activation_bytes_device,
+        "hook_saved_bytes_host": hooks.activation_bytes_host,
+        "hook_source": "saved-tensor hooks (storages de-duplicated; blind to what a selective "
+        "policy keeps itself)",
         "analytic_activation_bytes": estimate.device_bytes + estimate.host_bytes,
         "compiled_temp_bytes": None,
         "compiled_plan": None,
@@ -187,3 +204,42 @@ def torch_record(
         "peak_bytes": int(peak),
         "peak_source": source,
     }
+
+
+# The q, k and v projections are one fused matmul in torch_ref: compared as one group.
+_GROUPS = {
+    "query_proj": "query_proj/key_proj/value_proj",
+    "key_proj": "query_proj/key_proj/value_proj",
+    "value_proj": "query_proj/key_proj/value_proj",
+}
+# jaxmem tags the block input inside the block; torch_ref's listing names it by position.
+_SAME = {"block_input": "<layer input>"}
+
+
+def name_differences(
+    jax_names: dict[str, int], torch_names: dict[str, int]
+) -> list[dict[str, Any]]:
+    """Saved bytes by tensor name where the two frameworks differ, largest difference first.
+
+    Both sides name saved tensors by jaxmem's tags; q/k/v are compared as one group (torch_ref
+    fuses their matmul), and names in ``<...>`` are what each framework keeps besides tagged
+    tensors (jaxmem: ``<untagged>``; torch_ref: ``<op kind in block / outside the stack>``).
+    """
+    joined = any("/" in n for n in torch_names)
+
+    def canonical(names: dict[str, int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, nbytes in names.items():
+            name = _SAME.get(name, name)
+            if joined:
+                name = _GROUPS.get(name, name)
+            out[name] = out.get(name, 0) + nbytes
+        return out
+
+    jax_c, torch_c = canonical(jax_names), canonical(torch_names)
+    rows = [
+        {"name": n, "jax_bytes": jax_c.get(n, 0), "torch_bytes": torch_c.get(n, 0)}
+        for n in sorted(set(jax_c) | set(torch_c))
+        if jax_c.get(n, 0) != torch_c.get(n, 0)
+    ]
+    return sorted(rows, key=lambda r: -abs(r["jax_bytes"] - r["torch_bytes"]))

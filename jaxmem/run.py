@@ -1,16 +1,36 @@
-"""The training loop behind ``jaxmem train``: data, compiled step, progress, memory table."""
+"""The training job behind ``jaxmem train``: validate everything, then train, checkpoint, resume.
+
+Order of work, so that bad input costs nothing:
+
+1. ``prepare_job`` checks the whole job before anything is written: config, backend support
+   (offload needs ``pinned_host``; fp16 needs a backend that computes in it), the data (exists,
+   well-formed, long enough for ``seq_len``), the run directory (new and writable, or a resumable
+   run whose saved config the new one does not contradict). Errors are ``ConfigError`` /
+   ``DataError`` / ``CheckpointError``: one line, exit code 2 at the CLI.
+2. ``run_training`` compiles the step (an out-of-memory compile or step reports the planned bytes
+   and a cheaper policy), restores the latest checkpoint when resuming, and trains. Batches are
+   a pure function of ``(seed, step)``, built and put on the device by a background thread. The
+   host syncs only at the progress refresh, validation and checkpoints. A non-finite loss stops
+   the run before the next checkpoint, so the last checkpoint on disk is always a good one;
+   fp16 overflow steps are skipped by the loss scaler and counted instead.
+
+The run directory holds ``config.yaml`` (the resolved config: ``--config`` repeats the run),
+``metrics.jsonl`` (one line per step), ``loss.png``, ``summary.json``, ``sample.txt`` and
+``checkpoints/``. ``torch_ref.run`` trains the same job with PyTorch and writes the same files.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from rich.console import Console
@@ -18,11 +38,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jaxmem import data as data_lib
 from jaxmem import memory
-from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig
-from jaxmem.precision import PRECISIONS, Precision
-from jaxmem.remat import POLICIES, MemoryPolicy, layers_fn
+from jaxmem.checkpoint import CheckpointError, config_conflicts
+from jaxmem.config import ConfigError
+from jaxmem.job import RESUMABLE_CHANGES, JobConfig, write_config
+from jaxmem.precision import check_precision_backend, get_precision
+from jaxmem.remat import HOST_MEMORY_KIND, backend_memory_kinds, check_backend, layers_fn
 from jaxmem.train import (
-    NO_ACCUM,
     init_loss_scale,
     lm_loss_fn,
     make_model,
@@ -30,11 +51,257 @@ from jaxmem.train import (
     make_train_step,
     tree_bytes,
 )
-from jaxmem.weights import save_safetensors
+
+EXIT_RUN_FAILED = 1
+CHECKPOINT_DIR = "checkpoints"
+# From most to least device memory at a given size (FLOPs grow the other way).
+CHEAPER_POLICIES = ("none", "mlp", "selective", "dots", "offload", "full", "nested")
 
 
-def _to_device(inputs: np.ndarray, targets: np.ndarray) -> dict[str, jax.Array]:
-    return {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+class RunFailed(RuntimeError):
+    """The run stopped at run time (non-finite loss, out of memory). The message says what
+    happened, what is kept on disk and what to try; the CLI exits with code 1."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedJob:
+    job: JobConfig
+    dataset: data_lib.Dataset
+    out_dir: str | None
+    resume_step: int | None  # the checkpoint to continue from (None: a new run)
+
+
+# ------------------------------------------------------------------------------------- prepare
+def prepare_job(job: JobConfig, out_dir: str | None, *, resume: bool = False) -> PreparedJob:
+    """Check everything about ``job`` that can be checked before training; write nothing."""
+    check_backend(job.policy)
+    check_precision_backend(get_precision(job.precision))
+    if resume and out_dir is None:
+        raise ConfigError("--resume needs --out, the directory of the run to continue")
+    resume_step = _check_run_dir(job, out_dir, resume)
+    dataset = data_lib.load_dataset(
+        job.data.path, val_fraction=job.data.val_fraction, vocab_size=job.model.vocab_size
+    )
+    need = job.run.seq_len + 2
+    for name, tokens in (("train", dataset.train), ("validation", dataset.val)):
+        if tokens.size < need:
+            raise data_lib.DataError(
+                f"seq_len={job.run.seq_len} needs at least {need} tokens but the {name} split "
+                f"of {dataset.source} has {tokens.size}; use a shorter --seq-len or more data"
+            )
+    return PreparedJob(job=job, dataset=dataset, out_dir=out_dir, resume_step=resume_step)
+
+
+def _check_run_dir(job: JobConfig, out_dir: str | None, resume: bool) -> int | None:
+    if out_dir is None:
+        return None
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"--out {out_dir} is a file; give a directory")
+    if not resume:
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            hint = (
+                "add --resume to continue it"
+                if os.path.isdir(os.path.join(out_dir, CHECKPOINT_DIR))
+                else "choose a new directory"
+            )
+            raise ConfigError(f"--out {out_dir} exists and is not empty; {hint}")
+        parent = out_dir if os.path.isdir(out_dir) else os.path.dirname(os.path.abspath(out_dir))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK):
+            raise ConfigError(f"--out {out_dir}: {parent} is not writable; choose another --out")
+        return None
+    if not os.path.isdir(out_dir):
+        raise ConfigError(f"--resume: {out_dir} does not exist; start the run without --resume")
+    if not os.access(out_dir, os.W_OK):
+        raise ConfigError(f"--resume: {out_dir} is not writable")
+    step, saved = latest_checkpoint(out_dir, job.run.framework)
+    if step is None or saved is None:
+        raise ConfigError(
+            f"--resume: {out_dir} holds no complete checkpoint; start a new run instead"
+        )
+    conflicts = config_conflicts(saved, job.to_dict(), allowed=RESUMABLE_CHANGES)
+    if conflicts:
+        raise ConfigError(
+            f"--resume: the config contradicts the checkpoint in {out_dir}: "
+            + "; ".join(conflicts)
+            + " (resume with the saved config: drop those flags)"
+        )
+    if step >= job.run.steps:
+        raise ConfigError(
+            f"--resume: {out_dir} is already at step {step} of {job.run.steps}; "
+            f"raise --steps above {step} to train further"
+        )
+    return step
+
+
+def latest_checkpoint(out_dir: str, framework: str) -> tuple[int | None, dict | None]:
+    """The latest complete checkpoint's step and saved config (``(None, None)`` if none).
+    The other framework's layout is read too, so resuming a torch run as a JAX run (or the
+    reverse) is refused by the config comparison with a message naming ``run.framework``."""
+    directory = os.path.join(out_dir, CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        return None, None
+    readers = (_torch_latest, _jax_latest) if framework == "torch" else (_jax_latest, _torch_latest)
+    for read in readers:
+        try:
+            step, saved = read(directory)
+        except CheckpointError:
+            continue
+        if step is not None and saved is not None:
+            return step, saved
+    return None, None
+
+
+def _jax_latest(directory: str) -> tuple[int | None, dict | None]:
+    from jaxmem.checkpoint import RunCheckpointer
+
+    with RunCheckpointer(directory, keep=1) as reader:
+        step = reader.latest_step()
+        return step, (reader.read_config(step) if step is not None else None)
+
+
+def _torch_latest(directory: str) -> tuple[int | None, dict | None]:
+    from torch_ref.run import TorchCheckpointer
+
+    reader = TorchCheckpointer(directory, keep=1)
+    step = reader.latest_step()
+    return step, (reader.read_config(step) if step is not None else None)
+
+
+# ------------------------------------------------------------------------------------ run files
+class RunFiles:
+    """The files of a run directory, shared by both frameworks. ``metrics.jsonl`` is appended
+    and flushed at every host sync, so a killed run leaves every synced step on disk; a resumed
+    run first drops the lines after its checkpoint."""
+
+    def __init__(self, out_dir: str | None, job: JobConfig):
+        self.out_dir, self.job = out_dir, job
+        self.records: list[dict[str, Any]] = []
+
+    def path(self, name: str) -> str:
+        assert self.out_dir is not None
+        return os.path.join(self.out_dir, name)
+
+    def start(self, resume_step: int | None) -> None:
+        if self.out_dir is None:
+            return
+        os.makedirs(self.out_dir, exist_ok=True)
+        write_config(self.job, self.path("config.yaml"))
+        metrics = self.path("metrics.jsonl")
+        if resume_step is not None and os.path.exists(metrics):
+            with open(metrics) as f:
+                kept = [json.loads(line) for line in f if line.strip()]
+            kept = [r for r in kept if r["step"] <= resume_step]
+            tmp = f"{metrics}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(tmp, metrics)
+            self.records = kept
+        elif os.path.exists(metrics):
+            os.remove(metrics)
+
+    def append(self, records: Sequence[dict[str, Any]]) -> None:
+        self.records.extend(records)
+        if self.out_dir is None or not records:
+            return
+        with open(self.path("metrics.jsonl"), "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+    def finish(self, summary: dict[str, Any], sample: str | None) -> list[str]:
+        if self.out_dir is None:
+            return []
+        written = ["config.yaml", "metrics.jsonl"]
+        _write_json(self.path("summary.json"), summary)
+        written.append("summary.json")
+        if sample is not None:
+            with open(self.path("sample.txt"), "w") as f:
+                f.write(sample)
+            written.append("sample.txt")
+        plot_losses([(self.job.run.framework, self.records)], self.path("loss.png"))
+        written.append("loss.png")
+        return written
+
+
+def _write_json(path: str, payload: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def plot_losses(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str) -> None:
+    """Train (and validation) loss against step for one or more runs, on one plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (label, records) in enumerate(runs):
+        color = f"C{i}"
+        train = [(r["step"], r["loss"]) for r in records if math.isfinite(r["loss"])]
+        if train:
+            ax.plot(*zip(*train, strict=True), color=color, lw=1, label=f"{label} train")
+        val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        if val:
+            ax.plot(*zip(*val, strict=True), "o--", color=color, label=f"{label} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title("training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------- helpers
+def is_out_of_memory(error: BaseException) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def out_of_memory_message(job: JobConfig, planned_bytes: int | None, where: str) -> str:
+    """What to say when a compile or step runs out of memory: the plan, and what to try."""
+    plan = (
+        f"the step plans {memory.format_bytes(planned_bytes)} (compiled plan)"
+        if planned_bytes is not None
+        else "no plan was available"
+    )
+    name = job.memory.policy
+    order = list(CHEAPER_POLICIES)
+    if HOST_MEMORY_KIND not in backend_memory_kinds():
+        order.remove("offload")
+    cheaper = order[order.index(name) + 1 :] if name in order else ["full", "nested"]
+    tips = [f"--policy {cheaper[0]}"] if cheaper else []
+    if job.run.batch_size > 1:
+        tips.append(f"--accum {2 * job.accum.steps} (same batch, smaller microbatches)")
+    if job.precision == "fp32":
+        tips.append("--precision bf16")
+    return f"out of memory {where} with policy {name!r}: {plan}; try " + ", or ".join(
+        tips or ["a smaller --batch-size or --seq-len"]
+    )
+
+
+def val_batches(dataset: data_lib.Dataset, job: JobConfig) -> list[dict[str, np.ndarray]]:
+    """The fixed validation batches (the same for every evaluation, and in both frameworks)."""
+    r = job.run
+    out = []
+    for i in range(r.eval_batches):
+        x, y = data_lib.batch_at(dataset.val, i, r.batch_size, r.seq_len, r.seed + 1, "validation")
+        out.append({"inputs": x, "targets": y})
+    return out
+
+
+def train_batch(dataset: data_lib.Dataset, job: JobConfig) -> Callable[[int], dict]:
+    r = job.run
+
+    def make(step: int) -> dict[str, np.ndarray]:
+        x, y = data_lib.batch_at(dataset.train, step, r.batch_size, r.seq_len, r.seed)
+        return {"inputs": x, "targets": y}
+
+    return make
 
 
 def memory_figures(
@@ -94,134 +361,251 @@ def memory_figures(
     return figures
 
 
-def run_training(
-    cfg: ModelConfig,
-    opt_cfg: OptimizerConfig,
-    *,
-    policy: MemoryPolicy = POLICIES["none"],
-    precision: Precision = PRECISIONS["fp32"],
-    accum: AccumConfig = NO_ACCUM,
-    preset_name: str,
-    steps: int,
-    batch_size: int,
-    seq_len: int,
-    seed: int,
-    eval_every: int,
-    out_dir: str | None,
-    console: Console | None = None,
-) -> dict[str, Any]:
-    """Train, print progress and the memory table; returns a summary dict."""
-    console = console or Console()
-    tokens = data_lib.stdlib_corpus()
-    train_tokens, val_tokens = data_lib.train_val_split(tokens)
-    train_iter = data_lib.random_windows(train_tokens, batch_size, seq_len, seed)
-
-    model = make_model(cfg, precision, seed=seed)
-    graphdef, params = nnx.split(model, nnx.Param)
-    del model  # params are donated to the step; keep no second reference
-    tx = make_optimizer(opt_cfg)
-    opt_state = tx.init(params)
-    loss_fn = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
-    step_fn = make_train_step(loss_fn, tx, precision=precision, accum=accum, opt_cfg=opt_cfg)
-    eval_fn = jax.jit(lambda p, b: loss_fn(p, b)[0])
-    loss_scale = init_loss_scale(precision)
-
-    first = _to_device(*next(train_iter))
-    t0 = time.perf_counter()
-    compiled = step_fn.lower(params, opt_state, loss_scale, first).compile()
-    compile_s = time.perf_counter() - t0
-    plan = memory.compiled_plan(compiled)
-    figures = memory_figures(loss_fn, params, opt_state, first, plan, accum.steps)
-    console.print(
-        f"[bold]jaxmem train[/] preset={preset_name} ({cfg.n_params / 1e6:.2f} M params), "
-        f"policy {policy.name}, precision {precision.name}, accum {accum.steps} ({accum.mode}), "
-        f"batch {batch_size} x seq {seq_len}, {opt_cfg.name} lr {opt_cfg.lr}, {steps} steps on "
-        f"{jax.devices()[0].platform}; corpus: {train_tokens.size:,} train / "
-        f"{val_tokens.size:,} val byte tokens (Python stdlib sources); "
-        f"compiled in {compile_s:.1f} s"
-    )
-
-    def val_loss(params: Any, n_batches: int = 8) -> float:
-        it = data_lib.random_windows(val_tokens, batch_size, seq_len, seed=12345)
-        losses = [eval_fn(params, _to_device(*next(it))) for _ in range(n_batches)]
-        return float(jnp.mean(jnp.stack(losses)))
-
-    records: list[dict[str, Any]] = []
-    log_every = max(1, min(10, steps // 20))
-    pending: list[tuple[int, jax.Array]] = []
-    batch = first
-    tokens_per_step = batch_size * seq_len
-    t_start = time.perf_counter()
-    last_loss = float("nan")
-    with Progress(
+def progress_bar(console: Console) -> Progress:
+    return Progress(
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"),
         TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TextColumn("{task.fields[mem]}"),
         TimeRemainingColumn(),
         console=console,
         transient=False,
-    ) as progress:
-        task = progress.add_task("train", total=steps, loss=float("nan"), tps=0.0)
-        for step in range(1, steps + 1):
-            params, opt_state, loss_scale, metrics = compiled(params, opt_state, loss_scale, batch)
-            pending.append((step, metrics["loss"]))
-            batch = _to_device(*next(train_iter))  # host work overlaps the async step
-            if step % log_every == 0 or step == steps:
-                # The only host sync: once per refresh, for the losses since the last one.
-                for s, loss in pending:
-                    records.append({"step": s, "loss": float(loss)})
-                pending.clear()
-                last_loss = records[-1]["loss"]
-                elapsed = time.perf_counter() - t_start
-                progress.update(
-                    task, completed=step, loss=last_loss, tps=step * tokens_per_step / elapsed
+    )
+
+
+# ----------------------------------------------------------------------------------------- run
+def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
+    """Train ``prepared.job`` (see the module docstring); returns the run summary."""
+    job = prepared.job
+    if job.run.framework == "torch":
+        from torch_ref.run import run_torch_training
+
+        return run_torch_training(prepared, console)
+    console = console or Console()
+    cfg, r = job.model, job.run
+    precision, policy = get_precision(job.precision), job.policy
+    model = make_model(cfg, precision, seed=r.seed)
+    graphdef, params = nnx.split(model, nnx.Param)
+    del model  # params are donated to the step; keep no second reference
+    tx = make_optimizer(job.optimizer)
+    opt_state = tx.init(params)
+    loss_fn = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    step_fn = make_train_step(
+        loss_fn, tx, precision=precision, accum=job.accum, opt_cfg=job.optimizer
+    )
+    eval_fn = jax.jit(lambda p, b: loss_fn(p, b)[1])
+    loss_scale = init_loss_scale(precision)
+    make_batch = train_batch(prepared.dataset, job)
+
+    first = jax.device_put(make_batch(1))
+    t0 = time.perf_counter()
+    try:
+        compiled = step_fn.lower(params, opt_state, loss_scale, first).compile()
+    except Exception as e:
+        if is_out_of_memory(e):
+            raise RunFailed(out_of_memory_message(job, None, "while compiling")) from None
+        raise
+    compile_s = time.perf_counter() - t0
+    plan = memory.compiled_plan(compiled)
+    planned = plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"]
+    planned += plan["temp_bytes"]
+    figures = memory_figures(loss_fn, params, opt_state, first, plan, job.accum.steps)
+
+    files = RunFiles(prepared.out_dir, job)
+    ckpt = None
+    start = prepared.resume_step or 0
+    if prepared.out_dir is not None:
+        from jaxmem.checkpoint import RunCheckpointer
+
+        ckpt = RunCheckpointer(os.path.join(prepared.out_dir, CHECKPOINT_DIR), r.keep_checkpoints)
+    if prepared.resume_step is not None:
+        assert ckpt is not None
+        params, opt_state, loss_scale, _, _ = ckpt.restore(
+            prepared.resume_step,
+            params_like=params,
+            opt_state_like=opt_state,
+            loss_scale_like=loss_scale,
+        )
+    files.start(prepared.resume_step)
+    valid = [jax.device_put(b) for b in val_batches(prepared.dataset, job)]
+
+    def val_loss(params: Any) -> float:
+        sums = [eval_fn(params, b) for b in valid]
+        return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
+
+    platform_name = jax.devices()[0].platform
+    console.print(
+        f"[bold]jaxmem train[/] preset {job.preset} ({cfg.n_params / 1e6:.2f} M params), policy "
+        f"{policy.name}, precision {precision.name}, accum {job.accum.steps} ({job.accum.mode}), "
+        f"batch {r.batch_size} x seq {r.seq_len}, {job.optimizer.name} lr {job.optimizer.lr}, "
+        f"steps {start + 1}..{r.steps} on {platform_name}; data: {prepared.dataset.source} "
+        f"({prepared.dataset.train.size:,} train / {prepared.dataset.val.size:,} val tokens); "
+        f"compiled in {compile_s:.1f} s, step plans {memory.format_bytes(planned)} "
+        f"(compiled plan)"
+        + (f"; resumed from step {start}" if prepared.resume_step is not None else "")
+    )
+
+    tokens_per_step = r.batch_size * r.seq_len
+    pending: list[tuple[int, dict[str, jax.Array]]] = []
+    skipped = 0
+    last_good = start
+    t_start = time.perf_counter()
+    steps_done = 0
+
+    def flush() -> list[dict[str, Any]]:
+        """The one host sync: the metrics of the steps since the last one."""
+        nonlocal skipped
+        out = []
+        for s, m in pending:
+            rec = {
+                "step": s,
+                "loss": float(m["loss"]),
+                "grad_norm": float(m["grad_norm"]),
+                "tokens": s * tokens_per_step,
+            }
+            if loss_scale is not None:
+                rec["skipped"] = not bool(m["grads_finite"])
+                skipped += rec["skipped"]
+            elif not math.isfinite(rec["loss"]):
+                files.append(out)
+                saved = f"step {last_good}" if ckpt and last_good else "none"
+                raise RunFailed(
+                    f"loss became {rec['loss']} at step {s}; stopped before checkpointing it "
+                    f"(last good checkpoint: {saved}"
+                    + (f" in {prepared.out_dir}/{CHECKPOINT_DIR}" if ckpt else "")
+                    + "); lower --lr, or use --precision fp32"
                 )
-            if step % eval_every == 0 or step == steps:
-                v = val_loss(params)
-                records[-1]["val_loss"] = v
-                progress.console.print(f"step {step}: train loss {last_loss:.4f}, val loss {v:.4f}")
+            out.append(rec)
+        pending.clear()
+        return out
+
+    memory_label = f"plan {memory.format_bytes(planned)}"
+    with (
+        progress_bar(console) as progress,
+        data_lib.Prefetcher(make_batch, start + 1, r.steps + 1, depth=r.prefetch) as batches,
+    ):
+        task = progress.add_task(
+            "train", total=r.steps, completed=start, loss=float("nan"), tps=0.0, mem=memory_label
+        )
+        try:
+            for step, batch in batches:
+                params, opt_state, loss_scale, metrics = compiled(
+                    params, opt_state, loss_scale, batch
+                )
+                pending.append((step, metrics))
+                steps_done += 1
+                is_last = step == r.steps
+                evaluate = step % r.eval_every == 0 or is_last
+                save = ckpt is not None and (step % r.checkpoint_every == 0 or is_last)
+                if step % r.refresh_every and not (evaluate or save):
+                    continue
+                records = flush()
+                if evaluate:
+                    records[-1]["val_loss"] = val_loss(params)
+                    progress.console.print(
+                        f"step {step}: train loss {records[-1]['loss']:.4f}, "
+                        f"val loss {records[-1]['val_loss']:.4f}"
+                    )
+                files.append(records)
+                if save:
+                    assert ckpt is not None
+                    ckpt.save(
+                        step,
+                        params=params,
+                        opt_state=opt_state,
+                        loss_scale=loss_scale,
+                        run_config=job.to_dict(),
+                        extra={"loss": records[-1]["loss"], "skipped_steps": skipped},
+                        force=True,
+                    )
+                    last_good = step
+                elapsed = time.perf_counter() - t_start
+                peak = memory.device_peak_bytes()
+                progress.update(
+                    task,
+                    completed=step,
+                    loss=records[-1]["loss"],
+                    tps=steps_done * tokens_per_step / elapsed,
+                    mem=memory_label if peak is None else f"peak {memory.format_bytes(peak)}",
+                )
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise RunFailed(out_of_memory_message(job, planned, "while training")) from None
+            raise
+        finally:
+            if ckpt is not None:
+                ckpt.close()
     jax.block_until_ready(params)
     wall = time.perf_counter() - t_start
-    tokens_per_s = steps * tokens_per_step / wall
+    tokens_per_s = steps_done * tokens_per_step / wall
 
-    # A console of its own so the table keeps its columns on narrow or non-tty outputs.
     Console(file=console.file, width=max(console.width, 110)).print(
-        memory.render_table(figures, f"memory of one training step ({preset_name})")
+        memory.render_table(figures, f"memory of one training step ({job.preset})")
     )
-    summary = {
-        "preset": preset_name,
-        "config": dataclasses.asdict(cfg),
-        "optimizer": dataclasses.asdict(opt_cfg),
-        "policy": policy.name,
-        "precision": dataclasses.asdict(precision),
-        "accum": dataclasses.asdict(accum),
-        "steps": steps,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "seed": seed,
-        "first_loss": records[0]["loss"],
-        "final_loss": records[-1]["loss"],
-        "final_val_loss": records[-1].get("val_loss"),
+    sample = None
+    if r.sample_tokens:
+        from jaxmem.generate import generate
+
+        tokens = generate(
+            graphdef,
+            params,
+            data_lib.encode(r.prompt) if r.prompt else np.array([data_lib.BOS]),
+            r.sample_tokens,
+            max_seq_len=cfg.max_seq_len,
+            temperature=r.temperature,
+            seed=r.seed,
+        )
+        sample = data_lib.decode(tokens)
+        console.rule("sample")
+        console.print(sample, markup=False, highlight=False)
+        console.rule()
+    summary = summarize(job, files.records, wall, tokens_per_s, compile_s, skipped, start)
+    summary["memory"] = [dataclasses.asdict(f) for f in figures]
+    summary["planned_step_bytes"] = planned
+    report(console, summary, files.finish(summary, sample), prepared.out_dir)
+    return summary
+
+
+def summarize(
+    job: JobConfig,
+    records: Sequence[dict[str, Any]],
+    wall: float,
+    tokens_per_s: float,
+    compile_s: float,
+    skipped: int,
+    start: int,
+) -> dict[str, Any]:
+    vals = [r for r in records if r.get("val_loss") is not None]
+    return {
+        "config": job.to_dict(),
+        "framework": job.run.framework,
+        "resumed_from": start or None,
+        "first_loss": records[0]["loss"] if records else None,
+        "final_loss": records[-1]["loss"] if records else None,
+        "final_val_loss": vals[-1]["val_loss"] if vals else None,
         "tokens_per_s": tokens_per_s,
+        "tokens_per_s_source": "wall clock over this process's training loop, compile excluded",
         "wall_s": wall,
         "compile_s": compile_s,
+        "skipped_steps": skipped,
         "platform": jax.devices()[0].platform,
         "host": platform.node(),
-        "memory": [dataclasses.asdict(f) for f in figures],
     }
+
+
+def report(console: Console, summary: dict[str, Any], written: list[str], out: str | None):
+    first, final, val = summary["first_loss"], summary["final_loss"], summary["final_val_loss"]
     console.print(
-        f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} "
-        f"(val {summary['final_val_loss']:.4f}) in {wall:.1f} s, {tokens_per_s:,.0f} tokens/s "
+        f"loss {first:.4f} -> {final:.4f}"
+        + (f" (val {val:.4f})" if val is not None else "")
+        + f" in {summary['wall_s']:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s "
         "(wall clock over the loop, compile excluded)"
+        + (
+            f"; {summary['skipped_steps']} fp16 overflow steps skipped"
+            if summary["skipped_steps"]
+            else ""
+        )
     )
-    if out_dir is not None:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        save_safetensors(nnx.merge(graphdef, params), os.path.join(out_dir, "model.safetensors"))
-        console.print(f"wrote {out_dir}/metrics.jsonl, summary.json, model.safetensors")
-    return summary
+    if out is not None:
+        console.print(f"wrote {out}/: {', '.join(written)}, {CHECKPOINT_DIR}/")

@@ -104,6 +104,14 @@ def test_memory_command_writes_one_record_per_framework_and_policy(tmp_path):
         assert by[(fw, "offload")]["saved_activation_bytes_host"] > 0
         assert by[(fw, "full")]["flops"] > by[(fw, "none")]["flops"]
     assert "How each figure was obtained" in proc.stdout
+    for policy in ("none", "full", "selective", "offload"):
+        assert f"{policy}: saved tensors that differ (jaxmem vs torch_ref)" in proc.stdout
+        for fw in ("jax", "torch"):
+            named = by[(fw, policy)]["saved_by_name"]
+            rec = by[(fw, policy)]
+            total = rec["saved_activation_bytes_device"] + rec["saved_activation_bytes_host"]
+            assert sum(named.values()) == total
+    assert by[("torch", "none")]["hook_saved_bytes_device"] > 0
 
 
 def cli_record_fields():
@@ -145,9 +153,16 @@ def test_memory_command_plans_a_large_preset_from_shapes(tmp_path):
         (["memory", "--frameworks", "jax,tf"], "unknown frameworks ['tf']"),
         (["memory", "--precision", "fp8"], "unknown precision 'fp8'"),
         (["memory", "--seq-len", "100"], "--seq-len 100 exceeds"),
+        (["bench", "--preset", "gpt2-1.5b"], "cannot run both frameworks on this machine"),
+        (["bench", "--preset", "huge"], "unknown preset 'huge'"),
+        (["bench", "--accum", "3"], "--accum 3 does not divide --batch-size 8"),
+        (["bench", "--depths", "0"], "--depths '0': give comma-separated positive integers"),
+        (["bench", "--quick", "--seq-lens", "64,99"], "sequence length 99 exceeds tiny"),
+        (["bench", "--time-policies", "none,most"], "unknown policies ['most']"),
+        (["bench", "--out", "/nonexistent/dir/x"], "is not a writable directory"),
     ],
 )
-def test_memory_command_bad_input(args, message, capsys):
+def test_memory_and_bench_bad_input(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(args)
     assert exc.value.code == 2
@@ -167,3 +182,48 @@ def test_presets_command_lists_every_preset(capsys):
     out = capsys.readouterr().out
     for name in ("tiny", "small", "seed", "gpt2-124m", "gpt3-6.7b"):
         assert name in out
+
+
+def test_bench_command_writes_json_markdown_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    proc = run_cli(
+        "bench",
+        "--quick",
+        "--depths",
+        "1,2",
+        "--seq-lens",
+        "16",
+        "--accum",
+        "1,2",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out / "sweep.json").read_text())
+    meta = result["meta"]
+    for key in ("date", "device", "versions", "plan", "base_config", "cpu_count"):
+        assert key in meta, key
+    assert meta["plan"]["depths"] == [1, 2] and meta["base_config"]["n_layers"] == 2
+    from jaxmem.remat import POLICIES
+
+    assert {(r["policy"], r["precision"]) for r in result["policy_precision"]} == {
+        (p, prec) for p in POLICIES for prec in ("fp32", "bf16")
+    }
+    for r in result["policy_precision"]:
+        assert r["jax_flops"] > 0 and r["torch_flops"] > 0
+    assert [r["n_layers"] for r in result["depth"] if r["policy"] == "full"] == [1, 2]
+    timed = {r["policy"]: r for r in result["step_time"]}
+    assert set(timed) == {"none", "full"}
+    for r in timed.values():
+        assert r["median_s"]["jax"] > 0 and r["median_s"]["torch"] > 0
+    for name in (
+        "sweep.md",
+        "bytes_per_policy.png",
+        "memory_vs_layers.png",
+        "pareto.png",
+        "step_time.png",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    assert "### step time" in (out / "sweep.md").read_text()

@@ -231,6 +231,10 @@ class PolicyLayers:
         """Storages of the copies the last forward moved to host memory (for accounting)."""
         return {k.storage for k in self.kept if k.memory == "host"}
 
+    def kept_names(self) -> dict[int, str]:
+        """Storage of each copy the last forward kept -> its tag(s), ``/``-joined."""
+        return {k.storage: "/".join(k.names) for k in self.kept}
+
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
         self.kept = []
         if not self.policy.remat:

@@ -1,0 +1,259 @@
+"""Data sources, .bin preparation/validation, deterministic batches and the prefetcher."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmem import data
+from jaxmem.data import DataError
+
+# --- text sources -------------------------------------------------------------------------------
+
+
+def test_text_file_loads_raw_bytes(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_bytes("hé\n".encode() + b"\xff")  # invalid UTF-8 is fine: bytes are used as-is
+    tokens = data.load_text_tokens(f)
+    assert tokens.dtype == np.uint16
+    assert tokens.tolist() == list("hé\n".encode() + b"\xff")
+
+
+def test_directory_loads_sorted_with_eos_and_skips_hidden_empty_and_binary(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "z.txt").write_bytes(b"BZ")
+    (tmp_path / "a.txt").write_bytes(b"A")
+    (tmp_path / "c.txt").write_bytes(b"C")
+    (tmp_path / ".hidden.txt").write_bytes(b"H")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "x.txt").write_bytes(b"G")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blob.dat").write_bytes(b"X\0Y")
+    tokens = data.load_text_tokens(tmp_path)
+    E = data.EOS
+    assert tokens.tolist() == [ord("A"), E, ord("B"), ord("Z"), E, ord("C")]
+
+
+def test_text_errors(tmp_path):
+    with pytest.raises(DataError, match=r"data path .*nope does not exist"):
+        data.load_text_tokens(tmp_path / "nope")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.txt contains no text"):
+        data.load_text_tokens(tmp_path / "empty.txt")
+    (tmp_path / "bin.dat").write_bytes(b"a\0b")
+    with pytest.raises(DataError, match=r"bin\.dat contains NUL bytes"):
+        data.load_text_tokens(tmp_path / "bin.dat")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / ".hidden").write_bytes(b"text")
+    (d / "x.pyc").write_bytes(b"\0\1")
+    with pytest.raises(DataError, match=r"contains no text \(1 binary file\(s\) skipped\)"):
+        data.load_text_tokens(d)
+
+
+# --- .bin files ---------------------------------------------------------------------------------
+
+
+def test_prepare_bin_round_trips_and_refuses_overwrite(tmp_path):
+    src = tmp_path / "corpus.txt"
+    text = b"hello world, " * 40
+    src.write_bytes(text)
+    out = tmp_path / "prepared"
+    meta = data.prepare_bin(src, out, val_fraction=0.1)
+
+    expected = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+    train_ref, val_ref = data.train_val_split(expected, 0.1)
+    train, val = data.load_bin(out / "train.bin"), data.load_bin(out / "val.bin")
+    assert isinstance(train, np.memmap) and train.dtype == np.uint16
+    np.testing.assert_array_equal(train, train_ref)
+    np.testing.assert_array_equal(val, val_ref)
+    assert (out / "train.bin").stat().st_size == 2 * train_ref.size  # raw uint16, no header
+
+    assert meta == json.loads((out / "meta.json").read_text())
+    assert meta == {
+        "format": "jaxmem-bytes-v1",
+        "dtype": "uint16",
+        "vocab_size": 259,
+        "tokenizer": "bytes",
+        "train_tokens": int(train_ref.size),
+        "val_tokens": int(val_ref.size),
+        "source": f"text file {src.resolve()}",
+    }
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+    with pytest.raises(
+        DataError, match=r"already contains train\.bin and val\.bin; choose another"
+    ):
+        data.prepare_bin(src, out)
+    np.testing.assert_array_equal(data.load_bin(out / "train.bin"), train_ref)  # untouched
+
+
+def test_prepare_bin_failure_leaves_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match="does not exist"):
+        data.prepare_bin(tmp_path / "missing.txt", out)
+    assert not out.exists()
+
+    src = tmp_path / "c.txt"
+    src.write_bytes(b"some text to split")
+    real_replace, calls = data.os.replace, []
+
+    def flaky_replace(a, b):  # the second rename (val.bin) fails, e.g. disk full
+        calls.append(b)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_replace(a, b)
+
+    monkeypatch.setattr(data.os, "replace", flaky_replace)
+    with pytest.raises(OSError, match="No space left"):
+        data.prepare_bin(src, out)
+    assert list(out.iterdir()) == []  # no temp files, and the renamed meta.json was removed
+
+
+def test_load_dataset_default_is_the_stdlib_corpus():
+    ds = data.load_dataset(None)
+    assert ds.source == "Python stdlib sources (embedded default)"
+    assert ds.train.size > 0 and ds.val.size > 0
+
+
+def test_load_bin_errors(tmp_path):
+    with pytest.raises(DataError, match=r"token file .*none\.bin does not exist"):
+        data.load_bin(tmp_path / "none.bin")
+
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.bin is empty"):
+        data.load_bin(tmp_path / "empty.bin")
+
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(DataError, match=r"odd\.bin is 3 bytes, not a multiple of 2.*uint16"):
+        data.load_bin(tmp_path / "odd.bin")
+
+    (tmp_path / "big.bin").write_bytes(np.array([1, 50256, 3], dtype="<u2").tobytes())
+    with pytest.raises(
+        DataError, match=r"token id 50256 but the model's vocab_size is 259; was it prepared"
+    ):
+        data.load_bin(tmp_path / "big.bin")
+    assert data.load_bin(tmp_path / "big.bin", vocab_size=50257).tolist() == [1, 50256, 3]
+
+
+def test_load_bin_checks_meta(tmp_path):
+    np.arange(10, dtype="<u2").tofile(tmp_path / "train.bin")
+    meta = {"dtype": "uint32", "train_tokens": 10}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=r"says dtype 'uint32' but \.bin files are read as uint16"):
+        data.load_bin(tmp_path / "train.bin")
+
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "train_tokens": 12}))
+    with pytest.raises(DataError, match=r"train_tokens=12 but .*train\.bin holds 10 tokens"):
+        data.load_bin(tmp_path / "train.bin")
+
+    (tmp_path / "meta.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"meta\.json is not readable JSON"):
+        data.load_bin(tmp_path / "train.bin")
+
+
+# --- dataset selection --------------------------------------------------------------------------
+
+
+def test_load_dataset_picks_the_format(tmp_path):
+    txt = tmp_path / "t.txt"
+    txt.write_bytes(b"0123456789" * 10)
+    ds = data.load_dataset(txt, val_fraction=0.1)
+    assert ds.source == f"text file {txt}" and ds.train.size == 90 and ds.val.size == 10
+
+    out = tmp_path / "prep"
+    data.prepare_bin(txt, out, val_fraction=0.2)
+    ds = data.load_dataset(out)
+    assert ds.source == f"nanoGPT .bin in {out}"
+    assert isinstance(ds.train, np.memmap) and ds.train.size == 80 and ds.val.size == 20
+
+    ds = data.load_dataset(out / "train.bin")
+    assert ds.val.size == 20  # val.bin beside it is used
+
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    np.arange(100, dtype="<u2").tofile(lone / "tokens.bin")
+    ds = data.load_dataset(lone / "tokens.bin", val_fraction=0.1)
+    assert ds.train.tolist() == list(range(90)) and ds.val.tolist() == list(range(90, 100))
+
+    with pytest.raises(DataError, match=r"data path .*missing does not exist"):
+        data.load_dataset(tmp_path / "missing")
+    with pytest.raises(DataError, match=r"token id 99 but the model's vocab_size is 50"):
+        data.load_dataset(lone / "tokens.bin", vocab_size=50)
+
+
+# --- deterministic batches ----------------------------------------------------------------------
+
+
+def test_batch_at_is_a_pure_function_of_seed_and_step():
+    tokens = np.arange(1000, dtype=np.uint16)
+    x1, y1 = data.batch_at(tokens, step=5, batch=4, seq_len=16, seed=0)
+    x2, y2 = data.batch_at(tokens, step=5, batch=4, seq_len=16, seed=0)
+    x3, _ = data.batch_at(tokens, step=6, batch=4, seq_len=16, seed=0)
+    x4, _ = data.batch_at(tokens, step=5, batch=4, seq_len=16, seed=1)
+    assert x1.shape == y1.shape == (4, 16) and x1.dtype == y1.dtype == np.int32
+    np.testing.assert_array_equal(x1, x2)
+    np.testing.assert_array_equal(y1, y2)
+    assert not np.array_equal(x1, x3) and not np.array_equal(x1, x4)
+    np.testing.assert_array_equal(y1[:, :-1], x1[:, 1:])  # targets are inputs shifted by one
+    np.testing.assert_array_equal(y1, x1 + 1)  # (consecutive ids in this data)
+
+
+def test_batch_at_needs_enough_tokens():
+    with pytest.raises(DataError, match=r"seq_len=8 needs at least 10 tokens; the val split has 9"):
+        data.batch_at(np.arange(9, dtype=np.uint16), 0, 2, 8, 0, what="val")
+    x, _ = data.batch_at(np.arange(10, dtype=np.uint16), 0, 2, 8, 0)  # exactly enough is fine
+    assert x.shape == (2, 8)
+
+
+# --- prefetcher ---------------------------------------------------------------------------------
+
+
+def _make(step: int) -> dict[str, np.ndarray]:
+    x, y = data.batch_at(np.arange(500, dtype=np.uint16), step, 2, 8, seed=3)
+    return {"inputs": x, "targets": y}
+
+
+def test_prefetcher_yields_the_same_batches_in_order():
+    with data.Prefetcher(_make, 3, 9, depth=2) as pf:
+        got = list(pf)
+    assert [step for step, _ in got] == list(range(3, 9))
+    for step, batch in got:
+        assert isinstance(batch["inputs"], jax.Array)
+        for k, v in _make(step).items():
+            np.testing.assert_array_equal(np.asarray(batch[k]), v)
+
+
+def test_prefetcher_reraises_worker_errors():
+    def make(step: int) -> dict[str, np.ndarray]:
+        if step == 2:
+            raise DataError("bad batch at step 2")
+        return _make(step)
+
+    with data.Prefetcher(make, 0, 5) as pf:
+        it = iter(pf)
+        assert next(it)[0] == 0 and next(it)[0] == 1
+        with pytest.raises(DataError, match="bad batch at step 2"):
+            next(it)
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+def test_prefetcher_close_after_early_stop_is_prompt():
+    before = set(threading.enumerate())
+    pf = data.Prefetcher(_make, 0, 1_000_000, depth=2)
+    for step, _ in pf:
+        if step == 1:
+            break
+    time.sleep(0.2)  # let the worker fill the queue and block on put
+    t0 = time.perf_counter()
+    pf.close()
+    assert time.perf_counter() - t0 < 1.0
+    assert not any(t.is_alive() for t in set(threading.enumerate()) - before)
+    with pytest.raises(StopIteration):
+        next(pf)
