@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/jaxmem train --preset small --policy selective --steps 150 --batch-size 16 --seq-len 128 --eval-every 50
+	$(BIN)/jaxmem train --preset small --policy selective --steps 200 --batch-size 16 --seq-len 128 --eval-every 50 --checkpoint-every 100 --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -32,6 +32,13 @@ class UsageError(Exception):
     """Bad user input: reported as one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (not the usage block) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -492,7 +499,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jaxmem",
         description="Decide, prove and run the cheapest memory strategy for training a "
         "transformer, in JAX (Flax NNX) and PyTorch.",

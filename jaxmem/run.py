@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -108,8 +109,13 @@ def _check_run_dir(job: JobConfig, out_dir: str | None, resume: bool) -> int | N
         parent = out_dir if os.path.isdir(out_dir) else os.path.dirname(os.path.abspath(out_dir))
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
-        if not os.access(parent, os.W_OK):
-            raise ConfigError(f"--out {out_dir}: {parent} is not writable; choose another --out")
+        # Try it (os.access says yes to root even on read-only mounts); nothing is left behind.
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".jaxmem-write-test-", dir=parent))
+        except OSError:
+            raise ConfigError(
+                f"--out {out_dir}: {parent} is not writable; choose another --out"
+            ) from None
         return None
     if not os.path.isdir(out_dir):
         raise ConfigError(f"--resume: {out_dir} does not exist; start the run without --resume")

@@ -1,13 +1,8 @@
 from __future__ import annotations
 
-import json
-
 import numpy as np
-from rich.console import Console
 
 from jaxmem import data
-from jaxmem.config import PRESETS, OptimizerConfig
-from jaxmem.run import run_training
 
 
 def test_byte_tokenizer_round_trips():
@@ -22,50 +17,350 @@ def test_stdlib_corpus_is_deterministic():
     assert a.size == 50_000 and a.max() < data.VOCAB_SIZE
 
 
-def test_tiny_training_run_lowers_the_loss_and_writes_its_outputs(tmp_path):
+# ------------------------------------------------------------------------------ jaxmem train job
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from jaxmem import cli  # noqa: E402
+from jaxmem.job import JobConfig, read_config_file, write_config  # noqa: E402
+from jaxmem.parity import tolerance  # noqa: E402
+
+TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0"]
+
+
+def train(*args: str) -> int:
+    return cli.main(["train", *TINY, *args])
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def snapshot(path) -> dict[str, int]:
+    """Every file under ``path`` with its size (to prove a failed command touched nothing)."""
+    if not os.path.exists(path):
+        return {}
+    return {
+        os.path.relpath(os.path.join(d, f), path): os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(path)
+        for f in files
+    }
+
+
+def test_tiny_run_lowers_the_loss_and_leaves_metrics_plot_config_sample_checkpoints(tmp_path):
     out = tmp_path / "run"
-    summary = run_training(
-        PRESETS["tiny"],
-        OptimizerConfig(lr=3e-3, weight_decay=0.1),
-        preset_name="tiny",
-        steps=30,
-        batch_size=8,
-        seq_len=64,
-        seed=0,
-        eval_every=30,
-        out_dir=str(out),
-        console=Console(file=open(tmp_path / "log.txt", "w")),
+    code = cli.main(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            "40",
+            "--batch-size",
+            "8",
+            "--lr",
+            "3e-3",
+            "--eval-every",
+            "20",
+            "--checkpoint-every",
+            "10",
+            "--keep",
+            "2",
+            "--sample-tokens",
+            "20",
+            "--out",
+            str(out),
+        ]
     )
-    assert summary["final_loss"] < summary["first_loss"] - 1.0
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == list(range(1, 31))
-    assert (out / "model.safetensors").stat().st_size > 4 * PRESETS["tiny"].n_params
-    figures = {f["quantity"]: f for f in summary["memory"]}
-    assert figures["parameters"]["nbytes"] == 4 * PRESETS["tiny"].n_params
-    assert figures["optimizer state"]["nbytes"] >= 8 * PRESETS["tiny"].n_params
-    assert all(f["source"] for f in summary["memory"])
+    assert code == 0
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == list(range(1, 41))
+    assert recs[-1]["loss"] < recs[0]["loss"] - 1.0
+    assert [r["step"] for r in recs if "val_loss" in r] == [20, 40]
+    assert sorted(os.listdir(out / "checkpoints")) == ["30", "40"]  # keep the last 2
+    assert (out / "loss.png").stat().st_size > 0
+    sample = (out / "sample.txt").read_text()
+    assert sample.startswith("def ") and len(sample.encode()) >= 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_loss"] == recs[-1]["loss"] and summary["tokens_per_s"] > 0
+    # the resolved config reads back to the same job and repeats the run
+    job = JobConfig.from_dict(read_config_file(str(out / "config.yaml")))
+    assert job.to_dict() == summary["config"]
+    assert job.run.steps == 40 and job.model.n_layers == 2 and job.optimizer.lr == 3e-3
 
 
-def test_training_with_a_policy_precision_and_accumulation(tmp_path):
-    from jaxmem.config import AccumConfig
-    from jaxmem.precision import PRECISIONS
-    from jaxmem.remat import POLICIES
-
-    summary = run_training(
-        PRESETS["tiny"],
-        OptimizerConfig(lr=3e-3),
-        policy=POLICIES["offload"],
-        precision=PRECISIONS["bf16"],
-        accum=AccumConfig(steps=2),
-        preset_name="tiny",
-        steps=20,
-        batch_size=8,
-        seq_len=64,
-        seed=0,
-        eval_every=20,
-        out_dir=None,
-        console=Console(file=open(tmp_path / "log.txt", "w")),
+def test_config_round_trips_through_yaml_toml_and_flags(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text(
+        'preset = "tiny"\nprecision = "bf16"\n[model]\nn_layers = 3\n'
+        '[memory]\npolicy = "custom"\nsave = ["mlp_up", "norm1_out"]\noffload = ["mlp_act"]\n'
+        "[optimizer]\nlr = 3e-4\n[accum]\nsteps = 2\n[run]\nsteps = 7\nbatch_size = 4\n"
     )
-    assert summary["final_loss"] < summary["first_loss"] - 0.5
-    figures = {f["quantity"]: f["nbytes"] for f in summary["memory"]}
-    assert figures["saved activations, host memory (offloaded)"] > 0
+    job = JobConfig.from_dict(read_config_file(str(toml)))
+    assert job.model.n_layers == 3 and job.precision == "bf16" and job.run.steps == 7
+    assert set(job.policy.save) == {"norm1_out", "mlp_up"} and job.policy.offload == ("mlp_act",)
+    assert job.run.seq_len == 64  # default 128 capped at tiny's max_seq_len
+    path = tmp_path / "config.yaml"
+    write_config(job, str(path))
+    assert JobConfig.from_dict(read_config_file(str(path))) == job
+    # flags override the file; --set reaches any setting
+    args = cli.build_parser().parse_args(
+        [
+            "train",
+            "--config",
+            str(toml),
+            "--steps",
+            "9",
+            "--set",
+            "optimizer.b2=0.95",
+            "--set",
+            "model.norm=post",
+        ]
+    )
+    resolved = cli.resolve_job(args)
+    assert resolved.run.steps == 9 and resolved.optimizer.b2 == 0.95
+    assert resolved.model.norm == "post" and resolved.model.n_layers == 3
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_every_trainable_preset_validates_and_planning_presets_are_refused(preset):
+    from jaxmem.config import PLANNING_ONLY, ConfigError
+
+    job = JobConfig.from_dict({"preset": preset})
+    assert JobConfig.from_dict(job.to_dict()) == job
+    for name in (*PLANNING_ONLY, "seed"):
+        with pytest.raises(ConfigError, match="not trainable on this machine"):
+            JobConfig.from_dict({"preset": name})
+
+
+def _bin_with_wrong_dtype(tmp_path):
+    d = tmp_path / "data32"
+    d.mkdir()
+    (d / "train.bin").write_bytes(b"\x01" * 4001)  # odd size: not uint16
+    return str(d / "train.bin")
+
+
+def _text(tmp_path, text):
+    p = tmp_path / "corpus.txt"
+    p.write_text(text)
+    return str(p)
+
+
+BAD_INPUT = [
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--policy", "most"], "unknown memory policy 'most'"),
+    (["--optimizer", "lion"], "optimizer='lion' is not one of"),
+    (["--precision", "fp8"], "unknown precision 'fp8'"),
+    (["--save", "mlp_upp"], "unknown tag name(s) ['mlp_upp']"),
+    (["--save", "mlp_up", "--offload", "mlp_up"], "['mlp_up'] are both saved and offloaded"),
+    (["--batch-size", "6", "--accum", "4"], "batch size 6 is not divisible by accum steps 4"),
+    (["--seq-len", "65"], "seq_len=65 exceeds the model's max_seq_len=64"),
+    (["--steps", "0"], "0 must be a positive integer"),
+    (["--lr", "-1"], "-1.0 must be positive"),
+    (["--set", "optimizer.lr=0"], "lr=0.0 must be a positive float"),
+    (["--set", "run.steps=-3"], "steps=-3 must be a positive integer"),
+    (["--set", "model.colour=blue"], "unknown setting(s) ['colour'] in [model]"),
+    (["--data", "/nonexistent/corpus"], "data path /nonexistent/corpus does not exist"),
+    ("EMPTY_DATA", "contains no text"),
+    ("SHORT_DATA", "needs at least 34 tokens"),
+    ("BAD_BIN", "is 4001 bytes, not a multiple of 2, so it is not raw uint16 tokens"),
+    (["--config", "/nonexistent/job.toml"], "config file /nonexistent/job.toml does not exist"),
+    (["--out", "/proc/jaxmem-run"], "is not writable"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path, capsys):
+    if args == "EMPTY_DATA":
+        (tmp_path / "empty").mkdir()
+        args = ["--data", str(tmp_path / "empty")]
+    elif args == "SHORT_DATA":
+        args = ["--data", _text(tmp_path, "x = 1\n" * 30)]  # 180 bytes: val split of 9 tokens
+    elif args == "BAD_BIN":
+        args = ["--data", _bin_with_wrong_dtype(tmp_path)]
+    out = tmp_path / "run"
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        train(*args, *([] if "--out" in args else ["--out", str(out)]))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert snapshot(tmp_path) == before and not out.exists()
+
+
+def test_backend_without_pinned_host_or_fp16_is_refused(tmp_path, monkeypatch, capsys):
+    import jaxmem.precision as precision
+    import jaxmem.remat as remat
+
+    monkeypatch.setattr(remat, "backend_memory_kinds", lambda device=None: ("device",))
+    with pytest.raises(SystemExit) as exc:
+        train("--policy", "offload", "--out", str(tmp_path / "a"))
+    assert exc.value.code == 2
+    assert "only has memory kinds ['device']" in capsys.readouterr().err
+
+    class NoFloat16(RuntimeError):
+        pass
+
+    def dot(*_):
+        raise NoFloat16("UNIMPLEMENTED: f16 dot")
+
+    monkeypatch.setattr(precision.jnp, "dot", dot)
+    with pytest.raises(SystemExit) as exc:
+        train("--precision", "fp16", "--out", str(tmp_path / "b"))
+    assert exc.value.code == 2
+    assert "precision 'fp16' needs float16, which this cpu backend rejects" in (
+        capsys.readouterr().err
+    )
+    assert not os.listdir(tmp_path)
+
+
+def test_resume_refuses_a_contradicting_config_and_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train("--steps", "4", "--checkpoint-every", "2", "--out", str(out)) == 0
+    capsys.readouterr()
+    before = snapshot(out)
+    for args, message in (
+        (["--lr", "0.01"], "optimizer.lr: checkpoint 0.001, now 0.01"),
+        (["--policy", "full"], "memory.policy: checkpoint none, now full"),
+        (["--framework", "torch"], "run.framework: checkpoint jax, now torch"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            train("--steps", "8", "--out", str(out), "--resume", *args)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train("--out", str(out))  # a non-empty run directory without --resume
+    assert "add --resume to continue it" in capsys.readouterr().err
+    assert snapshot(out) == before
+
+
+def _train_cmd(out, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "jaxmem.cli",
+        "train",
+        *TINY,
+        "--steps",
+        "60",
+        "--checkpoint-every",
+        "5",
+        "--eval-every",
+        "30",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def test_a_run_killed_with_sigkill_resumes_to_the_same_losses_step_for_step(tmp_path):
+    reference = tmp_path / "reference"
+    subprocess.run(_train_cmd(reference), check=True, capture_output=True, timeout=300)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _train_cmd(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (killed / "checkpoints" / "10").is_dir():
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    steps_on_disk = sorted(int(s) for s in os.listdir(killed / "checkpoints") if s.isdigit())
+    assert steps_on_disk and steps_on_disk[-1] < 60
+    subprocess.run(_train_cmd(killed, "--resume"), check=True, capture_output=True, timeout=300)
+    ref, res = metrics(reference), metrics(killed)
+    assert [r["step"] for r in res] == list(range(1, 61))
+    assert [r["loss"] for r in res] == [r["loss"] for r in ref]  # bit-identical
+    assert [r.get("val_loss") for r in res] == [r.get("val_loss") for r in ref]
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    # an absurd learning rate: AdamW moves every weight by ~1e30 and the next loss is not finite
+    code = train(
+        "--steps", "20", "--checkpoint-every", "1", "--set", "optimizer.lr=1e30", "--out", str(out)
+    )
+    assert code == cli.EXIT_RUN_FAILED
+    err = capsys.readouterr().err
+    assert "loss became nan at step 2" in err or "loss became inf at step 2" in err
+    assert "last good checkpoint: step 1" in err
+    assert os.listdir(out / "checkpoints") == ["1"]
+    assert [r["step"] for r in metrics(out)] == [1]
+
+
+def test_out_of_memory_reports_the_plan_and_a_cheaper_policy(tmp_path, monkeypatch, capsys):
+    import jaxmem.run as run
+
+    job = JobConfig.from_dict({"preset": "tiny", "memory": {"policy": "selective"}})
+    message = run.out_of_memory_message(job, 3 << 30, "while training")
+    assert "the step plans 3.00 GiB (compiled plan)" in message
+    assert "--policy dots" in message and "--precision bf16" in message
+
+    class FakeXlaError(RuntimeError):
+        pass
+
+    class Exhausted:
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            raise FakeXlaError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
+
+    monkeypatch.setattr(run, "make_train_step", lambda *a, **k: Exhausted())
+    assert train("--policy", "selective") == cli.EXIT_RUN_FAILED
+    err = capsys.readouterr().err
+    assert "out of memory while compiling with policy 'selective'" in err
+    assert "try --policy dots" in err
+
+
+def test_torch_framework_trains_the_same_job_to_the_same_losses(tmp_path):
+    jax_run, torch_run = tmp_path / "jax", tmp_path / "torch"
+    common = ["--steps", "12", "--checkpoint-every", "12", "--eval-every", "6"]
+    assert train(*common, "--out", str(jax_run)) == 0
+    assert train(*common, "--framework", "torch", "--out", str(torch_run)) == 0
+    j, t = metrics(jax_run), metrics(torch_run)
+    assert [r["step"] for r in t] == list(range(1, 13))
+    tol = tolerance("float32", "adamw_loss")
+    np.testing.assert_allclose(
+        [r["loss"] for r in j], [r["loss"] for r in t], rtol=tol.rtol, atol=tol.atol
+    )
+    assert sorted(os.listdir(torch_run / "checkpoints")) == ["12"]
+    # both curves on one plot
+    assert cli.main(["plot", str(jax_run), str(torch_run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_torch_run_resumes_from_its_checkpoint(tmp_path):
+    out = tmp_path / "torch"
+    common = ["--framework", "torch", "--checkpoint-every", "3", "--out", str(out)]
+    assert train("--steps", "6", *common) == 0
+    first = metrics(out)
+    assert train("--steps", "9", "--resume", *common) == 0
+    resumed = metrics(out)
+    assert [r["step"] for r in resumed] == list(range(1, 10))
+    assert resumed[:6] == first
+
+
+def test_prepare_writes_bin_files_that_train_reads(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("def f(x):\n    return x + 1\n" * 200)
+    data_dir = tmp_path / "bin"
+    assert cli.main(["prepare", str(src), "--out", str(data_dir)]) == 0
+    assert "train.bin" in capsys.readouterr().out
+    out = tmp_path / "run"
+    assert train("--steps", "3", "--data", str(data_dir), "--out", str(out)) == 0
+    assert f"data: nanoGPT .bin in {data_dir}" in " ".join(capsys.readouterr().out.split())
+    assert read_config_file(str(out / "config.yaml"))["data"]["path"] == str(data_dir)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["prepare", str(src), "--out", str(data_dir)])  # never overwrites
+    assert exc.value.code == 2
