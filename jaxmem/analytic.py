@@ -84,6 +84,29 @@ def backward_reads(cfg: ModelConfig) -> frozenset[str]:
     return frozenset(common | {"block_input", "norm1_out", "mlp_residual"})
 
 
+# A tag the backward does not read is still kept when the policy stores it and an unstored tag
+# the backward does read is recomputed from it (with the block input, always kept): the residual
+# additions and the softmax. JAX's partial evaluation keeps such a source instead of recomputing
+# further back; torch_ref keeps the same (``torch_ref.remat``).
+RECOMPUTED_FROM = {
+    "attn_residual": "attn_out",
+    "mlp_residual": "mlp_down",
+    "attn_probs": "attn_scores",
+}
+
+
+def kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
+    """The tags a rematerialised block keeps (in device or host memory) under ``policy``: the
+    stored tags its backward reads, plus stored sources of unstored tags it reads."""
+    reads = backward_reads(cfg)
+    stored = set(policy.save) | set(policy.offload)
+    kept = stored & (reads | {"block_input"})
+    for needed, source in RECOMPUTED_FROM.items():
+        if needed in reads and needed not in stored and source in stored:
+            kept.add(source)
+    return frozenset(kept)
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationEstimate:
     device_bytes: int
@@ -97,9 +120,12 @@ def saved_activation_bytes(
     """What the blocks keep for the backward pass at the end of the forward, by policy.
 
     - no remat: every tag the backward reads;
-    - remat: the block input plus the read tags the policy saves (device) or offloads (host);
-      ``dots`` keeps the outputs of the four projections (q/k/v together, attn_out, mlp_up,
-      mlp_down) of which the backward reads q, k, v and mlp_up;
+    - remat: the block input plus the tags the policy saves (device) or offloads (host) that the
+      backward reads or recomputes a read tag from (``kept_tags``): ``dots`` stores the four
+      projections (q/k/v, attn_out, mlp_up, mlp_down) and keeps q, k, v, mlp_up and attn_out
+      (the source of attn_residual);
+    - ``save_dots`` (custom policies: every matmul without batch dimensions): q, k, v and
+      mlp_up;
     - nested: one input per ⌈√L⌉-block segment.
     Embeddings, the LM head and the loss are outside this model.
     """
@@ -123,8 +149,9 @@ def saved_activation_bytes(
             kept = {"query_proj", "key_proj", "value_proj", "mlp_up"} & reads
             on_device, on_host = kept | {"block_input"}, set()
         else:
-            on_device = ({"block_input"} | set(policy.save)) & (reads | {"block_input"})
-            on_host = set(policy.offload) & reads - on_device
+            kept = kept_tags(cfg, policy)
+            on_device = ({"block_input"} | set(policy.save)) & (kept | {"block_input"})
+            on_host = set(policy.offload) & kept - on_device
         d = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in on_device)
         h = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in on_host)
         device += d

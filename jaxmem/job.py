@@ -216,7 +216,11 @@ class JobConfig:
             f"preset {self.preset!r} is not trainable on this machine (planning-only shape or "
             "the seeds' single layer); train tiny or small",
         )
-        get_precision(self.precision)
+        if get_precision(self.precision).loss_scale != "none" and self.accum.mode != "scan":
+            raise ConfigError(
+                f"accum mode {self.accum.mode!r} has no loss scaling; precision "
+                f"{self.precision!r} needs it: use accum mode 'scan' or precision bf16"
+            )
         self.policy  # noqa: B018  (validates the policy against the tag names)
         self.accum.check_batch(self.run.batch_size)
         _require(

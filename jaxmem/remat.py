@@ -9,8 +9,11 @@ Presets (``POLICIES``):
 
 - ``none``: plain autodiff, every residual kept in device memory.
 - ``full``: recompute the whole block; only each block's input is kept.
-- ``dots``: keep the outputs of matmuls without batch dimensions (the projections), recompute the
-  rest (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``).
+- ``dots``: keep the projections (the matmuls without batch dimensions: q/k/v, attention
+  output, MLP up and down), recompute the rest. By name, not with
+  ``dots_with_no_batch_dims_saveable``: the projections accumulate in fp32, so that policy would
+  keep their fp32 results under bf16 (1.6x torch's bytes); the tags hold the compute-dtype
+  values. ``MemoryPolicy(save_dots=True)`` still gives the jax.checkpoint_policies form.
 - ``selective``: Megatron-style (Korthikanti et al. 2022): keep the projections and elementwise
   outputs, recompute the attention core (scores, softmax, context).
 - ``mlp``: keep the attention side, recompute the MLP.
@@ -192,12 +195,13 @@ class MemoryPolicy:
 
 
 ATTENTION_CORE = ("attn_scores", "attn_probs", "attn_context")
+PROJECTIONS = ("query_proj", "key_proj", "value_proj", "attn_out", "mlp_up", "mlp_down")
 MLP_SIDE = ("mlp_up", "mlp_act", "mlp_down", "mlp_residual")
 
 POLICIES: dict[str, MemoryPolicy] = {
     "none": MemoryPolicy(name="none", remat=False),
     "full": MemoryPolicy(name="full"),
-    "dots": MemoryPolicy(name="dots", save_dots=True),
+    "dots": MemoryPolicy(name="dots", save=PROJECTIONS),
     "selective": MemoryPolicy(
         name="selective", save=tuple(n for n in CHECKPOINT_NAMES if n not in ATTENTION_CORE)
     ),

@@ -395,19 +395,21 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
     graphdef, params = nnx.split(model, nnx.Param)
     del model  # params are donated to the step; keep no second reference
     tx = make_optimizer(job.optimizer)
-    opt_state = tx.init(params)
     loss_fn = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
-    step_fn = make_train_step(
-        loss_fn, tx, precision=precision, accum=job.accum, opt_cfg=job.optimizer
-    )
     eval_fn = jax.jit(lambda p, b: loss_fn(p, b)[1])
     loss_scale = init_loss_scale(precision)
     make_batch = train_batch(prepared.dataset, job)
-
     first = jax.device_put(make_batch(1))
     t0 = time.perf_counter()
     try:
-        compiled = step_fn.lower(params, opt_state, loss_scale, first).compile()
+        if job.accum.mode == "multisteps":
+            compiled, opt_state = _multisteps(loss_fn, tx, job.accum.steps, params, first)
+        else:
+            opt_state = tx.init(params)
+            step_fn = make_train_step(
+                loss_fn, tx, precision=precision, accum=job.accum, opt_cfg=job.optimizer
+            )
+            compiled = step_fn.lower(params, opt_state, loss_scale, first).compile()
     except Exception as e:
         if is_out_of_memory(e):
             raise RunFailed(out_of_memory_message(job, None, "while compiling")) from None
@@ -464,12 +466,9 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
         nonlocal skipped
         out = []
         for s, m in pending:
-            rec = {
-                "step": s,
-                "loss": float(m["loss"]),
-                "grad_norm": float(m["grad_norm"]),
-                "tokens": s * tokens_per_step,
-            }
+            rec = {"step": s, "loss": float(m["loss"]), "tokens": s * tokens_per_step}
+            if "grad_norm" in m:  # not seen by MultiSteps' caller
+                rec["grad_norm"] = float(m["grad_norm"])
             if loss_scale is not None:
                 rec["skipped"] = not bool(m["grads_finite"])
                 skipped += rec["skipped"]
@@ -571,6 +570,33 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
     summary["planned_step_bytes"] = planned
     report(console, summary, files.finish(summary, sample), prepared.out_dir)
     return summary
+
+
+def _multisteps(loss_fn: Any, tx: Any, k: int, params: Any, batch: dict) -> tuple[Any, Any]:
+    """``optax.MultiSteps`` accumulation as a step with the scan step's signature: the jitted
+    micro-step (compiled once, for one microbatch) runs ``k`` times per step, the parameters
+    changing on the k-th. Returns ``(step, opt_state)``; the step's ``.plan`` is the micro-step's
+    compiled plan."""
+    from jaxmem.train import make_multisteps_step, valid_tokens
+
+    multi, micro_step = make_multisteps_step(loss_fn, tx, k)
+    opt_state = multi.init(params)
+
+    def split(b: dict, i: int) -> dict:
+        return {key: v[i * (v.shape[0] // k) : (i + 1) * (v.shape[0] // k)] for key, v in b.items()}
+
+    micro = micro_step.lower(params, opt_state, split(batch, 0), valid_tokens(batch)).compile()
+
+    def step(params, opt_state, loss_scale, batch):
+        n_total = valid_tokens(batch)
+        loss_sum = 0.0
+        for i in range(k):
+            params, opt_state, m = micro(params, opt_state, split(batch, i), n_total)
+            loss_sum = loss_sum + m["loss_sum"]
+        return params, opt_state, loss_scale, {"loss": loss_sum / n_total}
+
+    step.memory_analysis = micro.memory_analysis  # type: ignore[attr-defined]
+    return step, opt_state
 
 
 def summarize(

@@ -364,3 +364,32 @@ def test_prepare_writes_bin_files_that_train_reads(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["prepare", str(src), "--out", str(data_dir)])  # never overwrites
     assert exc.value.code == 2
+
+
+def test_fp16_and_multisteps_runs_checkpoint_and_resume(tmp_path, capsys):
+    fp16 = tmp_path / "fp16"
+    common = ["--checkpoint-every", "2", "--out", str(fp16), "--precision", "fp16"]
+    assert train("--steps", "2", *common) == 0
+    assert train("--steps", "4", "--resume", *common) == 0  # the loss scale is restored too
+    recs = metrics(fp16)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(isinstance(r["skipped"], bool) for r in recs)  # overflow steps are counted
+    summary = json.loads((fp16 / "summary.json").read_text())
+    assert summary["skipped_steps"] == sum(r["skipped"] for r in recs)
+    multi = tmp_path / "multi"
+    args = ["--accum", "2", "--accum-mode", "multisteps", "--steps", "3", "--out", str(multi)]
+    assert train(*args) == 0
+    scan = tmp_path / "scan"
+    assert train("--accum", "2", "--steps", "3", "--out", str(scan)) == 0
+    tol = tolerance("float32", "adamw_loss")
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics(multi)],
+        [r["loss"] for r in metrics(scan)],
+        rtol=tol.rtol,
+        atol=tol.atol,
+    )
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        train("--precision", "fp16", "--accum", "2", "--accum-mode", "multisteps")
+    assert exc.value.code == 2
+    assert "accum mode 'multisteps' has no loss scaling" in capsys.readouterr().err

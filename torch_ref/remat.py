@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from jaxmem.config import ConfigError, ModelConfig
+from jaxmem.model import CHECKPOINT_NAMES
 from jaxmem.remat import LayerSelection, MemoryPolicy, nested_segment_size
 from torch_ref.model import BlockStack, run_layers
 
@@ -71,14 +72,19 @@ def block_ops(cfg: ModelConfig) -> dict[tuple[str, int], tuple[str, ...]]:
     }
 
 
-def unread_by_backward(cfg: ModelConfig) -> frozenset[str]:
-    """Tags whose values no backward op reads: they only feed additions (whose backward needs
-    no inputs) or leave the block. Keeping them would only cost memory; JAX's partial evaluation
-    drops them the same way (a test checks both frameworks agree)."""
-    # attn_scores: softmax's backward reads its output, not its input.
-    if cfg.norm == "pre":
-        return frozenset({"attn_scores", "attn_out", "mlp_down", "mlp_residual"})
-    return frozenset({"attn_scores", "attn_out", "mlp_down", "norm2_out"})
+def unread_by_backward(cfg: ModelConfig, policy: MemoryPolicy | None = None) -> frozenset[str]:
+    """Tags a rematerialised block need not keep under ``policy``: no backward op reads them
+    (they only feed additions, softmax, or leave the block) and, unless the policy stores them
+    while leaving a read tag computed from them unstored, keeping them would only cost memory.
+    JAX's partial evaluation drops the same ones (``jaxmem.analytic.kept_tags``; a test checks
+    both frameworks agree). Without ``policy``: the tags no backward op reads."""
+    from jaxmem.analytic import backward_reads, kept_tags
+
+    reads = backward_reads(cfg) | {"block_input"}
+    unread = frozenset(CHECKPOINT_NAMES) - reads
+    if policy is None:
+        return unread
+    return unread - kept_tags(cfg, policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +107,7 @@ class _Decider:
     def __init__(self, policy: MemoryPolicy, cfg: ModelConfig):
         self.policy = policy
         self.ops = block_ops(cfg)
-        self.unread = unread_by_backward(cfg)
+        self.unread = unread_by_backward(cfg, policy)
         self.counts: dict[tuple[bool, str], int] = {}
 
     def __call__(self, func: Any, recompute: bool) -> tuple[str, tuple[str, ...]]:
