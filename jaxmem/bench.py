@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -35,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmem.config import ModelConfig, OptimizerConfig, get_preset
+from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.flops import grad_matmul_flops
 from jaxmem.memory import compiled_plan, saved_residuals, summarize_residuals
 from jaxmem.parity import lm_batch, torch_model_from
@@ -258,17 +258,10 @@ def run_sweep(
     }
     os.makedirs(out_dir, exist_ok=True)
     result = {"meta": meta, **rows}
-    _write_atomic(os.path.join(out_dir, "sweep.json"), json.dumps(result, indent=2) + "\n")
-    _write_atomic(os.path.join(out_dir, "sweep.md"), markdown(rows, meta))
+    write_json_atomic(os.path.join(out_dir, "sweep.json"), result)
+    write_atomic(os.path.join(out_dir, "sweep.md"), markdown(rows, meta))
     plot(rows, meta, out_dir)
     return result
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:

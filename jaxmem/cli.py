@@ -20,6 +20,7 @@ from jaxmem.config import (
     OptimizerConfig,
     get_preset,
 )
+from jaxmem.files import write_json_atomic
 from jaxmem.precision import PRECISIONS, get_precision
 from jaxmem.remat import POLICIES, check_backend, get_policy
 
@@ -67,14 +68,6 @@ def _check_writable_json(path: str | None) -> None:
         raise UsageError(f"--json {path}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise UsageError(f"--json {path}: directory {parent} is not writable")
-
-
-def _write_json_atomic(path: str, payload: object) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------- presets
@@ -127,7 +120,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     report = run_parity(cfg, batch=args.batch_size, seq_len=seq_len, seed=args.seed)
     report["preset"] = args.preset_name
     if args.json:
-        _write_json_atomic(args.json, report)
+        write_json_atomic(args.json, report)
     verdict = "PASSED" if report["passed"] else "FAILED"
     print(
         f"parity {verdict} ({args.preset_name}, fp32, batch {args.batch_size}, seq {seq_len}): "
@@ -331,7 +324,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
             records.append(rec)
     _print_memory_table(console, records, args.preset_name, args.batch_size, seq_len, planning)
     if args.json:
-        _write_json_atomic(args.json, records)
+        write_json_atomic(args.json, records)
         console.print(f"wrote {len(records)} records to {args.json}")
     return 0
 

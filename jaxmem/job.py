@@ -342,11 +342,10 @@ def write_config(config: JobConfig, path: str) -> None:
     """``config.yaml`` of a run (atomic: written beside it, then renamed)."""
     import yaml
 
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write("# jaxmem resolved run config: `jaxmem train --config THIS_FILE` repeats it\n")
-        yaml.safe_dump(config.to_dict(), f, sort_keys=False)
-    os.replace(tmp, path)
+    from jaxmem.files import write_atomic
+
+    header = "# jaxmem resolved run config: `jaxmem train --config THIS_FILE` repeats it\n"
+    write_atomic(path, header + yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 def merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from jaxmem import data as data_lib
 from jaxmem import memory
 from jaxmem.checkpoint import CheckpointError, config_conflicts
 from jaxmem.config import ConfigError
+from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.job import RESUMABLE_CHANGES, JobConfig, write_config
 from jaxmem.precision import check_precision_backend, get_precision
 from jaxmem.remat import HOST_MEMORY_KIND, backend_memory_kinds, check_backend, layers_fn
@@ -199,10 +200,7 @@ class RunFiles:
             with open(metrics) as f:
                 kept = [json.loads(line) for line in f if line.strip()]
             kept = [r for r in kept if r["step"] <= resume_step]
-            tmp = f"{metrics}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-            os.replace(tmp, metrics)
+            write_atomic(metrics, "".join(json.dumps(r) + "\n" for r in kept))
             self.records = kept
         elif os.path.exists(metrics):
             os.remove(metrics)
@@ -218,7 +216,7 @@ class RunFiles:
         if self.out_dir is None:
             return []
         written = ["config.yaml", "metrics.jsonl"]
-        _write_json(self.path("summary.json"), summary)
+        write_json_atomic(self.path("summary.json"), summary)
         written.append("summary.json")
         if sample is not None:
             with open(self.path("sample.txt"), "w") as f:
@@ -227,14 +225,6 @@ class RunFiles:
         plot_losses([(self.job.run.framework, self.records)], self.path("loss.png"))
         written.append("loss.png")
         return written
-
-
-def _write_json(path: str, payload: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def plot_losses(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str) -> None:
