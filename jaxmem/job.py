@@ -344,7 +344,26 @@ def write_config(config: JobConfig, path: str) -> None:
 
     from jaxmem.files import write_atomic
 
-    header = "# jaxmem resolved run config: `jaxmem train --config THIS_FILE` repeats it\n"
+    policy = config.policy
+    if not policy.remat:
+        kept = "keeps every activation (no remat)"
+    elif policy.nested:
+        kept = "keeps one block input per segment of ⌈√L⌉ blocks and recomputes the rest"
+    else:
+        from jaxmem.analytic import kept_tags
+
+        needed = kept_tags(config.model, policy) | {"block_input"}
+        on_device = ["block_input"] + [n for n in policy.save if n in needed - {"block_input"}]
+        on_host = [n for n in policy.offload if n in needed]
+        kept = (
+            f"keeps on device {on_device}, offloads {on_host or '-'}"
+            f"{', and matmul outputs' if policy.save_dots else ''} (what the backward needs of "
+            "what it stores); recomputes the rest"
+        )
+    header = (
+        "# jaxmem resolved run config: `jaxmem train --config THIS_FILE` repeats it\n"
+        f"# memory policy {policy.name!r} {kept}\n"
+    )
     write_atomic(path, header + yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
