@@ -221,6 +221,12 @@ class JobConfig:
                 f"accum mode {self.accum.mode!r} has no loss scaling; precision "
                 f"{self.precision!r} needs it: use accum mode 'scan' or precision bf16"
             )
+        host_kept = {self.optimizer.state_memory, self.optimizer.params_memory} != {"device"}
+        _require(
+            not (host_kept and self.accum.mode == "multisteps"),
+            "optimizer state/params in pinned_host need accum mode 'scan' (MultiSteps updates "
+            "them once per microbatch on the device)",
+        )
         self.policy  # noqa: B018  (validates the policy against the tag names)
         self.accum.check_batch(self.run.batch_size)
         _require(

@@ -51,6 +51,7 @@ from jaxmem.train import (
     make_model,
     make_optimizer,
     make_train_step,
+    place,
     tree_bytes,
 )
 
@@ -78,6 +79,13 @@ def prepare_job(job: JobConfig, out_dir: str | None, *, resume: bool = False) ->
     """Check everything about ``job`` that can be checked before training; write nothing."""
     check_backend(job.policy)
     check_precision_backend(get_precision(job.precision))
+    for name in ("state_memory", "params_memory"):
+        kind = getattr(job.optimizer, name)
+        if kind != "device" and kind not in backend_memory_kinds():
+            raise ConfigError(
+                f"optimizer.{name}={kind!r}, but this backend only has memory kinds "
+                f"{list(backend_memory_kinds())}; use 'device'"
+            )
     if resume and out_dir is None:
         raise ConfigError("--resume needs --out, the directory of the run to continue")
     resume_step = _check_run_dir(job, out_dir, resume)
@@ -386,7 +394,9 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
     del model  # params are donated to the step; keep no second reference
     tx = make_optimizer(job.optimizer)
     loss_fn = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
-    eval_fn = jax.jit(lambda p, b: loss_fn(p, b)[1])
+    host_params = job.optimizer.params_memory != "device"
+    # parameters kept in host memory are brought to the device inside the jitted evaluation
+    eval_fn = jax.jit(lambda p, b: loss_fn(place(p, "device") if host_params else p, b)[1])
     loss_scale = init_loss_scale(precision)
     make_batch = train_batch(prepared.dataset, job)
     first = jax.device_put(make_batch(1))
@@ -395,7 +405,10 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
         if job.accum.mode == "multisteps":
             compiled, opt_state = _multisteps(loss_fn, tx, job.accum.steps, params, first)
         else:
-            opt_state = tx.init(params)
+            # optimizer state / parameters kept in host memory between steps enter the
+            # compiled step there (it moves them to the device for the update and back)
+            opt_state = place(tx.init(params), job.optimizer.state_memory)
+            params = place(params, job.optimizer.params_memory)
             step_fn = make_train_step(
                 loss_fn, tx, precision=precision, accum=job.accum, opt_cfg=job.optimizer
             )
@@ -408,7 +421,8 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
     plan = memory.compiled_plan(compiled)
     planned = plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"]
     planned += plan["temp_bytes"]
-    figures = memory_figures(loss_fn, params, opt_state, first, plan, job.accum.steps)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state))
+    figures = memory_figures(loss_fn, *shapes, first, plan, job.accum.steps)
 
     files = RunFiles(prepared.out_dir, job)
     ckpt = None
@@ -544,7 +558,7 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
 
         tokens = generate(
             graphdef,
-            params,
+            place(params, "device") if host_params else params,
             data_lib.encode(r.prompt) if r.prompt else np.array([data_lib.BOS]),
             r.sample_tokens,
             max_seq_len=cfg.max_seq_len,

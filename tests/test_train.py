@@ -393,3 +393,20 @@ def test_fp16_and_multisteps_runs_checkpoint_and_resume(tmp_path, capsys):
         train("--precision", "fp16", "--accum", "2", "--accum-mode", "multisteps")
     assert exc.value.code == 2
     assert "accum mode 'multisteps' has no loss scaling" in capsys.readouterr().err
+
+
+def test_optimizer_state_and_params_in_host_memory_train_and_resume_the_same(tmp_path):
+    host, dev = tmp_path / "host", tmp_path / "device"
+    placement = [
+        "--set",
+        "optimizer.state_memory=pinned_host",
+        "--set",
+        "optimizer.params_memory=pinned_host",
+    ]
+    common = ["--checkpoint-every", "3", "--eval-every", "3"]
+    assert train("--steps", "3", *common, *placement, "--out", str(host)) == 0
+    assert train("--steps", "6", *common, *placement, "--out", str(host), "--resume") == 0
+    assert train("--steps", "6", *common, "--out", str(dev)) == 0
+    # placement moves bytes, not arithmetic
+    assert [r["loss"] for r in metrics(host)] == [r["loss"] for r in metrics(dev)]
+    assert [r.get("val_loss") for r in metrics(host)] == [r.get("val_loss") for r in metrics(dev)]
