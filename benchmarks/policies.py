@@ -102,9 +102,9 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         "(JAX jaxpr, torch FlopCounterMode); ratios against the same framework's `none`.",
         "",
         "| preset | policy | JAX saved MiB (device + host) | torch saved MiB (device + host) "
-        "| JAX GFLOP | torch GFLOP | JAX FLOPs / none | torch FLOPs / none "
+        "| JAX / torch bytes | JAX GFLOP | torch GFLOP | JAX FLOPs / none | torch FLOPs / none "
         "| JAX compiled temp MiB (XLA:CPU) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = 1 << 20
     by = {(r["preset"], r["framework"], r["policy"]): r for r in rows}
@@ -114,10 +114,13 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         t = by[(r["preset"], "torch", r["policy"])]
         base_j = by[(r["preset"], "jax", "none")]["flops"]
         base_t = by[(r["preset"], "torch", "none")]["flops"]
+        jax_bytes = r["saved_bytes_device"] + r["saved_bytes_host"]
+        torch_bytes = t["saved_bytes_device"] + t["saved_bytes_host"]
         lines.append(
             f"| {r['preset']} | {r['policy']} "
             f"| {r['saved_bytes_device'] / mib:.2f} + {r['saved_bytes_host'] / mib:.2f} "
             f"| {t['saved_bytes_device'] / mib:.2f} + {t['saved_bytes_host'] / mib:.2f} "
+            f"| {jax_bytes / torch_bytes:.3f} "
             f"| {r['flops'] / 1e9:.3f} | {t['flops'] / 1e9:.3f} "
             f"| {r['flops'] / base_j:.3f} | {t['flops'] / base_t:.3f} "
             f"| {r['compiled_temp_bytes'] / mib:.2f} |"

@@ -384,6 +384,11 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
                 f"{format_bytes(r['hook_saved_bytes_device'] + r['hook_saved_bytes_host'])} "
                 "(blind to what a selective policy keeps itself)"
             )
+    wide.print(
+        "  process max RSS: "
+        f"{format_bytes(max(r['process_max_rss_bytes'] for r in records))} (OS getrusage: the "
+        "whole process, host memory, both frameworks and everything before them)"
+    )
     _print_differences(wide, records)
 
 

@@ -23,6 +23,7 @@ from jaxmem.memory import (
     bytes_by_name,
     compiled_plan,
     device_peak_bytes,
+    process_max_rss_bytes,
     saved_residuals,
     summarize_residuals,
 )
@@ -132,6 +133,9 @@ def jax_record(
         "model_flops": analytic.model_flops(cfg, batch, seq_len),
         "peak_bytes": peak,
         "peak_source": peak_source,
+        # the OS's high-water mark of this whole process (both frameworks, everything so far)
+        "process_max_rss_bytes": process_max_rss_bytes(),
+        "process_max_rss_source": "OS (getrusage ru_maxrss), whole process so far, host",
     }
 
 
@@ -203,6 +207,9 @@ def torch_record(
         "model_flops": analytic.model_flops(cfg, batch, seq_len),
         "peak_bytes": int(peak),
         "peak_source": source,
+        # the OS's high-water mark of this whole process (both frameworks, everything so far)
+        "process_max_rss_bytes": process_max_rss_bytes(),
+        "process_max_rss_source": "OS (getrusage ru_maxrss), whole process so far, host",
     }
 
 
