@@ -283,11 +283,23 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_losses_step_for_step(tmp_
     assert [r.get("val_loss") for r in res] == [r.get("val_loss") for r in ref]
 
 
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
+    tmp_path, capsys, framework
+):
     out = tmp_path / "run"
     # an absurd learning rate: AdamW moves every weight by ~1e30 and the next loss is not finite
     code = train(
-        "--steps", "20", "--checkpoint-every", "1", "--set", "optimizer.lr=1e30", "--out", str(out)
+        "--framework",
+        framework,
+        "--steps",
+        "20",
+        "--checkpoint-every",
+        "1",
+        "--set",
+        "optimizer.lr=1e30",
+        "--out",
+        str(out),
     )
     assert code == cli.EXIT_RUN_FAILED
     err = capsys.readouterr().err

@@ -196,7 +196,7 @@ def run_torch_training(prepared: Any, console: Console | None = None) -> dict[st
     )
     tokens_per_step = r.batch_size * r.seq_len
     skipped, last_good, steps_done = 0, start, 0
-    pending: list[dict[str, Any]] = []
+    pending: list[tuple[int, torch.Tensor, torch.Tensor, bool]] = []
     t_start = time.perf_counter()
     with (
         progress_bar(console) as progress,
@@ -234,38 +234,39 @@ def run_torch_training(prepared: Any, console: Console | None = None) -> dict[st
                 if is_out_of_memory(e):
                     raise RunFailed(out_of_memory_message(job, None, "while training")) from None
                 raise
-            rec = {
-                "step": step,
-                "loss": float(loss_sum / n),
-                "grad_norm": float(grad_norm),
-                "tokens": step * tokens_per_step,
-            }
+            # tensors until the refresh: no host sync per step (GradScaler's get_scale, fp16
+            # only, is its own)
+            pending.append((step, (loss_sum / n).detach(), grad_norm.detach(), step_skipped))
             steps_done += 1
-            if scaler is not None:
-                rec["skipped"] = bool(step_skipped)
-                skipped += rec["skipped"]
-            elif not math.isfinite(rec["loss"]):
-                files.append(pending)
-                raise RunFailed(
-                    f"loss became {rec['loss']} at step {step}; stopped before checkpointing "
-                    f"it (last good checkpoint: step {last_good if ckpt and last_good else 'none'}"
-                    "); lower --lr, or use --precision fp32"
-                )
-            pending.append(rec)
             is_last = step == r.steps
             evaluate = step % r.eval_every == 0 or is_last
             save = ckpt is not None and (step % r.checkpoint_every == 0 or is_last)
             if step % r.refresh_every and not (evaluate or save):
                 continue
-            if evaluate:
-                pending[-1]["val_loss"] = val_loss()
-                progress.console.print(
-                    f"step {step}: train loss {pending[-1]['loss']:.4f}, "
-                    f"val loss {pending[-1]['val_loss']:.4f}"
-                )
-            files.append(pending)
-            last_loss = pending[-1]["loss"]
+            records = []
+            for s, loss_t, norm_t, was_skipped in pending:
+                rec = {"step": s, "loss": float(loss_t), "grad_norm": float(norm_t)}
+                rec["tokens"] = s * tokens_per_step
+                if scaler is not None:
+                    rec["skipped"] = bool(was_skipped)
+                    skipped += rec["skipped"]
+                elif not math.isfinite(rec["loss"]):
+                    files.append(records)
+                    good = f"step {last_good}" if ckpt and last_good else "none"
+                    raise RunFailed(
+                        f"loss became {rec['loss']} at step {s}; stopped before checkpointing "
+                        f"it (last good checkpoint: {good}); lower --lr, or use --precision fp32"
+                    )
+                records.append(rec)
             pending = []
+            if evaluate:
+                records[-1]["val_loss"] = val_loss()
+                progress.console.print(
+                    f"step {step}: train loss {records[-1]['loss']:.4f}, "
+                    f"val loss {records[-1]['val_loss']:.4f}"
+                )
+            files.append(records)
+            last_loss = records[-1]["loss"]
             if save:
                 assert ckpt is not None
                 state = {"model": model.state_dict(), "optimizer": opt.state_dict()}

@@ -140,7 +140,7 @@ def accumulate_grads(
         mask.float().sum() if mask is not None else torch.tensor(float(batch["targets"].numel()))
     )
     device = batch["inputs"].device.type
-    loss_sum_total = torch.zeros(())
+    loss_sum_total = torch.zeros((), device=batch["inputs"].device)  # summed on the device
     for micro in split_microbatches(batch, accum_steps):
         with torch.autocast(
             device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
@@ -149,7 +149,7 @@ def accumulate_grads(
         loss_sum, _ = cross_entropy_sum(logits, micro["targets"], micro.get("mask"))
         loss = loss_sum / n_total
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum_total += loss_sum.detach().cpu()
+        loss_sum_total += loss_sum.detach()
     return loss_sum_total, n_total
 
 
