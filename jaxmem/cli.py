@@ -176,10 +176,8 @@ def resolve_job(args: argparse.Namespace):
     if args.resume and args.out:
         from jaxmem.run import latest_checkpoint
 
-        framework = args.framework or "jax"
-        _, saved = latest_checkpoint(args.out, framework)
-        if saved is None and args.framework is None:
-            _, saved = latest_checkpoint(args.out, "torch")
+        # either framework's checkpoint layout is read; its config says which one it was
+        _, saved = latest_checkpoint(args.out, args.framework or "jax")
         layered = saved or {}
     if args.config:
         layered = merge(layered, read_config_file(args.config))
