@@ -621,7 +621,8 @@ def summarize(
         "final_loss": records[-1]["loss"] if records else None,
         "final_val_loss": vals[-1]["val_loss"] if vals else None,
         "tokens_per_s": tokens_per_s,
-        "tokens_per_s_source": "wall clock over this process's training loop, compile excluded",
+        "tokens_per_s_source": "wall clock over this process's training loop (validation and "
+        "checkpoint saves included, compile excluded)",
         "wall_s": wall,
         "compile_s": compile_s,
         "skipped_steps": skipped,
@@ -636,7 +637,7 @@ def report(console: Console, summary: dict[str, Any], written: list[str], out: s
         f"loss {first:.4f} -> {final:.4f}"
         + (f" (val {val:.4f})" if val is not None else "")
         + f" in {summary['wall_s']:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s "
-        "(wall clock over the loop, compile excluded)"
+        "(wall clock over the loop incl. validation and checkpoints, compile excluded)"
         + (
             f"; {summary['skipped_steps']} fp16 overflow steps skipped"
             if summary["skipped_steps"]
