@@ -1,12 +1,16 @@
 """The ``jaxmem`` command line. The only module that parses flags.
 
 Bad input gets one line on stderr naming the value and the fix, and exit code 2; nothing is
-written before the input has been validated.
+written before the input has been validated. This module imports only jaxmem's pure modules at
+start; each command imports what it runs. Commands that compare with PyTorch (``parity``,
+``bench``, ``memory --frameworks torch``, ``train --framework torch``, ``seed-example
+--framework torch``) need the ``torch`` extra and say so, in one line, when it is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -21,12 +25,14 @@ from jaxmem.config import (
     get_preset,
 )
 from jaxmem.files import write_json_atomic
+from jaxmem.policy import CHECKPOINT_NAMES, POLICIES, get_policy
 from jaxmem.precision import PRECISIONS, get_precision
-from jaxmem.remat import POLICIES, check_backend, get_policy
+from jaxmem.train.job import FRAMEWORKS
 
 EXIT_USAGE = 2
 EXIT_PARITY_FAILED = 1
 EXIT_RUN_FAILED = 1  # a training run stopped at run time (non-finite loss, out of memory)
+TORCH_EXTRA = "pip install 'jaxmem[torch]'"
 
 
 class UsageError(Exception):
@@ -58,6 +64,16 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value} must be positive")
     return value
+
+
+def torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def need_torch(what: str) -> None:
+    """One line and exit 2 when a command that compares with PyTorch runs without it."""
+    if not torch_available():
+        raise UsageError(f"{what} needs PyTorch, which is not installed: {TORCH_EXTRA}")
 
 
 def _check_writable_json(path: str | None) -> None:
@@ -112,27 +128,38 @@ def cmd_parity(args: argparse.Namespace) -> int:
     if cfg.n_params > 50_000_000:
         raise UsageError(
             f"--preset {args.preset_name} has {cfg.n_params / 1e6:.0f} M parameters; parity "
-            "runs both frameworks in fp32 on this machine: use tiny, small or seed"
+            "runs both frameworks in float64 and fp32 on this machine: use tiny, small or seed"
         )
+    need_torch("jaxmem parity")
     _check_writable_json(args.json)
-    from jaxmem.parity import run_parity
+    from jaxmem.compare.parity import run_parity
 
-    report = run_parity(cfg, batch=args.batch_size, seq_len=seq_len, seed=args.seed)
-    report["preset"] = args.preset_name
+    dtypes = [args.dtype] if args.dtype else ["float64", "float32"]
+    reports = [
+        run_parity(cfg, batch=args.batch_size, seq_len=seq_len, seed=args.seed, dtype=dtype)
+        for dtype in dtypes
+    ]
+    passed = all(r["passed"] for r in reports)
     if args.json:
-        write_json_atomic(args.json, report)
-    verdict = "PASSED" if report["passed"] else "FAILED"
-    print(
-        f"parity {verdict} ({args.preset_name}, fp32, batch {args.batch_size}, seq {seq_len}): "
-        f"loss jax {report['loss_jax']:.7f} torch {report['loss_torch']:.7f}; "
-        f"max |grad diff| {report['max_abs_grad_diff']:.3e}, "
-        f"max normwise rel {report['max_rel_grad_diff']:.3e} over {report['n_grad_leaves']} "
-        f"gradient leaves (tolerance rtol={report['tolerances']['grads']['rtol']}, "
-        f"atol={report['tolerances']['grads']['atol']})"
-    )
-    if not report["passed"]:
-        print(f"failing gradient leaves: {report['failed_grad_leaves']}", file=sys.stderr)
-    return 0 if report["passed"] else EXIT_PARITY_FAILED
+        write_json_atomic(
+            args.json, {"preset": args.preset_name, "passed": passed, "results": reports}
+        )
+    for report in reports:
+        verdict = "PASSED" if report["passed"] else "FAILED"
+        tol = report["tolerances"]["grads"]
+        print(
+            f"parity {verdict} ({args.preset_name}, {report['dtype']}, batch {args.batch_size}, "
+            f"seq {seq_len}): loss jax {report['loss_jax']:.9f} torch "
+            f"{report['loss_torch']:.9f}; max |grad diff| {report['max_abs_grad_diff']:.3e}, "
+            f"max normwise rel {report['max_rel_grad_diff']:.3e} over {report['n_grad_leaves']} "
+            f"gradient leaves (tolerance rtol={tol['rtol']}, atol={tol['atol']})"
+        )
+        if not report["passed"]:
+            print(
+                f"failing gradient leaves ({report['dtype']}): {report['failed_grad_leaves']}",
+                file=sys.stderr,
+            )
+    return 0 if passed else EXIT_PARITY_FAILED
 
 
 # ------------------------------------------------------------------------------------------ train
@@ -170,11 +197,11 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
 def resolve_job(args: argparse.Namespace):
     """Defaults < the checkpoint's saved config (with --resume) < --config file < flags and
     --set. Raises ConfigError with the bad value."""
-    from jaxmem.job import JobConfig, merge, parse_assignment, read_config_file
+    from jaxmem.train.job import JobConfig, merge, parse_assignment, read_config_file
 
     layered: dict = {}
     if args.resume and args.out:
-        from jaxmem.run import latest_checkpoint
+        from jaxmem.train.layout import latest_checkpoint
 
         # either framework's checkpoint layout is read; its config says which one it was
         _, saved = latest_checkpoint(args.out, args.framework or "jax")
@@ -201,20 +228,26 @@ def resolve_job(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from jaxmem.checkpoint import CheckpointError
     from jaxmem.data import DataError
+    from jaxmem.train.layout import CheckpointError
 
     try:
         job = resolve_job(args)
-        from jaxmem.run import prepare_job
-
-        prepared = prepare_job(job, args.out, resume=args.resume)
     except (ConfigError, DataError, CheckpointError) as e:
         raise UsageError(str(e)) from None
-    from jaxmem.run import RunFailed, run_training
+    if job.run.framework == "torch":
+        need_torch("jaxmem train --framework torch")
+        from jaxmem.compare import torch_run as framework
+    else:
+        from jaxmem.train import run as framework
+    from jaxmem.train.loop import RunFailed
 
     try:
-        run_training(prepared)
+        prepared = framework.prepare(job, args.out, resume=args.resume)
+    except (ConfigError, DataError, CheckpointError) as e:
+        raise UsageError(str(e)) from None
+    try:
+        framework.run_training(prepared)
     except RunFailed as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
@@ -237,7 +270,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from jaxmem.run import plot_losses
+    from jaxmem.train.loop import plot_losses
 
     runs = []
     for run_dir in args.runs:
@@ -253,7 +286,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         label = os.path.basename(os.path.normpath(run_dir))
         config = os.path.join(run_dir, "config.yaml")
         if os.path.isfile(config):
-            from jaxmem.job import read_config_file
+            from jaxmem.train.job import read_config_file
 
             run = read_config_file(config).get("run", {})
             label = f"{label} ({run.get('framework', 'jax')})"
@@ -265,7 +298,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------- memory
-FRAMEWORKS = ("jax", "torch")
+MEMORY_FRAMEWORKS = ("jax", "torch", "torch-lean")
 
 
 def _names(text: str, valid: Sequence[str], what: str) -> list[str]:
@@ -279,12 +312,18 @@ def _names(text: str, valid: Sequence[str], what: str) -> list[str]:
 def cmd_memory(args: argparse.Namespace) -> int:
     cfg: ModelConfig = args.preset
     policies = _names(args.policies, list(POLICIES), "policies")
-    frameworks = _names(args.frameworks, FRAMEWORKS, "frameworks")
+    notes = []
+    if args.frameworks is None and not torch_available():
+        frameworks = ["jax"]
+        notes.append(f"PyTorch is not installed: JAX only ({TORCH_EXTRA} adds the torch rows)")
+    else:
+        frameworks = _names(args.frameworks or ",".join(MEMORY_FRAMEWORKS), MEMORY_FRAMEWORKS,
+                            "frameworks")
+    if any(f.startswith("torch") for f in frameworks):
+        need_torch("jaxmem memory --frameworks torch")
     try:
         precision = get_precision(args.precision)
         opt_cfg = OptimizerConfig(name=args.optimizer)
-        for name in policies:
-            check_backend(get_policy(name))
     except ConfigError as e:
         raise UsageError(str(e)) from None
     if args.preset_name == "seed":
@@ -297,27 +336,51 @@ def cmd_memory(args: argparse.Namespace) -> int:
             f"use at most {cfg.max_seq_len}"
         )
     _check_writable_json(args.json)
+    if "jax" in frameworks:
+        from jaxmem.memory.remat import check_backend
+
+        try:
+            for name in policies:
+                check_backend(get_policy(name))
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     from rich.console import Console
 
-    from jaxmem.report import jax_record, torch_record
-
     console = Console()
-    if planning and "torch" in frameworks:
+    for note in notes:
+        console.print(f"[yellow]{note}[/]")
+    if planning and any(f.startswith("torch") for f in frameworks):
         console.print(
             f"[yellow]{args.preset_name} is planning-only: torch_ref needs real weights, so only "
             "the JAX plan (compiled from shapes, no weights allocated) is reported.[/]"
         )
-        frameworks = [f for f in frameworks if f != "torch"]
+        frameworks = [f for f in frameworks if f == "jax"]
     records = []
     for name in policies:
         policy = get_policy(name)
         for fw in frameworks:
             if fw == "jax":
+                from jaxmem.memory.records import jax_record
+
                 rec = jax_record(
                     cfg, policy, precision, opt_cfg, args.batch_size, seq_len, abstract=planning
                 )
             else:
-                rec = torch_record(cfg, policy, precision, opt_cfg, args.batch_size, seq_len)
+                from jaxmem.compare.bench import has_lean
+                from jaxmem.compare.records import torch_record
+
+                if fw == "torch-lean" and not has_lean(policy):
+                    continue  # the extension runs what stock runs (or stock has no API)
+                translation = "lean" if fw == "torch-lean" else "stock"
+                rec = torch_record(
+                    cfg,
+                    policy,
+                    precision,
+                    opt_cfg,
+                    args.batch_size,
+                    seq_len,
+                    translation=translation,
+                )
             rec["preset"] = args.preset_name
             records.append(rec)
     _print_memory_table(console, records, args.preset_name, args.batch_size, seq_len, planning)
@@ -331,7 +394,7 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
     from rich.console import Console
     from rich.table import Table
 
-    from jaxmem.memory import format_bytes
+    from jaxmem.figures import format_bytes
 
     kind = "planned from shapes" if planning else "measured"
     table = Table(
@@ -372,15 +435,20 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
     for fw, saved, flops, peak in sources:
         wide.print(f"  {fw}: saved = {saved}; GFLOP = {flops}; peak = {peak}")
     wide.print(
-        "  analytic = jaxmem.analytic (the block's backward reads, by policy; stack only); "
-        "model FLOPs = analytic, no recompute"
+        "  analytic = jaxmem.memory.analytic (what the block's backward reads, by policy, as JAX "
+        "keeps it; stack only); model FLOPs = analytic, no recompute"
     )
+    translations = sorted({(r["framework"], r["policy"], r["translation"]) for r in records})
+    wide.print("What ran (torch = stock PyTorch; torch-lean = torch_ref's extension, shown where "
+               "it differs from stock):")
+    for fw, policy, how in translations:
+        wide.print(f"  {fw} {policy}: {how}")
     for r in records:
-        if r["framework"] == "torch":
+        if r["framework"].startswith("torch"):
             wide.print(
-                f"  torch {r['policy']}: saved-tensor hooks see "
+                f"  {r['framework']} {r['policy']}: saved-tensor hooks see "
                 f"{format_bytes(r['hook_saved_bytes_device'] + r['hook_saved_bytes_host'])} "
-                "(blind to what a selective policy keeps itself)"
+                "(blind to what selective checkpointing caches itself)"
             )
     wide.print(
         "  process max RSS: "
@@ -391,35 +459,40 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
 
 
 def _print_differences(console, records) -> None:
-    """Per-tensor differences between the frameworks, per policy (never hidden)."""
+    """Per-tensor differences between JAX and each PyTorch translation, per policy (never
+    hidden)."""
     from rich.table import Table
 
-    from jaxmem.memory import format_bytes
-    from jaxmem.report import name_differences
+    from jaxmem.figures import format_bytes
 
     by_policy: dict[str, dict[str, dict]] = {}
     for r in records:
         by_policy.setdefault(r["policy"], {})[r["framework"]] = r
-    for policy, pair in by_policy.items():
-        if set(pair) != {"jax", "torch"}:
+    compared = False
+    for policy, group in by_policy.items():
+        if "jax" not in group:
             continue
-        rows = name_differences(pair["jax"]["saved_by_name"], pair["torch"]["saved_by_name"])
-        if not rows:
-            console.print(f"{policy}: jaxmem and torch_ref save the same bytes for every tensor")
-            continue
-        table = Table(title=f"{policy}: saved tensors that differ (jaxmem vs torch_ref)")
-        for col in ("tensor", "jaxmem", "torch_ref", "torch - jax"):
-            table.add_column(col, justify="left" if col == "tensor" else "right")
-        for row in rows:
-            diff = row["torch_bytes"] - row["jax_bytes"]
-            table.add_row(
-                row["name"],
-                format_bytes(row["jax_bytes"]),
-                format_bytes(row["torch_bytes"]),
-                ("+" if diff > 0 else "-") + format_bytes(abs(diff)),
-            )
-        console.print(table)
-    if any(set(pair) == {"jax", "torch"} for pair in by_policy.values()):
+        for fw in sorted(f for f in group if f != "jax"):
+            from jaxmem.compare.records import name_differences
+
+            compared = True
+            rows = name_differences(group["jax"]["saved_by_name"], group[fw]["saved_by_name"])
+            if not rows:
+                console.print(f"{policy}: jaxmem and {fw} save the same bytes for every tensor")
+                continue
+            table = Table(title=f"{policy}: saved tensors that differ (jaxmem vs {fw})")
+            for col in ("tensor", "jaxmem", fw, f"{fw} - jax"):
+                table.add_column(col, justify="left" if col == "tensor" else "right")
+            for row in rows:
+                diff = row["torch_bytes"] - row["jax_bytes"]
+                table.add_row(
+                    row["name"],
+                    format_bytes(row["jax_bytes"]),
+                    format_bytes(row["torch_bytes"]),
+                    ("+" if diff > 0 else "-") + format_bytes(abs(diff)),
+                )
+            console.print(table)
+    if compared:
         console.print(
             "  <untagged>: what jaxmem keeps outside tagged tensors (embedding, final norm, loss); "
             "<op in block / outside the stack>: torch_ref's untagged saved outputs, by op"
@@ -440,7 +513,8 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 def cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from jaxmem.bench import DEFAULT, QUICK, run_sweep
+    need_torch("jaxmem bench")
+    from jaxmem.compare.bench import DEFAULT, QUICK, run_sweep
 
     plan = QUICK if args.quick else DEFAULT
     overrides = {
@@ -493,6 +567,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_seed_example(args: argparse.Namespace) -> int:
+    try:
+        policy = get_policy(args.policy)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if args.framework == "torch":
+        need_torch("jaxmem seed-example --framework torch")
+        from jaxmem.compare.seed_example import train
+
+        losses = train("torch", args.steps, policy)
+    else:
+        from jaxmem.train.seed_example import train
+
+        losses = train(args.steps, policy=policy)
+    for i, loss in enumerate(losses):
+        print(f"step {i}: mse {loss:.6f} ({args.framework}, policy {policy.name})")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -507,10 +600,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "parity",
-        help="check that jaxmem and torch_ref give the same loss and gradients (fp32)",
+        help="check that jaxmem and torch_ref give the same loss and gradients "
+        "(float64 and fp32)",
         description="Build a model from --seed, copy its weights to torch_ref through the "
-        "key-and-shape map, and compare logits, loss and every gradient leaf in fp32 against "
-        "the tolerance table (jaxmem.parity.TOLERANCES). Exit 0 when all agree, 1 when not.",
+        "key-and-shape map, and compare logits, loss and every gradient leaf against the "
+        "tolerance table (jaxmem.compare.tolerances.TOLERANCES): in float64 (exactness: "
+        "rounding cannot hide a bug or flip a ReLU) and in fp32 (the dtype people train in). "
+        "Exit 0 when all agree, 1 when not. Needs PyTorch.",
     )
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--batch-size", type=_positive_int, default=4, help="default 4")
@@ -518,6 +614,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len", type=_positive_int, default=None, help="default min(max_seq_len, 32)"
     )
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
+    p.add_argument(
+        "--dtype",
+        choices=("float64", "float32"),
+        default=None,
+        help="compare in this dtype only (default: float64, then float32)",
+    )
     p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
     p.set_defaults(func=cmd_parity)
 
@@ -531,7 +633,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--policies", default="none,full,selective,offload", help="comma-separated")
-    p.add_argument("--frameworks", default="jax,torch", help="jax,torch (default both)")
+    p.add_argument(
+        "--frameworks",
+        default=None,
+        help="jax, torch (stock PyTorch) and torch-lean (torch_ref's extension, where it differs "
+        "from stock), comma-separated (default all three; jax alone without PyTorch)",
+    )
     p.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
     p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="default 8")
@@ -598,6 +705,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(
+        "seed-example",
+        help="the seeds' training example (one post-norm ReLU layer, MSE, Adam) in JAX or torch",
+        description="The write-ups' example (shared/seeds/003): one post-norm ReLU decoder layer "
+        "(d_model 512, 8 heads, d_ff 2048, no causal mask) on a fixed random [32, 64, 512] "
+        "input, MSE against a fixed random target, Adam at lr 1e-4, under a memory policy.",
+    )
+    p.add_argument("--framework", choices=FRAMEWORKS, default="jax", help="default jax")
+    p.add_argument("--steps", type=_positive_int, default=5, help="Adam steps (default 5)")
+    p.add_argument("--policy", default="none", help=f"one of {', '.join(POLICIES)}")
+    p.set_defaults(func=cmd_seed_example)
+
+    p = sub.add_parser(
         "plot",
         help="loss curves of several runs (e.g. --framework jax and torch) on one plot",
     )
@@ -608,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train_parser(sub) -> None:
-    from jaxmem.job import RunConfig
+    from jaxmem.train.job import RunConfig
 
     run = RunConfig()
     opt = OptimizerConfig()
@@ -626,7 +745,7 @@ def _train_parser(sub) -> None:
         epilog="presets: "
         + ", ".join(n for n in PRESETS if n not in PLANNING_ONLY and n != "seed")
         + f"; policies: {', '.join(POLICIES)}; precisions: {', '.join(PRECISIONS)}; "
-        "tags for --save/--offload: " + ", ".join(_checkpoint_names()),
+        "tags for --save/--offload: " + ", ".join(CHECKPOINT_NAMES),
     )
     a = p.add_argument
     a("--config", help="TOML or YAML file of settings (a run's config.yaml repeats it)")
@@ -645,9 +764,10 @@ def _train_parser(sub) -> None:
     a("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     a(
         "--framework",
-        choices=("jax", "torch"),
+        choices=FRAMEWORKS,
         default=None,
-        help="jax (jaxmem) or torch (torch_ref, same weights and data) (default jax)",
+        help="jax (jaxmem) or torch (torch_ref, same weights and data; needs PyTorch) "
+        "(default jax)",
     )
     a("--preset", default=None, help="model preset (default small)")
     a("--n-layers", type=_positive_int, default=None, help="override the preset's layer count")
@@ -698,12 +818,6 @@ def _train_parser(sub) -> None:
     )
     a("--prompt", default=None, help=f"sample prompt (default {run.prompt!r})")
     p.set_defaults(func=cmd_train)
-
-
-def _checkpoint_names() -> tuple[str, ...]:
-    from jaxmem.model import CHECKPOINT_NAMES
-
-    return CHECKPOINT_NAMES
 
 
 def main(argv: Sequence[str] | None = None) -> int:

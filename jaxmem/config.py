@@ -1,14 +1,14 @@
-"""Model configuration and named presets.
+"""Model, optimizer and accumulation configuration, and the named model presets.
 
-One frozen, keyword-only dataclass per concern. This module is shared by ``jaxmem`` and
-``torch_ref`` and deliberately imports neither JAX nor PyTorch, so the PyTorch mirror can use the
-very same config object.
+One frozen, keyword-only dataclass per concern. Pure data: this module imports neither JAX nor
+PyTorch, so ``torch_ref`` uses the very same config objects.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from collections.abc import Mapping
+from typing import Literal, TypeVar
 
 Norm = Literal["pre", "post"]
 Activation = Literal["gelu", "gelu_tanh", "relu"]
@@ -21,13 +21,25 @@ class ConfigError(ValueError):
     """A configuration value is invalid. The message names the value and how to fix it."""
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``ok``: the message names the value and the fix."""
     if not ok:
         raise ConfigError(message)
 
 
+T = TypeVar("T")
+
+
+def lookup(table: Mapping[str, T], name: str, what: str) -> T:
+    """``table[name]``; an unknown name raises ``ConfigError`` listing the valid ones."""
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}") from None
+
+
 def _require_positive_int(name: str, value: object) -> None:
-    _require(
+    require(
         isinstance(value, int) and not isinstance(value, bool) and value > 0,
         f"{name}={value!r} must be a positive integer",
     )
@@ -73,24 +85,24 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             _require_positive_int(name, getattr(self, name))
-        _require(
+        require(
             self.d_model % self.n_heads == 0,
             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
             f"pick n_heads from the divisors of {self.d_model}",
         )
-        _require(self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}")
-        _require(
+        require(self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}")
+        require(
             self.activation in ACTIVATIONS,
             f"activation={self.activation!r} is not one of {ACTIVATIONS}",
         )
         for name in ("bias", "tie_embeddings", "causal"):
             value = getattr(self, name)
-            _require(isinstance(value, bool), f"{name}={value!r} must be True or False")
-        _require(
+            require(isinstance(value, bool), f"{name}={value!r} must be True or False")
+        require(
             isinstance(self.layer_norm_eps, float) and 0.0 < self.layer_norm_eps < 1.0,
             f"layer_norm_eps={self.layer_norm_eps!r} must be a float in (0, 1)",
         )
-        _require(
+        require(
             isinstance(self.init_std, float) and self.init_std > 0.0,
             f"init_std={self.init_std!r} must be a positive float",
         )
@@ -185,10 +197,7 @@ PLANNING_ONLY: frozenset[str] = frozenset(
 
 def get_preset(name: str) -> ModelConfig:
     """The preset called ``name``; an unknown name raises ``ConfigError`` listing the valid ones."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+    return lookup(PRESETS, name, "preset")
 
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "adafactor")
@@ -222,19 +231,19 @@ class OptimizerConfig:
     params_memory: str = "device"
 
     def __post_init__(self) -> None:
-        _require(self.name in OPTIMIZERS, f"optimizer={self.name!r} is not one of {OPTIMIZERS}")
-        _require(
+        require(self.name in OPTIMIZERS, f"optimizer={self.name!r} is not one of {OPTIMIZERS}")
+        require(
             isinstance(self.lr, float) and self.lr > 0.0,
             f"lr={self.lr!r} must be a positive float (e.g. 3e-4)",
         )
         for name in ("b1", "b2", "momentum"):
             value = getattr(self, name)
-            _require(0.0 <= value < 1.0, f"{name}={value!r} must be in [0, 1)")
-        _require(self.eps > 0.0, f"eps={self.eps!r} must be positive")
-        _require(self.weight_decay >= 0.0, f"weight_decay={self.weight_decay!r} must be >= 0")
+            require(0.0 <= value < 1.0, f"{name}={value!r} must be in [0, 1)")
+        require(self.eps > 0.0, f"eps={self.eps!r} must be positive")
+        require(self.weight_decay >= 0.0, f"weight_decay={self.weight_decay!r} must be >= 0")
         for name in ("state_memory", "params_memory"):
             value = getattr(self, name)
-            _require(value in MEMORY_KINDS, f"{name}={value!r} is not one of {MEMORY_KINDS}")
+            require(value in MEMORY_KINDS, f"{name}={value!r} is not one of {MEMORY_KINDS}")
 
 
 ACCUM_MODES: tuple[str, ...] = ("scan", "multisteps")
@@ -256,10 +265,10 @@ class AccumConfig:
 
     def __post_init__(self) -> None:
         _require_positive_int("accum steps", self.steps)
-        _require(self.mode in ACCUM_MODES, f"accum mode={self.mode!r} is not one of {ACCUM_MODES}")
+        require(self.mode in ACCUM_MODES, f"accum mode={self.mode!r} is not one of {ACCUM_MODES}")
 
     def check_batch(self, batch_size: int) -> None:
-        _require(
+        require(
             batch_size % self.steps == 0,
             f"batch size {batch_size} is not divisible by accum steps {self.steps}; "
             f"use a multiple of {self.steps}",

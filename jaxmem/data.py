@@ -1,4 +1,5 @@
-"""Byte-level tokenizer, training data sources and the host-to-device batch pipeline.
+"""Byte-level tokenizer, training data sources and the host-to-device batch pipeline (pure: numpy,
+no JAX, no PyTorch; each framework passes its own host-to-device transfer to ``Prefetcher``).
 
 The default corpus is the Python standard library's own source files, found via ``sysconfig`` and
 read in sorted path order, so every machine has training text without a download. Different
@@ -26,7 +27,6 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import jax
 import numpy as np
 
 BOS, EOS, PAD = 256, 257, 258
@@ -83,6 +83,24 @@ def train_val_split(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.
     """The last ``val_fraction`` of the tokens is validation data (deterministic)."""
     n_val = max(1, int(tokens.size * val_fraction))
     return tokens[:-n_val], tokens[-n_val:]
+
+
+def lm_batch(cfg: Any, batch: int, seq_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic random token ids for measurements and parity: ``(inputs [B, S], targets
+    [B, S])`` int32, targets shifted by one; ``cfg`` is a ``ModelConfig`` (its vocabulary)."""
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len + 1))
+    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
+
+
+def seed_example_data(
+    batch: int = 32, seq_len: int = 64, d_model: int = 512, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The seeds' training example's fixed input and target (``torch.randn`` in the seed; numpy
+    here so both frameworks see the same numbers)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, seq_len, d_model), dtype=np.float32)
+    target = rng.standard_normal((batch, seq_len, d_model), dtype=np.float32)
+    return x, target
 
 
 def random_windows(
@@ -434,10 +452,9 @@ def batch_at(
 class Prefetcher:
     """Build and device-transfer batches for steps ``start..stop-1`` on a background thread.
 
-    ``make(step)`` returns a dict of numpy arrays; the worker puts it on the device with
-    ``jax.device_put`` (with ``sharding`` if given), or with ``transfer(batch)`` (e.g. to torch
-    tensors), and keeps at most ``depth`` batches ready.
-    Iterating yields ``(step, dict of jax.Array)`` in step order. An exception raised by ``make``
+    ``make(step)`` returns a dict of numpy arrays; the worker puts it where the step reads it with
+    ``transfer(batch)`` (``jax.device_put``, or a copy to torch tensors on the device) and keeps
+    at most ``depth`` batches ready. Iterating yields ``(step, transferred batch)`` in step order. An exception raised by ``make``
     or the transfer is re-raised, unchanged, by the consumer's next ``next()``. ``close()`` (or
     leaving a ``with`` block) stops the worker promptly even when the consumer stops early.
 
@@ -457,9 +474,8 @@ class Prefetcher:
         start: int,
         stop: int,
         *,
+        transfer: Callable[[dict[str, np.ndarray]], Any],
         depth: int = 2,
-        sharding: jax.sharding.Sharding | None = None,
-        transfer: Callable[[dict[str, np.ndarray]], Any] | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth={depth} must be >= 1")
@@ -467,7 +483,6 @@ class Prefetcher:
             raise ValueError(f"stop={stop} must be >= start={start}")
         self._make = make
         self._range = range(start, stop)
-        self._sharding = sharding
         self._transfer = transfer
         self._queue: queue.Queue[tuple[str, Any, Any]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -493,12 +508,7 @@ class Prefetcher:
                 if self._stop.is_set():
                     return
                 host = dict(self._make(step))
-                device = (
-                    self._transfer(host)
-                    if self._transfer is not None
-                    else jax.device_put(host, self._sharding)
-                )
-                if not self._put(("batch", step, device)):
+                if not self._put(("batch", step, self._transfer(host))):
                     return
             self._put(("done", None, None))
         # BaseException too: whatever stops the worker must reach the consumer, or it would
@@ -506,10 +516,10 @@ class Prefetcher:
         except BaseException as e:
             self._put(("error", None, e))
 
-    def __iter__(self) -> Iterator[tuple[int, dict[str, jax.Array]]]:
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
         return self
 
-    def __next__(self) -> tuple[int, dict[str, jax.Array]]:
+    def __next__(self) -> tuple[int, Any]:
         while not self._finished:
             try:
                 kind, step, payload = self._queue.get(timeout=self._POLL_S)

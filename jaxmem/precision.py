@@ -1,27 +1,24 @@
 """Precision as data: one object says in which dtype parameters are stored, computation runs,
 gradients are accumulated and the loss is computed, and whether the loss is dynamically scaled.
 
-Norms and softmax always run in fp32 and logits are always fp32 (the model enforces that, see
-``jaxmem.model``); ``output_dtype`` is therefore fixed to float32 and validated.
+Pure data (no JAX, no PyTorch): each framework maps the dtype names to its own dtypes
+(``jaxmem.train.step`` / ``torch_ref.train.TORCH_DTYPES``). Norms, softmax, logits and the loss
+always run in float32 or wider ("at least fp32"): the models enforce that, so ``output_dtype`` is
+float32, or float64 for the float64 exactness mode (``FP64``).
 
-Dynamic loss scaling is written here because optax has none and jmp's ``DynamicLossScale`` loses
-``min_loss_scale`` under jit. It follows ``torch.amp.GradScaler`` exactly: initial scale 2**16;
-a step whose gradients contain inf/nan is skipped and halves the scale; after 2000 consecutive
-finite steps the scale doubles.
+Dynamic loss scaling (``loss_scale="dynamic"``) follows ``torch.amp.GradScaler`` exactly: initial
+scale 2**16; a step whose gradients contain inf/nan is skipped and halves the scale; after 2000
+consecutive finite steps the scale doubles (JAX: ``jaxmem.train.scaling.DynamicLossScale``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-import jax
-import jax.numpy as jnp
-from flax import struct
+from jaxmem.config import lookup, require
 
-from jaxmem.config import ConfigError
-
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,7 +28,7 @@ class Precision:
     param_dtype: storage dtype of the parameters (the master weights the optimizer updates).
     compute_dtype: dtype of matmuls and activations.
     accum_dtype: dtype of gradient-accumulation buffers.
-    output_dtype: logits / loss dtype (always float32).
+    output_dtype: logits / loss dtype (float32; float64 only when computing in float64).
     loss_scale: ``"none"`` or ``"dynamic"`` (GradScaler semantics; required for float16).
     """
 
@@ -45,36 +42,35 @@ class Precision:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "accum_dtype", "output_dtype"):
             value = getattr(self, field)
-            if value not in DTYPES:
-                raise ConfigError(f"{field}={value!r} is not one of {DTYPES}")
-        if self.output_dtype != "float32":
-            raise ConfigError(
-                f"output_dtype={self.output_dtype!r}: logits and loss are always float32"
-            )
-        if self.param_dtype == "float16":
-            raise ConfigError(
-                "param_dtype='float16' (pure fp16) is not supported: keep float32 master "
-                "weights with compute_dtype='float16' and loss_scale='dynamic'"
-            )
-        if self.loss_scale not in ("none", "dynamic"):
-            raise ConfigError(f"loss_scale={self.loss_scale!r} is not one of ('none', 'dynamic')")
-        if self.compute_dtype == "float16" and self.loss_scale != "dynamic":
-            raise ConfigError(
-                "compute_dtype='float16' needs loss_scale='dynamic': fp16 gradients underflow "
-                "without it"
-            )
+            require(value in DTYPES, f"{field}={value!r} is not one of {DTYPES}")
+        wide = "float64" if self.compute_dtype == "float64" else "float32"
+        require(
+            self.output_dtype == wide,
+            f"output_dtype={self.output_dtype!r}: logits and loss are always {wide} with "
+            f"compute_dtype={self.compute_dtype!r}",
+        )
+        require(
+            self.param_dtype != "float16",
+            "param_dtype='float16' (pure fp16) is not supported: keep float32 master weights "
+            "with compute_dtype='float16' and loss_scale='dynamic'",
+        )
+        require(
+            self.loss_scale in ("none", "dynamic"),
+            f"loss_scale={self.loss_scale!r} is not one of ('none', 'dynamic')",
+        )
+        require(
+            self.compute_dtype != "float16" or self.loss_scale == "dynamic",
+            "compute_dtype='float16' needs loss_scale='dynamic': fp16 gradients underflow "
+            "without it",
+        )
 
     @property
-    def param(self) -> Any:
-        return jnp.dtype(self.param_dtype)
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
 
     @property
-    def compute(self) -> Any:
-        return jnp.dtype(self.compute_dtype)
-
-    @property
-    def accum(self) -> Any:
-        return jnp.dtype(self.accum_dtype)
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
 
     @property
     def is_mixed(self) -> bool:
@@ -94,77 +90,18 @@ PRECISIONS: dict[str, Precision] = {
     ),
 }
 
+# Everything in float64: the exactness mode of the parity suite (JAX needs jax_enable_x64). Not a
+# training precision, so not in PRECISIONS: an fp32 check can flip on a ReLU whose input is within
+# rounding of zero; in float64 that needs an input within 1e-16 of zero.
+FP64 = Precision(
+    name="fp64",
+    param_dtype="float64",
+    compute_dtype="float64",
+    accum_dtype="float64",
+    output_dtype="float64",
+)
+
 
 def get_precision(name: str) -> Precision:
-    try:
-        return PRECISIONS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown precision {name!r}; choose one of: {', '.join(PRECISIONS)}"
-        ) from None
-
-
-@struct.dataclass
-class DynamicLossScale:
-    """``torch.amp.GradScaler``'s state and update rule, as a jit-friendly pytree."""
-
-    scale: jax.Array
-    growth_tracker: jax.Array  # consecutive finite steps since the last change
-    growth_factor: float = struct.field(pytree_node=False, default=2.0)
-    backoff_factor: float = struct.field(pytree_node=False, default=0.5)
-    growth_interval: int = struct.field(pytree_node=False, default=2000)
-
-    @classmethod
-    def create(cls, init_scale: float = 2.0**16, growth_interval: int = 2000) -> DynamicLossScale:
-        return cls(
-            scale=jnp.asarray(init_scale, jnp.float32),
-            growth_tracker=jnp.asarray(0, jnp.int32),
-            growth_interval=growth_interval,
-        )
-
-    def scale_loss(self, loss: jax.Array) -> jax.Array:
-        return loss * self.scale.astype(loss.dtype)
-
-    def unscale(self, grads: Any) -> Any:
-        inv = 1.0 / self.scale
-        return jax.tree_util.tree_map(lambda g: g * inv.astype(g.dtype), grads)
-
-    def update(self, grads_finite: jax.Array) -> DynamicLossScale:
-        """GradScaler.update(): back off on overflow, grow after ``growth_interval`` good steps."""
-        tracker = jnp.where(grads_finite, self.growth_tracker + 1, 0)
-        grow = tracker >= self.growth_interval
-        scale = jnp.where(
-            grads_finite,
-            jnp.where(grow, self.scale * self.growth_factor, self.scale),
-            self.scale * self.backoff_factor,
-        )
-        return self.replace(scale=scale, growth_tracker=jnp.where(grow, 0, tracker))
-
-
-def all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
-def check_precision_backend(precision: Precision, device: jax.Device | None = None) -> None:
-    """Raise ``ConfigError`` if the backend cannot compute in ``precision``'s dtypes.
-
-    TPUs have no float16 arithmetic; elsewhere a one-element matmul is compiled and run in each
-    16-bit dtype the precision uses, so an unsupported backend fails here, with the fix, rather
-    than in the middle of a compile.
-    """
-    device = device or jax.devices()[0]
-    for dtype in {precision.compute_dtype, precision.param_dtype} - {"float32"}:
-        if dtype == "float16" and device.platform == "tpu":
-            raise ConfigError(
-                f"precision {precision.name!r} computes in float16, which {device.platform} "
-                "does not support; use bf16"
-            )
-        try:
-            x = jax.device_put(jnp.ones((1, 1), dtype), device)
-            jax.block_until_ready(jnp.dot(x, x))
-        except Exception as e:  # backends raise their own error types
-            raise ConfigError(
-                f"precision {precision.name!r} needs {dtype}, which this {device.platform} "
-                f"backend rejects ({type(e).__name__}); use fp32 or bf16"
-            ) from None
+    """The named precision; an unknown name raises ``ConfigError`` listing the valid ones."""
+    return lookup(PRECISIONS, name, "precision")

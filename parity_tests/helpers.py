@@ -10,12 +10,13 @@ import torch
 from flax import nnx
 
 import torch_ref
+from jaxmem.compare.weights import load_torch_state_dict, to_torch_state_dict
 from jaxmem.config import ModelConfig
-from jaxmem.model import Decoder
+from jaxmem.memory.remat import layers_fn
+from jaxmem.model import Decoder, make_model
+from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
-from jaxmem.remat import MemoryPolicy, layers_fn
-from jaxmem.train import lm_loss_fn, make_model, summed_grads
-from jaxmem.weights import load_torch_state_dict, to_torch_state_dict
+from jaxmem.train.step import lm_loss_fn, summed_grads
 from torch_ref.remat import apply_memory_policy
 from torch_ref.train import TORCH_DTYPES, accumulate_grads
 
@@ -55,7 +56,9 @@ def jax_grads(
     loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
     jbatch = {k: jnp.asarray(v) for k, v in batch.items()}
     grads, loss_sum, n = jax.jit(
-        lambda p, b: summed_grads(loss, p, b, accum_steps=accum_steps, accum_dtype=precision.accum)
+        lambda p, b: summed_grads(
+            loss, p, b, accum_steps=accum_steps, accum_dtype=jnp.dtype(precision.accum_dtype)
+        )
     )(params, jbatch)
     grads = jax.tree_util.tree_map(lambda g: g / n, grads)
     sd = to_torch_state_dict(nnx.merge(graphdef, grads))

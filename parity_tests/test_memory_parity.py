@@ -16,14 +16,17 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxmem import analytic
+from jaxmem.compare.records import torch_record
 from jaxmem.config import PRESETS, OptimizerConfig
-from jaxmem.flops import grad_matmul_flops
-from jaxmem.memory import bytes_by_name, compiled_plan, saved_residuals
+from jaxmem.memory import analytic
+from jaxmem.memory.flops import grad_matmul_flops
+from jaxmem.memory.records import jax_record
+from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.residuals import bytes_by_name, compiled_plan, saved_residuals
+from jaxmem.model import make_model
+from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
-from jaxmem.remat import POLICIES, layers_fn
-from jaxmem.report import jax_record, torch_record
-from jaxmem.train import lm_loss_fn, make_model, make_optimizer, tree_bytes
+from jaxmem.train.step import lm_loss_fn, make_optimizer, tree_bytes
 
 CFG = PRESETS["tiny"].replace(n_layers=4)
 B, S = 4, 32
@@ -200,8 +203,8 @@ def test_memory_report_lists_the_per_tensor_differences():
     every tagged tensor of the block is the same size in both except the norms, where
     torch's native_layer_norm also keeps the fp32 mean and rstd per token ([B, S] each, per
     layer) that jaxmem's custom VJP recomputes; the rows add up to the totals' difference."""
-    from jaxmem.model import CHECKPOINT_NAMES
-    from jaxmem.report import name_differences
+    from jaxmem.compare.records import name_differences
+    from jaxmem.policy import CHECKPOINT_NAMES
 
     jax_rec = jax_record(CFG, POLICIES["none"], FP32, OptimizerConfig(), B, S)
     torch_rec = torch_record(CFG, POLICIES["none"], FP32, OptimizerConfig(), B, S)

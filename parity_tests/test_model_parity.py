@@ -11,7 +11,7 @@ from flax import nnx
 
 import torch_ref
 from jaxmem.model import Block, BlockStack, Decoder, causal_mask
-from jaxmem.parity import (
+from jaxmem.compare.parity import (
     compare_state_dicts,
     jax_loss_and_grads,
     lm_batch,
@@ -19,7 +19,7 @@ from jaxmem.parity import (
     torch_loss_and_grads,
     torch_model_from,
 )
-from jaxmem.weights import to_torch_state_dict
+from jaxmem.compare.weights import to_torch_state_dict
 
 F32 = "float32"
 

@@ -10,10 +10,11 @@ import torch
 from flax import nnx
 
 import torch_ref
-from jaxmem import seed_example as jax_seed
-from jaxmem.model import Block
-from jaxmem.parity import tolerance
-from jaxmem.weights import load_torch_state_dict
+from jaxmem.compare.tolerances import tolerance
+from jaxmem.compare.weights import load_torch_state_dict
+from jaxmem.data import seed_example_data
+from jaxmem.model import Block, BlockStack
+from jaxmem.train import seed_example as jax_seed
 from parity_tests.seed_reference import DecoderLayer
 from torch_ref import seed_example as torch_seed
 
@@ -82,17 +83,22 @@ def test_seed_checkpoint_loads_into_torch_ref_and_jaxmem_with_same_outputs():
     _close(np.asarray(out_jax), expected.detach().numpy(), "block_output")
 
 
+def jax_stack(state: dict[str, torch.Tensor]) -> BlockStack:
+    """A jaxmem BlockStack of the seed config holding a torch_ref BlockStack's weights."""
+    stack = BlockStack(jax_seed.SEED_CONFIG, rngs=nnx.Rngs(0))
+    load_torch_state_dict(stack, {k: v.numpy() for k, v in state.items()})
+    return stack
+
+
 def test_seed_training_example_runs_the_same_in_both_frameworks():
     steps = 3
-    data = jax_seed.seed_data(batch=8)  # the seed's shape with batch 8 (32 in the write-up)
+    data = seed_example_data(batch=8)  # the seed's shape with batch 8 (32 in the write-up)
     seed_layer = _perturbed_seed_layer()
     state = {f"layers.0.{k}": v.clone() for k, v in seed_layer.state_dict().items()}
 
     losses_seed = torch_seed.train(steps, data=data, module=seed_layer)
     losses_torch = torch_seed.train(steps, data=data, state_dict=state)
-    losses_jax = jax_seed.train(
-        steps, data=data, torch_state_dict={k: v.numpy() for k, v in state.items()}
-    )
+    losses_jax = jax_seed.train(steps, data=data, stack=jax_stack(state))
     tol = tolerance("float32", "adamw_loss")
     np.testing.assert_allclose(losses_torch, losses_seed, rtol=tol.rtol, atol=tol.atol)
     np.testing.assert_allclose(losses_jax, losses_torch, rtol=tol.rtol, atol=tol.atol)

@@ -18,20 +18,21 @@ from flax import nnx
 
 import torch_ref
 from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
-from jaxmem.parity import compare_state_dicts, tolerance, torch_model_from
-from jaxmem.precision import PRECISIONS, DynamicLossScale, Precision
-from jaxmem.remat import POLICIES
-from jaxmem.train import (
-    init_loss_scale,
+from jaxmem.compare.parity import torch_model_from
+from jaxmem.compare.tolerances import compare_state_dicts, tolerance
+from jaxmem.compare.weights import load_torch_state_dict, to_torch_state_dict
+from jaxmem.model import make_model
+from jaxmem.policy import POLICIES
+from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.train.scaling import DynamicLossScale, init_loss_scale
+from jaxmem.train.step import (
     lm_loss_fn,
-    make_model,
     make_multisteps_step,
     make_optimizer,
     make_train_step,
     place,
     tree_bytes,
 )
-from jaxmem.weights import load_torch_state_dict, to_torch_state_dict
 from parity_tests.helpers import (
     jax_grads,
     masked_batch,

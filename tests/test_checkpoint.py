@@ -14,16 +14,14 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jaxmem.checkpoint import (
-    TMP_SUFFIX,
-    CheckpointError,
-    RunCheckpointer,
-    config_conflicts,
-    read_config,
-)
 from jaxmem.config import OptimizerConfig, get_preset
-from jaxmem.precision import DynamicLossScale, get_precision
-from jaxmem.train import init_loss_scale, lm_loss_fn, make_model, make_optimizer, make_train_step
+from jaxmem.model import make_model
+from jaxmem.precision import get_precision
+from jaxmem.train.checkpoint import TMP_SUFFIX, RunCheckpointer, read_config
+from jaxmem.train.job import config_conflicts
+from jaxmem.train.layout import CheckpointError
+from jaxmem.train.scaling import DynamicLossScale, init_loss_scale
+from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step
 
 TINY = get_preset("tiny")
 OPT = OptimizerConfig(lr=3e-3, weight_decay=0.1)
@@ -252,9 +250,10 @@ def test_a_checkpoint_survives_sigkill_right_after_save(tmp_path):
         f"""
         import os, signal
         from flax import nnx
-        from jaxmem.checkpoint import RunCheckpointer
         from jaxmem.config import OptimizerConfig, get_preset
-        from jaxmem.train import make_model, make_optimizer
+        from jaxmem.model import make_model
+        from jaxmem.train.checkpoint import RunCheckpointer
+        from jaxmem.train.step import make_optimizer
         _, params = nnx.split(make_model(get_preset("tiny"), seed=0), nnx.Param)
         tx = make_optimizer(OptimizerConfig(lr=3e-3, weight_decay=0.1))
         ck = RunCheckpointer({str(tmp_path)!r}, keep=1)
@@ -294,22 +293,22 @@ def test_read_config_returns_the_latest_saved_dict_without_writing(tmp_path):
 
 
 def test_config_conflicts_reports_differences_and_ignores_allowed_keys():
-    saved = json.loads(json.dumps(RUN_CONFIG))
+    job = {**RUN_CONFIG, "run": {"steps": 6, "batch_size": 4, "eval_every": 3}}
+    saved = json.loads(json.dumps(job))
     new = {
-        **RUN_CONFIG,
+        **job,
         "model": {"d_model": 128, "n_layers": 2, "norm": "pre", "bias": True},
         "optimizer": {"name": "adamw", "lr": 3e-3, "betas": (0.9, 0.95)},
-        "steps": 600,  # extending the run is fine
-        "eval_every": 50,  # new and allowed
+        # extending the run and evaluating more often are fine (jaxmem.train.job.RESUMABLE_CHANGES)
+        "run": {"steps": 600, "eval_every": 50},
     }
-    del new["batch_size"]
     assert config_conflicts(saved, new) == [
-        "batch_size: checkpoint 4, now absent",
         "model.bias: checkpoint absent, now true",
         "model.d_model: checkpoint 64, now 128",
         "optimizer.betas: checkpoint [0.9, 0.999], now [0.9, 0.95]",
+        "run.batch_size: checkpoint 4, now absent",
     ]
-    assert config_conflicts(saved, RUN_CONFIG) == []  # tuple vs saved list: equal
+    assert config_conflicts(saved, job) == []  # tuple vs saved list: equal
     assert config_conflicts({"a": {"b": 1, "c": 2}}, {"a": {"b": 2, "c": 3}}, allowed=["a.b"]) == [
         "a.c: checkpoint 2, now 3"
     ]

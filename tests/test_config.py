@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig, get_preset
 from jaxmem.model import Decoder
-from jaxmem.train import tree_bytes
+from jaxmem.train.step import tree_bytes
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -220,7 +220,7 @@ def _make(step: int) -> dict[str, np.ndarray]:
 
 
 def test_prefetcher_yields_the_same_batches_in_order():
-    with data.Prefetcher(_make, 3, 9, depth=2) as pf:
+    with data.Prefetcher(_make, 3, 9, transfer=jax.device_put, depth=2) as pf:
         got = list(pf)
     assert [step for step, _ in got] == list(range(3, 9))
     for step, batch in got:
@@ -235,7 +235,7 @@ def test_prefetcher_reraises_worker_errors():
             raise DataError("bad batch at step 2")
         return _make(step)
 
-    with data.Prefetcher(make, 0, 5) as pf:
+    with data.Prefetcher(make, 0, 5, transfer=jax.device_put) as pf:
         it = iter(pf)
         assert next(it)[0] == 0 and next(it)[0] == 1
         with pytest.raises(DataError, match="bad batch at step 2"):
@@ -246,7 +246,7 @@ def test_prefetcher_reraises_worker_errors():
 
 def test_prefetcher_close_after_early_stop_is_prompt():
     before = set(threading.enumerate())
-    pf = data.Prefetcher(_make, 0, 1_000_000, depth=2)
+    pf = data.Prefetcher(_make, 0, 1_000_000, transfer=jax.device_put, depth=2)
     for step, _ in pf:
         if step == 1:
             break

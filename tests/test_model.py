@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxmem.config import PRESETS
 from jaxmem.model import CHECKPOINT_NAMES, BlockStack, Decoder
-from jaxmem.parity import tolerance
+from jaxmem.compare.tolerances import tolerance
 
 
 def _eqns(jaxpr):

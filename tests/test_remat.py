@@ -10,22 +10,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmem import analytic
+from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, ConfigError
-from jaxmem.flops import grad_matmul_flops
-from jaxmem.memory import saved_residuals, summarize_residuals
+from jaxmem.data import lm_batch
+from jaxmem.memory import analytic
+from jaxmem.memory.flops import grad_matmul_flops
+from jaxmem.memory.remat import check_backend, layers_fn
+from jaxmem.memory.residuals import saved_residuals, summarize_residuals
 from jaxmem.model import CHECKPOINT_NAMES, Decoder
-from jaxmem.parity import lm_batch, tolerance
-from jaxmem.remat import (
+from jaxmem.policy import (
     POLICIES,
     LayerSelection,
     MemoryPolicy,
-    check_backend,
     get_policy,
-    layers_fn,
+    kept_tags,
     nested_segment_size,
 )
-from jaxmem.train import lm_loss_fn
+from jaxmem.train.step import lm_loss_fn
 
 CFG = PRESETS["tiny"].replace(n_layers=4)
 LAYER_INPUT = "<layer input>"
@@ -94,7 +95,7 @@ def test_saved_names_are_exactly_what_the_policy_keeps(setup, needed_names, name
     if name == "dots":
         expected |= {"attn_out"}
     assert set(seen) - {LAYER_INPUT} == expected
-    assert expected - {"block_input"} <= analytic.kept_tags(CFG, policy)
+    assert expected - {"block_input"} <= kept_tags(CFG, policy)
     for n in policy.offload:
         if n in expected:
             assert seen[n] == {"host"}, (n, seen[n])

@@ -28,8 +28,8 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxmem import cli  # noqa: E402
-from jaxmem.job import JobConfig, read_config_file, write_config  # noqa: E402
-from jaxmem.parity import tolerance  # noqa: E402
+from jaxmem.compare.tolerances import tolerance  # noqa: E402
+from jaxmem.train.job import JobConfig, read_config_file, write_config  # noqa: E402
 
 TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0"]
 
@@ -103,8 +103,10 @@ def test_config_round_trips_through_yaml_toml_and_flags(tmp_path):
         "[optimizer]\nlr = 3e-4\n[accum]\nsteps = 2\n[run]\nsteps = 7\nbatch_size = 4\n"
     )
     job = JobConfig.from_dict(read_config_file(str(toml)))
-    assert job.model.n_layers == 3 and job.precision == "bf16" and job.run.steps == 7
-    assert set(job.policy.save) == {"norm1_out", "mlp_up"} and job.policy.offload == ("mlp_act",)
+    assert job.model.n_layers == 3 and job.precision.name == "bf16" and job.run.steps == 7
+    # objects, not names: the config holds the Precision and the MemoryPolicy themselves
+    assert job.precision.compute_dtype == "bfloat16"
+    assert set(job.memory.save) == {"norm1_out", "mlp_up"} and job.memory.offload == ("mlp_act",)
     assert job.run.seq_len == 64  # default 128 capped at tiny's max_seq_len
     path = tmp_path / "config.yaml"
     write_config(job, str(path))
@@ -195,8 +197,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path
 
 
 def test_backend_without_pinned_host_or_fp16_is_refused(tmp_path, monkeypatch, capsys):
-    import jaxmem.precision as precision
-    import jaxmem.remat as remat
+    import jaxmem.memory.remat as remat
+    import jaxmem.train.step as step
 
     monkeypatch.setattr(remat, "backend_memory_kinds", lambda device=None: ("device",))
     with pytest.raises(SystemExit) as exc:
@@ -210,7 +212,7 @@ def test_backend_without_pinned_host_or_fp16_is_refused(tmp_path, monkeypatch, c
     def dot(*_):
         raise NoFloat16("UNIMPLEMENTED: f16 dot")
 
-    monkeypatch.setattr(precision.jnp, "dot", dot)
+    monkeypatch.setattr(step.jnp, "dot", dot)
     with pytest.raises(SystemExit) as exc:
         train("--precision", "fp16", "--out", str(tmp_path / "b"))
     assert exc.value.code == 2
@@ -283,15 +285,11 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_losses_step_for_step(tmp_
     assert [r.get("val_loss") for r in res] == [r.get("val_loss") for r in ref]
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
-    tmp_path, capsys, framework
-):
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    """(The same for ``--framework torch``: parity_tests/test_torch_job.py.)"""
     out = tmp_path / "run"
     # an absurd learning rate: AdamW moves every weight by ~1e30 and the next loss is not finite
     code = train(
-        "--framework",
-        framework,
         "--steps",
         "20",
         "--checkpoint-every",
@@ -310,10 +308,11 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
 
 
 def test_out_of_memory_reports_the_plan_and_a_cheaper_policy(tmp_path, monkeypatch, capsys):
-    import jaxmem.run as run
+    import jaxmem.train.run as run
+    from jaxmem.train.loop import out_of_memory_message
 
     job = JobConfig.from_dict({"preset": "tiny", "memory": {"policy": "selective"}})
-    message = run.out_of_memory_message(job, 3 << 30, "while training")
+    message = out_of_memory_message(job, 3 << 30, "while training", can_offload=True)
     assert "the step plans 3.00 GiB (compiled plan)" in message
     assert "--policy dots" in message and "--precision bf16" in message
 
@@ -332,34 +331,6 @@ def test_out_of_memory_reports_the_plan_and_a_cheaper_policy(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert "out of memory while compiling with policy 'selective'" in err
     assert "try --policy dots" in err
-
-
-def test_torch_framework_trains_the_same_job_to_the_same_losses(tmp_path):
-    jax_run, torch_run = tmp_path / "jax", tmp_path / "torch"
-    common = ["--steps", "12", "--checkpoint-every", "12", "--eval-every", "6"]
-    assert train(*common, "--out", str(jax_run)) == 0
-    assert train(*common, "--framework", "torch", "--out", str(torch_run)) == 0
-    j, t = metrics(jax_run), metrics(torch_run)
-    assert [r["step"] for r in t] == list(range(1, 13))
-    tol = tolerance("float32", "adamw_loss")
-    np.testing.assert_allclose(
-        [r["loss"] for r in j], [r["loss"] for r in t], rtol=tol.rtol, atol=tol.atol
-    )
-    assert sorted(os.listdir(torch_run / "checkpoints")) == ["12"]
-    # both curves on one plot
-    assert cli.main(["plot", str(jax_run), str(torch_run), "--out", str(tmp_path / "c.png")]) == 0
-    assert (tmp_path / "c.png").stat().st_size > 0
-
-
-def test_torch_run_resumes_from_its_checkpoint(tmp_path):
-    out = tmp_path / "torch"
-    common = ["--framework", "torch", "--checkpoint-every", "3", "--out", str(out)]
-    assert train("--steps", "6", *common) == 0
-    first = metrics(out)
-    assert train("--steps", "9", "--resume", *common) == 0
-    resumed = metrics(out)
-    assert [r["step"] for r in resumed] == list(range(1, 10))
-    assert resumed[:6] == first
 
 
 def test_prepare_writes_bin_files_that_train_reads(tmp_path, capsys):

@@ -19,6 +19,12 @@ from torch import nn
 from jaxmem.config import ModelConfig
 
 
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype norms, softmax, logits and the loss run in: float32, or wider when the compute
+    dtype is (float64 in the parity suite's exactness mode); ``jaxmem.model.ops.wide``."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def activation_module(name: str) -> nn.Module:
     if name == "gelu":
         return nn.GELU()
@@ -38,24 +44,27 @@ def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
 
 
 def fp32_einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Compute-dtype operands, fp32 result: jnp.einsum(..., preferred_element_type=float32).
+    """Compute-dtype operands, fp32 (or wider) result: jnp.einsum(...,
+    preferred_element_type=float32).
 
     Products of bf16/fp16 values are exact in fp32, so rounding the operands to the compute
     dtype and multiplying in fp32 (autocast off, or it would cast them back down) is that op.
     """
     cdt = compute_dtype_of(a)
+    acc = wide(cdt)
     with torch.autocast(a.device.type, enabled=False):
-        return torch.einsum(equation, a.to(cdt).float(), b.to(cdt).float())
+        return torch.einsum(equation, a.to(cdt).to(acc), b.to(cdt).to(acc))
 
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` computed in fp32 and cast back (CPU autocast does not upcast it; jaxmem
-    always normalises in fp32)."""
+    """``nn.LayerNorm`` computed in fp32 (or wider) and cast back (CPU autocast does not upcast
+    it; jaxmem always normalises in fp32)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.float()
-        bias = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+        acc = wide(x.dtype)
+        weight = None if self.weight is None else self.weight.to(acc)
+        bias = None if self.bias is None else self.bias.to(acc)
+        return F.layer_norm(x.to(acc), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -80,7 +89,7 @@ class SelfAttention(nn.Module):
         q, k, v = (t.reshape(b, s, self.n_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
         scores = fp32_einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.head_dim)  # fp32
         if mask_ss is not None:
-            scores = scores.masked_fill(~mask_ss, torch.finfo(torch.float32).min)
+            scores = scores.masked_fill(~mask_ss, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [B, H, S, S]
         context = torch.einsum("bhqs,bshk->bqhk", probs, v).reshape(b, s, d)
         return self.out_proj(context)
@@ -170,7 +179,7 @@ class Decoder(nn.Module):
         init_weights(self, cfg)
 
     def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32."""
+        """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32 (float64 for a float64 model)."""
         seq_len = tokens_bs.shape[1]
         pos = torch.arange(seq_len, device=tokens_bs.device)
         x = self.wte(tokens_bs) + self.wpe(pos)[None]  # [B, S, D]

@@ -1,45 +1,73 @@
-"""jaxmem's ``MemoryPolicy`` translated to PyTorch (the other translation is ``jaxmem.remat``).
+"""jaxmem's ``MemoryPolicy`` in PyTorch (the JAX translation is ``jaxmem.memory.remat``).
 
-``apply_memory_policy(stack, policy)`` sets the block stack's ``layers_fn``; the model and its
-state dict do not change. The translations:
+``apply_memory_policy(stack, policy, translation=...)`` sets the block stack's ``layers_fn``; the
+model and its state dict do not change. Two translations, reported side by side:
+
+**stock** (the default): the PyTorch a PyTorch user writes, and nothing else.
 
 - ``none``: the plain loop.
 - ``full``: ``torch.utils.checkpoint.checkpoint`` per selected block, ``use_reentrant`` taken
   from the policy (both modes work; never left to PyTorch's default).
-- ``nested``: ⌈√L⌉-block segments, each checkpointed, each block inside checkpointed again (the
-  two-level form of ``checkpoint_sequential``; non-reentrant only).
-- names (``selective``, ``mlp``, ``dots``, ``offload``, custom): non-reentrant checkpoint with a
-  ``context_fn`` that keeps chosen op outputs in device memory, moves others to host memory and
-  recomputes the rest. PyTorch's own selective checkpointing
-  (``create_selective_checkpoint_contexts``) decides per op but cannot offload, so the two small
-  dispatch modes here do the same job with the third choice (host memory) added.
+- ``nested``: ``torch.utils.checkpoint.checkpoint_sequential`` over ⌈L / ⌈√L⌉⌉ segments. Stock
+  runs its *last* segment without checkpointing, so it keeps that segment's activations.
+- names (``selective``, ``mlp``, ``dots``, custom): non-reentrant checkpoint with
+  ``create_selective_checkpoint_contexts``; the policy function answers ``MUST_SAVE`` for the ops
+  whose output the policy stores (by tag) and ``PREFER_RECOMPUTE`` for the rest
+  (``save_dots``: ``MUST_SAVE`` for every ``mm``/``addmm``). Selective checkpointing caches every
+  output it is told to save, read by the backward or not.
+- offloaded names: stock PyTorch has no API for them. ``CheckpointPolicy.MUST_CPU_OFFLOAD``
+  exists but is honoured only under ``torch.compile``; in eager mode it recomputes. Such policies
+  use the ``lean`` extension below, and say so (``PolicyLayers.translation``).
 
-PyTorch ops carry no names, so ``BLOCK_OPS`` maps each tag of ``jaxmem.model.CHECKPOINT_NAMES`` to
-the op that produces it in ``torch_ref.model.Block`` (by op kind and occurrence within a block);
-a test records the real op stream and checks every entry's shape against the JAX tag.
+**lean** (torch_ref's extension, beyond stock): two small dispatch modes keep only what the
+backward reads of what the policy stores (``jaxmem.policy.kept_tags``, what JAX's partial
+evaluation keeps), send offloaded names to host memory, and skip replaying a matmul whose
+product nothing the backward uses reads (out_proj / mlp_down when their residual add is kept);
+``nested`` checkpoints every segment (the last included) and every block inside it again, as
+JAX's two-level scan does.
+
+PyTorch ops carry no names, so ``block_ops`` maps each tag of ``jaxmem.policy.CHECKPOINT_NAMES``
+to the op that produces it in ``torch_ref.model.Block`` (by op kind and occurrence within a
+block); a test records the real op stream and checks every entry's shape against the JAX tag.
 
 Also here, for PyTorch users: ``save_on_cpu_layers_fn`` (PyTorch's built-in saved-tensor-hook
-offload of every saved tensor) and ``OffloadCheckpoint``, a correct, general version of the
-seeds' ``OffloadFunction`` (input kept in host memory, the real block recomputed in backward).
+offload of every saved tensor) and ``OffloadCheckpoint``, the seeds' ``OffloadFunction`` made
+correct: the input kept in host memory, the real block recomputed in backward, gradients for the
+parameters whatever the input requires (as FairScale's ``checkpoint_wrapper(offload_to_cpu=True)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
 
 from jaxmem.config import ConfigError, ModelConfig
-from jaxmem.model import CHECKPOINT_NAMES
-from jaxmem.remat import LayerSelection, MemoryPolicy, nested_segment_size
+from jaxmem.policy import (
+    CHECKPOINT_NAMES,
+    QKV,
+    LayerSelection,
+    MemoryPolicy,
+    backward_reads,
+    kept_tags,
+    nested_segment_size,
+)
 from torch_ref.model import BlockStack, run_layers
 
+Translation = Literal["stock", "lean"]
+TRANSLATIONS: tuple[str, ...] = ("stock", "lean")
 LINEAR_OPS = ("addmm", "mm")  # nn.Linear with / without bias
 
 
@@ -58,7 +86,7 @@ def block_ops(cfg: ModelConfig) -> dict[tuple[str, int], tuple[str, ...]]:
     act = "relu" if cfg.activation == "relu" else "gelu"
     return {
         ("native_layer_norm", 0): ("norm1_out",),
-        ("linear", 0): ("query_proj", "key_proj", "value_proj"),
+        ("linear", 0): QKV,
         scores: ("attn_scores",),
         ("_softmax", 0): ("attn_probs",),
         ("bmm", 1): ("attn_context",),
@@ -72,19 +100,27 @@ def block_ops(cfg: ModelConfig) -> dict[tuple[str, int], tuple[str, ...]]:
     }
 
 
-def unread_by_backward(cfg: ModelConfig, policy: MemoryPolicy | None = None) -> frozenset[str]:
-    """Tags a rematerialised block need not keep under ``policy``: no backward op reads them
-    (they only feed additions, softmax, or leave the block) and, unless the policy stores them
-    while leaving a read tag computed from them unstored, keeping them would only cost memory.
-    JAX's partial evaluation drops the same ones (``jaxmem.analytic.kept_tags``; a test checks
-    both frameworks agree). Without ``policy``: the tags no backward op reads."""
-    from jaxmem.analytic import backward_reads, kept_tags
+class _OpNamer:
+    """Names the ops of one block by (kind, occurrence) as they come; one per pass."""
 
+    def __init__(self, cfg: ModelConfig):
+        self.ops = block_ops(cfg)
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, func: Any) -> tuple[str, tuple[str, ...]]:
+        kind = _op_kind(func)
+        index = self.counts.get(kind, 0)
+        self.counts[kind] = index + 1
+        return kind, self.ops.get((kind, index), ())
+
+
+def unread_by_backward(cfg: ModelConfig, policy: MemoryPolicy | None = None) -> frozenset[str]:
+    """Tags the lean translation need not keep under ``policy``: no backward op reads them and
+    no read tag is recomputed from them (``jaxmem.policy.kept_tags``). Without ``policy``: the
+    tags no backward op reads."""
     reads = backward_reads(cfg) | {"block_input"}
     unread = frozenset(CHECKPOINT_NAMES) - reads
-    if policy is None:
-        return unread
-    return unread - kept_tags(cfg, policy)
+    return unread if policy is None else unread - kept_tags(cfg, policy)
 
 
 # The block's matmul outputs that feed only an addition: (matmul tag, the addition's tag).
@@ -92,13 +128,10 @@ _FEEDS = {"attn_out": "attn_residual", "mlp_down": "mlp_residual"}
 
 
 def skippable_in_recompute(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
-    """Matmul tags a recompute need not compute: not kept, and their one consumer (a residual
-    addition) is either kept — its value comes back from storage — or read by no backward op.
-    Their inputs are still saved by autograd when the op is replayed; only the product is
-    skipped. Without this, non-reentrant replay re-runs out_proj / mlp_down (+2.5 % FLOPs under
-    selective on ``small``) that JAX never recomputes."""
-    from jaxmem.analytic import backward_reads, kept_tags
-
+    """Matmul tags the lean recompute need not compute: not kept, and their one consumer (a
+    residual addition) is either kept — its value comes back from storage — or read by no
+    backward op. Their inputs are still saved by autograd when the op is replayed; only the
+    product is skipped. Stock replay re-runs them."""
     kept, reads = kept_tags(cfg, policy), backward_reads(cfg)
     return frozenset(
         tag
@@ -121,22 +154,51 @@ class KeptTensor:
     storage: int  # data_ptr of the kept copy's storage (for memory accounting)
 
 
+def _kept(layer: int, names: tuple[str, ...], memory: str, t: torch.Tensor) -> KeptTensor:
+    return KeptTensor(
+        layer=layer,
+        names=names,
+        memory=memory,
+        shape=tuple(t.shape),
+        dtype=t.dtype,
+        device=t.device,
+        nbytes=t.numel() * t.element_size(),
+        storage=t.untyped_storage().data_ptr(),
+    )
+
+
+# ------------------------------------------------------------------------------------- stock
+def _stock_contexts(policy: MemoryPolicy, cfg: ModelConfig, kept: list, layer: int):
+    """``create_selective_checkpoint_contexts`` with a policy function over jaxmem's tags."""
+    name_op = _OpNamer(cfg)
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        kind, names = name_op(op)
+        save = (policy.save_dots and kind == "linear") or (
+            bool(names) and names[0] in policy.save
+        )
+        if not save:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        out = ctx.op_output
+        if isinstance(out, torch.Tensor):
+            kept.append(_kept(layer, names or ("<linear>",), "device", out))
+        return CheckpointPolicy.MUST_SAVE
+
+    return create_selective_checkpoint_contexts(policy_fn)
+
+
+# -------------------------------------------------------------------------------------- lean
 class _Decider:
-    """Counts ops per kind within one block and returns the policy's choice for each."""
+    """Lean translation: counts ops per kind within one block, returns the policy's choice."""
 
     def __init__(self, policy: MemoryPolicy, cfg: ModelConfig):
         self.policy = policy
-        self.ops = block_ops(cfg)
         self.unread = unread_by_backward(cfg, policy)
         self.skip = skippable_in_recompute(cfg, policy)
-        self.counts: dict[tuple[bool, str], int] = {}
+        self.namers = {False: _OpNamer(cfg), True: _OpNamer(cfg)}
 
     def __call__(self, func: Any, recompute: bool) -> tuple[str, tuple[str, ...]]:
-        kind = _op_kind(func)
-        key = (recompute, kind)
-        index = self.counts.get(key, 0)
-        self.counts[key] = index + 1
-        names = self.ops.get((kind, index), ())
+        kind, names = self.namers[recompute](func)
         if self.policy.save_dots and kind == "linear":
             return "device", names or ("<linear>",)
         if recompute and kind == "linear" and names and names[0] in self.skip:
@@ -169,23 +231,11 @@ class _KeepMode(TorchDispatchMode):
         else:
             stored = tree_map_only(torch.Tensor, lambda t: t.detach(), out)
         self.storage.append((func, stored))
-        outs = [out] if isinstance(out, torch.Tensor) else out
-        kept = [stored] if isinstance(stored, torch.Tensor) else stored
-        for t, copy in zip(outs, kept, strict=True):
-            if isinstance(t, torch.Tensor):
-                device = torch.device("cpu") if choice == "offload" else t.device
-                self.kept.append(
-                    KeptTensor(
-                        layer=self.layer,
-                        names=names,
-                        memory="host" if choice == "offload" else "device",
-                        shape=tuple(t.shape),
-                        dtype=t.dtype,
-                        device=device,
-                        nbytes=t.numel() * t.element_size(),
-                        storage=copy.untyped_storage().data_ptr(),
-                    )
-                )
+        copies = [stored] if isinstance(stored, torch.Tensor) else stored
+        memory = "host" if choice == "offload" else "device"
+        self.kept.extend(
+            _kept(self.layer, names, memory, c) for c in copies if isinstance(c, torch.Tensor)
+        )
         return out
 
 
@@ -214,9 +264,42 @@ class _ReplayMode(TorchDispatchMode):
         return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), stored)
 
 
-def validate_for_torch(policy: MemoryPolicy) -> None:
+# ------------------------------------------------------------------------------------ policy
+def resolve_translation(policy: MemoryPolicy, translation: str) -> Translation:
+    """The translation that runs: ``stock`` unless asked for ``lean`` or the policy offloads by
+    name (no stock API in eager PyTorch)."""
+    if translation not in TRANSLATIONS:
+        raise ConfigError(f"translation={translation!r} is not one of {TRANSLATIONS}")
+    return "lean" if policy.offload else translation  # type: ignore[return-value]
+
+
+def describe(policy: MemoryPolicy, translation: str) -> str:
+    """What runs, in PyTorch's own words (one line for reports)."""
+    used = resolve_translation(policy, translation)
+    mode = f"use_reentrant={policy.use_reentrant}"
+    if not policy.remat:
+        return "stock: plain loop (autograd keeps what each op saves)"
+    if used == "stock":
+        if policy.nested:
+            return f"stock: checkpoint_sequential({mode}; its last segment is not checkpointed)"
+        if policy.is_named:
+            return (
+                "stock: checkpoint(use_reentrant=False, context_fn=create_selective_checkpoint_"
+                "contexts: MUST_SAVE for the stored tags)"
+            )
+        return f"stock: checkpoint({mode}) per block"
+    why = "no stock API for name-based offload in eager PyTorch; " if translation == "stock" else ""
+    if policy.nested:
+        return f"lean (torch_ref extension): two-level checkpoint, every segment and block"
+    return (
+        f"lean (torch_ref extension; {why}keeps what the backward reads of what the policy "
+        "stores, skips matmuls nothing reads)"
+    )
+
+
+def validate_for_torch(policy: MemoryPolicy, translation: str = "stock") -> None:
     """Raise for what the policy asks that torch_ref cannot express."""
-    qkv = {policy.choice(n) for n in ("query_proj", "key_proj", "value_proj")}
+    qkv = {policy.choice(n) for n in QKV}
     if len(qkv) > 1:
         raise ConfigError(
             "torch_ref computes query_proj, key_proj and value_proj with one fused matmul: give "
@@ -227,40 +310,49 @@ def validate_for_torch(policy: MemoryPolicy) -> None:
             "offloading block_input is not expressible in torch_ref (checkpoint keeps its input "
             "itself); use OffloadCheckpoint for that"
         )
-    named = policy.save or policy.offload or policy.save_dots
-    if policy.use_reentrant and (named or policy.nested):
+    used = resolve_translation(policy, translation)
+    two_level = policy.nested and used == "lean"
+    if policy.use_reentrant and (policy.is_named or two_level):
         raise ConfigError(
             f"policy {policy.name!r} needs use_reentrant=False: reentrant checkpoint supports "
             "neither selective context_fn nor nesting"
         )
 
 
+def _grad_input(x: torch.Tensor) -> torch.Tensor:
+    # Reentrant checkpoint back-propagates to parameters only when an input requires grad (the
+    # classic pitfall with a frozen first input).
+    return x if x.requires_grad else x.detach().requires_grad_(True)
+
+
 class PolicyLayers:
     """A ``layers_fn`` for ``torch_ref.BlockStack`` running ``policy``. ``kept`` lists what the
-    last forward kept for the backward pass (named-op policies only)."""
+    last forward kept for the backward pass (named policies: what selective checkpointing cached
+    under stock, what the dispatch modes kept under lean); ``translation`` says which ran."""
 
-    def __init__(self, policy: MemoryPolicy, cfg: ModelConfig):
-        validate_for_torch(policy)
+    def __init__(self, policy: MemoryPolicy, cfg: ModelConfig, translation: str = "stock"):
+        validate_for_torch(policy, translation)
         self.policy, self.cfg = policy, cfg
+        self.translation = resolve_translation(policy, translation)
+        self.description = describe(policy, translation)
         self.selected = set(policy.layers.indices(cfg.n_layers))
         self.kept: list[KeptTensor] = []
 
     def _checkpointed(self, i: int, layer: nn.Module, x: torch.Tensor, mask: Any) -> torch.Tensor:
         policy = self.policy
         if policy.use_reentrant:
-            if not x.requires_grad:
-                # Reentrant checkpoint only back-propagates to parameters when an input
-                # requires grad (the classic pitfall with a frozen first input).
-                x = x.detach().requires_grad_(True)
-            return checkpoint(layer, x, mask, use_reentrant=True)
-        if not (policy.save or policy.offload or policy.save_dots):
+            return checkpoint(layer, _grad_input(x), mask, use_reentrant=True)
+        if not policy.is_named:
             return checkpoint(layer, x, mask, use_reentrant=False)
+        if self.translation == "stock":
+            context_fn = functools.partial(_stock_contexts, policy, self.cfg, self.kept, i)
+        else:
 
-        def contexts():
-            decide, storage = _Decider(policy, self.cfg), []
-            return _KeepMode(decide, storage, self.kept, i), _ReplayMode(decide, storage)
+            def context_fn():
+                decide, storage = _Decider(policy, self.cfg), []
+                return _KeepMode(decide, storage, self.kept, i), _ReplayMode(decide, storage)
 
-        return checkpoint(layer, x, mask, use_reentrant=False, context_fn=contexts)
+        return checkpoint(layer, x, mask, use_reentrant=False, context_fn=context_fn)
 
     def host_storages(self) -> set[int]:
         """Storages of the copies the last forward moved to host memory (for accounting)."""
@@ -275,12 +367,22 @@ class PolicyLayers:
         if not self.policy.remat:
             return run_layers(layers, x, mask)
         if self.policy.nested:
-            return self._nested(layers, x, mask)
+            if self.translation == "stock":
+                return self._sequential(layers, x, mask)
+            return self._two_level(layers, x, mask)
         for i, layer in enumerate(layers):
             x = self._checkpointed(i, layer, x, mask) if i in self.selected else layer(x, mask)
         return x
 
-    def _nested(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+    def _sequential(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+        n = len(layers)
+        segments = -(-n // nested_segment_size(n))  # ⌈L / ⌈√L⌉⌉
+        functions = [functools.partial(layer, mask_ss=mask) for layer in layers]
+        reentrant = self.policy.use_reentrant
+        x = _grad_input(x) if reentrant else x
+        return checkpoint_sequential(functions, segments, x, use_reentrant=reentrant)
+
+    def _two_level(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
         k = nested_segment_size(len(layers))
 
         def segment(x: torch.Tensor, start: int) -> torch.Tensor:
@@ -293,9 +395,11 @@ class PolicyLayers:
         return x
 
 
-def apply_memory_policy(stack: BlockStack, policy: MemoryPolicy) -> PolicyLayers:
+def apply_memory_policy(
+    stack: BlockStack, policy: MemoryPolicy, translation: str = "stock"
+) -> PolicyLayers:
     """Run ``stack`` (a ``torch_ref.BlockStack``, e.g. ``decoder.blocks``) under ``policy``."""
-    runner = PolicyLayers(policy, stack.cfg)
+    runner = PolicyLayers(policy, stack.cfg, translation)
     stack.layers_fn = runner
     return runner
 
@@ -318,20 +422,9 @@ def save_on_cpu_layers_fn(selection: LayerSelection, n_layers: int) -> Callable[
     return layers_fn
 
 
-class OffloadCheckpoint(torch.autograd.Function):
-    """The seeds' ``OffloadFunction``, made correct and general.
-
-    Forward runs ``fn(*args)`` without building a graph and keeps only the tensor arguments, in
-    host memory. Backward brings them back, re-runs the real ``fn`` with grad enabled and
-    back-propagates through it, so parameters inside ``fn`` receive their gradients and every
-    tensor argument gets its own. (The seed's version recomputed a placeholder ``input * 2`` and
-    dropped parameter gradients.) ``fn`` must be deterministic: no RNG state is replayed.
-
-    Use: ``y = OffloadCheckpoint.apply(block, x, mask)``.
-    """
-
+class _OffloadFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, *args):
+    def forward(ctx, fn, anchor, *args):
         ctx.fn = fn
         ctx.is_tensor = [isinstance(a, torch.Tensor) for a in args]
         ctx.non_tensors = [None if t else a for t, a in zip(ctx.is_tensor, args, strict=True)]
@@ -359,9 +452,33 @@ class OffloadCheckpoint(torch.autograd.Function):
         ]
         with torch.enable_grad():
             out = ctx.fn(*args)
+        # Accumulates into the parameters inside fn, and into the inputs that require grad.
         torch.autograd.backward(out, grad_out)
         grads = iter(t.grad if t.requires_grad else None for t in tensors)
-        return (None, *[next(grads) if is_t else None for is_t in ctx.is_tensor])
+        return (None, None, *[next(grads) if is_t else None for is_t in ctx.is_tensor])
+
+
+class OffloadCheckpoint:
+    """The seeds' ``OffloadFunction``, made correct and general.
+
+    ``OffloadCheckpoint.apply(fn, *args)`` runs ``fn(*args)`` without building a graph and keeps
+    only the tensor arguments, in host memory. Backward brings them back, re-runs the real ``fn``
+    with grad enabled and back-propagates through it, so parameters inside ``fn`` receive their
+    gradients and every tensor argument that requires grad gets its own. (The seed's version
+    recomputed a placeholder ``input * 2`` and dropped parameter gradients.) ``fn`` must be
+    deterministic: no RNG state is replayed.
+
+    An ``autograd.Function`` runs its backward only if one of its inputs requires grad, and a
+    block's parameters are not inputs: with an input that does not require grad (a frozen first
+    layer, a block stack fed raw features) the parameters would silently get no gradient. An
+    empty anchor tensor that requires grad is passed along, as FairScale's ``checkpoint_wrapper``
+    does with its dummy tensor.
+    """
+
+    @staticmethod
+    def apply(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+        return _OffloadFunction.apply(fn, anchor, *args)
 
 
 def offload_checkpoint_layers_fn(selection: LayerSelection, n_layers: int) -> Callable[..., Any]:

@@ -1,17 +1,16 @@
-"""The seeds' training example (shared/seeds/003) on torch_ref: mirrors ``jaxmem.seed_example``.
-Run: ``python -m torch_ref.seed_example --steps 5``."""
+"""The seeds' training example (shared/seeds/003) on torch_ref: mirrors
+``jaxmem.train.seed_example``. Run: ``jaxmem seed-example --framework torch --steps 5``."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from jaxmem.config import PRESETS, ModelConfig
-from jaxmem.remat import MemoryPolicy, get_policy
-from jaxmem.seed_example import seed_data
+from jaxmem.data import seed_example_data
+from jaxmem.policy import MemoryPolicy
 from torch_ref.loss import mse_sum
 from torch_ref.model import BlockStack
 from torch_ref.remat import apply_memory_policy
@@ -36,7 +35,7 @@ def train(
         model.load_state_dict(state_dict, strict=True)
     if policy is not None:
         apply_memory_policy(model, policy)
-    x, target = data if data is not None else seed_data(d_model=cfg.d_model)
+    x, target = data if data is not None else seed_example_data(d_model=cfg.d_model)
     x, target = torch.from_numpy(x), torch.from_numpy(target)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
     losses = []
@@ -48,16 +47,3 @@ def train(
         optimizer.step()
         losses.append(loss.detach())
     return [v.item() for v in losses]
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="Adam steps (default 5)")
-    parser.add_argument("--policy", default="none", help="memory policy (default none)")
-    args = parser.parse_args(argv)
-    for i, loss in enumerate(train(args.steps, policy=get_policy(args.policy))):
-        print(f"step {i}: mse {loss:.6f}")
-
-
-if __name__ == "__main__":
-    main()

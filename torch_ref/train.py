@@ -13,7 +13,12 @@ from jaxmem.config import OptimizerConfig
 from jaxmem.precision import Precision
 from torch_ref.loss import cross_entropy_sum
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
@@ -140,7 +145,7 @@ def accumulate_grads(
         mask.float().sum() if mask is not None else torch.tensor(float(batch["targets"].numel()))
     )
     device = batch["inputs"].device.type
-    loss_sum_total = torch.zeros((), device=batch["inputs"].device)  # summed on the device
+    loss_sum_total = None  # summed on the device, in the loss's dtype
     for micro in split_microbatches(batch, accum_steps):
         with torch.autocast(
             device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
@@ -149,7 +154,8 @@ def accumulate_grads(
         loss_sum, _ = cross_entropy_sum(logits, micro["targets"], micro.get("mask"))
         loss = loss_sum / n_total
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum_total += loss_sum.detach()
+        loss_sum = loss_sum.detach()
+        loss_sum_total = loss_sum if loss_sum_total is None else loss_sum_total + loss_sum
     return loss_sum_total, n_total
 
 

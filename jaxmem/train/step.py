@@ -20,10 +20,10 @@ import optax
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig
-from jaxmem.loss import cross_entropy_sum
-from jaxmem.model import Decoder
-from jaxmem.precision import PRECISIONS, DynamicLossScale, Precision, all_finite
+from jaxmem.config import AccumConfig, ConfigError, OptimizerConfig
+from jaxmem.model.loss import cross_entropy_sum
+from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.train.scaling import all_finite
 
 DECAYED_LEAVES = ("kernel", "embedding")  # matrices; biases and norm scales are not decayed
 FP32 = PRECISIONS["fp32"]
@@ -69,11 +69,6 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
             weight_decay_mask=decay_mask,
         )
     raise ValueError(f"optimizer={cfg.name!r} is not supported")
-
-
-def make_model(cfg: ModelConfig, precision: Precision = FP32, *, seed: int = 0) -> Decoder:
-    """A ``Decoder`` whose parameters are stored and computed in ``precision``'s dtypes."""
-    return Decoder(cfg, rngs=nnx.Rngs(seed), dtype=precision.compute, param_dtype=precision.param)
 
 
 def lm_loss_fn(graphdef: nnx.GraphDef, **model_kwargs: Any) -> Callable[..., tuple]:
@@ -187,7 +182,7 @@ def make_train_step(
             params,
             batch,
             accum_steps=accum.steps,
-            accum_dtype=precision.accum,
+            accum_dtype=jnp.dtype(precision.accum_dtype),
             scale=factor,
         )
         divisor = n_tokens if loss_scale is None else loss_scale.scale
@@ -213,10 +208,6 @@ def make_train_step(
         return new_params, new_opt_state, loss_scale, metrics
 
     return jax.jit(step, donate_argnums=(0, 1))
-
-
-def init_loss_scale(precision: Precision) -> DynamicLossScale | None:
-    return DynamicLossScale.create() if precision.loss_scale == "dynamic" else None
 
 
 def make_multisteps_step(
@@ -250,3 +241,27 @@ def tree_bytes(tree: Any) -> int:
         for x in jax.tree_util.tree_leaves(tree)
         if hasattr(x, "dtype")
     )
+
+
+def check_precision_backend(precision: Precision, device: jax.Device | None = None) -> None:
+    """Raise ``ConfigError`` if the backend cannot compute in ``precision``'s dtypes.
+
+    TPUs have no float16 arithmetic; elsewhere a one-element matmul is compiled and run in each
+    16-bit dtype the precision uses, so an unsupported backend fails here, with the fix, rather
+    than in the middle of a compile.
+    """
+    device = device or jax.devices()[0]
+    for dtype in {precision.compute_dtype, precision.param_dtype} - {"float32"}:
+        if dtype == "float16" and device.platform == "tpu":
+            raise ConfigError(
+                f"precision {precision.name!r} computes in float16, which {device.platform} "
+                "does not support; use bf16"
+            )
+        try:
+            x = jax.device_put(jnp.ones((1, 1), dtype), device)
+            jax.block_until_ready(jnp.dot(x, x))
+        except Exception as e:  # backends raise their own error types
+            raise ConfigError(
+                f"precision {precision.name!r} needs {dtype}, which this {device.platform} "
+                f"backend rejects ({type(e).__name__}); use fp32 or bf16"
+            ) from None

@@ -10,7 +10,7 @@ from safetensors.torch import save_file as torch_save_file
 import torch_ref
 from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.model import Block, Decoder
-from jaxmem.weights import (
+from jaxmem.compare.weights import (
     WeightMapError,
     key_map,
     load_safetensors,

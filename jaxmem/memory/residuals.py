@@ -1,21 +1,16 @@
-"""Memory measurement. Every figure carries the way it was obtained (``source``), and nothing is
-reported that was not measured: a runtime peak appears only where the backend reports one.
+"""Measuring JAX memory. Nothing is reported that was not measured: a runtime peak appears only
+where the backend reports one. Figures name their method (``jaxmem.figures``):
 
-Sources used here:
-- ``counted``: sum of ``size * itemsize`` over real or shape-inferred arrays.
 - ``residual accounting``: the residuals ``jax.vjp`` keeps for the backward pass, read from the
-  jaxpr of the VJP (the same method as ``jax.ad_checkpoint.print_saved_residuals``).
-- ``compiled plan (XLA:<platform>)``: ``compiled.memory_analysis()`` of the jitted step.
+  jaxpr of the VJP (the same method as ``jax.ad_checkpoint.print_saved_residuals``), with the
+  memory kind each lives in and the tag it was saved under;
+- ``compiled plan (XLA:<platform>)``: ``compiled.memory_analysis()`` of a jitted program;
 - ``runtime peak``: ``device.memory_stats()["peak_bytes_in_use"]`` (GPU/TPU only; None on CPU).
-- ``process max RSS``: the OS's high-water mark of this process's resident memory (host memory
-  of everything in the process, not just the model).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import resource
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -201,41 +196,3 @@ def device_peak_bytes() -> int | None:
     if not stats or "peak_bytes_in_use" not in stats:
         return None
     return int(stats["peak_bytes_in_use"])
-
-
-def process_max_rss_bytes() -> int:
-    """The process's peak resident set size (``getrusage``: KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-@dataclasses.dataclass(frozen=True)
-class Figure:
-    """One line of a memory table."""
-
-    quantity: str
-    nbytes: int
-    source: str
-
-
-def format_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def render_table(figures: Sequence[Figure], title: str) -> Any:
-    """A rich table of figures, each with how it was obtained."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("quantity")
-    table.add_column("bytes", justify="right")
-    table.add_column("", justify="right")
-    table.add_column("how obtained")
-    for f in figures:
-        table.add_row(f.quantity, f"{f.nbytes:,}", format_bytes(f.nbytes), f.source)
-    return table

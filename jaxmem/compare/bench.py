@@ -31,18 +31,33 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from flax import nnx
 
+from jaxmem.compare.parity import torch_model_from
 from jaxmem.config import ModelConfig, OptimizerConfig, get_preset
+from jaxmem.data import lm_batch
 from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.flops import grad_matmul_flops
-from jaxmem.memory import compiled_plan, saved_residuals, summarize_residuals
-from jaxmem.parity import lm_batch, torch_model_from
+from jaxmem.memory.flops import grad_matmul_flops
+from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.residuals import compiled_plan, saved_residuals, summarize_residuals
+from jaxmem.model import make_model
+from jaxmem.policy import POLICIES, MemoryPolicy
 from jaxmem.precision import PRECISIONS
-from jaxmem.remat import POLICIES, layers_fn
-from jaxmem.train import lm_loss_fn, make_model, make_optimizer, make_train_step
+from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step
+from torch_ref.loss import cross_entropy_sum
+from torch_ref.memory import measure_lm_step
+from torch_ref.remat import apply_memory_policy, resolve_translation
+from torch_ref.train import TORCH_DTYPES
+from torch_ref.train import make_optimizer as make_torch_optimizer
 
 MIB = 1 << 20
+# (column prefix, bar offset, legend) of the byte plots
+SERIES = (
+    ("jax", -0.27, "jaxmem"),
+    ("torch", 0.0, "torch_ref stock"),
+    ("torch_lean", 0.27, "torch_ref lean (ext.)"),
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +89,36 @@ QUICK = SweepPlan(
 )
 
 
+def has_lean(policy: MemoryPolicy) -> bool:
+    """Whether torch_ref's lean extension runs something other than the stock translation (and
+    stock exists): named policies without offload, and nested."""
+    return policy.remat and (policy.is_named or policy.nested) and not policy.offload
+
+
+def torch_point(
+    reference: Any,
+    policy: MemoryPolicy,
+    precision_name: str,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    translation: str,
+) -> dict[str, Any]:
+    """Saved bytes (live-tensor accounting, device + host) and FLOPs executed of one torch_ref
+    step of ``reference``'s weights under ``policy`` in ``translation``."""
+    prec = PRECISIONS[precision_name]
+    tm = torch_model_from(reference).to(TORCH_DTYPES[prec.param_dtype])
+    runner = apply_memory_policy(tm.blocks, policy, translation)
+    x, y = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
+    live, _, flops = measure_lm_step(tm, runner, x, y, prec)
+    return {
+        "device_bytes": live.device_bytes,
+        "host_bytes": live.host_bytes,
+        "flops": flops,
+        "translation": runner.description,
+        "by_name": live.by_name,
+    }
+
+
 def memory_point(
     cfg: ModelConfig,
     policy_name: str,
@@ -83,15 +128,14 @@ def memory_point(
     *,
     torch_too: bool = True,
     compile_plan: bool = True,
+    policy: MemoryPolicy | None = None,
 ) -> dict[str, Any]:
-    """Saved bytes and FLOPs of one training step in both frameworks (same weights and batch)."""
-    import torch
-
-    from torch_ref.memory import measure_lm_step
-    from torch_ref.remat import apply_memory_policy
-    from torch_ref.train import TORCH_DTYPES
-
-    policy, prec = POLICIES[policy_name], PRECISIONS[precision_name]
+    """Saved bytes and FLOPs of one training step in both frameworks (same weights and batch):
+    JAX, stock PyTorch (``torch_*``; torch_ref's extension where stock has no API, as
+    ``torch_translation`` says) and, where it differs from stock, torch_ref's lean extension
+    (``torch_lean_*``, else None)."""
+    policy = policy or POLICIES[policy_name]
+    prec = PRECISIONS[precision_name]
     reference = make_model(cfg)  # fp32 weights shared by both frameworks
     model = make_model(cfg, prec)
     nnx.update(model, nnx.state(reference, nnx.Param))
@@ -117,32 +161,36 @@ def memory_point(
         ),
     }
     if torch_too:
-        tm = torch_model_from(reference).to(TORCH_DTYPES[prec.param_dtype])
-        runner = apply_memory_policy(tm.blocks, policy)
-        x, y = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
-        live, _, torch_flops = measure_lm_step(tm, runner, x, y, prec)
+        stock = torch_point(reference, policy, precision_name, inputs, targets, "stock")
         row.update(
-            torch_device_bytes=live.device_bytes,
-            torch_host_bytes=live.host_bytes,
-            torch_flops=torch_flops,
+            torch_device_bytes=stock["device_bytes"],
+            torch_host_bytes=stock["host_bytes"],
+            torch_flops=stock["flops"],
+            torch_translation=stock["translation"],
+            torch_is_stock=resolve_translation(policy, "stock") == "stock",
+            torch_lean_device_bytes=None,
+            torch_lean_host_bytes=None,
+            torch_lean_flops=None,
         )
+        if has_lean(policy):
+            lean = torch_point(reference, policy, precision_name, inputs, targets, "lean")
+            row.update(
+                torch_lean_device_bytes=lean["device_bytes"],
+                torch_lean_host_bytes=lean["host_bytes"],
+                torch_lean_flops=lean["flops"],
+            )
     return row
 
 
 def step_times(
     cfg: ModelConfig, policy_name: str, batch: int, seq_len: int, repeats: int
 ) -> dict[str, Any]:
-    """Median wall time of one fp32 fwd + bwd + AdamW step per framework under ``policy``."""
-    import torch
-
-    from torch_ref.loss import cross_entropy_sum
-    from torch_ref.remat import apply_memory_policy
-    from torch_ref.train import make_optimizer as make_torch_optimizer
-
+    """Median wall time of one fp32 fwd + bwd + AdamW step per framework under ``policy``
+    (PyTorch: the stock translation, or torch_ref's extension where stock has none)."""
     policy, opt_cfg = POLICIES[policy_name], OptimizerConfig()
     model = make_model(cfg)
     torch_model = torch_model_from(model)
-    apply_memory_policy(torch_model.blocks, policy)
+    runner = apply_memory_policy(torch_model.blocks, policy)
     inputs, targets = lm_batch(cfg, batch, seq_len)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(opt_cfg)
@@ -167,6 +215,8 @@ def step_times(
 
     return interleaved_medians({"jax": jax_step, "torch": torch_step}, repeats) | {
         "policy": policy_name,
+        "torch_translation": runner.description,
+        "torch_is_stock": runner.translation == "stock",
         "batch": batch,
         "seq_len": seq_len,
     }
@@ -194,8 +244,6 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], repeats: int) -> d
 
 def machine_meta() -> dict[str, Any]:
     """Hardware, versions and date, recorded with every benchmark result."""
-    import torch
-
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -264,6 +312,21 @@ def run_sweep(
     return result
 
 
+def _mib(row: dict[str, Any], prefix: str, host: bool = True) -> str:
+    """``device + host`` MiB of one framework's columns, or ``-`` where not measured."""
+    device = row.get(f"{prefix}_device_bytes")
+    if device is None:
+        return "-"
+    if not host:
+        return f"{device / MIB:.2f}"
+    return f"{device / MIB:.2f} + {row[f'{prefix}_host_bytes'] / MIB:.2f}"
+
+
+def _gflop(row: dict[str, Any], prefix: str) -> str:
+    flops = row.get(f"{prefix}_flops")
+    return "-" if flops is None else f"{flops / 1e9:.3f}"
+
+
 def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
     plan = meta["plan"]
     lines = [
@@ -275,39 +338,48 @@ def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str
         "",
         "### policy × precision",
         "",
-        "| precision | policy | JAX MiB | torch MiB | JAX / torch bytes | JAX GFLOP "
-        "| torch GFLOP |",
-        "|---|---|---|---|---|---|---|",
+        "torch = stock PyTorch (`checkpoint`, selective checkpointing, `checkpoint_sequential`); "
+        "† = no stock API (name-based offload in eager PyTorch): torch_ref's extension. torch "
+        "lean = torch_ref's extension (keeps what the backward reads, skips matmuls nothing "
+        "reads, two-level nested), shown where it differs from stock.",
+        "",
+        "| precision | policy | JAX MiB | torch MiB | torch lean MiB | JAX / torch bytes "
+        "| JAX GFLOP | torch GFLOP | torch lean GFLOP |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows["policy_precision"]:
         jb = r["jax_device_bytes"] + r["jax_host_bytes"]
         tb = r["torch_device_bytes"] + r["torch_host_bytes"]
+        mark = "" if r["torch_is_stock"] else " †"
         lines.append(
-            f"| {r['precision']} | {r['policy']} | {r['jax_device_bytes'] / MIB:.2f} + "
-            f"{r['jax_host_bytes'] / MIB:.2f} | {r['torch_device_bytes'] / MIB:.2f} + "
-            f"{r['torch_host_bytes'] / MIB:.2f} | {jb / tb:.3f} | {r['jax_flops'] / 1e9:.3f} | "
-            f"{r['torch_flops'] / 1e9:.3f} |"
+            f"| {r['precision']} | {r['policy']} | {_mib(r, 'jax')} | {_mib(r, 'torch')}{mark} "
+            f"| {_mib(r, 'torch_lean')} | {jb / tb:.3f} | {r['jax_flops'] / 1e9:.3f} | "
+            f"{r['torch_flops'] / 1e9:.3f}{mark} | {_gflop(r, 'torch_lean')} |"
         )
     lines += [
         "",
         "### depth (fp32)",
         "",
-        "| layers | policy | JAX MiB | torch MiB | JAX compiled temp MiB |",
-        "|---|---|---|---|---|",
+        "| layers | policy | JAX MiB | torch MiB | torch lean MiB | JAX compiled temp MiB |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows["depth"]:
-        t = r.get("torch_device_bytes")
         lines.append(
-            f"| {r['n_layers']} | {r['policy']} | {r['jax_device_bytes'] / MIB:.2f} | "
-            f"{'-' if t is None else f'{t / MIB:.2f}'} | "
+            f"| {r['n_layers']} | {r['policy']} | {_mib(r, 'jax', host=False)} | "
+            f"{_mib(r, 'torch', host=False)} | {_mib(r, 'torch_lean', host=False)} | "
             f"{r['jax_compiled_temp_bytes'] / MIB:.2f} |"
         )
-    lines += ["", "### sequence length (fp32)", "", "| seq | policy | JAX MiB | torch MiB |"]
-    lines.append("|---|---|---|---|")
+    lines += [
+        "",
+        "### sequence length (fp32)",
+        "",
+        "| seq | policy | JAX MiB | torch MiB | torch lean MiB |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows["seq_len"]:
         lines.append(
-            f"| {r['seq_len']} | {r['policy']} | {r['jax_device_bytes'] / MIB:.2f} | "
-            f"{r['torch_device_bytes'] / MIB:.2f} |"
+            f"| {r['seq_len']} | {r['policy']} | {_mib(r, 'jax', host=False)} | "
+            f"{_mib(r, 'torch', host=False)} | {_mib(r, 'torch_lean', host=False)} |"
         )
     lines += [
         "",
@@ -323,13 +395,14 @@ def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str
         f"### step time (fp32 fwd + bwd + AdamW; median of {plan['repeats']} interleaved runs, "
         "compile and warm-up excluded)",
         "",
-        "| policy | jaxmem ms | torch_ref ms | jax / torch |",
+        "| policy | jaxmem ms | torch_ref ms (stock; † extension) | jax / torch |",
         "|---|---|---|---|",
     ]
     for r in rows["step_time"]:
         lines.append(
             f"| {r['policy']} | {1e3 * r['median_s']['jax']:.2f} | "
-            f"{1e3 * r['median_s']['torch']:.2f} | {r['jax_over_torch_time']:.2f} |"
+            f"{1e3 * r['median_s']['torch']:.2f}{'' if r['torch_is_stock'] else ' †'} | "
+            f"{r['jax_over_torch_time']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -345,14 +418,15 @@ def plot(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out_dir: s
     fp32 = [r for r in rows["policy_precision"] if r["precision"] == "fp32"]
     names = [r["policy"] for r in fp32]
     xs = np.arange(len(names))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for fw, shift, label in (("jax", -0.2, "jaxmem"), ("torch", 0.2, "torch_ref")):
-        dev = [r[f"{fw}_device_bytes"] / MIB for r in fp32]
-        ax.bar(xs + shift, dev, 0.4, label=f"{label} (device)")
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for fw, shift, label in SERIES:
+        # where the extension runs what stock runs, it has no bar of its own
+        dev = [(r[f"{fw}_device_bytes"] or 0) / MIB for r in fp32]
+        ax.bar(xs + shift, dev, 0.27, label=f"{label} (device)")
         ax.bar(
             xs + shift,
-            [r[f"{fw}_host_bytes"] / MIB for r in fp32],
-            0.4,
+            [(r[f"{fw}_host_bytes"] or 0) / MIB for r in fp32],
+            0.27,
             bottom=dev,
             alpha=0.4,
             label=f"{label} (host)",
@@ -372,13 +446,15 @@ def plot(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out_dir: s
             "o-",
             label=f"{name} (jaxmem)",
         )
-        tp = [r for r in pts if r.get("torch_device_bytes") is not None]
-        ax.plot(
-            [r["n_layers"] for r in tp],
-            [r["torch_device_bytes"] / MIB for r in tp],
-            "x--",
-            label=f"{name} (torch_ref)",
-        )
+        for fw, style, label in (("torch", "x--", "stock"), ("torch_lean", "+:", "lean")):
+            tp = [r for r in pts if r.get(f"{fw}_device_bytes") is not None]
+            if tp:
+                ax.plot(
+                    [r["n_layers"] for r in tp],
+                    [r[f"{fw}_device_bytes"] / MIB for r in tp],
+                    style,
+                    label=f"{name} (torch_ref {label})",
+                )
     ax.set_xlabel("layers")
     ax.set_ylabel("saved activations (MiB)")
     ax.set_title(f"memory vs depth ({where}, fp32)")
@@ -389,10 +465,13 @@ def plot(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out_dir: s
     none = next(r for r in fp32 if r["policy"] == "none")
     for fw, marker, color, label in (
         ("jax", "o", "C0", "jaxmem"),
-        ("torch", "x", "C3", "torch_ref"),
+        ("torch", "x", "C3", "torch_ref stock (offload: extension)"),
+        ("torch_lean", "+", "C2", "torch_ref lean (extension)"),
     ):
-        for i, r in enumerate(fp32):
-            over = 100 * (r[f"{fw}_flops"] / none[f"{fw}_flops"] - 1)
+        pts = [r for r in fp32 if r.get(f"{fw}_flops") is not None]
+        base = none["torch_flops"] if fw == "torch_lean" else none[f"{fw}_flops"]
+        for i, r in enumerate(pts):
+            over = 100 * (r[f"{fw}_flops"] / base - 1)
             x = r[f"{fw}_device_bytes"] / MIB
             ax.scatter(x, over, marker=marker, color=color, label=label if i == 0 else None)
             ax.annotate(r["policy"], (x, over), fontsize=7)
@@ -405,7 +484,7 @@ def plot(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out_dir: s
     fig, ax = plt.subplots(figsize=(7, 4))
     timed = rows["step_time"]
     xs = np.arange(len(timed))
-    for fw, shift, label in (("jax", -0.2, "jaxmem"), ("torch", 0.2, "torch_ref")):
+    for fw, shift, label in (("jax", -0.2, "jaxmem"), ("torch", 0.2, "torch_ref (stock)")):
         ax.bar(xs + shift, [1e3 * r["median_s"][fw] for r in timed], 0.4, label=label)
     ax.set_xticks(xs, [r["policy"] for r in timed])
     ax.set_ylabel("median step time (ms)")

@@ -1,4 +1,5 @@
-"""Saving and resuming a training run: a thin layer over ``orbax.checkpoint.CheckpointManager``.
+"""Saving and resuming a JAX training run: a thin layer over ``orbax.checkpoint.CheckpointManager``
+(the checkpoint layout of JAX runs; see ``jaxmem.train.layout``).
 
 One checkpoint is one step directory ``<directory>/<step>/`` holding five orbax items:
 
@@ -26,8 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,30 +35,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxmem.train.layout import CheckpointError
+
 FORMAT_VERSION = 1
 TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
 ARRAY_ITEMS = ("params", "opt_state", "loss_scale")
 JSON_ITEMS = ("run_config", "meta")
-
-# Settings a resumed run may change: they decide how long to train and what is reported or
-# written, not the arithmetic of a step. A bare name matches that key at any depth; a dotted
-# name matches that exact path (and everything below it).
-RESUMABLE_KEYS: tuple[str, ...] = (
-    "steps",
-    "eval_every",
-    "eval_batches",
-    "log_every",
-    "checkpoint_every",
-    "keep",
-    "out_dir",
-    "resume",
-)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing, corrupt or does not fit the run being resumed. The
-    message names the directory and how to fix it."""
-
 
 @contextlib.contextmanager
 def _quiet_orbax() -> Iterator[None]:
@@ -395,64 +377,3 @@ def read_config(directory: str | Path) -> dict[str, Any] | None:
     reader._manager = _open_manager(reader.directory, options)
     with reader:
         return reader.read_config()
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, Mapping) and tree:
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: tree}
-
-
-def _is_allowed(path: str, allowed: Iterable[str]) -> bool:
-    for name in allowed:
-        if "." in name:
-            if path == name or path.startswith(name + "."):
-                return True
-        elif name in path.split("."):
-            return True
-    return False
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):  # True == 1 in Python; not here
-        return type(a) is type(b) and a == b
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
-_MISSING = object()
-
-
-def _show(value: Any) -> str:
-    if value is _MISSING:
-        return "absent"
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-
-
-def config_conflicts(
-    saved: Mapping[str, Any],
-    new: Mapping[str, Any],
-    *,
-    allowed: Iterable[str] = RESUMABLE_KEYS,
-) -> list[str]:
-    """Differences between a checkpoint's run config and a new one, one human-readable line per
-    dotted path (``"model.d_model: checkpoint 64, now 128"``), ignoring the ``allowed`` keys (a
-    bare name matches at any depth, a dotted name that path and below). Both sides are compared
-    as JSON values (a tuple equals the list it was saved as). Empty when a resume is safe."""
-    allowed = tuple(allowed)
-    flat_saved = _flatten(_json_copy(dict(saved), "saved config"))
-    flat_new = _flatten(_json_copy(dict(new), "new config"))
-    conflicts = []
-    for path in sorted(flat_saved.keys() | flat_new.keys()):
-        if _is_allowed(path, allowed):
-            continue
-        before, after = flat_saved.get(path, _MISSING), flat_new.get(path, _MISSING)
-        if before is _MISSING or after is _MISSING or not _same(before, after):
-            conflicts.append(f"{path}: checkpoint {_show(before)}, now {_show(after)}")
-    return conflicts

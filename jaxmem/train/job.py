@@ -1,31 +1,33 @@
 """The configuration of a training job: one frozen object per concern, resolved in layers.
 
-``jaxmem train`` builds a ``JobConfig`` from, lowest priority first: the defaults, the model
-preset, a config file (TOML or YAML, the same sections as ``JobConfig.to_dict()``), and the
-command line. The resolved config is written to the run directory as ``config.yaml`` and reads
-back to an equal object (``--config RUN/config.yaml`` repeats a run). Sections::
+Pure data (no JAX, no PyTorch): the same object drives jaxmem and torch_ref
+(``run.framework``). ``jaxmem train`` builds a ``JobConfig`` from, lowest priority first: the
+defaults, the model preset, a config file (TOML, YAML or JSON, the same sections as
+``JobConfig.to_dict()``), and the command line. The resolved config is written to the run
+directory as ``config.yaml`` and reads back to an equal object (``--config RUN/config.yaml``
+repeats a run). ``JobConfig`` holds objects (``ModelConfig``, ``MemoryPolicy``, ``Precision``,
+...); names exist only in files and on the command line. Sections::
 
     preset = "small"
+    precision = "bf16"  # fp32 | bf16 | fp16 | pure-bf16
     [model]      # any ModelConfig field, overriding the preset's
     [memory]     # policy = "selective" (a preset), or policy = "custom" with save / offload
-                 # tag lists and optionally layers_every / layers_first / layers
-    [precision]  # name = "fp32" | "bf16" | "fp16" | "pure-bf16"
+                 # tag lists; optionally layers_every / layers_first / layers, use_reentrant
     [optimizer]  # OptimizerConfig fields (name, lr, weight_decay, ...)
     [accum]      # steps, mode ("scan" | "multisteps")
     [data]       # path (a text file, a directory of text, or nanoGPT .bin files; empty: the
                  # embedded Python-stdlib corpus), val_fraction
     [run]        # RunConfig fields (framework, steps, batch_size, seq_len, seed, ...)
-
-The same object drives jaxmem and torch_ref (``run.framework``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jaxmem.config import (
@@ -35,14 +37,12 @@ from jaxmem.config import (
     ModelConfig,
     OptimizerConfig,
     get_preset,
+    require,
 )
+from jaxmem.policy import MemoryPolicy, describe_kept, policy_from_dict, policy_to_dict
+from jaxmem.precision import Precision, get_precision
 
 FRAMEWORKS: tuple[str, ...] = ("jax", "torch")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,53 +56,14 @@ class DataConfig:
     val_fraction: float = 0.05
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.path is None or (isinstance(self.path, str) and self.path != ""),
             f"data path={self.path!r} must be a non-empty path (or unset for the embedded corpus)",
         )
-        _require(
+        require(
             isinstance(self.val_fraction, float) and 0.0 < self.val_fraction < 0.5,
             f"val_fraction={self.val_fraction!r} must be in (0, 0.5)",
         )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MemoryConfig:
-    """A memory policy by name (``jaxmem.remat.POLICIES``), or ``policy="custom"`` with tag
-    names to keep on device (``save``) and to send to host memory (``offload``); the rest is
-    recomputed. ``layers_every`` / ``layers_first`` / ``layers`` restrict a policy to some
-    layers."""
-
-    policy: str = "none"
-    save: tuple[str, ...] = ()
-    offload: tuple[str, ...] = ()
-    layers_every: int | None = None
-    layers_first: int | None = None
-    layers: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        _require(isinstance(self.policy, str), f"memory policy={self.policy!r} must be a name")
-        if self.policy != "custom":
-            _require(
-                not (self.save or self.offload),
-                f"save/offload lists define a custom policy: set policy = 'custom' (not "
-                f"{self.policy!r}) or drop them",
-            )
-
-    def build(self) -> Any:
-        """The ``jaxmem.remat.MemoryPolicy`` (validated: unknown tags, a name both saved and
-        offloaded, bad layer selections all raise ``ConfigError``)."""
-        from jaxmem.remat import LayerSelection, MemoryPolicy, get_policy
-
-        selection = LayerSelection(
-            every=self.layers_every, first=self.layers_first, layers=self.layers
-        )
-        if self.policy == "custom":
-            return MemoryPolicy(
-                name="custom", save=self.save, offload=self.offload, layers=selection
-            )
-        policy = get_policy(self.policy)
-        return policy if selection.is_all else policy.replace(layers=selection)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,7 +99,7 @@ class RunConfig:
     prefetch: int = 2
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.framework in FRAMEWORKS,
             f"framework={self.framework!r} is not one of {FRAMEWORKS}",
         )
@@ -153,36 +114,38 @@ class RunConfig:
             "prefetch",
         ):
             value = getattr(self, name)
-            _require(
+            require(
                 isinstance(value, int) and not isinstance(value, bool) and value > 0,
                 f"{name}={value!r} must be a positive integer",
             )
         for name in ("seed", "log_every", "sample_tokens"):
             value = getattr(self, name)
-            _require(
+            require(
                 isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                 f"{name}={value!r} must be a non-negative integer",
             )
-        _require(
+        require(
             isinstance(self.temperature, float) and self.temperature >= 0.0,
             f"temperature={self.temperature!r} must be >= 0 (0: greedy)",
         )
-        _require(isinstance(self.prompt, str), f"prompt={self.prompt!r} must be text")
+        require(isinstance(self.prompt, str), f"prompt={self.prompt!r} must be text")
 
     @property
     def refresh_every(self) -> int:
         return self.log_every or max(1, self.steps // 50)
 
 
+# Sections read onto a dataclass's defaults (the model onto its preset's values).
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
-    "memory": MemoryConfig,
     "optimizer": OptimizerConfig,
     "accum": AccumConfig,
     "data": DataConfig,
     "run": RunConfig,
 }
-# Settings a resumed run may change: they do not change the math of the steps already taken.
+# What a resumed run may change: how long to train and what is reported or written, not the
+# arithmetic of a step. Dotted paths of ``JobConfig.to_dict()`` (the one list: the resume check
+# and ``config_conflicts`` both use it).
 RESUMABLE_CHANGES: tuple[str, ...] = (
     "run.steps",
     "run.eval_every",
@@ -201,44 +164,46 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
 class JobConfig:
     preset: str
     model: ModelConfig
-    memory: MemoryConfig = MemoryConfig()
-    precision: str = "fp32"
+    memory: MemoryPolicy = MemoryPolicy(name="none", remat=False)
+    precision: Precision = Precision(name="fp32")
     optimizer: OptimizerConfig = OptimizerConfig()
     accum: AccumConfig = AccumConfig()
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
 
     def __post_init__(self) -> None:
-        from jaxmem.precision import get_precision  # precision.py imports jax: only here
-
-        _require(
+        require(
             self.preset not in PLANNING_ONLY and self.preset != "seed",
             f"preset {self.preset!r} is not trainable on this machine (planning-only shape or "
             "the seeds' single layer); train tiny or small",
         )
-        if get_precision(self.precision).loss_scale != "none" and self.accum.mode != "scan":
-            raise ConfigError(
-                f"accum mode {self.accum.mode!r} has no loss scaling; precision "
-                f"{self.precision!r} needs it: use accum mode 'scan' or precision bf16"
-            )
+        require(
+            isinstance(self.memory, MemoryPolicy),
+            f"memory={self.memory!r} must be a MemoryPolicy (names belong in config files)",
+        )
+        require(
+            isinstance(self.precision, Precision),
+            f"precision={self.precision!r} must be a Precision (names belong in config files)",
+        )
+        self.memory.layers.indices(self.model.n_layers)  # layer indices exist in this model
+        require(
+            self.precision.loss_scale == "none" or self.accum.mode == "scan",
+            f"accum mode {self.accum.mode!r} has no loss scaling; precision "
+            f"{self.precision.name!r} needs it: use accum mode 'scan' or precision bf16",
+        )
         host_kept = {self.optimizer.state_memory, self.optimizer.params_memory} != {"device"}
-        _require(
+        require(
             not (host_kept and self.accum.mode == "multisteps"),
             "optimizer state/params in pinned_host need accum mode 'scan' (MultiSteps updates "
             "them once per microbatch on the device)",
         )
-        self.policy  # noqa: B018  (validates the policy against the tag names)
         self.accum.check_batch(self.run.batch_size)
-        _require(
+        require(
             self.run.seq_len <= self.model.max_seq_len,
             f"seq_len={self.run.seq_len} exceeds the model's max_seq_len="
             f"{self.model.max_seq_len}; use at most {self.model.max_seq_len} or raise "
             "model.max_seq_len",
         )
-
-    @property
-    def policy(self) -> Any:
-        return self.memory.build()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested data (lists, not tuples) for YAML/JSON; ``from_dict`` inverts it."""
@@ -248,45 +213,116 @@ class JobConfig:
                 return [plain(v) for v in value]
             return value
 
-        out: dict[str, Any] = {"preset": self.preset, "precision": self.precision}
-        for section in SECTIONS:
+        out: dict[str, Any] = {"preset": self.preset, "precision": self.precision.name}
+        for section in ("model", "optimizer", "accum", "data", "run"):
             obj = getattr(self, section)
             out[section] = {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out["memory"] = policy_to_dict(self.memory)
         return out
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> JobConfig:
         """Build from nested data: the preset's model overlaid with the ``model`` section,
         every other section onto its defaults. Unknown sections or keys raise ``ConfigError``."""
-        known = {"preset", "precision", *SECTIONS}
+        known = {"preset", "precision", "memory", *SECTIONS}
         unknown = sorted(set(raw) - known)
-        _require(not unknown, f"unknown config section(s) {unknown}; valid: {sorted(known)}")
+        require(not unknown, f"unknown config section(s) {unknown}; valid: {sorted(known)}")
         preset = raw.get("preset", "small")
-        _require(isinstance(preset, str), f"preset={preset!r} must be a preset name")
+        require(isinstance(preset, str), f"preset={preset!r} must be a preset name")
         base_model = get_preset(preset)
         sections: dict[str, Any] = {}
-        for name, kind in SECTIONS.items():
+        for name in (*SECTIONS, "memory"):
             values = raw.get(name) or {}
-            _require(
+            require(
                 isinstance(values, Mapping),
                 f"config section [{name}] must be a table of settings, got {values!r}",
             )
-            base = base_model if name == "model" else kind()
-            sections[name] = _overlay(name, base, values)
+            if name == "memory":
+                sections[name] = policy_from_dict(values)
+            else:
+                base = base_model if name == "model" else SECTIONS[name]()
+                sections[name] = _overlay(name, base, values)
         if "seq_len" not in (raw.get("run") or {}):
             # the default sequence length fits the model: 128 or its max_seq_len if shorter
             run = sections["run"]
             sections["run"] = dataclasses.replace(
                 run, seq_len=min(run.seq_len, sections["model"].max_seq_len)
             )
-        precision = raw.get("precision", "fp32")
-        return cls(preset=preset, precision=precision, **sections)
+        name = raw.get("precision", "fp32")
+        require(isinstance(name, str), f"precision={name!r} must be a precision name")
+        return cls(preset=preset, precision=get_precision(name), **sections)
 
 
+def write_config(config: JobConfig, path: str) -> None:
+    """``config.yaml`` of a run (atomic: written beside it, then renamed)."""
+    import yaml
+
+    from jaxmem.files import write_atomic
+
+    header = (
+        "# jaxmem resolved run config: `jaxmem train --config THIS_FILE` repeats it\n"
+        f"# memory policy {config.memory.name!r} {describe_kept(config.model, config.memory)}\n"
+    )
+    write_atomic(path, header + yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------------- resuming
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: tree}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):  # True == 1 in Python; not here
+        return type(a) is type(b) and a == b
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+_MISSING = object()
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "absent"
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def config_conflicts(
+    saved: Mapping[str, Any],
+    new: Mapping[str, Any],
+    *,
+    allowed: Iterable[str] = RESUMABLE_CHANGES,
+) -> list[str]:
+    """Differences between a checkpoint's run config and a new one, one human-readable line per
+    dotted path (``"model.d_model: checkpoint 64, now 128"``), ignoring the ``allowed`` paths
+    (and everything below them). Both sides are compared as JSON values (a tuple equals the list
+    it was saved as). Empty when a resume is safe."""
+    allowed = tuple(allowed)
+    flat_saved = _flatten(json.loads(json.dumps(dict(saved))))
+    flat_new = _flatten(json.loads(json.dumps(dict(new))))
+    conflicts = []
+    for path in sorted(flat_saved.keys() | flat_new.keys()):
+        if any(path == a or path.startswith(a + ".") for a in allowed):
+            continue
+        before, after = flat_saved.get(path, _MISSING), flat_new.get(path, _MISSING)
+        if before is _MISSING or after is _MISSING or not _same(before, after):
+            conflicts.append(f"{path}: checkpoint {_show(before)}, now {_show(after)}")
+    return conflicts
+
+
+# ------------------------------------------------------------------------ files and flags
 def _overlay(section: str, base: Any, values: Mapping[str, Any]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(base)}
     unknown = sorted(set(values) - set(fields))
-    _require(
+    require(
         not unknown,
         f"unknown setting(s) {unknown} in [{section}]; valid: {', '.join(fields)}",
     )
@@ -300,7 +336,7 @@ def _coerce(section: str, key: str, default: Any, value: Any) -> Any:
     is wrong."""
     where = f"{section}.{key}={value!r}"
     if isinstance(default, bool):
-        _require(isinstance(value, bool), f"{where} must be true or false")
+        require(isinstance(value, bool), f"{where} must be true or false")
         return value
     if isinstance(default, float):
         if isinstance(value, bool):
@@ -340,37 +376,8 @@ def read_config_file(path: str) -> dict[str, Any]:
     except Exception as e:  # the parsers' own error types differ; all mean "cannot parse"
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"config file {path} cannot be parsed: {first}") from None
-    _require(isinstance(data, dict), f"config file {path} must hold a table of sections")
+    require(isinstance(data, dict), f"config file {path} must hold a table of sections")
     return data
-
-
-def write_config(config: JobConfig, path: str) -> None:
-    """``config.yaml`` of a run (atomic: written beside it, then renamed)."""
-    import yaml
-
-    from jaxmem.files import write_atomic
-
-    policy = config.policy
-    if not policy.remat:
-        kept = "keeps every activation (no remat)"
-    elif policy.nested:
-        kept = "keeps one block input per segment of ⌈√L⌉ blocks and recomputes the rest"
-    else:
-        from jaxmem.analytic import kept_tags
-
-        needed = kept_tags(config.model, policy) | {"block_input"}
-        on_device = ["block_input"] + [n for n in policy.save if n in needed - {"block_input"}]
-        on_host = [n for n in policy.offload if n in needed]
-        kept = (
-            f"keeps on device {on_device}, offloads {on_host or '-'}"
-            f"{', and matmul outputs' if policy.save_dots else ''} (what the backward needs of "
-            "what it stores); recomputes the rest"
-        )
-    header = (
-        "# jaxmem resolved run config: `jaxmem train --config THIS_FILE` repeats it\n"
-        f"# memory policy {policy.name!r} {kept}\n"
-    )
-    write_atomic(path, header + yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 def merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

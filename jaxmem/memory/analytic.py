@@ -1,7 +1,7 @@
 """Closed-form memory model of this architecture (bytes), term by term.
 
 Activations: what one block's backward pass must read, per tag (``tag_bytes``), and which tags
-that is (``backward_reads``). For the dropout-free pre-norm GELU block with p-byte activations,
+that is (``jaxmem.policy.backward_reads``). For the dropout-free pre-norm GELU block with p-byte activations,
 ``d_ff = 4h``, ``a`` heads, sequence ``s``, batch ``b`` and hidden ``h``, the per-layer total is
 
     p·sbh · (1 norm1 input + 1 norm1_out + 3 q,k,v + 1 context + 1 attn_residual + 1 norm2_out
@@ -24,9 +24,14 @@ import dataclasses
 import math
 
 from jaxmem.config import ModelConfig, OptimizerConfig
-from jaxmem.model import CHECKPOINT_NAMES
+from jaxmem.policy import (
+    CHECKPOINT_NAMES,
+    MemoryPolicy,
+    backward_reads,
+    kept_tags,
+    nested_segment_size,
+)
 from jaxmem.precision import Precision
-from jaxmem.remat import MemoryPolicy, nested_segment_size
 
 FP32 = 4
 
@@ -34,7 +39,7 @@ FP32 = 4
 def tag_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision) -> dict[str, int]:
     """Bytes of each tagged tensor of one block. Scores are fp32; probabilities are cast to the
     compute dtype (``jaxmem.model.SelfAttention``)."""
-    p = precision.compute.itemsize
+    p = precision.compute_bytes
     bsd = batch * seq_len * cfg.d_model
     bhss = batch * cfg.n_heads * seq_len * seq_len
     bsf = batch * seq_len * cfg.d_ff
@@ -44,7 +49,7 @@ def tag_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision) 
         "query_proj": bsd * p,
         "key_proj": bsd * p,
         "value_proj": bsd * p,
-        "attn_scores": bhss * FP32,
+        "attn_scores": bhss * max(p, FP32),
         "attn_probs": bhss * p,
         "attn_context": bsd * p,
         "attn_out": bsd * p,
@@ -57,54 +62,6 @@ def tag_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision) 
     }
     assert set(sizes) == set(CHECKPOINT_NAMES)
     return sizes
-
-
-def backward_reads(cfg: ModelConfig) -> frozenset[str]:
-    """The tags a block's backward reads (each op's minimal needs):
-
-    - a LayerNorm reads its input (pre-norm: block_input, attn_residual; post-norm:
-      attn_residual, mlp_residual);
-    - a Linear reads its input (in_proj: norm1_out or block_input; out_proj: attn_context;
-      up: norm2_out or norm1_out; down: mlp_act);
-    - q·k reads q and k; softmax reads its output (attn_probs); probs·v reads attn_probs and v;
-    - the activation reads its input (mlp_up); additions read nothing.
-    """
-    common = {
-        "query_proj",
-        "key_proj",
-        "value_proj",
-        "attn_probs",
-        "attn_context",
-        "mlp_up",
-        "mlp_act",
-        "attn_residual",
-    }
-    if cfg.norm == "pre":
-        return frozenset(common | {"block_input", "norm1_out", "norm2_out"})
-    return frozenset(common | {"block_input", "norm1_out", "mlp_residual"})
-
-
-# A tag the backward does not read is still kept when the policy stores it and an unstored tag
-# the backward does read is recomputed from it (with the block input, always kept): the residual
-# additions and the softmax. JAX's partial evaluation keeps such a source instead of recomputing
-# further back; torch_ref keeps the same (``torch_ref.remat``).
-RECOMPUTED_FROM = {
-    "attn_residual": "attn_out",
-    "mlp_residual": "mlp_down",
-    "attn_probs": "attn_scores",
-}
-
-
-def kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
-    """The tags a rematerialised block keeps (in device or host memory) under ``policy``: the
-    stored tags its backward reads, plus stored sources of unstored tags it reads."""
-    reads = backward_reads(cfg)
-    stored = set(policy.save) | set(policy.offload)
-    kept = stored & (reads | {"block_input"})
-    for needed, source in RECOMPUTED_FROM.items():
-        if needed in reads and needed not in stored and source in stored:
-            kept.add(source)
-    return frozenset(kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,21 +119,21 @@ def saved_activation_bytes(
 
 def _fp32_softmax_extra(name: str, sizes: dict[str, int], precision: Precision) -> int:
     """Keeping the probabilities in 16-bit also keeps softmax's fp32 output (its backward reads
-    it), unless the compute dtype is fp32 and the two are one tensor."""
-    if name != "attn_probs" or precision.compute.itemsize == FP32:
+    it), unless the compute dtype is fp32 (or wider) and the two are one tensor."""
+    if name != "attn_probs" or precision.compute_bytes >= FP32:
         return 0
     return sizes["attn_scores"]  # a [B, H, S, S] fp32 tensor
 
 
 def param_bytes(cfg: ModelConfig, precision: Precision) -> int:
-    return cfg.n_params * precision.param.itemsize
+    return cfg.n_params * precision.param_bytes
 
 
 def opt_state_bytes(cfg: ModelConfig, opt: OptimizerConfig, precision: Precision) -> int:
     """AdamW: two moments; SGD: one momentum buffer; Adafactor: row + column second-moment
     factors for matrices whose dims are both >= 128 (optax's default), a full second moment
     otherwise. Counters and scalars are ignored (a few bytes)."""
-    p = precision.param.itemsize
+    p = precision.param_bytes
     if opt.name == "adamw":
         return 2 * cfg.n_params * p
     if opt.name == "sgd":

@@ -22,10 +22,17 @@ from jax.ad_checkpoint import checkpoint_name
 Array = jax.Array
 
 
+def wide(dtype: Any) -> Any:
+    """The dtype norms, softmax, logits and the loss run in: float32, or wider when the compute
+    dtype is (float64 in the parity suite's exactness mode)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 # ------------------------------------------------------------------------------------- LayerNorm
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def layer_norm(x: Array, scale: Array, bias: Array | None, eps: float) -> Array:
-    """LayerNorm over the last axis, computed in fp32; returns fp32."""
+    """LayerNorm over the last axis, computed in ``wide(x.dtype)`` (fp32 for 16-bit inputs), and
+    returned in that dtype."""
     y, _ = _layer_norm_fwd(x, scale, bias, eps)
     return y
 
@@ -37,20 +44,21 @@ def _stats(x32: Array, eps: float) -> tuple[Array, Array]:
 
 
 def _layer_norm_fwd(x, scale, bias, eps):
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(wide(x.dtype))
     mean, rstd = _stats(x32, eps)
-    y = (x32 - mean) * rstd * scale.astype(jnp.float32)
+    y = (x32 - mean) * rstd * scale.astype(x32.dtype)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + bias.astype(x32.dtype)
     # Keep the input in its own dtype (it is usually a tensor kept anyway) and two [..., 1] stats.
     return y, (x, mean, rstd, scale, bias)
 
 
 def _layer_norm_bwd(eps, residuals, g):
     x, mean, rstd, scale, bias = residuals
-    xhat = (x.astype(jnp.float32) - mean) * rstd
-    g = g.astype(jnp.float32)
-    dxhat = g * scale.astype(jnp.float32)
+    acc = wide(x.dtype)
+    xhat = (x.astype(acc) - mean) * rstd
+    g = g.astype(acc)
+    dxhat = g * scale.astype(acc)
     dx = rstd * (
         dxhat
         - jnp.mean(dxhat, axis=-1, keepdims=True)
@@ -100,12 +108,12 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
 def gelu(x: Array, approximate: bool) -> Array:
-    """GELU (exact erf form, or tanh approximation), computed in fp32 and cast back to ``x``'s
-    dtype; the backward keeps only the input."""
-    return _gelu32(x.astype(jnp.float32), approximate).astype(x.dtype)
+    """GELU (exact erf form, or tanh approximation), computed in ``wide(x.dtype)`` and cast back
+    to ``x``'s dtype; the backward keeps only the input."""
+    return _gelu_wide(x.astype(wide(x.dtype)), approximate).astype(x.dtype)
 
 
-def _gelu32(x, approximate):
+def _gelu_wide(x, approximate):
     if approximate:
         return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
     return 0.5 * x * (1.0 + jax.lax.erf(x * _INV_SQRT_2))
@@ -116,7 +124,7 @@ def _gelu_fwd(x, approximate):
 
 
 def _gelu_bwd(approximate, x, g):
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(wide(x.dtype))
     if approximate:
         inner = _SQRT_2_OVER_PI * (x32 + 0.044715 * x32**3)
         t = jnp.tanh(inner)
@@ -127,7 +135,7 @@ def _gelu_bwd(approximate, x, g):
         cdf = 0.5 * (1.0 + jax.lax.erf(x32 * _INV_SQRT_2))
         pdf = jnp.exp(-0.5 * x32 * x32) * _INV_SQRT_2PI
         d = cdf + x32 * pdf
-    return ((g.astype(jnp.float32) * d).astype(x.dtype),)
+    return ((g.astype(x32.dtype) * d).astype(x.dtype),)
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)

@@ -2,7 +2,7 @@
 
 The model is pure: it knows nothing of remat, host offload, precision policy or gradient
 accumulation. It only *tags* its intermediate tensors with ``checkpoint_name`` (the names in
-``CHECKPOINT_NAMES``); memory policies are applied from outside by passing a ``layers_fn`` that
+``jaxmem.policy.CHECKPOINT_NAMES``, a pure-data module both frameworks share); memory policies are applied from outside by passing a ``layers_fn`` that
 decides how the stacked blocks are run (see ``scan_layers``, the default).
 
 Shapes in comments: B batch, S sequence, D d_model, H heads, K head_dim, F d_ff, V vocab,
@@ -20,28 +20,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem import ops
 from jaxmem.config import ModelConfig
-
-# The tags a memory policy can refer to, in the order the block computes them. Every tag is applied
-# exactly once per block; tests check that each appears in the traced program.
-CHECKPOINT_NAMES: tuple[str, ...] = (
-    "block_input",  # [B, S, D] the residual stream entering the block
-    "norm1_out",  # [B, S, D] output of norm1 (pre-norm: attention input; post-norm: MLP input)
-    "query_proj",  # [B, S, H, K] queries from the fused in_proj
-    "key_proj",  # [B, S, H, K]
-    "value_proj",  # [B, S, H, K]
-    "attn_scores",  # [B, H, S, S] q·k / sqrt(K), masked, fp32
-    "attn_probs",  # [B, H, S, S] softmax of the scores, fp32 (cast to the compute dtype after)
-    "attn_context",  # [B, S, D] probabilities applied to values, heads merged
-    "attn_out",  # [B, S, D] out_proj of the context
-    "attn_residual",  # [B, S, D] block input + attention output (before norm1 in post-norm)
-    "norm2_out",  # [B, S, D] output of norm2 (pre-norm: MLP input; post-norm: block output)
-    "mlp_up",  # [B, S, F] first MLP projection (ffn.0 in PyTorch)
-    "mlp_act",  # [B, S, F] activation of mlp_up
-    "mlp_down",  # [B, S, D] second MLP projection (ffn.2 in PyTorch)
-    "mlp_residual",  # [B, S, D] residual add after the MLP (before norm2 in post-norm)
-)
+from jaxmem.precision import Precision
+from jaxmem.model import ops
+from jaxmem.model.ops import wide
+from jaxmem.policy import CHECKPOINT_NAMES
 
 Array = jax.Array
 LayerFn = Callable[[Array, Any], Array]
@@ -64,20 +47,20 @@ def activation_fn(name: str) -> Callable[[Array], Array]:
 
 
 def _linear_kwargs(cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any) -> dict:
-    """Linear layers multiply in the compute dtype, accumulate and add the bias in fp32, and round
-    once (callers cast the result back): PyTorch's addmm under autocast does the same, and it keeps
-    the bias gradient's reduction over batch and sequence in fp32."""
+    """Linear layers multiply in the compute dtype, accumulate and add the bias in fp32 (or
+    wider), and round once (callers cast the result back): PyTorch's addmm under autocast does the
+    same, and it keeps the bias gradient's reduction over batch and sequence in fp32."""
     return dict(
         use_bias=cfg.bias,
         dtype=dtype,
         param_dtype=param_dtype,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=wide(dtype),
         rngs=rngs,
     )
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm whose statistics and affine transform are always computed in fp32.
+    """LayerNorm whose statistics and affine transform are always computed in fp32 (or wider).
 
     The output is cast back to the compute dtype. Written as a thin wrapper so the fp32 rule holds
     whatever compute dtype a precision policy picks (PyTorch autocast does the same on CUDA).
@@ -92,7 +75,7 @@ class LayerNorm(nnx.Module):
             cfg.d_model,
             epsilon=cfg.layer_norm_eps,
             use_bias=cfg.bias,
-            dtype=jnp.float32,
+            dtype=wide(dtype),
             param_dtype=param_dtype,
             rngs=rngs,
         )
@@ -128,14 +111,15 @@ class SelfAttention(nnx.Module):
         k = checkpoint_name(k.reshape(b, s, self.n_heads, self.head_dim), "key_proj")
         v = checkpoint_name(v.reshape(b, s, self.n_heads, self.head_dim), "value_proj")
         scale = 1.0 / math.sqrt(self.head_dim)
-        # Scores and softmax in fp32 whatever the compute dtype.
+        # Scores and softmax in fp32 (or wider) whatever the compute dtype.
+        acc = wide(self.dtype)
         scores = (
-            jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * scale
+            jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=acc) * scale
         )  # [B, H, S, S]
         if mask_ss is not None:
             # An additive [S, S] bias: its backward needs nothing (a where() would keep a
             # [B, H, S, S] broadcast of the mask for the backward pass).
-            scores = scores + jnp.where(mask_ss, 0.0, jnp.finfo(jnp.float32).min)
+            scores = scores + jnp.where(mask_ss, 0.0, jnp.finfo(acc).min)
         scores = checkpoint_name(scores, "attn_scores")
         probs = ops.softmax(scores, self.dtype, "attn_probs")  # tagged inside (see ops)
         context = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(b, s, d)  # [B, S, D]
@@ -287,13 +271,13 @@ class Decoder(nnx.Module):
                 kernel_init=_normal(cfg.init_std),
                 dtype=dtype,
                 param_dtype=param_dtype,
-                preferred_element_type=jnp.float32,  # compute-dtype inputs, fp32 logits
+                preferred_element_type=wide(dtype),  # compute-dtype inputs, fp32 logits
                 rngs=rngs,
             )
         )
 
     def __call__(self, tokens_bs: Array, *, layers_fn: LayersFn | None = None) -> Array:
-        """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32."""
+        """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32 (float64 for a float64 model)."""
         seq_len = tokens_bs.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(
@@ -306,7 +290,19 @@ class Decoder(nnx.Module):
             x = self.norm_f(x)
         if self.lm_head is None:
             table = self.wte.embedding[...].astype(self.dtype)  # [V, D]
-            logits = jnp.einsum("bsd,vd->bsv", x, table, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("bsd,vd->bsv", x, table, preferred_element_type=wide(self.dtype))
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32)
+        return logits.astype(wide(self.dtype))
+
+
+def make_model(cfg: ModelConfig, precision: Precision | None = None, *, seed: int = 0) -> Decoder:
+    """A ``Decoder`` whose parameters are stored and computed in ``precision``'s dtypes (default
+    fp32), initialised from ``seed``."""
+    p = precision or Precision(name="fp32")
+    return Decoder(
+        cfg,
+        rngs=nnx.Rngs(seed),
+        dtype=jnp.dtype(p.compute_dtype),
+        param_dtype=jnp.dtype(p.param_dtype),
+    )

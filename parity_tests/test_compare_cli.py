@@ -1,0 +1,178 @@
+"""The commands that compare with PyTorch: ``jaxmem parity``, ``memory`` (torch rows, stock and
+the extension), ``bench`` and ``seed-example --framework torch``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxmem import cli
+from jaxmem.memory.records import RECORD_FIELDS
+from jaxmem.policy import POLICIES
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jaxmem.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_parity_command_writes_json_and_passes_in_float64_and_fp32(tmp_path):
+    out = tmp_path / "parity.json"
+    proc = run_cli("parity", "--preset", "tiny", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["passed"] is True and report["preset"] == "tiny"
+    assert [r["dtype"] for r in report["results"]] == ["float64", "float32"]
+    for r in report["results"]:
+        for key in ("loss_jax", "loss_torch", "max_abs_grad_diff", "max_rel_grad_diff", "passed"):
+            assert key in r
+        assert r["passed"] is True
+    f64, f32 = report["results"]
+    # float64 agrees ~10 orders of magnitude closer than fp32 does
+    assert f64["max_rel_grad_diff"] < 1e-12 < f32["max_rel_grad_diff"]
+    assert proc.stdout.count("parity PASSED") == 2
+
+
+def test_parity_command_exits_nonzero_when_frameworks_disagree(tmp_path, monkeypatch, capsys):
+    import jaxmem.compare.parity as parity
+
+    real = parity.torch_model_from
+
+    def perturbed(model):
+        import torch
+
+        torch_model = real(model)
+        with torch.no_grad():
+            torch_model.wte.weight.mul_(1.01)
+        return torch_model
+
+    monkeypatch.setattr(parity, "torch_model_from", perturbed)
+    out = tmp_path / "p.json"
+    code = cli.main(["parity", "--preset", "tiny", "--dtype", "float64", "--json", str(out)])
+    assert code == cli.EXIT_PARITY_FAILED
+    assert json.loads(out.read_text())["passed"] is False
+    assert "parity FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["parity", "--preset", "huge"], "unknown preset 'huge'; choose one of: tiny"),
+        (["parity", "--preset", "tiny", "--seq-len", "65"], "--seq-len 65 exceeds"),
+        (["parity", "--preset", "gpt2-1.5b"], "parity runs both frameworks in float64"),
+        (["parity", "--json", "/nonexistent/dir/x.json"], "directory /nonexistent/dir"),
+        (["bench", "--preset", "gpt2-1.5b"], "cannot run both frameworks on this machine"),
+        (["bench", "--preset", "huge"], "unknown preset 'huge'"),
+        (["bench", "--accum", "3"], "--accum 3 does not divide --batch-size 8"),
+        (["bench", "--depths", "0"], "--depths '0': give comma-separated positive integers"),
+        (["bench", "--quick", "--seq-lens", "64,99"], "sequence length 99 exceeds tiny"),
+        (["bench", "--time-policies", "none,most"], "unknown policies ['most']"),
+        (["bench", "--out", "/nonexistent/dir/x"], "is not a writable directory"),
+        (["seed-example", "--framework", "torch", "--policy", "most"], "unknown memory policy"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
+
+
+def test_memory_command_shows_stock_pytorch_and_the_extension_beside_jax(tmp_path):
+    out = tmp_path / "m.json"
+    policies = ("none", "full", "selective", "offload")
+    proc = run_cli(
+        "memory", "--preset", "tiny", "--policies", ",".join(policies), "--json", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    # torch-lean only where the extension differs from stock: selective (offload has no stock
+    # translation, so its torch row already is the extension)
+    assert {(r["framework"], r["policy"]) for r in records} == {
+        *((f, p) for f in ("jax", "torch") for p in policies),
+        ("torch-lean", "selective"),
+    }
+    by = {(r["framework"], r["policy"]): r for r in records}
+    for r in records:
+        for key in RECORD_FIELDS:
+            assert key in r, key
+        assert r["peak_source"] and r["saved_source"] and r["flops_source"] and r["translation"]
+        assert (r["compiled_temp_bytes"] is None) == (r["framework"] != "jax")
+        total = r["saved_activation_bytes_device"] + r["saved_activation_bytes_host"]
+        assert sum(r["saved_by_name"].values()) == total
+    assert by[("torch", "selective")]["translation"].startswith("stock: checkpoint")
+    assert "create_selective_checkpoint_contexts" in by[("torch", "selective")]["translation"]
+    assert "no stock API" in by[("torch", "offload")]["translation"]
+    assert by[("torch-lean", "selective")]["translation"].startswith("lean (torch_ref extension")
+    # stock selective checkpointing caches every output the policy stores, read or not: more
+    # bytes than the extension, which keeps what the backward reads (as JAX does)
+    stock, lean = by[("torch", "selective")], by[("torch-lean", "selective")]
+    assert stock["saved_activation_bytes_device"] > lean["saved_activation_bytes_device"]
+    for fw in ("jax", "torch"):
+        assert by[(fw, "offload")]["saved_activation_bytes_host"] > 0
+        assert by[(fw, "full")]["flops"] > by[(fw, "none")]["flops"]
+    assert "How each figure was obtained" in proc.stdout and "What ran" in proc.stdout
+    for policy in policies:
+        assert f"{policy}: saved tensors that differ (jaxmem vs torch)" in proc.stdout
+    assert "selective: saved tensors that differ (jaxmem vs torch-lean)" in proc.stdout
+    assert by[("torch", "none")]["hook_saved_bytes_device"] > 0
+
+
+def test_bench_command_writes_json_markdown_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    proc = run_cli(
+        "bench",
+        "--quick",
+        "--depths",
+        "1,2",
+        "--seq-lens",
+        "16",
+        "--accum",
+        "1,2",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out / "sweep.json").read_text())
+    meta = result["meta"]
+    for key in ("date", "device", "versions", "plan", "base_config", "cpu_count"):
+        assert key in meta, key
+    assert meta["plan"]["depths"] == [1, 2] and meta["base_config"]["n_layers"] == 2
+    assert {(r["policy"], r["precision"]) for r in result["policy_precision"]} == {
+        (p, prec) for p in POLICIES for prec in ("fp32", "bf16")
+    }
+    for r in result["policy_precision"]:
+        assert r["jax_flops"] > 0 and r["torch_flops"] > 0 and r["torch_translation"]
+        assert r["torch_is_stock"] == (r["policy"] != "offload")
+        has_lean = r["policy"] in ("dots", "selective", "mlp", "nested")
+        assert (r["torch_lean_flops"] is not None) == has_lean, r["policy"]
+    assert [r["n_layers"] for r in result["depth"] if r["policy"] == "full"] == [1, 2]
+    timed = {r["policy"]: r for r in result["step_time"]}
+    assert set(timed) == {"none", "full"}
+    for r in timed.values():
+        assert r["median_s"]["jax"] > 0 and r["median_s"]["torch"] > 0
+    for name in (
+        "sweep.md",
+        "bytes_per_policy.png",
+        "memory_vs_layers.png",
+        "pareto.png",
+        "step_time.png",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    text = (out / "sweep.md").read_text()
+    assert "### step time" in text and "torch lean MiB" in text and "†" in text
+
+
+def test_seed_example_command_runs_in_both_frameworks(capsys):
+    for framework in ("jax", "torch"):
+        assert cli.main(["seed-example", "--framework", framework, "--steps", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    losses = {line.split("(")[1]: float(line.split()[3]) for line in out}
+    assert len(out) == 4 and len(losses) == 2

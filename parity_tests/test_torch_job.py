@@ -1,0 +1,64 @@
+"""``jaxmem train --framework torch``: the same job, the same step loop and run files, in
+torch_ref; its losses against a JAX run of the same job, its resume, its non-finite stop."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jaxmem import cli
+from jaxmem.compare.tolerances import tolerance
+from tests.test_train import metrics, train
+
+
+def test_non_finite_loss_stops_the_torch_run_and_keeps_the_last_good_checkpoint(
+    tmp_path, capsys
+):
+    out = tmp_path / "run"
+    code = train(
+        "--framework",
+        "torch",
+        "--steps",
+        "20",
+        "--checkpoint-every",
+        "1",
+        "--set",
+        "optimizer.lr=1e30",
+        "--out",
+        str(out),
+    )
+    assert code == cli.EXIT_RUN_FAILED
+    err = capsys.readouterr().err
+    assert "loss became nan at step 2" in err or "loss became inf at step 2" in err
+    assert "last good checkpoint: step 1" in err
+    assert os.listdir(out / "checkpoints") == ["1"]
+    assert [r["step"] for r in metrics(out)] == [1]
+
+
+def test_torch_framework_trains_the_same_job_to_the_same_losses(tmp_path):
+    jax_run, torch_run = tmp_path / "jax", tmp_path / "torch"
+    common = ["--steps", "12", "--checkpoint-every", "12", "--eval-every", "6"]
+    assert train(*common, "--out", str(jax_run)) == 0
+    assert train(*common, "--framework", "torch", "--out", str(torch_run)) == 0
+    j, t = metrics(jax_run), metrics(torch_run)
+    assert [r["step"] for r in t] == list(range(1, 13))
+    tol = tolerance("float32", "adamw_loss")
+    np.testing.assert_allclose(
+        [r["loss"] for r in j], [r["loss"] for r in t], rtol=tol.rtol, atol=tol.atol
+    )
+    assert sorted(os.listdir(torch_run / "checkpoints")) == ["12"]
+    # both curves on one plot
+    assert cli.main(["plot", str(jax_run), str(torch_run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_torch_run_resumes_from_its_checkpoint(tmp_path):
+    out = tmp_path / "torch"
+    common = ["--framework", "torch", "--checkpoint-every", "3", "--out", str(out)]
+    assert train("--steps", "6", *common) == 0
+    first = metrics(out)
+    assert train("--steps", "9", "--resume", *common) == 0
+    resumed = metrics(out)
+    assert [r["step"] for r in resumed] == list(range(1, 10))
+    assert resumed[:6] == first
