@@ -23,11 +23,11 @@ import platform
 
 import jax
 import torch
+from jaxmem.remat import POLICIES
+from jaxmem.report import jax_record, torch_record
 
 from jaxmem.config import ModelConfig, OptimizerConfig
 from jaxmem.precision import PRECISIONS
-from jaxmem.remat import POLICIES
-from jaxmem.report import jax_record, torch_record
 
 CFG = ModelConfig(vocab_size=259, d_model=512, n_heads=32, n_layers=4, d_ff=2048, max_seq_len=256)
 BATCH, SEQ = 2, 256

@@ -27,14 +27,14 @@ import jax
 import jax.numpy as jnp
 import torch
 from flax import nnx
+from jaxmem.flops import grad_matmul_flops
+from jaxmem.parity import lm_batch, torch_model_from
+from jaxmem.remat import POLICIES, layers_fn
 
 from jaxmem.config import get_preset
-from jaxmem.flops import grad_matmul_flops
 from jaxmem.memory import compiled_plan, saved_residuals, summarize_residuals
 from jaxmem.model import Decoder
-from jaxmem.parity import lm_batch, torch_model_from
 from jaxmem.precision import PRECISIONS
-from jaxmem.remat import POLICIES, layers_fn
 from jaxmem.train import lm_loss_fn
 from torch_ref.memory import measure_lm_step
 from torch_ref.remat import apply_memory_policy

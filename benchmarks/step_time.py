@@ -17,6 +17,7 @@ import json
 import os
 
 from jaxmem.bench import machine_meta, step_times
+
 from jaxmem.config import get_preset
 
 

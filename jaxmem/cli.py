@@ -317,8 +317,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
         frameworks = ["jax"]
         notes.append(f"PyTorch is not installed: JAX only ({TORCH_EXTRA} adds the torch rows)")
     else:
-        frameworks = _names(args.frameworks or ",".join(MEMORY_FRAMEWORKS), MEMORY_FRAMEWORKS,
-                            "frameworks")
+        frameworks = _names(
+            args.frameworks or ",".join(MEMORY_FRAMEWORKS), MEMORY_FRAMEWORKS, "frameworks"
+        )
     if any(f.startswith("torch") for f in frameworks):
         need_torch("jaxmem memory --frameworks torch")
     try:
@@ -439,8 +440,10 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
         "keeps it; stack only); model FLOPs = analytic, no recompute"
     )
     translations = sorted({(r["framework"], r["policy"], r["translation"]) for r in records})
-    wide.print("What ran (torch = stock PyTorch; torch-lean = torch_ref's extension, shown where "
-               "it differs from stock):")
+    wide.print(
+        "What ran (torch = stock PyTorch; torch-lean = torch_ref's extension, shown where "
+        "it differs from stock):"
+    )
     for fw, policy, how in translations:
         wide.print(f"  {fw} {policy}: {how}")
     for r in records:
@@ -600,8 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "parity",
-        help="check that jaxmem and torch_ref give the same loss and gradients "
-        "(float64 and fp32)",
+        help="check that jaxmem and torch_ref give the same loss and gradients (float64 and fp32)",
         description="Build a model from --seed, copy its weights to torch_ref through the "
         "key-and-shape map, and compare logits, loss and every gradient leaf against the "
         "tolerance table (jaxmem.compare.tolerances.TOLERANCES): in float64 (exactness: "

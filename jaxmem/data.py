@@ -454,9 +454,10 @@ class Prefetcher:
 
     ``make(step)`` returns a dict of numpy arrays; the worker puts it where the step reads it with
     ``transfer(batch)`` (``jax.device_put``, or a copy to torch tensors on the device) and keeps
-    at most ``depth`` batches ready. Iterating yields ``(step, transferred batch)`` in step order. An exception raised by ``make``
-    or the transfer is re-raised, unchanged, by the consumer's next ``next()``. ``close()`` (or
-    leaving a ``with`` block) stops the worker promptly even when the consumer stops early.
+    at most ``depth`` batches ready. Iterating yields ``(step, transferred batch)`` in step
+    order. An exception raised by ``make`` or the transfer is re-raised, unchanged, by the
+    consumer's next ``next()``. ``close()`` (or leaving a ``with`` block) stops the worker
+    promptly even when the consumer stops early.
 
     This is the JAX analogue of a PyTorch DataLoader with ``pin_memory`` and ``prefetch_factor``.
     It is written by hand because JAX has no built-in background host-to-device prefetcher for a

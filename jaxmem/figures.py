@@ -57,4 +57,6 @@ RSS_FIGURE_SOURCE = "OS (getrusage ru_maxrss)"
 
 
 def rss_figure() -> Figure:
-    return Figure("process max RSS (whole process, host)", process_max_rss_bytes(), RSS_FIGURE_SOURCE)
+    return Figure(
+        "process max RSS (whole process, host)", process_max_rss_bytes(), RSS_FIGURE_SOURCE
+    )

@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from jaxmem.config import ConfigError, ModelConfig, lookup, require
+from jaxmem.config import ModelConfig, lookup, require
 
 # The tags a memory policy can refer to, in the order a pre-norm block computes them. The model
 # (jaxmem.model) applies every tag exactly once per block; tests check each appears in the
@@ -325,7 +325,8 @@ def backward_reads(cfg: ModelConfig) -> frozenset[str]:
     - a Linear reads its input (in_proj: norm1_out or block_input; out_proj: attn_context;
       up: norm2_out or norm1_out; down: mlp_act);
     - q·k reads q and k; softmax reads its output (attn_probs); probs·v reads attn_probs and v;
-    - the activation reads its input (mlp_up); additions read nothing.
+    - GELU reads its input (mlp_up), ReLU its output (mlp_act, read by down anyway); additions
+      read nothing.
 
     Tests check this against both frameworks independently: the tensors JAX keeps when a policy
     may keep every tag, and the op outputs PyTorch's autograd saves without checkpointing.
@@ -336,10 +337,11 @@ def backward_reads(cfg: ModelConfig) -> frozenset[str]:
         "value_proj",
         "attn_probs",
         "attn_context",
-        "mlp_up",
         "mlp_act",
         "attn_residual",
     }
+    if cfg.activation != "relu":
+        common.add("mlp_up")
     if cfg.norm == "pre":
         return frozenset(common | {"block_input", "norm1_out", "norm2_out"})
     return frozenset(common | {"block_input", "norm1_out", "mlp_residual"})
@@ -347,12 +349,13 @@ def backward_reads(cfg: ModelConfig) -> frozenset[str]:
 
 # A tag the backward does not read is still kept when the policy stores it and an unstored tag
 # the backward does read is recomputed from it (with the block input, always kept): the residual
-# additions and the softmax. JAX's partial evaluation keeps such a source instead of recomputing
-# further back.
+# additions, the softmax and the activation. JAX's partial evaluation keeps such a source instead
+# of recomputing further back.
 RECOMPUTED_FROM = {
     "attn_residual": "attn_out",
     "mlp_residual": "mlp_down",
     "attn_probs": "attn_scores",
+    "mlp_act": "mlp_up",
 }
 
 

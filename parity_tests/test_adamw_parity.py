@@ -8,10 +8,10 @@ import numpy as np
 import torch
 from flax import nnx
 
-from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.compare.parity import torch_model_from
 from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import to_torch_state_dict
+from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.model import Decoder
 from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step
 from torch_ref.loss import cross_entropy_sum

@@ -12,9 +12,7 @@ from jaxmem.compare.tolerances import tolerance
 from tests.test_train import metrics, train
 
 
-def test_non_finite_loss_stops_the_torch_run_and_keeps_the_last_good_checkpoint(
-    tmp_path, capsys
-):
+def test_non_finite_loss_stops_the_torch_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     code = train(
         "--framework",

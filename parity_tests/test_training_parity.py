@@ -17,10 +17,10 @@ import torch
 from flax import nnx
 
 import torch_ref
-from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.compare.parity import torch_model_from
 from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import load_torch_state_dict, to_torch_state_dict
+from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.model import make_model
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS, Precision

@@ -8,8 +8,6 @@ from safetensors.torch import load_file as torch_load_file
 from safetensors.torch import save_file as torch_save_file
 
 import torch_ref
-from jaxmem.config import PRESETS, ModelConfig
-from jaxmem.model import Block, Decoder
 from jaxmem.compare.weights import (
     WeightMapError,
     key_map,
@@ -19,6 +17,8 @@ from jaxmem.compare.weights import (
     save_safetensors,
     to_torch_state_dict,
 )
+from jaxmem.config import PRESETS, ModelConfig
+from jaxmem.model import Block, Decoder
 
 ODD = ModelConfig(
     vocab_size=259,

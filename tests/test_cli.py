@@ -78,8 +78,10 @@ def test_commands_that_need_pytorch_say_which_extra_to_install(args, what, monke
         cli.main(args)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"jaxmem {args[0]}: error: {what} needs PyTorch, which is not installed: "
-                   "pip install 'jaxmem[torch]'"]
+    assert err == [
+        f"jaxmem {args[0]}: error: {what} needs PyTorch, which is not installed: "
+        "pip install 'jaxmem[torch]'"
+    ]
 
 
 def test_memory_without_pytorch_reports_jax_alone(monkeypatch, capsys):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS
 from jaxmem.model import CHECKPOINT_NAMES, BlockStack, Decoder
-from jaxmem.compare.tolerances import tolerance
 
 
 def _eqns(jaxpr):

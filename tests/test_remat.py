@@ -13,7 +13,6 @@ from flax import nnx
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, ConfigError
 from jaxmem.data import lm_batch
-from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import check_backend, layers_fn
 from jaxmem.memory.residuals import saved_residuals, summarize_residuals

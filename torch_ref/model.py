@@ -21,8 +21,9 @@ from jaxmem.config import ModelConfig
 
 def wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype norms, softmax, logits and the loss run in: float32, or wider when the compute
-    dtype is (float64 in the parity suite's exactness mode); ``jaxmem.model.ops.wide``."""
-    return torch.promote_types(dtype, torch.float32)
+    dtype is (float64 in the parity suite's exactness mode); ``jaxmem.model.ops.wide``. (Plain
+    Python: ``torch.promote_types`` would dispatch an op inside the block's op stream.)"""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def activation_module(name: str) -> nn.Module:

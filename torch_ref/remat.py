@@ -22,7 +22,8 @@ model and its state dict do not change. Two translations, reported side by side:
 **lean** (torch_ref's extension, beyond stock): two small dispatch modes keep only what the
 backward reads of what the policy stores (``jaxmem.policy.kept_tags``, what JAX's partial
 evaluation keeps), send offloaded names to host memory, and skip replaying a matmul whose
-product nothing the backward uses reads (out_proj / mlp_down when their residual add is kept);
+product nothing the backward uses reads (out_proj / mlp_down when their residual add is kept,
+a ReLU MLP's first matmul when the activation is kept);
 ``nested`` checkpoints every segment (the last included) and every block inside it again, as
 JAX's two-level scan does.
 
@@ -123,20 +124,20 @@ def unread_by_backward(cfg: ModelConfig, policy: MemoryPolicy | None = None) -> 
     return unread if policy is None else unread - kept_tags(cfg, policy)
 
 
-# The block's matmul outputs that feed only an addition: (matmul tag, the addition's tag).
-_FEEDS = {"attn_out": "attn_residual", "mlp_down": "mlp_residual"}
+# The block's matmul outputs and their one consumer: (matmul tag, the consumer's tag).
+_FEEDS = {"attn_out": "attn_residual", "mlp_down": "mlp_residual", "mlp_up": "mlp_act"}
 
 
 def skippable_in_recompute(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
-    """Matmul tags the lean recompute need not compute: not kept, and their one consumer (a
-    residual addition) is either kept — its value comes back from storage — or read by no
-    backward op. Their inputs are still saved by autograd when the op is replayed; only the
-    product is skipped. Stock replay re-runs them."""
+    """Matmul tags the lean recompute need not compute: not kept, read by no backward op, and
+    their one consumer (a residual addition, or ReLU, whose backward reads its output) is
+    either kept — its value comes back from storage — or read by no backward op. Their inputs
+    are still saved by autograd when the op is replayed; only the product is skipped."""
     kept, reads = kept_tags(cfg, policy), backward_reads(cfg)
     return frozenset(
         tag
         for tag, consumer in _FEEDS.items()
-        if tag not in kept and (consumer in kept or consumer not in reads)
+        if tag not in kept and tag not in reads and (consumer in kept or consumer not in reads)
     )
 
 
@@ -174,14 +175,17 @@ def _stock_contexts(policy: MemoryPolicy, cfg: ModelConfig, kept: list, layer: i
 
     def policy_fn(ctx, op, *args, **kwargs):
         kind, names = name_op(op)
-        save = (policy.save_dots and kind == "linear") or (
-            bool(names) and names[0] in policy.save
-        )
+        save = (policy.save_dots and kind == "linear") or (bool(names) and names[0] in policy.save)
         if not save:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        out = ctx.op_output
-        if isinstance(out, torch.Tensor):
-            kept.append(_kept(layer, names or ("<linear>",), "device", out))
+        # selective checkpointing caches every tensor the op returns (LayerNorm: its output,
+        # mean and rstd)
+        outs = [ctx.op_output] if isinstance(ctx.op_output, torch.Tensor) else ctx.op_output
+        kept.extend(
+            _kept(layer, names or ("<linear>",), "device", t)
+            for t in outs
+            if isinstance(t, torch.Tensor)
+        )
         return CheckpointPolicy.MUST_SAVE
 
     return create_selective_checkpoint_contexts(policy_fn)
@@ -290,7 +294,7 @@ def describe(policy: MemoryPolicy, translation: str) -> str:
         return f"stock: checkpoint({mode}) per block"
     why = "no stock API for name-based offload in eager PyTorch; " if translation == "stock" else ""
     if policy.nested:
-        return f"lean (torch_ref extension): two-level checkpoint, every segment and block"
+        return "lean (torch_ref extension): two-level checkpoint, every segment and block"
     return (
         f"lean (torch_ref extension; {why}keeps what the backward reads of what the policy "
         "stores, skips matmuls nothing reads)"

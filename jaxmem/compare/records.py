@@ -61,7 +61,7 @@ def torch_record(
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     estimate = analytic.saved_activation_bytes(cfg, policy, batch, seq_len, precision)
     return {
-        "framework": framework_label(runner.translation),
+        "framework": framework_label(translation),
         "translation": runner.description,
         "policy": policy.name,
         "precision": precision.name,
@@ -95,7 +95,9 @@ def torch_record(
 
 
 def framework_label(translation: str) -> str:
-    """The ``framework`` column of a torch record: which PyTorch ran (stock or the extension)."""
+    """The ``framework`` column of a torch record: the translation asked for (``torch``: stock
+    PyTorch, or torch_ref's extension where stock has no API, as ``translation`` in the record
+    says; ``torch-lean``: the extension)."""
     return "torch" if translation == "stock" else "torch-lean"
 
 

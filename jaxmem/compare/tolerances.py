@@ -47,6 +47,39 @@ FLOAT64_TOLERANCE_NOTE = (
 # configurations (see the issue notes), and ~1000x below what a real bug produces (a wrong mask,
 # transpose or scale changes values at the 1e-2 level).
 TOLERANCES: dict[str, dict[str, Tolerance]] = {
+    "float64": {
+        "logits": Tolerance(
+            rtol=1e-12,
+            atol=1e-13,
+            reason="exactness: O(1) logits after L blocks; measured max abs diff 2.0e-15 (tiny, "
+            "seed, odd), so 50x headroom, and 1e10 below a real bug",
+        ),
+        "block_output": Tolerance(
+            rtol=1e-12,
+            atol=1e-13,
+            reason="exactness: O(1) activations (LayerNorm outputs, residual stream); a few ulps "
+            "of d_ff-long dot products",
+        ),
+        "loss": Tolerance(
+            rtol=1e-13,
+            atol=0.0,
+            reason="exactness: mean cross-entropy ~5.5 summed over B*S tokens in different "
+            "orders; measured relative diff <= 3.2e-16",
+        ),
+        "grads": Tolerance(
+            rtol=1e-11,
+            atol=1e-14,
+            reason="exactness: gradient leaves reach 0.2; measured max abs diff 1.2e-16 and max "
+            "normwise relative 1.1e-15 (tiny, seed, odd, every policy). atol covers elements "
+            "that are ~0 in one framework and a rounding residue in the other",
+        ),
+        "remat_vs_none": Tolerance(
+            rtol=1e-11,
+            atol=1e-14,
+            reason="exactness: recompute replays the same ops (XLA may fuse the replay "
+            "differently); measured as for grads",
+        ),
+    },
     "float32": {
         "logits": Tolerance(
             rtol=1e-5,

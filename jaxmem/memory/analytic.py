@@ -1,8 +1,9 @@
 """Closed-form memory model of this architecture (bytes), term by term.
 
 Activations: what one block's backward pass must read, per tag (``tag_bytes``), and which tags
-that is (``jaxmem.policy.backward_reads``). For the dropout-free pre-norm GELU block with p-byte activations,
-``d_ff = 4h``, ``a`` heads, sequence ``s``, batch ``b`` and hidden ``h``, the per-layer total is
+that is (``jaxmem.policy.backward_reads``). For the dropout-free pre-norm GELU block with p-byte
+activations, ``d_ff = 4h``, ``a`` heads, sequence ``s``, batch ``b`` and hidden ``h``, the
+per-layer total is
 
     p·sbh · (1 norm1 input + 1 norm1_out + 3 q,k,v + 1 context + 1 attn_residual + 1 norm2_out
              + 4 mlp_up + 4 mlp_act) + p·a·s²·b (probabilities, read by probs·v)
@@ -13,6 +14,8 @@ Korthikanti et al. (2022, eq. 1) derive sbh·(34 + 5as/h) for Megatron's GPT lay
 (two 1-byte sbh masks, an as²b mask and its 2-byte output) and a 16-bit softmax; this model has
 no dropout and an fp32 softmax. Recomputing the attention core (``selective``: probabilities and
 context) leaves sbh·15p, i.e. 30·sbh in 16-bit: under half of ``none`` for any as/h ≥ 1.
+A ReLU block keeps 4·p·sbh less: ReLU's backward reads its output (kept for the MLP's second
+matmul anyway), not its input.
 
 Parameters, gradients and optimizer state are counted from the config (``jaxmem.config``'s
 analytic parameter count); tests check each against real arrays.

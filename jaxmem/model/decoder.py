@@ -2,8 +2,9 @@
 
 The model is pure: it knows nothing of remat, host offload, precision policy or gradient
 accumulation. It only *tags* its intermediate tensors with ``checkpoint_name`` (the names in
-``jaxmem.policy.CHECKPOINT_NAMES``, a pure-data module both frameworks share); memory policies are applied from outside by passing a ``layers_fn`` that
-decides how the stacked blocks are run (see ``scan_layers``, the default).
+``jaxmem.policy.CHECKPOINT_NAMES``, a pure-data module both frameworks share); memory policies
+are applied from outside by passing a ``layers_fn`` that decides how the stacked blocks are run
+(see ``scan_layers``, the default; ``jaxmem.memory.remat`` builds the others).
 
 Shapes in comments: B batch, S sequence, D d_model, H heads, K head_dim, F d_ff, V vocab,
 L layers.
@@ -21,10 +22,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config import ModelConfig
-from jaxmem.precision import Precision
 from jaxmem.model import ops
 from jaxmem.model.ops import wide
-from jaxmem.policy import CHECKPOINT_NAMES
+from jaxmem.precision import Precision
 
 Array = jax.Array
 LayerFn = Callable[[Array, Any], Array]
@@ -35,14 +35,13 @@ def _normal(std: float) -> nnx.Initializer:
     return nnx.initializers.normal(stddev=std)
 
 
-def activation_fn(name: str) -> Callable[[Array], Array]:
-    """The MLP non-linearity; ``gelu`` is exact (erf) like ``torch.nn.GELU()``."""
-    if name == "gelu":
-        return lambda x: ops.gelu(x, False)
-    if name == "gelu_tanh":
-        return lambda x: ops.gelu(x, True)
+def activation(name: str, x: Array, tag: str) -> Array:
+    """The MLP non-linearity applied to ``x``, its output tagged ``tag``. ``gelu`` is exact (erf)
+    like ``torch.nn.GELU()``; ``relu`` tags inside (see ``ops.relu``)."""
     if name == "relu":
-        return jax.nn.relu
+        return ops.relu(x, tag)
+    if name in ("gelu", "gelu_tanh"):
+        return checkpoint_name(ops.gelu(x, name == "gelu_tanh"), tag)
     raise ValueError(f"activation={name!r} is not one of gelu, gelu_tanh, relu")
 
 
@@ -141,7 +140,7 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x_bsd: Array) -> Array:
         h = checkpoint_name(self.up(x_bsd).astype(self.dtype), "mlp_up")  # [B, S, F]
-        h = checkpoint_name(activation_fn(self.activation)(h), "mlp_act")
+        h = activation(self.activation, h, "mlp_act")
         return checkpoint_name(self.down(h).astype(self.dtype), "mlp_down")  # [B, S, D]
 
 

@@ -4,8 +4,9 @@ Plain JAX autodiff of LayerNorm, softmax and GELU keeps several intermediates pe
 backward pass (centred input, normalised input, products with the scale; softmax's exponentials
 next to its output; GELU's erfc/exp factors): about twice what PyTorch's fused kernels keep.
 These ``custom_vjp`` versions keep what the PyTorch kernels keep — LayerNorm its input and the
-per-row mean and 1/std, softmax its output, GELU its input — and recompute the rest in the
-backward pass (elementwise work only; matmul FLOPs are unchanged). Written by hand because no
+per-row mean and 1/std, softmax its output, GELU its input, ReLU its output (``jax.nn.relu``
+keeps its input, which nothing else reads after the MLP's first matmul) — and recompute the rest
+in the backward pass (elementwise work only; matmul FLOPs are unchanged). Written by hand because no
 library provides them for arbitrary JAX programs.
 """
 
@@ -139,3 +140,26 @@ def _gelu_bwd(approximate, x, g):
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+# ------------------------------------------------------------------------------------------ ReLU
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def relu(x: Array, tag: str | None = None) -> Array:
+    """ReLU, tagged ``tag``; the backward keeps only the (tagged) output, as PyTorch's
+    ``threshold_backward`` does: ``y > 0`` exactly where ``x > 0``. Tagged inside for the reason
+    ``softmax`` is: the kept output and the tagged activation must be one tensor."""
+    return _relu_fwd(x, tag)[0]
+
+
+def _relu_fwd(x, tag):
+    y = jnp.maximum(x, jnp.zeros((), x.dtype))
+    if tag is not None:
+        y = checkpoint_name(y, tag)
+    return y, y
+
+
+def _relu_bwd(tag, y, g):
+    return (jnp.where(y > 0, g, jnp.zeros((), g.dtype)),)
+
+
+relu.defvjp(_relu_fwd, _relu_bwd)

@@ -42,6 +42,7 @@ TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
 ARRAY_ITEMS = ("params", "opt_state", "loss_scale")
 JSON_ITEMS = ("run_config", "meta")
 
+
 @contextlib.contextmanager
 def _quiet_orbax() -> Iterator[None]:
     """Hide orbax's absl WARNING chatter (e.g. about its own defaults) during our calls; errors

@@ -89,8 +89,9 @@ class Trainer(Protocol):
     def memory_label(self) -> str:
         """What the progress bar shows about memory (a plan or a runtime peak, labelled)."""
 
-    def sample(self, prompt: np.ndarray, n_new: int, temperature: float, seed: int) -> np.ndarray:
-        ...
+    def sample(
+        self, prompt: np.ndarray, n_new: int, temperature: float, seed: int
+    ) -> np.ndarray: ...
 
     def figures(self) -> list[Figure]:
         """The memory table printed at the end, every figure with how it was obtained."""
@@ -151,7 +152,8 @@ def _check_run_dir(job: JobConfig, out_dir: str | None, resume: bool) -> int | N
             ) from None
         return None
     require(
-        os.path.isdir(out_dir), f"--resume: {out_dir} does not exist; start the run without --resume"
+        os.path.isdir(out_dir),
+        f"--resume: {out_dir} does not exist; start the run without --resume",
     )
     require(os.access(out_dir, os.W_OK), f"--resume: {out_dir} is not writable")
     step, saved = latest_checkpoint(out_dir, job.run.framework)
