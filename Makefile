@@ -1,19 +1,21 @@
 # Two entry points: `make demo` (train the small preset on CPU, print its memory table) and
 # `make test` (unit + parity suites). Each creates .venv and installs the pinned versions from
-# constraints.txt once; the stamp file makes a second run skip the install.
+# constraints.txt once, with the torch extra (the parity suite compares with PyTorch); the stamp
+# file makes a second run skip the install. `make check-jax-only` installs jaxmem alone (no
+# PyTorch) into a fresh venv and trains, as a JAX user would.
 
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test parity lint clean
+.PHONY: demo test parity lint clean check-jax-only
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (or run: make PYTHON=python3 ...)"; exit 2; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[torch,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,6 +26,18 @@ test: $(STAMP)
 
 parity: $(STAMP)
 	$(BIN)/jaxmem parity --preset tiny
+
+# A fresh venv with `pip install .` only: the package imports and trains without PyTorch.
+JAX_ONLY := $(or $(TMPDIR),/tmp)/jaxmem-jax-only
+check-jax-only:
+	rm -rf $(JAX_ONLY) && $(PYTHON) -m venv $(JAX_ONLY)
+	$(JAX_ONLY)/bin/python -m pip install --quiet -c constraints.txt .
+	cd $(JAX_ONLY) && bin/python -c "import importlib.util, sys; import jaxmem, jaxmem.train, jaxmem.train.run; \
+	  assert importlib.util.find_spec('torch') is None, 'torch got installed'; \
+	  assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_ref')]; print('jaxmem imports without torch')"
+	cd $(JAX_ONLY) && bin/jaxmem train --preset tiny --steps 5 --batch-size 4 --seq-len 32 --sample-tokens 0 --out run
+	cd $(JAX_ONLY) && ! bin/jaxmem parity 2> err.txt && grep -q "pip install 'jaxmem\[torch\]'" err.txt && cat err.txt
+	rm -rf $(JAX_ONLY)
 
 lint: $(STAMP)
 	$(BIN)/ruff check jaxmem torch_ref tests parity_tests benchmarks

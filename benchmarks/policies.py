@@ -1,15 +1,7 @@
-"""Saved-activation bytes and matmul FLOPs of every memory policy, jaxmem vs torch_ref.
-
-Per preset × policy × framework, one fp32 training step (forward + backward) on the same weights
-and batch:
-- saved bytes, JAX: residual accounting (arrays ``jax.vjp`` keeps, from its jaxpr; parameters
-  excluded), split device / host memory kind;
-- saved bytes, torch: live-tensor accounting (storages the forward allocated and left alive for
-  the backward), split device / host;
-- FLOPs: matmul FLOPs actually executed — JAX counted from the gradient's jaxpr (scan bodies ×
-  length, recompute included), torch from ``torch.utils.flop_counter.FlopCounterMode``;
-- JAX compiled temp bytes: ``memory_analysis().temp_size_in_bytes`` of the jitted gradient on
-  this backend (XLA:CPU here: a proxy for a GPU's plan, and blind to host offload).
+"""Saved-activation bytes and matmul FLOPs of every memory policy, jaxmem vs stock PyTorch (and
+torch_ref's lean extension where it differs from stock), per preset: one fp32 training step
+(forward + backward) on the same weights and batch, measured by
+``jaxmem.compare.bench.memory_point`` (what each column is: see ``benchmarks/README.md``).
 
     python benchmarks/policies.py --presets tiny,small --out benchmarks/results
 """
@@ -18,112 +10,52 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
-import platform
 
-import jax
-import jax.numpy as jnp
-import torch
-from flax import nnx
-from jaxmem.flops import grad_matmul_flops
-from jaxmem.parity import lm_batch, torch_model_from
-from jaxmem.remat import POLICIES, layers_fn
-
+from jaxmem.compare.bench import gflop_cell, machine_meta, memory_point, mib_cell
 from jaxmem.config import get_preset
-from jaxmem.memory import compiled_plan, saved_residuals, summarize_residuals
-from jaxmem.model import Decoder
-from jaxmem.precision import PRECISIONS
-from jaxmem.train import lm_loss_fn
-from torch_ref.memory import measure_lm_step
-from torch_ref.remat import apply_memory_policy
+from jaxmem.files import write_atomic, write_json_atomic
+from jaxmem.policy import POLICIES
 
 SHAPES = {"tiny": (8, 64), "small": (8, 128)}
 
 
 def measure(preset: str, policies: list[str]) -> list[dict]:
     cfg = get_preset(preset)
-    batch_size, seq_len = SHAPES.get(preset, (8, min(128, cfg.max_seq_len)))
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
-    torch_model = torch_model_from(model)
-    inputs, targets = lm_batch(cfg, batch_size, seq_len)
-    batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-    x, y = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
-    rows = []
-    for name in policies:
-        policy = POLICIES[name]
-        loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
-        f = lambda p, b, loss=loss: loss(p, b)[0]  # noqa: E731
-        res = summarize_residuals(saved_residuals(f, params, batch))
-        plan = compiled_plan(jax.jit(jax.grad(f)).lower(params, batch).compile())
-        rows.append(
-            {
-                "preset": preset,
-                "framework": "jax",
-                "policy": name,
-                "batch": batch_size,
-                "seq_len": seq_len,
-                "saved_bytes_device": res.activation_bytes_device,
-                "saved_bytes_host": res.activation_bytes_host,
-                "saved_source": "residual accounting (jaxpr of jax.vjp), parameters excluded",
-                "flops": grad_matmul_flops(f, params, batch),
-                "flops_source": "matmul FLOPs of the gradient's jaxpr",
-                "compiled_temp_bytes": plan["temp_bytes"],
-            }
-        )
-        runner = apply_memory_policy(torch_model.blocks, policy)
-        torch_model.zero_grad(set_to_none=True)
-        live, _, torch_flops = measure_lm_step(torch_model, runner, x, y, PRECISIONS["fp32"])
-        rows.append(
-            {
-                "preset": preset,
-                "framework": "torch",
-                "policy": name,
-                "batch": batch_size,
-                "seq_len": seq_len,
-                "saved_bytes_device": live.device_bytes,
-                "saved_bytes_host": live.host_bytes,
-                "saved_source": "live-tensor accounting (forward allocations alive at its end)",
-                "flops": torch_flops,
-                "flops_source": "torch.utils.flop_counter.FlopCounterMode",
-                "compiled_temp_bytes": None,
-            }
-        )
-    return rows
+    batch, seq_len = SHAPES.get(preset, (8, min(128, cfg.max_seq_len)))
+    return [
+        {"preset": preset, **memory_point(cfg, name, "fp32", batch, seq_len)} for name in policies
+    ]
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"Memory policies, fp32, one training step; {meta['device']}, {meta['date']} "
-        f"(jax {meta['versions']['jax']}, torch {meta['versions']['torch']}). Saved bytes: JAX "
-        "residual accounting / torch live-tensor accounting; FLOPs: matmul FLOPs executed "
-        "(JAX jaxpr, torch FlopCounterMode); ratios against the same framework's `none`.",
+        f"(jax {meta['versions']['jax']}, torch {meta['versions']['torch']}). Saved MiB "
+        "(device + host): JAX residual accounting / torch live-tensor accounting; GFLOP: matmul "
+        "FLOPs executed (JAX jaxpr, torch FlopCounterMode); FLOP ratios against the same "
+        "framework's `none`. torch = stock PyTorch († = no stock API in eager PyTorch: "
+        "torch_ref's extension); torch lean = torch_ref's extension where it differs from stock.",
         "",
-        "| preset | policy | JAX saved MiB (device + host) | torch saved MiB (device + host) "
-        "| JAX / torch bytes | JAX GFLOP | torch GFLOP | JAX FLOPs / none | torch FLOPs / none "
+        "| preset | policy | JAX MiB | torch MiB | torch lean MiB | JAX / torch bytes "
+        "| JAX GFLOP | torch GFLOP | torch lean GFLOP | JAX FLOPs / none | torch FLOPs / none "
         "| JAX compiled temp MiB (XLA:CPU) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    mib = 1 << 20
-    by = {(r["preset"], r["framework"], r["policy"]): r for r in rows}
+    none = {r["preset"]: r for r in rows if r["policy"] == "none"}
     for r in rows:
-        if r["framework"] != "jax":
-            continue
-        t = by[(r["preset"], "torch", r["policy"])]
-        base_j = by[(r["preset"], "jax", "none")]["flops"]
-        base_t = by[(r["preset"], "torch", "none")]["flops"]
-        jax_bytes = r["saved_bytes_device"] + r["saved_bytes_host"]
-        torch_bytes = t["saved_bytes_device"] + t["saved_bytes_host"]
+        base = none[r["preset"]]
+        jb = r["jax_device_bytes"] + r["jax_host_bytes"]
+        tb = r["torch_device_bytes"] + r["torch_host_bytes"]
+        mark = "" if r["torch_is_stock"] else " †"
         lines.append(
-            f"| {r['preset']} | {r['policy']} "
-            f"| {r['saved_bytes_device'] / mib:.2f} + {r['saved_bytes_host'] / mib:.2f} "
-            f"| {t['saved_bytes_device'] / mib:.2f} + {t['saved_bytes_host'] / mib:.2f} "
-            f"| {jax_bytes / torch_bytes:.3f} "
-            f"| {r['flops'] / 1e9:.3f} | {t['flops'] / 1e9:.3f} "
-            f"| {r['flops'] / base_j:.3f} | {t['flops'] / base_t:.3f} "
-            f"| {r['compiled_temp_bytes'] / mib:.2f} |"
+            f"| {r['preset']} | {r['policy']} | {mib_cell(r, 'jax')} "
+            f"| {mib_cell(r, 'torch')}{mark} "
+            f"| {mib_cell(r, 'torch_lean')} | {jb / tb:.3f} | {gflop_cell(r, 'jax')} "
+            f"| {gflop_cell(r, 'torch')}{mark} | {gflop_cell(r, 'torch_lean')} "
+            f"| {r['jax_flops'] / base['jax_flops']:.3f} "
+            f"| {r['torch_flops'] / base['torch_flops']:.3f} "
+            f"| {r['jax_compiled_temp_bytes'] / (1 << 20):.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -134,20 +66,16 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    rows = [r for p in args.presets.split(",") for r in measure(p, args.policies.split(","))]
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "device": f"{jax.devices()[0].platform.upper()} ({os.cpu_count()} cores)",
-        "versions": {"jax": jax.__version__, "torch": torch.__version__},
-        "configs": {p: dataclasses.asdict(get_preset(p)) for p in args.presets.split(",")},
+    presets = args.presets.split(",")
+    rows = [r for p in presets for r in measure(p, args.policies.split(","))]
+    meta = machine_meta() | {
+        "configs": {p: dataclasses.asdict(get_preset(p)) for p in presets},
+        "shapes": {p: SHAPES.get(p) for p in presets},
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "policies.json"), "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=2)
+    write_json_atomic(os.path.join(args.out, "policies.json"), {"meta": meta, "results": rows})
     table = to_markdown(rows, meta)
-    with open(os.path.join(args.out, "policies.md"), "w") as f:
-        f.write(table)
+    write_atomic(os.path.join(args.out, "policies.md"), table)
     print(table)
 
 

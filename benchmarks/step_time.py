@@ -16,8 +16,7 @@ import dataclasses
 import json
 import os
 
-from jaxmem.bench import machine_meta, step_times
-
+from jaxmem.compare.bench import machine_meta, step_times
 from jaxmem.config import get_preset
 
 

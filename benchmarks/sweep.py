@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from jaxmem.bench import DEFAULT, run_sweep
+from jaxmem.compare.bench import DEFAULT, run_sweep
 
 if __name__ == "__main__":
     run_sweep(DEFAULT, "benchmarks/results", progress=print)

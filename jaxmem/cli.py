@@ -10,7 +10,7 @@ start; each command imports what it runs. Commands that compare with PyTorch (``
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -67,7 +67,12 @@ def _positive_float(text: str) -> float:
 
 
 def torch_available() -> bool:
-    return importlib.util.find_spec("torch") is not None
+    """Whether PyTorch imports (only asked by the commands that compare with it)."""
+    try:
+        importlib.import_module("torch")
+    except ImportError:
+        return False
+    return True
 
 
 def need_torch(what: str) -> None:
@@ -201,7 +206,7 @@ def resolve_job(args: argparse.Namespace):
 
     layered: dict = {}
     if args.resume and args.out:
-        from jaxmem.train.layout import latest_checkpoint
+        from jaxmem.train.checkpoint import latest_checkpoint
 
         # either framework's checkpoint layout is read; its config says which one it was
         _, saved = latest_checkpoint(args.out, args.framework or "jax")

@@ -312,7 +312,7 @@ def run_sweep(
     return result
 
 
-def _mib(row: dict[str, Any], prefix: str, host: bool = True) -> str:
+def mib_cell(row: dict[str, Any], prefix: str, host: bool = True) -> str:
     """``device + host`` MiB of one framework's columns, or ``-`` where not measured."""
     device = row.get(f"{prefix}_device_bytes")
     if device is None:
@@ -322,7 +322,7 @@ def _mib(row: dict[str, Any], prefix: str, host: bool = True) -> str:
     return f"{device / MIB:.2f} + {row[f'{prefix}_host_bytes'] / MIB:.2f}"
 
 
-def _gflop(row: dict[str, Any], prefix: str) -> str:
+def gflop_cell(row: dict[str, Any], prefix: str) -> str:
     flops = row.get(f"{prefix}_flops")
     return "-" if flops is None else f"{flops / 1e9:.3f}"
 
@@ -352,9 +352,10 @@ def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str
         tb = r["torch_device_bytes"] + r["torch_host_bytes"]
         mark = "" if r["torch_is_stock"] else " †"
         lines.append(
-            f"| {r['precision']} | {r['policy']} | {_mib(r, 'jax')} | {_mib(r, 'torch')}{mark} "
-            f"| {_mib(r, 'torch_lean')} | {jb / tb:.3f} | {r['jax_flops'] / 1e9:.3f} | "
-            f"{r['torch_flops'] / 1e9:.3f}{mark} | {_gflop(r, 'torch_lean')} |"
+            f"| {r['precision']} | {r['policy']} | {mib_cell(r, 'jax')} "
+            f"| {mib_cell(r, 'torch')}{mark} "
+            f"| {mib_cell(r, 'torch_lean')} | {jb / tb:.3f} | {r['jax_flops'] / 1e9:.3f} | "
+            f"{r['torch_flops'] / 1e9:.3f}{mark} | {gflop_cell(r, 'torch_lean')} |"
         )
     lines += [
         "",
@@ -365,8 +366,8 @@ def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str
     ]
     for r in rows["depth"]:
         lines.append(
-            f"| {r['n_layers']} | {r['policy']} | {_mib(r, 'jax', host=False)} | "
-            f"{_mib(r, 'torch', host=False)} | {_mib(r, 'torch_lean', host=False)} | "
+            f"| {r['n_layers']} | {r['policy']} | {mib_cell(r, 'jax', host=False)} | "
+            f"{mib_cell(r, 'torch', host=False)} | {mib_cell(r, 'torch_lean', host=False)} | "
             f"{r['jax_compiled_temp_bytes'] / MIB:.2f} |"
         )
     lines += [
@@ -378,8 +379,8 @@ def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str
     ]
     for r in rows["seq_len"]:
         lines.append(
-            f"| {r['seq_len']} | {r['policy']} | {_mib(r, 'jax', host=False)} | "
-            f"{_mib(r, 'torch', host=False)} | {_mib(r, 'torch_lean', host=False)} |"
+            f"| {r['seq_len']} | {r['policy']} | {mib_cell(r, 'jax', host=False)} | "
+            f"{mib_cell(r, 'torch', host=False)} | {mib_cell(r, 'torch_lean', host=False)} |"
         )
     lines += [
         "",

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+import jaxmem.model.ops as ops
 from jaxmem.config import ModelConfig
-from jaxmem.model import ops
 from jaxmem.model.ops import wide
 from jaxmem.precision import Precision
 

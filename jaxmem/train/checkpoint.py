@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxmem.train.layout import CheckpointError
+from jaxmem.train.layout import CHECKPOINT_DIR, CheckpointError, json_steps, read_json_config
 
 FORMAT_VERSION = 1
 TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
@@ -378,3 +379,34 @@ def read_config(directory: str | Path) -> dict[str, Any] | None:
     reader._manager = _open_manager(reader.directory, options)
     with reader:
         return reader.read_config()
+
+
+# ------------------------------------------------------------------------- either layout
+def _torch_latest(directory: str) -> tuple[int | None, dict | None]:
+    steps = json_steps(directory)
+    return (steps[-1], read_json_config(directory, steps[-1])) if steps else (None, None)
+
+
+def _jax_latest(directory: str) -> tuple[int | None, dict | None]:
+    with RunCheckpointer(directory, keep=1) as reader:
+        step = reader.latest_step()
+        return step, (reader.read_config(step) if step is not None else None)
+
+
+def latest_checkpoint(out_dir: str, framework: str) -> tuple[int | None, dict | None]:
+    """The latest complete checkpoint's step and saved config in run directory ``out_dir``
+    (``(None, None)`` if none), in either layout (``jaxmem.train.layout``), trying
+    ``framework``'s first: resuming a torch run as a JAX run (or the reverse) is then refused
+    by the config comparison, naming ``run.framework``."""
+    directory = os.path.join(out_dir, CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        return None, None
+    readers = (_torch_latest, _jax_latest) if framework == "torch" else (_jax_latest, _torch_latest)
+    for read in readers:
+        try:
+            step, saved = read(directory)
+        except CheckpointError:
+            continue
+        if step is not None and saved is not None:
+            return step, saved
+    return None, None

@@ -7,8 +7,8 @@ Two layouts live under ``<run>/checkpoints/<step>/``:
 - PyTorch runs: ``state.pt`` (``torch_ref.checkpoint``), ``run_config.json`` and ``meta.json``,
   the JSON files written last.
 
-``latest_checkpoint`` reads either, so resuming a torch run as a JAX run (or the reverse) is
-refused by the config comparison, with a message naming ``run.framework``.
+``jaxmem.train.checkpoint.latest_checkpoint`` reads either, so resuming a torch run as a JAX run
+(or the reverse) is refused by the config comparison, with a message naming ``run.framework``.
 """
 
 from __future__ import annotations
@@ -49,34 +49,3 @@ def read_json_config(directory: str, step: int) -> dict[str, Any]:
             f"checkpoint {directory}/{step} has no readable {RUN_CONFIG_JSON} ({e}); "
             "delete that step directory to resume from an earlier one"
         ) from None
-
-
-def _torch_latest(directory: str) -> tuple[int | None, dict | None]:
-    steps = json_steps(directory)
-    return (steps[-1], read_json_config(directory, steps[-1])) if steps else (None, None)
-
-
-def _jax_latest(directory: str) -> tuple[int | None, dict | None]:
-    # orbax (JAX's checkpoint library) reads its own layout
-    from jaxmem.train.checkpoint import RunCheckpointer
-
-    with RunCheckpointer(directory, keep=1) as reader:
-        step = reader.latest_step()
-        return step, (reader.read_config(step) if step is not None else None)
-
-
-def latest_checkpoint(out_dir: str, framework: str) -> tuple[int | None, dict | None]:
-    """The latest complete checkpoint's step and saved config in run directory ``out_dir``
-    (``(None, None)`` if none), trying ``framework``'s layout first."""
-    directory = os.path.join(out_dir, CHECKPOINT_DIR)
-    if not os.path.isdir(directory):
-        return None, None
-    readers = (_torch_latest, _jax_latest) if framework == "torch" else (_jax_latest, _torch_latest)
-    for read in readers:
-        try:
-            step, saved = read(directory)
-        except CheckpointError:
-            continue
-        if step is not None and saved is not None:
-            return step, saved
-    return None, None

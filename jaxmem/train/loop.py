@@ -40,7 +40,7 @@ from jaxmem.config import ConfigError, require
 from jaxmem.figures import Figure, format_bytes, render_table
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.train.job import JobConfig, config_conflicts, write_config
-from jaxmem.train.layout import CHECKPOINT_DIR, latest_checkpoint
+from jaxmem.train.layout import CHECKPOINT_DIR
 
 # From most to least device memory at a given size (FLOPs grow the other way).
 CHEAPER_POLICIES = ("none", "mlp", "selective", "dots", "offload", "full", "nested")
@@ -156,6 +156,8 @@ def _check_run_dir(job: JobConfig, out_dir: str | None, resume: bool) -> int | N
         f"--resume: {out_dir} does not exist; start the run without --resume",
     )
     require(os.access(out_dir, os.W_OK), f"--resume: {out_dir} is not writable")
+    from jaxmem.train.checkpoint import latest_checkpoint  # orbax reads a JAX run's layout
+
     step, saved = latest_checkpoint(out_dir, job.run.framework)
     require(
         step is not None and saved is not None,

@@ -1,0 +1,847 @@
+"""The ``jaxmem`` command line. The only module that parses flags.
+
+Bad input gets one line on stderr naming the value and the fix, and exit code 2; nothing is
+written before the input has been validated. This module imports only jaxmem's pure modules at
+start; each command imports what it runs. Commands that compare with PyTorch (``parity``,
+``bench``, ``memory --frameworks torch``, ``train --framework torch``, ``seed-example
+--framework torch``) need the ``torch`` extra and say so, in one line, when it is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from jaxmem.config import (
+    PLANNING_ONLY,
+    PRESETS,
+    ConfigError,
+    ModelConfig,
+    OptimizerConfig,
+    get_preset,
+)
+from jaxmem.files import write_json_atomic
+from jaxmem.policy import CHECKPOINT_NAMES, POLICIES, get_policy
+from jaxmem.precision import PRECISIONS, get_precision
+from jaxmem.train.job import FRAMEWORKS
+
+EXIT_USAGE = 2
+EXIT_PARITY_FAILED = 1
+EXIT_RUN_FAILED = 1  # a training run stopped at run time (non-finite loss, out of memory)
+TORCH_EXTRA = "pip install 'jaxmem[torch]'"
+
+
+class UsageError(Exception):
+    """Bad user input: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (not the usage block) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def torch_available() -> bool:
+    """Whether PyTorch imports (only asked by the commands that compare with it)."""
+    try:
+        importlib.import_module("torch")
+    except ImportError:
+        return False
+    return True
+
+
+def need_torch(what: str) -> None:
+    """One line and exit 2 when a command that compares with PyTorch runs without it."""
+    if not torch_available():
+        raise UsageError(f"{what} needs PyTorch, which is not installed: {TORCH_EXTRA}")
+
+
+def _check_writable_json(path: str | None) -> None:
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"--json {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--json {path}: directory {parent} is not writable")
+
+
+# ---------------------------------------------------------------------------------------- presets
+def cmd_presets(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="jaxmem model presets (parameter counts are analytic)")
+    table.add_column("preset", no_wrap=True)
+    table.add_column("params", justify="right", no_wrap=True)
+    for col in ("L", "d", "H", "d_ff", "seq"):
+        table.add_column(col, justify="right")
+    for col in ("norm", "act", "use"):
+        table.add_column(col)
+    for name, cfg in PRESETS.items():
+        table.add_row(
+            name,
+            f"{cfg.n_params / 1e6:,.1f} M",
+            str(cfg.n_layers),
+            str(cfg.d_model),
+            str(cfg.n_heads),
+            str(cfg.d_ff),
+            str(cfg.max_seq_len),
+            cfg.norm,
+            cfg.activation,
+            "planning" if name in PLANNING_ONLY else "train",
+        )
+    console = Console()
+    Console(width=max(console.width, 100)).print(table)  # never wrap the columns
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- parity
+def cmd_parity(args: argparse.Namespace) -> int:
+    cfg: ModelConfig = args.preset
+    seq_len = args.seq_len or min(cfg.max_seq_len, 32)
+    if seq_len > cfg.max_seq_len:
+        raise UsageError(
+            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
+            f"use at most {cfg.max_seq_len}"
+        )
+    if cfg.n_params > 50_000_000:
+        raise UsageError(
+            f"--preset {args.preset_name} has {cfg.n_params / 1e6:.0f} M parameters; parity "
+            "runs both frameworks in float64 and fp32 on this machine: use tiny, small or seed"
+        )
+    need_torch("jaxmem parity")
+    _check_writable_json(args.json)
+    from jaxmem.compare.parity import run_parity
+
+    dtypes = [args.dtype] if args.dtype else ["float64", "float32"]
+    reports = [
+        run_parity(cfg, batch=args.batch_size, seq_len=seq_len, seed=args.seed, dtype=dtype)
+        for dtype in dtypes
+    ]
+    passed = all(r["passed"] for r in reports)
+    if args.json:
+        write_json_atomic(
+            args.json, {"preset": args.preset_name, "passed": passed, "results": reports}
+        )
+    for report in reports:
+        verdict = "PASSED" if report["passed"] else "FAILED"
+        tol = report["tolerances"]["grads"]
+        print(
+            f"parity {verdict} ({args.preset_name}, {report['dtype']}, batch {args.batch_size}, "
+            f"seq {seq_len}): loss jax {report['loss_jax']:.9f} torch "
+            f"{report['loss_torch']:.9f}; max |grad diff| {report['max_abs_grad_diff']:.3e}, "
+            f"max normwise rel {report['max_rel_grad_diff']:.3e} over {report['n_grad_leaves']} "
+            f"gradient leaves (tolerance rtol={tol['rtol']}, atol={tol['atol']})"
+        )
+        if not report["passed"]:
+            print(
+                f"failing gradient leaves ({report['dtype']}): {report['failed_grad_leaves']}",
+                file=sys.stderr,
+            )
+    return 0 if passed else EXIT_PARITY_FAILED
+
+
+# ------------------------------------------------------------------------------------------ train
+# flag -> (section, key) of jaxmem.job.JobConfig.to_dict(); None values (flag not given) are
+# skipped, so a flag overrides the config file only when given.
+TRAIN_FLAGS: dict[str, tuple[str, str]] = {
+    "preset": ("", "preset"),
+    "precision": ("", "precision"),
+    "policy": ("memory", "policy"),
+    "save": ("memory", "save"),
+    "offload": ("memory", "offload"),
+    "n_layers": ("model", "n_layers"),
+    "d_model": ("model", "d_model"),
+    "n_heads": ("model", "n_heads"),
+    "d_ff": ("model", "d_ff"),
+    "optimizer": ("optimizer", "name"),
+    "lr": ("optimizer", "lr"),
+    "weight_decay": ("optimizer", "weight_decay"),
+    "accum": ("accum", "steps"),
+    "accum_mode": ("accum", "mode"),
+    "data": ("data", "path"),
+    "framework": ("run", "framework"),
+    "steps": ("run", "steps"),
+    "batch_size": ("run", "batch_size"),
+    "seq_len": ("run", "seq_len"),
+    "seed": ("run", "seed"),
+    "eval_every": ("run", "eval_every"),
+    "checkpoint_every": ("run", "checkpoint_every"),
+    "keep": ("run", "keep_checkpoints"),
+    "sample_tokens": ("run", "sample_tokens"),
+    "prompt": ("run", "prompt"),
+}
+
+
+def resolve_job(args: argparse.Namespace):
+    """Defaults < the checkpoint's saved config (with --resume) < --config file < flags and
+    --set. Raises ConfigError with the bad value."""
+    from jaxmem.train.job import JobConfig, merge, parse_assignment, read_config_file
+
+    layered: dict = {}
+    if args.resume and args.out:
+        from jaxmem.train.checkpoint import latest_checkpoint
+
+        # either framework's checkpoint layout is read; its config says which one it was
+        _, saved = latest_checkpoint(args.out, args.framework or "jax")
+        layered = saved or {}
+    if args.config:
+        layered = merge(layered, read_config_file(args.config))
+    flags: dict = {}
+    for flag, (section, key) in TRAIN_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if flag in ("save", "offload"):
+            value = [n.strip() for n in value.split(",") if n.strip()]
+        if section:
+            flags.setdefault(section, {})[key] = value
+        else:
+            flags[key] = value
+    if (args.save or args.offload) and args.policy is None:
+        flags.setdefault("memory", {})["policy"] = "custom"
+    layered = merge(layered, flags)
+    for assignment in args.set or ():
+        layered = merge(layered, parse_assignment(assignment))
+    return JobConfig.from_dict(layered)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from jaxmem.data import DataError
+    from jaxmem.train.layout import CheckpointError
+
+    try:
+        job = resolve_job(args)
+    except (ConfigError, DataError, CheckpointError) as e:
+        raise UsageError(str(e)) from None
+    if job.run.framework == "torch":
+        need_torch("jaxmem train --framework torch")
+        from jaxmem.compare import torch_run as framework
+    else:
+        from jaxmem.train import run as framework
+    from jaxmem.train.loop import RunFailed
+
+    try:
+        prepared = framework.prepare(job, args.out, resume=args.resume)
+    except (ConfigError, DataError, CheckpointError) as e:
+        raise UsageError(str(e)) from None
+    try:
+        framework.run_training(prepared)
+    except RunFailed as e:
+        print(f"jaxmem train: {e}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from jaxmem.data import DataError, prepare_bin
+
+    try:
+        meta = prepare_bin(args.source, args.out, val_fraction=args.val_fraction)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    print(
+        f"wrote {args.out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
+        f"({meta['val_tokens']:,} tokens), meta.json: uint16 byte tokens from {meta['source']}; "
+        f"train with: jaxmem train --data {args.out}"
+    )
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from jaxmem.train.loop import plot_losses
+
+    runs = []
+    for run_dir in args.runs:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            raise UsageError(
+                f"{run_dir} has no metrics.jsonl; give run directories of jaxmem train"
+            )
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        if not records:
+            raise UsageError(f"{path} is empty; the run logged no step yet")
+        label = os.path.basename(os.path.normpath(run_dir))
+        config = os.path.join(run_dir, "config.yaml")
+        if os.path.isfile(config):
+            from jaxmem.train.job import read_config_file
+
+            run = read_config_file(config).get("run", {})
+            label = f"{label} ({run.get('framework', 'jax')})"
+        runs.append((label, records))
+    _check_writable_json(args.out)
+    plot_losses(runs, args.out)
+    print(f"wrote {args.out}: loss curves of {len(runs)} run(s)")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- memory
+MEMORY_FRAMEWORKS = ("jax", "torch", "torch-lean")
+
+
+def _names(text: str, valid: Sequence[str], what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise UsageError(f"unknown {what} {bad or [text]}; choose from: {', '.join(valid)}")
+    return names
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    cfg: ModelConfig = args.preset
+    policies = _names(args.policies, list(POLICIES), "policies")
+    notes = []
+    if args.frameworks is None and not torch_available():
+        frameworks = ["jax"]
+        notes.append(f"PyTorch is not installed: JAX only ({TORCH_EXTRA} adds the torch rows)")
+    else:
+        frameworks = _names(
+            args.frameworks or ",".join(MEMORY_FRAMEWORKS), MEMORY_FRAMEWORKS, "frameworks"
+        )
+    if any(f.startswith("torch") for f in frameworks):
+        need_torch("jaxmem memory --frameworks torch")
+    try:
+        precision = get_precision(args.precision)
+        opt_cfg = OptimizerConfig(name=args.optimizer)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if args.preset_name == "seed":
+        raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
+    planning = args.preset_name in PLANNING_ONLY
+    seq_len = args.seq_len or (cfg.max_seq_len if planning else min(64, cfg.max_seq_len))
+    if seq_len > cfg.max_seq_len:
+        raise UsageError(
+            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
+            f"use at most {cfg.max_seq_len}"
+        )
+    _check_writable_json(args.json)
+    if "jax" in frameworks:
+        from jaxmem.memory.remat import check_backend
+
+        try:
+            for name in policies:
+                check_backend(get_policy(name))
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+    from rich.console import Console
+
+    console = Console()
+    for note in notes:
+        console.print(f"[yellow]{note}[/]")
+    if planning and any(f.startswith("torch") for f in frameworks):
+        console.print(
+            f"[yellow]{args.preset_name} is planning-only: torch_ref needs real weights, so only "
+            "the JAX plan (compiled from shapes, no weights allocated) is reported.[/]"
+        )
+        frameworks = [f for f in frameworks if f == "jax"]
+    records = []
+    for name in policies:
+        policy = get_policy(name)
+        for fw in frameworks:
+            if fw == "jax":
+                from jaxmem.memory.records import jax_record
+
+                rec = jax_record(
+                    cfg, policy, precision, opt_cfg, args.batch_size, seq_len, abstract=planning
+                )
+            else:
+                from jaxmem.compare.bench import has_lean
+                from jaxmem.compare.records import torch_record
+
+                if fw == "torch-lean" and not has_lean(policy):
+                    continue  # the extension runs what stock runs (or stock has no API)
+                translation = "lean" if fw == "torch-lean" else "stock"
+                rec = torch_record(
+                    cfg,
+                    policy,
+                    precision,
+                    opt_cfg,
+                    args.batch_size,
+                    seq_len,
+                    translation=translation,
+                )
+            rec["preset"] = args.preset_name
+            records.append(rec)
+    _print_memory_table(console, records, args.preset_name, args.batch_size, seq_len, planning)
+    if args.json:
+        write_json_atomic(args.json, records)
+        console.print(f"wrote {len(records)} records to {args.json}")
+    return 0
+
+
+def _print_memory_table(console, records, preset, batch, seq_len, planning) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from jaxmem.figures import format_bytes
+
+    kind = "planned from shapes" if planning else "measured"
+    table = Table(
+        title=f"memory of one training step: {preset}, batch {batch} x seq {seq_len} "
+        f"({kind}, {records[0]['precision']})"
+    )
+    for col in (
+        "framework",
+        "policy",
+        "saved device",
+        "saved host",
+        "analytic",
+        "compiled temp",
+        "opt state",
+        "GFLOP (hw / model)",
+        "peak",
+    ):
+        table.add_column(col, justify="left" if col in ("framework", "policy") else "right")
+    for r in records:
+        temp = r["compiled_temp_bytes"]
+        table.add_row(
+            r["framework"],
+            r["policy"],
+            format_bytes(r["saved_activation_bytes_device"]),
+            format_bytes(r["saved_activation_bytes_host"]),
+            format_bytes(r["analytic_activation_bytes"]),
+            "-" if temp is None else format_bytes(temp),
+            format_bytes(r["opt_state_bytes"]),
+            f"{r['flops'] / 1e9:,.1f} / {r['model_flops'] / 1e9:,.1f}",
+            format_bytes(r["peak_bytes"]),
+        )
+    wide = Console(file=console.file, width=max(console.width, 150))
+    wide.print(table)
+    sources = sorted(
+        {(r["framework"], r["saved_source"], r["flops_source"], r["peak_source"]) for r in records}
+    )
+    wide.print("How each figure was obtained:")
+    for fw, saved, flops, peak in sources:
+        wide.print(f"  {fw}: saved = {saved}; GFLOP = {flops}; peak = {peak}")
+    wide.print(
+        "  analytic = jaxmem.memory.analytic (what the block's backward reads, by policy, as JAX "
+        "keeps it; stack only); model FLOPs = analytic, no recompute"
+    )
+    translations = sorted({(r["framework"], r["policy"], r["translation"]) for r in records})
+    wide.print(
+        "What ran (torch = stock PyTorch; torch-lean = torch_ref's extension, shown where "
+        "it differs from stock):"
+    )
+    for fw, policy, how in translations:
+        wide.print(f"  {fw} {policy}: {how}")
+    for r in records:
+        if r["framework"].startswith("torch"):
+            wide.print(
+                f"  {r['framework']} {r['policy']}: saved-tensor hooks see "
+                f"{format_bytes(r['hook_saved_bytes_device'] + r['hook_saved_bytes_host'])} "
+                "(blind to what selective checkpointing caches itself)"
+            )
+    wide.print(
+        "  process max RSS: "
+        f"{format_bytes(max(r['process_max_rss_bytes'] for r in records))} (OS getrusage: the "
+        "whole process, host memory, both frameworks and everything before them)"
+    )
+    _print_differences(wide, records)
+
+
+def _print_differences(console, records) -> None:
+    """Per-tensor differences between JAX and each PyTorch translation, per policy (never
+    hidden)."""
+    from rich.table import Table
+
+    from jaxmem.figures import format_bytes
+
+    by_policy: dict[str, dict[str, dict]] = {}
+    for r in records:
+        by_policy.setdefault(r["policy"], {})[r["framework"]] = r
+    compared = False
+    for policy, group in by_policy.items():
+        if "jax" not in group:
+            continue
+        for fw in sorted(f for f in group if f != "jax"):
+            from jaxmem.compare.records import name_differences
+
+            compared = True
+            rows = name_differences(group["jax"]["saved_by_name"], group[fw]["saved_by_name"])
+            if not rows:
+                console.print(f"{policy}: jaxmem and {fw} save the same bytes for every tensor")
+                continue
+            table = Table(title=f"{policy}: saved tensors that differ (jaxmem vs {fw})")
+            for col in ("tensor", "jaxmem", fw, f"{fw} - jax"):
+                table.add_column(col, justify="left" if col == "tensor" else "right")
+            for row in rows:
+                diff = row["torch_bytes"] - row["jax_bytes"]
+                table.add_row(
+                    row["name"],
+                    format_bytes(row["jax_bytes"]),
+                    format_bytes(row["torch_bytes"]),
+                    ("+" if diff > 0 else "-") + format_bytes(abs(diff)),
+                )
+            console.print(table)
+    if compared:
+        console.print(
+            "  <untagged>: what jaxmem keeps outside tagged tensors (embedding, final norm, loss); "
+            "<op in block / outside the stack>: torch_ref's untagged saved outputs, by op"
+        )
+
+
+# ------------------------------------------------------------------------------------------ bench
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: give comma-separated positive integers") from None
+    if not values or min(values) <= 0:
+        raise UsageError(f"{flag} {text!r}: give comma-separated positive integers")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    need_torch("jaxmem bench")
+    from jaxmem.compare.bench import DEFAULT, QUICK, run_sweep
+
+    plan = QUICK if args.quick else DEFAULT
+    overrides = {
+        "preset": args.bench_preset,
+        "batch": args.batch_size,
+        "seq_len": args.seq_len,
+        "repeats": args.repeats,
+        "depths": args.depths and _int_list(args.depths, "--depths"),
+        "seq_lens": args.seq_lens and _int_list(args.seq_lens, "--seq-lens"),
+        "accum_steps": args.accum and _int_list(args.accum, "--accum"),
+        "timed_policies": args.time_policies
+        and tuple(_names(args.time_policies, list(POLICIES), "policies")),
+    }
+    plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v})
+    try:
+        cfg = get_preset(plan.preset)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if plan.preset in PLANNING_ONLY or plan.preset == "seed":
+        raise UsageError(
+            f"--preset {plan.preset} cannot run both frameworks on this machine; "
+            "bench tiny or small (plan large presets with `jaxmem memory`)"
+        )
+    for seq in (plan.seq_len, *plan.seq_lens):
+        if seq > cfg.max_seq_len:
+            raise UsageError(
+                f"sequence length {seq} exceeds {plan.preset}'s max_seq_len={cfg.max_seq_len}"
+            )
+    for k in plan.accum_steps:
+        if plan.batch % k:
+            raise UsageError(
+                f"--accum {k} does not divide --batch-size {plan.batch}; "
+                "use divisors of the batch size"
+            )
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} is a file; give a directory")
+    parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {out}: {parent} is not a writable directory")
+    from rich.console import Console
+
+    console = Console()
+    result = run_sweep(plan, out, progress=lambda m: console.log(m))
+    console.print(open(os.path.join(out, "sweep.md")).read())
+    console.print(
+        f"wrote {out}/sweep.json, sweep.md, bytes_per_policy.png, memory_vs_layers.png, "
+        f"pareto.png, step_time.png ({result['meta']['device']})"
+    )
+    return 0
+
+
+def cmd_seed_example(args: argparse.Namespace) -> int:
+    try:
+        policy = get_policy(args.policy)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if args.framework == "torch":
+        need_torch("jaxmem seed-example --framework torch")
+        from jaxmem.compare.seed_example import train
+
+        losses = train("torch", args.steps, policy)
+    else:
+        from jaxmem.train.seed_example import train
+
+        losses = train(args.steps, policy=policy)
+    for i, loss in enumerate(losses):
+        print(f"step {i}: mse {loss:.6f} ({args.framework}, policy {policy.name})")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="jaxmem",
+        description="Decide, prove and run the cheapest memory strategy for training a "
+        "transformer, in JAX (Flax NNX) and PyTorch.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("presets", help="list the model presets")
+    p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser(
+        "parity",
+        help="check that jaxmem and torch_ref give the same loss and gradients (float64 and fp32)",
+        description="Build a model from --seed, copy its weights to torch_ref through the "
+        "key-and-shape map, and compare logits, loss and every gradient leaf against the "
+        "tolerance table (jaxmem.compare.tolerances.TOLERANCES): in float64 (exactness: "
+        "rounding cannot hide a bug or flip a ReLU) and in fp32 (the dtype people train in). "
+        "Exit 0 when all agree, 1 when not. Needs PyTorch.",
+    )
+    p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--batch-size", type=_positive_int, default=4, help="default 4")
+    p.add_argument(
+        "--seq-len", type=_positive_int, default=None, help="default min(max_seq_len, 32)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
+    p.add_argument(
+        "--dtype",
+        choices=("float64", "float32"),
+        default=None,
+        help="compare in this dtype only (default: float64, then float32)",
+    )
+    p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
+    p.set_defaults(func=cmd_parity)
+
+    p = sub.add_parser(
+        "memory",
+        help="measure (or plan) the memory of one training step per policy, JAX and PyTorch",
+        description="For each policy and framework: parameter, gradient and optimizer-state "
+        "bytes, saved activations (device / host), the analytic model, the compiled plan (JAX), "
+        "FLOPs and a peak, each labelled with how it was obtained. Planning-only presets are "
+        "compiled from shapes (no weights allocated); a CPU plan is a proxy for a GPU's.",
+    )
+    p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--policies", default="none,full,selective,offload", help="comma-separated")
+    p.add_argument(
+        "--frameworks",
+        default=None,
+        help="jax, torch (stock PyTorch) and torch-lean (torch_ref's extension, where it differs "
+        "from stock), comma-separated (default all three; jax alone without PyTorch)",
+    )
+    p.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
+    p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="default 8")
+    p.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=None,
+        help="default 64 (max_seq_len for planning presets)",
+    )
+    p.add_argument("--json", metavar="OUT.json", help="write the records as a JSON list")
+    p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser(
+        "bench",
+        help="sweep policies x precision, depth, sequence length, accumulation and step time "
+        "in both frameworks; JSON, Markdown and PNG plots",
+        description="The cross-framework benchmark: saved activation bytes (device + host), "
+        "matmul FLOPs executed and JAX's compiled plan per policy x precision, depth, sequence "
+        "length and accumulation, and median step time per policy (interleaved runs, compile "
+        "and warm-up excluded), jaxmem vs torch_ref on the same weights and batches. Default: "
+        "around `small`, a few minutes on 2 CPU cores; --quick: `tiny`, under a minute.",
+    )
+    p.add_argument(
+        "--preset",
+        dest="bench_preset",
+        default=None,
+        help="tiny or small (default small; quick: tiny)",
+    )
+    p.add_argument("--quick", action="store_true", help="the tiny plan (fewer points, 3 repeats)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="default 8 (quick 4)")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="default 128 (quick 32)")
+    p.add_argument("--depths", default=None, help="layer counts, e.g. 2,4,8,12")
+    p.add_argument("--seq-lens", default=None, help="sequence lengths, e.g. 64,128,256")
+    p.add_argument("--accum", default=None, help="microbatch counts, e.g. 1,2,4")
+    p.add_argument(
+        "--time-policies",
+        default=None,
+        help="policies to time (default none,selective,full,offload,nested)",
+    )
+    p.add_argument("--repeats", type=_positive_int, default=None, help="timed runs (default 10)")
+    p.add_argument(
+        "--out", default="bench-results", help="output directory (default bench-results)"
+    )
+    p.set_defaults(func=cmd_bench)
+
+    _train_parser(sub)
+
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize text into nanoGPT-style uint16 train.bin / val.bin for --data",
+        description="Byte-tokenize a text file or a directory of text files (or, with no "
+        "source, the embedded Python-stdlib corpus) into train.bin and val.bin (raw little-endian "
+        "uint16, nanoGPT's format) plus meta.json; the last --val-fraction is validation data. "
+        "Existing files are never overwritten.",
+    )
+    p.add_argument(
+        "source",
+        nargs="?",
+        default=None,
+        help="text file or directory (default: the embedded corpus)",
+    )
+    p.add_argument("--out", required=True, help="directory for train.bin, val.bin, meta.json")
+    p.add_argument("--val-fraction", type=_positive_float, default=0.05, help="default 0.05")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser(
+        "seed-example",
+        help="the seeds' training example (one post-norm ReLU layer, MSE, Adam) in JAX or torch",
+        description="The write-ups' example (shared/seeds/003): one post-norm ReLU decoder layer "
+        "(d_model 512, 8 heads, d_ff 2048, no causal mask) on a fixed random [32, 64, 512] "
+        "input, MSE against a fixed random target, Adam at lr 1e-4, under a memory policy.",
+    )
+    p.add_argument("--framework", choices=FRAMEWORKS, default="jax", help="default jax")
+    p.add_argument("--steps", type=_positive_int, default=5, help="Adam steps (default 5)")
+    p.add_argument("--policy", default="none", help=f"one of {', '.join(POLICIES)}")
+    p.set_defaults(func=cmd_seed_example)
+
+    p = sub.add_parser(
+        "plot",
+        help="loss curves of several runs (e.g. --framework jax and torch) on one plot",
+    )
+    p.add_argument("runs", nargs="+", help="run directories written by jaxmem train --out")
+    p.add_argument("--out", default="loss_curves.png", help="PNG path (default loss_curves.png)")
+    p.set_defaults(func=cmd_plot)
+    return parser
+
+
+def _train_parser(sub) -> None:
+    from jaxmem.train.job import RunConfig
+
+    run = RunConfig()
+    opt = OptimizerConfig()
+    p = sub.add_parser(
+        "train",
+        help="train a preset (JAX or torch_ref) with checkpoints, metrics, plots and a sample",
+        description="Train a decoder preset on the embedded corpus (the Python standard "
+        "library's sources, byte tokens) or your --data, under a memory policy, precision and "
+        "accumulation; checkpoints every --checkpoint-every steps (orbax for JAX) and --resume "
+        "continues a run exactly. Settings come from the defaults, the preset, --config "
+        "(TOML/YAML, sections as in the run's config.yaml) and these flags, in that order; "
+        "--set section.key=value reaches every other setting. Bad input exits with code 2 "
+        "before anything is written; a run stopped by a non-finite loss or out of memory exits "
+        "with code 1.",
+        epilog="presets: "
+        + ", ".join(n for n in PRESETS if n not in PLANNING_ONLY and n != "seed")
+        + f"; policies: {', '.join(POLICIES)}; precisions: {', '.join(PRECISIONS)}; "
+        "tags for --save/--offload: " + ", ".join(CHECKPOINT_NAMES),
+    )
+    a = p.add_argument
+    a("--config", help="TOML or YAML file of settings (a run's config.yaml repeats it)")
+    a(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="any setting, e.g. --set model.norm=post --set optimizer.b2=0.95 (repeatable)",
+    )
+    a(
+        "--out",
+        default=None,
+        help="run directory: config.yaml, metrics.jsonl, loss.png, "
+        "summary.json, sample.txt, checkpoints/ (default: nothing written)",
+    )
+    a("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    a(
+        "--framework",
+        choices=FRAMEWORKS,
+        default=None,
+        help="jax (jaxmem) or torch (torch_ref, same weights and data; needs PyTorch) "
+        "(default jax)",
+    )
+    a("--preset", default=None, help="model preset (default small)")
+    a("--n-layers", type=_positive_int, default=None, help="override the preset's layer count")
+    a("--d-model", type=_positive_int, default=None, help="override the preset's width")
+    a("--n-heads", type=_positive_int, default=None, help="override the preset's heads")
+    a("--d-ff", type=_positive_int, default=None, help="override the preset's MLP width")
+    a(
+        "--policy",
+        default=None,
+        help=f"memory policy: {', '.join(POLICIES)}, or custom (default none)",
+    )
+    a("--save", default=None, help="custom policy: tags kept in device memory, comma-separated")
+    a("--offload", default=None, help="custom policy: tags sent to host memory, comma-separated")
+    a("--precision", default=None, help=f"one of {', '.join(PRECISIONS)} (default fp32)")
+    a("--accum", type=_positive_int, default=None, help="microbatches per step (default 1)")
+    a("--accum-mode", default=None, help="scan or multisteps (default scan)")
+    a("--optimizer", default=None, help=f"adamw, sgd or adafactor (default {opt.name})")
+    a("--lr", type=_positive_float, default=None, help=f"learning rate (default {opt.lr})")
+    a("--weight-decay", type=float, default=None, help=f"default {opt.weight_decay}")
+    a(
+        "--data",
+        default=None,
+        help="text file, directory of text, or nanoGPT .bin / directory "
+        "with train.bin (default: the embedded stdlib corpus)",
+    )
+    a("--steps", type=_positive_int, default=None, help=f"default {run.steps}")
+    a("--batch-size", type=_positive_int, default=None, help=f"default {run.batch_size}")
+    a("--seq-len", type=_positive_int, default=None, help=f"default {run.seq_len}")
+    a("--seed", type=int, default=None, help=f"weights and data order (default {run.seed})")
+    a("--eval-every", type=_positive_int, default=None, help=f"default {run.eval_every}")
+    a(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=None,
+        help=f"default {run.checkpoint_every}",
+    )
+    a(
+        "--keep",
+        type=_positive_int,
+        default=None,
+        help=f"checkpoints kept (default {run.keep_checkpoints})",
+    )
+    a(
+        "--sample-tokens",
+        type=int,
+        default=None,
+        help=f"text sample length at the end (default {run.sample_tokens}; 0: none)",
+    )
+    a("--prompt", default=None, help=f"sample prompt (default {run.prompt!r})")
+    p.set_defaults(func=cmd_train)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "preset") and args.command != "train":  # train resolves its own config
+        args.preset_name = args.preset
+        try:
+            args.preset = get_preset(args.preset)
+        except ConfigError as e:
+            parser.exit(EXIT_USAGE, f"jaxmem {args.command}: error: {e}\n")
+    try:
+        return args.func(args)
+    except UsageError as e:
+        parser.exit(EXIT_USAGE, f"jaxmem {args.command}: error: {e}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,502 @@
+"""The cross-framework benchmark behind ``jaxmem bench`` (and ``benchmarks/sweep.py``).
+
+Axes, each swept on its own around one preset (``SweepPlan``):
+- policy (all presets) × precision (fp32, bf16);
+- depth for none / selective / full / nested, fp32;
+- sequence length for none / selective / full, fp32;
+- gradient accumulation: what one microbatch of the batch keeps for its backward;
+- step time per policy, jaxmem vs torch_ref: one fwd + bwd + AdamW step on the same weights and
+  batch, compile and warm-up outside the timer, JAX ended with ``block_until_ready``, runs
+  interleaved (jax, torch, jax, ...) so machine noise hits both alike; medians and their ratio.
+
+Per point: saved activation bytes (JAX residual accounting / torch live-tensor accounting, device
++ host), matmul FLOPs executed (JAX from the gradient's jaxpr / torch ``FlopCounterMode``) and
+JAX's compiled plan temporaries for jit(grad) (on CPU: XLA:CPU's plan, a proxy for a GPU's and
+blind to host offload). Writes ``sweep.json`` (hardware, versions, date, full config with every
+result), ``sweep.md`` and four PNGs: bytes per policy (JAX vs torch bars), memory vs layers,
+FLOP overhead vs memory (the Pareto view) and step time per policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+
+from jaxmem.compare.parity import torch_model_from
+from jaxmem.config import ModelConfig, OptimizerConfig, get_preset
+from jaxmem.data import lm_batch
+from jaxmem.files import write_atomic, write_json_atomic
+from jaxmem.memory.flops import grad_matmul_flops
+from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.residuals import compiled_plan, saved_residuals, summarize_residuals
+from jaxmem.model import make_model
+from jaxmem.policy import POLICIES, MemoryPolicy
+from jaxmem.precision import PRECISIONS
+from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step
+from torch_ref.loss import cross_entropy_sum
+from torch_ref.memory import measure_lm_step
+from torch_ref.remat import apply_memory_policy, resolve_translation
+from torch_ref.train import TORCH_DTYPES
+from torch_ref.train import make_optimizer as make_torch_optimizer
+
+MIB = 1 << 20
+# (column prefix, bar offset, legend) of the byte plots
+SERIES = (
+    ("jax", -0.27, "jaxmem"),
+    ("torch", 0.0, "torch_ref stock"),
+    ("torch_lean", 0.27, "torch_ref lean (ext.)"),
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SweepPlan:
+    """What ``run_sweep`` measures. ``DEFAULT`` runs in a few minutes on 2 CPU cores;
+    ``QUICK`` (tiny preset) in well under a minute, for tests and a first look."""
+
+    preset: str = "small"
+    batch: int = 8
+    seq_len: int = 128
+    depths: tuple[int, ...] = (2, 4, 8, 12)
+    seq_lens: tuple[int, ...] = (64, 128, 256)
+    accum_steps: tuple[int, ...] = (1, 2, 4)
+    timed_policies: tuple[str, ...] = ("none", "selective", "full", "offload", "nested")
+    repeats: int = 10
+    torch_nested_max_depth: int = 8  # torch's nested checkpoint is slow to trace beyond this
+
+
+DEFAULT = SweepPlan()
+QUICK = SweepPlan(
+    preset="tiny",
+    batch=4,
+    seq_len=32,
+    depths=(1, 2, 4),
+    seq_lens=(16, 32),
+    accum_steps=(1, 2),
+    timed_policies=("none", "full"),
+    repeats=3,
+)
+
+
+def has_lean(policy: MemoryPolicy) -> bool:
+    """Whether torch_ref's lean extension runs something other than the stock translation (and
+    stock exists): named policies without offload, and nested."""
+    return policy.remat and (policy.is_named or policy.nested) and not policy.offload
+
+
+def torch_point(
+    reference: Any,
+    policy: MemoryPolicy,
+    precision_name: str,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    translation: str,
+) -> dict[str, Any]:
+    """Saved bytes (live-tensor accounting, device + host) and FLOPs executed of one torch_ref
+    step of ``reference``'s weights under ``policy`` in ``translation``."""
+    prec = PRECISIONS[precision_name]
+    tm = torch_model_from(reference).to(TORCH_DTYPES[prec.param_dtype])
+    runner = apply_memory_policy(tm.blocks, policy, translation)
+    x, y = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
+    live, _, flops = measure_lm_step(tm, runner, x, y, prec)
+    return {
+        "device_bytes": live.device_bytes,
+        "host_bytes": live.host_bytes,
+        "flops": flops,
+        "translation": runner.description,
+        "by_name": live.by_name,
+    }
+
+
+def memory_point(
+    cfg: ModelConfig,
+    policy_name: str,
+    precision_name: str,
+    batch: int,
+    seq_len: int,
+    *,
+    torch_too: bool = True,
+    compile_plan: bool = True,
+    policy: MemoryPolicy | None = None,
+) -> dict[str, Any]:
+    """Saved bytes and FLOPs of one training step in both frameworks (same weights and batch):
+    JAX, stock PyTorch (``torch_*``; torch_ref's extension where stock has no API, as
+    ``torch_translation`` says) and, where it differs from stock, torch_ref's lean extension
+    (``torch_lean_*``, else None)."""
+    policy = policy or POLICIES[policy_name]
+    prec = PRECISIONS[precision_name]
+    reference = make_model(cfg)  # fp32 weights shared by both frameworks
+    model = make_model(cfg, prec)
+    nnx.update(model, nnx.state(reference, nnx.Param))
+    graphdef, params = nnx.split(model, nnx.Param)
+    inputs, targets = lm_batch(cfg, batch, seq_len)
+    data = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    f = lambda p, b: loss(p, b)[0]  # noqa: E731
+    res = summarize_residuals(saved_residuals(f, params, data))
+    row: dict[str, Any] = {
+        "policy": policy_name,
+        "precision": precision_name,
+        "n_layers": cfg.n_layers,
+        "batch": batch,
+        "seq_len": seq_len,
+        "jax_device_bytes": res.activation_bytes_device,
+        "jax_host_bytes": res.activation_bytes_host,
+        "jax_flops": grad_matmul_flops(f, params, data),
+        "jax_compiled_temp_bytes": (
+            compiled_plan(jax.jit(jax.grad(f)).lower(params, data).compile())["temp_bytes"]
+            if compile_plan
+            else None
+        ),
+    }
+    if torch_too:
+        stock = torch_point(reference, policy, precision_name, inputs, targets, "stock")
+        row.update(
+            torch_device_bytes=stock["device_bytes"],
+            torch_host_bytes=stock["host_bytes"],
+            torch_flops=stock["flops"],
+            torch_translation=stock["translation"],
+            torch_is_stock=resolve_translation(policy, "stock") == "stock",
+            torch_lean_device_bytes=None,
+            torch_lean_host_bytes=None,
+            torch_lean_flops=None,
+        )
+        if has_lean(policy):
+            lean = torch_point(reference, policy, precision_name, inputs, targets, "lean")
+            row.update(
+                torch_lean_device_bytes=lean["device_bytes"],
+                torch_lean_host_bytes=lean["host_bytes"],
+                torch_lean_flops=lean["flops"],
+            )
+    return row
+
+
+def step_times(
+    cfg: ModelConfig, policy_name: str, batch: int, seq_len: int, repeats: int
+) -> dict[str, Any]:
+    """Median wall time of one fp32 fwd + bwd + AdamW step per framework under ``policy``
+    (PyTorch: the stock translation, or torch_ref's extension where stock has none)."""
+    policy, opt_cfg = POLICIES[policy_name], OptimizerConfig()
+    model = make_model(cfg)
+    torch_model = torch_model_from(model)
+    runner = apply_memory_policy(torch_model.blocks, policy)
+    inputs, targets = lm_batch(cfg, batch, seq_len)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = make_optimizer(opt_cfg)
+    opt_state = tx.init(params)
+    jax_batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    step = make_train_step(loss, tx).lower(params, opt_state, None, jax_batch).compile()
+    torch_opt = make_torch_optimizer(torch_model, opt_cfg)
+    x_t, y_t = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
+
+    def torch_step() -> None:
+        torch_opt.zero_grad(set_to_none=True)
+        loss_sum, n = cross_entropy_sum(torch_model(x_t), y_t)
+        (loss_sum / n).backward()
+        torch_opt.step()
+
+    state = [params, opt_state]
+
+    def jax_step() -> None:
+        state[0], state[1], _, metrics = step(state[0], state[1], None, jax_batch)
+        jax.block_until_ready(metrics["loss"])
+
+    return interleaved_medians({"jax": jax_step, "torch": torch_step}, repeats) | {
+        "policy": policy_name,
+        "torch_translation": runner.description,
+        "torch_is_stock": runner.translation == "stock",
+        "batch": batch,
+        "seq_len": seq_len,
+    }
+
+
+def interleaved_medians(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, Any]:
+    """Three warm-up calls each, then ``repeats`` interleaved timed calls; medians and ratio."""
+    for _ in range(3):
+        for fn in steps.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(repeats):
+        for label, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "repeats": repeats,
+        "median_s": med,
+        "all_s": times,
+        "jax_over_torch_time": med["jax"] / med["torch"],
+    }
+
+
+def machine_meta() -> dict[str, Any]:
+    """Hardware, versions and date, recorded with every benchmark result."""
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": f"{jax.devices()[0].platform.upper()} ({jax.devices()[0].device_kind})",
+        "versions": {
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+
+
+def run_sweep(
+    plan: SweepPlan, out_dir: str, progress: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    """Measure every axis of ``plan`` and write sweep.json, sweep.md and the PNGs."""
+    base = get_preset(plan.preset)
+    b, s = plan.batch, plan.seq_len
+    rows: dict[str, list[dict[str, Any]]] = {
+        "policy_precision": [],
+        "depth": [],
+        "seq_len": [],
+        "accum": [],
+        "step_time": [],
+    }
+    for prec in ("fp32", "bf16"):
+        for name in POLICIES:
+            progress(f"policy x precision: {name} {prec}")
+            rows["policy_precision"].append(
+                memory_point(base, name, prec, b, s, compile_plan=False)
+            )
+    for depth in plan.depths:
+        for name in ("none", "selective", "full", "nested"):
+            progress(f"depth: {name} {depth} layers")
+            torch_too = name != "nested" or depth <= plan.torch_nested_max_depth
+            cfg = base.replace(n_layers=depth)
+            rows["depth"].append(memory_point(cfg, name, "fp32", b, s, torch_too=torch_too))
+    for seq in plan.seq_lens:
+        for name in ("none", "selective", "full"):
+            progress(f"sequence length: {name} {seq}")
+            rows["seq_len"].append(memory_point(base, name, "fp32", b, seq, compile_plan=False))
+    for k in plan.accum_steps:
+        for name in ("none", "full"):
+            progress(f"accumulation: {name} {k} microbatches")
+            r = memory_point(base, name, "fp32", b // k, s, torch_too=False, compile_plan=False)
+            r["accum_steps"] = k
+            rows["accum"].append(r)
+    for name in plan.timed_policies:
+        progress(f"step time: {name}")
+        rows["step_time"].append(step_times(base, name, b, s, plan.repeats))
+    meta = machine_meta() | {
+        "plan": dataclasses.asdict(plan),
+        "base_config": dataclasses.asdict(base),
+        "note": f"{jax.devices()[0].platform.upper()} results: bytes and FLOPs are exact "
+        "accounting; compiled temps are XLA's plan on this backend (on CPU a proxy for a GPU's); "
+        "step times are wall-clock medians on this machine",
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    result = {"meta": meta, **rows}
+    write_json_atomic(os.path.join(out_dir, "sweep.json"), result)
+    write_atomic(os.path.join(out_dir, "sweep.md"), markdown(rows, meta))
+    plot(rows, meta, out_dir)
+    return result
+
+
+def mib_cell(row: dict[str, Any], prefix: str, host: bool = True) -> str:
+    """``device + host`` MiB of one framework's columns, or ``-`` where not measured."""
+    device = row.get(f"{prefix}_device_bytes")
+    if device is None:
+        return "-"
+    if not host:
+        return f"{device / MIB:.2f}"
+    return f"{device / MIB:.2f} + {row[f'{prefix}_host_bytes'] / MIB:.2f}"
+
+
+def gflop_cell(row: dict[str, Any], prefix: str) -> str:
+    flops = row.get(f"{prefix}_flops")
+    return "-" if flops is None else f"{flops / 1e9:.3f}"
+
+
+def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
+    plan = meta["plan"]
+    lines = [
+        f"Sweep around `{plan['preset']}`, batch {plan['batch']} × seq {plan['seq_len']}, "
+        f"{meta['device']}, {meta['cpu_count']} cores, {meta['date']} "
+        f"(jax {meta['versions']['jax']}, torch {meta['versions']['torch']}). Saved bytes: JAX "
+        "residual accounting / torch live-tensor accounting (device + host, MiB). FLOPs: matmul "
+        "GFLOP executed.",
+        "",
+        "### policy × precision",
+        "",
+        "torch = stock PyTorch (`checkpoint`, selective checkpointing, `checkpoint_sequential`); "
+        "† = no stock API (name-based offload in eager PyTorch): torch_ref's extension. torch "
+        "lean = torch_ref's extension (keeps what the backward reads, skips matmuls nothing "
+        "reads, two-level nested), shown where it differs from stock.",
+        "",
+        "| precision | policy | JAX MiB | torch MiB | torch lean MiB | JAX / torch bytes "
+        "| JAX GFLOP | torch GFLOP | torch lean GFLOP |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows["policy_precision"]:
+        jb = r["jax_device_bytes"] + r["jax_host_bytes"]
+        tb = r["torch_device_bytes"] + r["torch_host_bytes"]
+        mark = "" if r["torch_is_stock"] else " †"
+        lines.append(
+            f"| {r['precision']} | {r['policy']} | {mib_cell(r, 'jax')} "
+            f"| {mib_cell(r, 'torch')}{mark} "
+            f"| {mib_cell(r, 'torch_lean')} | {jb / tb:.3f} | {r['jax_flops'] / 1e9:.3f} | "
+            f"{r['torch_flops'] / 1e9:.3f}{mark} | {gflop_cell(r, 'torch_lean')} |"
+        )
+    lines += [
+        "",
+        "### depth (fp32)",
+        "",
+        "| layers | policy | JAX MiB | torch MiB | torch lean MiB | JAX compiled temp MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows["depth"]:
+        lines.append(
+            f"| {r['n_layers']} | {r['policy']} | {mib_cell(r, 'jax', host=False)} | "
+            f"{mib_cell(r, 'torch', host=False)} | {mib_cell(r, 'torch_lean', host=False)} | "
+            f"{r['jax_compiled_temp_bytes'] / MIB:.2f} |"
+        )
+    lines += [
+        "",
+        "### sequence length (fp32)",
+        "",
+        "| seq | policy | JAX MiB | torch MiB | torch lean MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows["seq_len"]:
+        lines.append(
+            f"| {r['seq_len']} | {r['policy']} | {mib_cell(r, 'jax', host=False)} | "
+            f"{mib_cell(r, 'torch', host=False)} | {mib_cell(r, 'torch_lean', host=False)} |"
+        )
+    lines += [
+        "",
+        "### accumulation (what one microbatch keeps; the batch split k ways)",
+        "",
+        "| k | policy | JAX MiB |",
+        "|---|---|---|",
+    ]
+    for r in rows["accum"]:
+        lines.append(f"| {r['accum_steps']} | {r['policy']} | {r['jax_device_bytes'] / MIB:.2f} |")
+    lines += [
+        "",
+        f"### step time (fp32 fwd + bwd + AdamW; median of {plan['repeats']} interleaved runs, "
+        "compile and warm-up excluded)",
+        "",
+        "| policy | jaxmem ms | torch_ref ms (stock; † extension) | jax / torch |",
+        "|---|---|---|---|",
+    ]
+    for r in rows["step_time"]:
+        lines.append(
+            f"| {r['policy']} | {1e3 * r['median_s']['jax']:.2f} | "
+            f"{1e3 * r['median_s']['torch']:.2f}{'' if r['torch_is_stock'] else ' †'} | "
+            f"{r['jax_over_torch_time']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plan = meta["plan"]
+    where = f"{plan['preset']}, batch {plan['batch']} x seq {plan['seq_len']}"
+    fp32 = [r for r in rows["policy_precision"] if r["precision"] == "fp32"]
+    names = [r["policy"] for r in fp32]
+    xs = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for fw, shift, label in SERIES:
+        # where the extension runs what stock runs, it has no bar of its own
+        dev = [(r[f"{fw}_device_bytes"] or 0) / MIB for r in fp32]
+        ax.bar(xs + shift, dev, 0.27, label=f"{label} (device)")
+        ax.bar(
+            xs + shift,
+            [(r[f"{fw}_host_bytes"] or 0) / MIB for r in fp32],
+            0.27,
+            bottom=dev,
+            alpha=0.4,
+            label=f"{label} (host)",
+        )
+    ax.set_xticks(xs, names)
+    ax.set_ylabel("saved activations (MiB)")
+    ax.set_title(f"{where}, fp32: bytes kept for the backward")
+    ax.legend(fontsize=7)
+    _save(fig, out_dir, "bytes_per_policy.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ("none", "selective", "full", "nested"):
+        pts = [r for r in rows["depth"] if r["policy"] == name]
+        ax.plot(
+            [r["n_layers"] for r in pts],
+            [r["jax_device_bytes"] / MIB for r in pts],
+            "o-",
+            label=f"{name} (jaxmem)",
+        )
+        for fw, style, label in (("torch", "x--", "stock"), ("torch_lean", "+:", "lean")):
+            tp = [r for r in pts if r.get(f"{fw}_device_bytes") is not None]
+            if tp:
+                ax.plot(
+                    [r["n_layers"] for r in tp],
+                    [r[f"{fw}_device_bytes"] / MIB for r in tp],
+                    style,
+                    label=f"{name} (torch_ref {label})",
+                )
+    ax.set_xlabel("layers")
+    ax.set_ylabel("saved activations (MiB)")
+    ax.set_title(f"memory vs depth ({where}, fp32)")
+    ax.legend(fontsize=7)
+    _save(fig, out_dir, "memory_vs_layers.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    none = next(r for r in fp32 if r["policy"] == "none")
+    for fw, marker, color, label in (
+        ("jax", "o", "C0", "jaxmem"),
+        ("torch", "x", "C3", "torch_ref stock (offload: extension)"),
+        ("torch_lean", "+", "C2", "torch_ref lean (extension)"),
+    ):
+        pts = [r for r in fp32 if r.get(f"{fw}_flops") is not None]
+        base = none["torch_flops"] if fw == "torch_lean" else none[f"{fw}_flops"]
+        for i, r in enumerate(pts):
+            over = 100 * (r[f"{fw}_flops"] / base - 1)
+            x = r[f"{fw}_device_bytes"] / MIB
+            ax.scatter(x, over, marker=marker, color=color, label=label if i == 0 else None)
+            ax.annotate(r["policy"], (x, over), fontsize=7)
+    ax.set_xlabel("device bytes kept (MiB)")
+    ax.set_ylabel("extra matmul FLOPs vs none (%)")
+    ax.set_title(f"FLOP overhead vs memory ({where}, fp32)")
+    ax.legend()
+    _save(fig, out_dir, "pareto.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    timed = rows["step_time"]
+    xs = np.arange(len(timed))
+    for fw, shift, label in (("jax", -0.2, "jaxmem"), ("torch", 0.2, "torch_ref (stock)")):
+        ax.bar(xs + shift, [1e3 * r["median_s"][fw] for r in timed], 0.4, label=label)
+    ax.set_xticks(xs, [r["policy"] for r in timed])
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"fwd + bwd + AdamW step ({where}, fp32, {meta['device']})")
+    ax.legend()
+    _save(fig, out_dir, "step_time.png")
+
+
+def _save(fig: Any, out_dir: str, name: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, name), dpi=120)
+    plt.close(fig)

@@ -1,0 +1,140 @@
+"""torch_ref's memory record of one training step, beside jaxmem's
+(``jaxmem.memory.records.jax_record``: the same categories), and where the two differ tensor by
+tensor. Every figure is measured as its ``*_source`` field says; a record names the PyTorch
+translation of the policy it ran (``translation``: stock PyTorch, or torch_ref's extension).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import torch_ref
+from jaxmem.config import ModelConfig, OptimizerConfig
+from jaxmem.figures import process_max_rss_bytes
+from jaxmem.memory import analytic
+from jaxmem.memory.records import lm_step_batch
+from jaxmem.policy import MemoryPolicy
+from jaxmem.precision import Precision
+from torch_ref.memory import measure_lm_step
+from torch_ref.remat import apply_memory_policy
+from torch_ref.train import TORCH_DTYPES
+from torch_ref.train import make_optimizer as make_torch_optimizer
+
+
+def torch_record(
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    batch: int,
+    seq_len: int,
+    *,
+    translation: str = "stock",
+) -> dict[str, Any]:
+    """Run one torch_ref training step under ``policy`` (``translation``: ``stock`` PyTorch or
+    torch_ref's ``lean`` extension, see ``torch_ref.remat``) and measure it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = torch_ref.Decoder(cfg).to(device, TORCH_DTYPES[precision.param_dtype])
+    runner = apply_memory_policy(model.blocks, policy, translation)
+    opt = make_torch_optimizer(model, opt_cfg)
+    data = lm_step_batch(cfg, batch, seq_len, abstract=False)
+    x = torch.from_numpy(np.array(data["inputs"])).long().to(device)
+    y = torch.from_numpy(np.array(data["targets"])).long().to(device)
+
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with tracker:
+        live, hooks, flops = measure_lm_step(model, runner, x, y, precision)
+        grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+        opt.step()
+    if device == "cuda":
+        peak, source = torch.cuda.max_memory_allocated(), "runtime peak (max_memory_allocated)"
+    else:
+        peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        source = "runtime peak (torch MemTracker, CPU)"
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    estimate = analytic.saved_activation_bytes(cfg, policy, batch, seq_len, precision)
+    return {
+        "framework": framework_label(translation),
+        "translation": runner.description,
+        "policy": policy.name,
+        "precision": precision.name,
+        "batch": batch,
+        "seq_len": seq_len,
+        "planned_from_shapes": False,
+        "params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "grads_bytes": grads_bytes,
+        "opt_state_bytes": sum(t.numel() * t.element_size() for t in state),
+        "saved_activation_bytes_device": live.device_bytes,
+        "saved_activation_bytes_host": live.host_bytes,
+        "saved_source": "live-tensor accounting (forward allocations alive at its end)",
+        "saved_by_name": live.by_name,
+        "saved_argument_bytes": hooks.argument_bytes,
+        "hook_saved_bytes_device": hooks.activation_bytes_device,
+        "hook_saved_bytes_host": hooks.activation_bytes_host,
+        "hook_source": "saved-tensor hooks (storages de-duplicated; blind to what a selective "
+        "policy keeps itself)",
+        "analytic_activation_bytes": estimate.device_bytes + estimate.host_bytes,
+        "compiled_temp_bytes": None,
+        "compiled_plan": None,
+        "flops": flops,
+        "flops_source": "torch.utils.flop_counter.FlopCounterMode (hardware FLOPs)",
+        "model_flops": analytic.model_flops(cfg, batch, seq_len),
+        "peak_bytes": int(peak),
+        "peak_source": source,
+        # the OS's high-water mark of this whole process (both frameworks, everything so far)
+        "process_max_rss_bytes": process_max_rss_bytes(),
+        "process_max_rss_source": "OS (getrusage ru_maxrss), whole process so far, host",
+    }
+
+
+def framework_label(translation: str) -> str:
+    """The ``framework`` column of a torch record: the translation asked for (``torch``: stock
+    PyTorch, or torch_ref's extension where stock has no API, as ``translation`` in the record
+    says; ``torch-lean``: the extension)."""
+    return "torch" if translation == "stock" else "torch-lean"
+
+
+# The q, k and v projections are one fused matmul in torch_ref: compared as one group.
+_GROUPS = {
+    "query_proj": "query_proj/key_proj/value_proj",
+    "key_proj": "query_proj/key_proj/value_proj",
+    "value_proj": "query_proj/key_proj/value_proj",
+}
+# jaxmem tags the block input inside the block; torch_ref's listing names it by position.
+_SAME = {"block_input": "<layer input>"}
+
+
+def name_differences(
+    jax_names: dict[str, int], torch_names: dict[str, int]
+) -> list[dict[str, Any]]:
+    """Saved bytes by tensor name where the two frameworks differ, largest difference first.
+
+    Both sides name saved tensors by jaxmem's tags; q/k/v are compared as one group (torch_ref
+    fuses their matmul), and names in ``<...>`` are what each framework keeps besides tagged
+    tensors (jaxmem: ``<untagged>``; torch_ref: ``<op kind in block / outside the stack>``).
+    """
+    joined = any("/" in n for n in torch_names)
+
+    def canonical(names: dict[str, int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, nbytes in names.items():
+            name = _SAME.get(name, name)
+            if joined:
+                name = _GROUPS.get(name, name)
+            out[name] = out.get(name, 0) + nbytes
+        return out
+
+    jax_c, torch_c = canonical(jax_names), canonical(torch_names)
+    rows = [
+        {"name": n, "jax_bytes": jax_c.get(n, 0), "torch_bytes": torch_c.get(n, 0)}
+        for n in sorted(set(jax_c) | set(torch_c))
+        if jax_c.get(n, 0) != torch_c.get(n, 0)
+    ]
+    return sorted(rows, key=lambda r: -abs(r["jax_bytes"] - r["torch_bytes"]))

@@ -1,0 +1,171 @@
+"""``jaxmem train --framework torch``: the same job trained by torch_ref, in plain eager PyTorch.
+
+Same initial weights (jaxmem's initialisation, copied through the safetensors key map: the one
+thing here that needs both frameworks), same batches (``jaxmem.train.loop.train_batch``: a pure
+function of ``(seed, step)``), same validation batches, same memory policy (stock PyTorch
+translation; name-based offload through torch_ref's extension, as ``describe`` says), precision
+and accumulation, and the same step loop and run files as a JAX run
+(``jaxmem.train.loop.run_job``), so both loss curves land on one plot (``jaxmem plot A B``).
+Checkpoints: ``torch_ref.checkpoint.TorchCheckpointer``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from jaxmem.compare.parity import torch_model_from
+from jaxmem.figures import Figure, format_bytes, rss_figure
+from jaxmem.model import make_model
+from jaxmem.train.job import JobConfig
+from jaxmem.train.layout import CHECKPOINT_DIR
+from jaxmem.train.loop import PreparedJob, prepare_job, run_job, val_batches
+from torch_ref.checkpoint import TorchCheckpointer
+from torch_ref.generate import generate
+from torch_ref.loss import cross_entropy_sum
+from torch_ref.remat import apply_memory_policy, validate_for_torch
+from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer, make_scaler
+
+
+def check_torch_backend(job: JobConfig) -> None:
+    """Raise ``ConfigError`` for what torch_ref cannot express (e.g. q/k/v split choices)."""
+    validate_for_torch(job.memory)
+
+
+def prepare(job: JobConfig, out_dir: str | None, *, resume: bool = False) -> PreparedJob:
+    return prepare_job(job, out_dir, resume=resume, check_backend=check_torch_backend)
+
+
+class TorchTrainer:
+    """torch_ref's side of ``jaxmem.train.loop.run_job``: an eager step, no host sync."""
+
+    framework = "torch"
+    compile_s = None  # eager: nothing compiled
+    planned_bytes = None
+    can_offload = True  # torch_ref's extension offloads to (pinned) host memory anywhere
+
+    def __init__(self, prepared: PreparedJob):
+        job = self.job = prepared.job
+        cfg, r = job.model, job.run
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.platform = self.device
+        torch.manual_seed(r.seed)
+        model = torch_model_from(make_model(cfg, seed=r.seed))  # jaxmem's initial weights
+        self.model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
+        self.runner = apply_memory_policy(self.model.blocks, job.memory)
+        self.opt = make_optimizer(self.model, job.optimizer)
+        self.scaler = make_scaler(job.precision, self.device)
+        self.ckpt = None
+        if prepared.out_dir is not None:
+            self.ckpt = TorchCheckpointer(
+                os.path.join(prepared.out_dir, CHECKPOINT_DIR), r.keep_checkpoints
+            )
+        self._valid = [self.transfer(b) for b in val_batches(prepared.dataset, job)]
+
+    def describe(self) -> str:
+        return f"memory policy {self.runner.description}"
+
+    def transfer(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        # pinned host memory + non_blocking: the seeds' DataLoader(pin_memory=True) advice
+        pin = self.device == "cuda"
+        out = {}
+        for k, v in batch.items():
+            t = torch.from_numpy(v).long()
+            out[k] = (t.pin_memory() if pin else t).to(self.device, non_blocking=pin)
+        return out
+
+    def restore(self, step: int) -> None:
+        assert self.ckpt is not None
+        state = self.ckpt.load(step)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        self.opt.zero_grad(set_to_none=True)
+        loss_sum, n = accumulate_grads(
+            self.model,
+            batch,
+            precision=self.job.precision,
+            accum_steps=self.job.accum.steps,
+            scaler=self.scaler,
+        )
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        grad_norm = torch.linalg.vector_norm(
+            torch.stack([p.grad.float().norm() for p in self.model.parameters()])
+        )
+        if self.scaler is not None:
+            self.scaler.step(self.opt)  # skips the update when a gradient is inf/nan
+            self.scaler.update()
+        else:
+            self.opt.step()
+        # tensors until the loop fetches them: no host sync per step. GradScaler skips a step
+        # exactly when an unscaled gradient is inf/nan, i.e. when their norm is not finite.
+        return (loss_sum / n).detach(), grad_norm.detach(), ~torch.isfinite(grad_norm)
+
+    def fetch(self, metrics: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        loss, grad_norm, skipped = metrics
+        out = {"loss": float(loss), "grad_norm": float(grad_norm)}
+        if self.scaler is not None:
+            out["skipped"] = bool(skipped)
+        return out
+
+    def val_loss(self) -> float:
+        self.model.eval()
+        total = count = 0.0
+        p = self.job.precision
+        with torch.no_grad():
+            for b in self._valid:
+                with torch.autocast(
+                    self.device, dtype=TORCH_DTYPES[p.compute_dtype], enabled=p.is_mixed
+                ):
+                    logits = self.model(b["inputs"])
+                s, n = cross_entropy_sum(logits, b["targets"])
+                total, count = total + float(s), count + float(n)
+        self.model.train()
+        return total / count
+
+    def save(self, step: int, extra: dict[str, Any]) -> None:
+        assert self.ckpt is not None
+        state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        self.ckpt.save(step, state, self.job.to_dict(), extra)
+
+    def memory_label(self) -> str:
+        if self.device == "cuda":
+            return f"peak {format_bytes(torch.cuda.max_memory_allocated())}"
+        return ""
+
+    def sample(self, prompt: np.ndarray, n_new: int, temperature: float, seed: int) -> np.ndarray:
+        return generate(self.model, prompt, n_new, temperature=temperature, seed=seed)
+
+    def figures(self) -> list[Figure]:
+        def nbytes(tensors: Any) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        state = [
+            t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        ]
+        out = [
+            Figure("parameters", nbytes(self.model.parameters()), "counted (tensors)"),
+            Figure("optimizer state", nbytes(state), "counted (tensors)"),
+        ]
+        if self.device == "cuda":
+            peak = torch.cuda.max_memory_allocated()
+            out.append(Figure("device peak", peak, "runtime peak (max_memory_allocated)"))
+        return [*out, rss_figure()]
+
+    def close(self) -> None:
+        pass
+
+
+def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
+    """Train ``prepared.job`` with torch_ref; returns the run summary."""
+    return run_job(prepared, TorchTrainer(prepared), console or Console())

@@ -1,0 +1,275 @@
+"""Model, optimizer and accumulation configuration, and the named model presets.
+
+One frozen, keyword-only dataclass per concern. Pure data: this module imports neither JAX nor
+PyTorch, so ``torch_ref`` uses the very same config objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Literal, TypeVar
+
+Norm = Literal["pre", "post"]
+Activation = Literal["gelu", "gelu_tanh", "relu"]
+
+NORMS: tuple[str, ...] = ("pre", "post")
+ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_tanh", "relu")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the value and how to fix it."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``ok``: the message names the value and the fix."""
+    if not ok:
+        raise ConfigError(message)
+
+
+T = TypeVar("T")
+
+
+def lookup(table: Mapping[str, T], name: str, what: str) -> T:
+    """``table[name]``; an unknown name raises ``ConfigError`` listing the valid ones."""
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}") from None
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    require(
+        isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        f"{name}={value!r} must be a positive integer",
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and architecture of the decoder-only transformer.
+
+    Attributes:
+      vocab_size: number of token ids (the byte tokenizer uses 256 bytes + 3 specials = 259).
+      d_model: width of the residual stream.
+      n_heads: attention heads; must divide ``d_model``.
+      n_layers: number of decoder blocks (stacked and scanned over).
+      d_ff: hidden width of the MLP.
+      max_seq_len: size of the learned position table; longer sequences are rejected.
+      norm: ``"pre"`` (GPT-2: LayerNorm before each sub-layer, final LayerNorm) or ``"post"``
+        (original Transformer / the seeds' ``DecoderLayer``: LayerNorm after each residual add).
+      activation: MLP non-linearity: ``"gelu"`` (exact, erf), ``"gelu_tanh"`` (GPT-2's tanh
+        approximation) or ``"relu"``.
+      bias: biases in every Linear and LayerNorm.
+      tie_embeddings: the LM head reuses the token embedding matrix.
+      causal: causal (autoregressive) attention mask; ``False`` attends to every position, like the
+        seeds' ``nn.MultiheadAttention`` without a mask.
+      layer_norm_eps: LayerNorm epsilon (PyTorch's default).
+      init_std: standard deviation of the normal weight init (GPT-2's 0.02).
+    """
+
+    vocab_size: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    d_ff: int
+    max_seq_len: int
+    norm: Norm = "pre"
+    activation: Activation = "gelu"
+    bias: bool = True
+    tie_embeddings: bool = True
+    causal: bool = True
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
+            _require_positive_int(name, getattr(self, name))
+        require(
+            self.d_model % self.n_heads == 0,
+            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+            f"pick n_heads from the divisors of {self.d_model}",
+        )
+        require(self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}")
+        require(
+            self.activation in ACTIVATIONS,
+            f"activation={self.activation!r} is not one of {ACTIVATIONS}",
+        )
+        for name in ("bias", "tie_embeddings", "causal"):
+            value = getattr(self, name)
+            require(isinstance(value, bool), f"{name}={value!r} must be True or False")
+        require(
+            isinstance(self.layer_norm_eps, float) and 0.0 < self.layer_norm_eps < 1.0,
+            f"layer_norm_eps={self.layer_norm_eps!r} must be a float in (0, 1)",
+        )
+        require(
+            isinstance(self.init_std, float) and self.init_std > 0.0,
+            f"init_std={self.init_std!r} must be a positive float",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def final_norm(self) -> bool:
+        """Pre-norm stacks end with a LayerNorm (GPT-2's ``ln_f``); post-norm blocks already do."""
+        return self.norm == "pre"
+
+    def replace(self, **changes: object) -> ModelConfig:
+        """A copy with ``changes`` applied and validated again."""
+        return dataclasses.replace(self, **changes)
+
+    # Analytic parameter count, term by term (checked against the real arrays in tests).
+    @property
+    def block_params(self) -> int:
+        d, f = self.d_model, self.d_ff
+        b = 1 if self.bias else 0
+        attn = d * 3 * d + b * 3 * d + d * d + b * d  # fused in_proj + out_proj
+        mlp = d * f + b * f + f * d + b * d  # up + down
+        norms = 2 * (d + b * d)  # norm1, norm2: scale (+ bias)
+        return attn + mlp + norms
+
+    @property
+    def n_params(self) -> int:
+        d = self.d_model
+        embed = self.vocab_size * d + self.max_seq_len * d  # wte + wpe
+        final = (d + (d if self.bias else 0)) if self.final_norm else 0
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return embed + self.n_layers * self.block_params + final + head
+
+
+def _gpt2(d_model: int, n_heads: int, n_layers: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=50257,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_layers=n_layers,
+        d_ff=4 * d_model,
+        max_seq_len=1024,
+        norm="pre",
+        activation="gelu_tanh",
+        bias=True,
+        tie_embeddings=True,
+        causal=True,
+    )
+
+
+BYTE_VOCAB = 259  # 256 byte values + BOS, EOS, PAD (see jaxmem.data)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Unit and parity tests: compiles in about a second on CPU.
+    "tiny": ModelConfig(
+        vocab_size=BYTE_VOCAB, d_model=64, n_heads=4, n_layers=2, d_ff=256, max_seq_len=64
+    ),
+    # The CPU demo (`make demo`): about 3.3 M parameters.
+    "small": ModelConfig(
+        vocab_size=BYTE_VOCAB, d_model=256, n_heads=8, n_layers=4, d_ff=1024, max_seq_len=256
+    ),
+    # The seeds' example layer (shared/seeds/003): one post-norm ReLU DecoderLayer, d_model 512,
+    # 8 heads, d_ff 2048, no causal mask. Used through the block stack (vocab is unused there).
+    "seed": ModelConfig(
+        vocab_size=BYTE_VOCAB,
+        d_model=512,
+        n_heads=8,
+        n_layers=1,
+        d_ff=2048,
+        max_seq_len=64,
+        norm="post",
+        activation="relu",
+        causal=False,
+        tie_embeddings=False,
+    ),
+    # GPT-2 shapes (Radford et al. 2019), for memory planning; never given real weights in tests.
+    "gpt2-124m": _gpt2(768, 12, 12),
+    "gpt2-355m": _gpt2(1024, 16, 24),
+    "gpt2-774m": _gpt2(1280, 20, 36),
+    "gpt2-1.5b": _gpt2(1600, 25, 48),
+    # GPT-3 6.7B's shape (Brown et al. 2020, table 2.1) with GPT-2's vocabulary: the 7B class,
+    # for planning only.
+    "gpt3-6.7b": dataclasses.replace(_gpt2(4096, 32, 32), max_seq_len=2048),
+}
+
+PLANNING_ONLY: frozenset[str] = frozenset(
+    {"gpt2-124m", "gpt2-355m", "gpt2-774m", "gpt2-1.5b", "gpt3-6.7b"}
+)
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset called ``name``; an unknown name raises ``ConfigError`` listing the valid ones."""
+    return lookup(PRESETS, name, "preset")
+
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "adafactor")
+MEMORY_KINDS: tuple[str, ...] = ("device", "pinned_host")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Optimizer hyper-parameters, identical in meaning for optax and ``torch.optim``.
+
+    - ``adamw``: decoupled weight decay (``torch.optim.AdamW`` semantics).
+    - ``sgd``: SGD with (heavy-ball) momentum and L2 weight decay added to the gradient
+      (``torch.optim.SGD`` semantics).
+    - ``adafactor``: factored second moments (Shazeer & Stern 2018): optimizer state of
+      O(rows + cols) per matrix instead of O(rows * cols). optax's and PyTorch's variants differ
+      in their defaults, so adafactor is not part of the cross-framework parity tests.
+
+    Weight decay applies only to matrices and embeddings (Linear kernels, ``wte``/``wpe``).
+    ``state_memory="pinned_host"`` keeps the optimizer state in host memory between steps (it is
+    brought to the device for the update); ``params_memory`` does the same for the parameters.
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    momentum: float = 0.9
+    state_memory: str = "device"
+    params_memory: str = "device"
+
+    def __post_init__(self) -> None:
+        require(self.name in OPTIMIZERS, f"optimizer={self.name!r} is not one of {OPTIMIZERS}")
+        require(
+            isinstance(self.lr, float) and self.lr > 0.0,
+            f"lr={self.lr!r} must be a positive float (e.g. 3e-4)",
+        )
+        for name in ("b1", "b2", "momentum"):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0, f"{name}={value!r} must be in [0, 1)")
+        require(self.eps > 0.0, f"eps={self.eps!r} must be positive")
+        require(self.weight_decay >= 0.0, f"weight_decay={self.weight_decay!r} must be >= 0")
+        for name in ("state_memory", "params_memory"):
+            value = getattr(self, name)
+            require(value in MEMORY_KINDS, f"{name}={value!r} is not one of {MEMORY_KINDS}")
+
+
+ACCUM_MODES: tuple[str, ...] = ("scan", "multisteps")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AccumConfig:
+    """Gradient accumulation over ``steps`` microbatches of one batch.
+
+    - ``scan``: one jitted step scans the microbatches, sums loss sums, valid-token counts and
+      gradients, and divides once.
+    - ``multisteps``: ``optax.MultiSteps`` (summing, ``use_grad_mean=False``) called once per
+      microbatch; each microbatch's gradient is divided by the whole batch's valid-token count,
+      so the sum is the big batch's mean gradient.
+    """
+
+    steps: int = 1
+    mode: str = "scan"
+
+    def __post_init__(self) -> None:
+        _require_positive_int("accum steps", self.steps)
+        require(self.mode in ACCUM_MODES, f"accum mode={self.mode!r} is not one of {ACCUM_MODES}")
+
+    def check_batch(self, batch_size: int) -> None:
+        require(
+            batch_size % self.steps == 0,
+            f"batch size {batch_size} is not divisible by accum steps {self.steps}; "
+            f"use a multiple of {self.steps}",
+        )

@@ -1,0 +1,554 @@
+"""Byte-level tokenizer, training data sources and the host-to-device batch pipeline (pure: numpy,
+no JAX, no PyTorch; each framework passes its own host-to-device transfer to ``Prefetcher``).
+
+The default corpus is the Python standard library's own source files, found via ``sysconfig`` and
+read in sorted path order, so every machine has training text without a download. Different
+Python versions ship different sources, so loss values are comparable only on one interpreter.
+
+Other sources: a text file or a directory of text files (tokenized on load), or nanoGPT-style
+pre-tokenized ``train.bin`` / ``val.bin`` files (raw little-endian ``uint16``, no header, as
+written by karpathy/nanoGPT's ``data/*/prepare.py``) with our ``meta.json`` beside them;
+``prepare_bin`` writes those. Batches are a pure function of ``(seed, step)`` (``batch_at``) so a
+resumed run sees exactly the data it would have seen, and ``Prefetcher`` overlaps building and
+transferring the next batches with the current step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import queue
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+BOS, EOS, PAD = 256, 257, 258
+VOCAB_SIZE = 259  # 256 byte values + BOS, EOS, PAD
+
+BIN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin layout: raw little-endian uint16, no header
+META_FORMAT = "jaxmem-bytes-v1"
+STDLIB_SOURCE = "Python stdlib sources (embedded default)"
+
+
+class DataError(ValueError):
+    """Training data is missing, empty or malformed (the CLI maps this to exit code 2)."""
+
+
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes as token ids (``uint16``)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+
+def decode(tokens: np.ndarray) -> str:
+    """Token ids back to text; special tokens are dropped, invalid UTF-8 is replaced."""
+    data = bytes(int(t) for t in np.asarray(tokens).ravel() if t < 256)
+    return data.decode("utf-8", errors="replace")
+
+
+def stdlib_files() -> list[pathlib.Path]:
+    """The standard library's ``.py`` files in sorted order (site-packages excluded)."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return sorted(
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "dist-packages" not in p.parts
+    )
+
+
+def stdlib_corpus(max_bytes: int = 8 << 20) -> np.ndarray:
+    """Up to ``max_bytes`` tokens of standard-library source, files separated by ``EOS``."""
+    chunks: list[np.ndarray] = []
+    total = 0
+    for path in stdlib_files():
+        data = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.uint16)
+        chunks += [data, np.array([EOS], dtype=np.uint16)]
+        total += data.size + 1
+        if total >= max_bytes:
+            break
+    if not chunks:
+        raise FileNotFoundError(
+            f"no Python sources under {sysconfig.get_paths()['stdlib']}; pass a data path"
+        )
+    return np.concatenate(chunks)[:max_bytes]
+
+
+def train_val_split(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, ...]:
+    """The last ``val_fraction`` of the tokens is validation data (deterministic)."""
+    n_val = max(1, int(tokens.size * val_fraction))
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def lm_batch(cfg: Any, batch: int, seq_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic random token ids for measurements and parity: ``(inputs [B, S], targets
+    [B, S])`` int32, targets shifted by one; ``cfg`` is a ``ModelConfig`` (its vocabulary)."""
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len + 1))
+    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
+
+
+def seed_example_data(
+    batch: int = 32, seq_len: int = 64, d_model: int = 512, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The seeds' training example's fixed input and target (``torch.randn`` in the seed; numpy
+    here so both frameworks see the same numbers)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, seq_len, d_model), dtype=np.float32)
+    target = rng.standard_normal((batch, seq_len, d_model), dtype=np.float32)
+    return x, target
+
+
+def random_windows(
+    tokens: np.ndarray, batch: int, seq_len: int, seed: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Endless ``(inputs [B, S], targets [B, S])`` int32 windows at seeded random offsets."""
+    if tokens.size < seq_len + 2:
+        raise ValueError(
+            f"seq_len={seq_len} needs at least {seq_len + 2} tokens, the data has {tokens.size}"
+        )
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, tokens.size - seq_len - 1, batch)
+        windows = np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int32)
+        yield windows[:, :-1], windows[:, 1:]
+
+
+# --------------------------------------------------------------------------------------------
+# Text sources
+
+
+def _read_text_file(path: pathlib.Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read data file {path}: {e.strerror}; check its permissions") from e
+
+
+def _text_files(root: pathlib.Path) -> list[pathlib.Path]:
+    """Non-hidden regular files under ``root``, in sorted path order."""
+    found: list[pathlib.Path] = []
+    # os.walk rather than rglob: it lets us prune hidden directories (.git, .venv, ...) instead
+    # of walking them, and does not follow directory symlinks, so a link loop cannot hang us.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found += [
+            pathlib.Path(dirpath, f)
+            for f in filenames
+            if not f.startswith(".") and os.path.isfile(os.path.join(dirpath, f))
+        ]
+    # Sort whole paths (not per-directory walk order) so the token stream is the same on every
+    # filesystem, the same rule stdlib_files uses.
+    return sorted(found)
+
+
+def load_text_tokens(path: str | os.PathLike[str]) -> np.ndarray:
+    """Byte tokens (``uint16``) of a text file, or of every text file under a directory.
+
+    Bytes are used as-is: the byte tokenizer needs no decoding, so text in any encoding (or
+    invalid UTF-8) loads fine. A directory is walked recursively in sorted path order; files
+    are separated by ``EOS`` (none after the last). Hidden files and directories (name starting
+    with ``.``), empty files and files containing NUL bytes (almost surely binary: images,
+    ``.pyc``, ``.bin`` token files) are skipped. A single named file that contains NUL bytes is
+    rejected rather than skipped, because the caller asked for it explicitly.
+
+    Raises:
+        DataError: the path does not exist, cannot be read, is binary, or holds no text.
+    """
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise DataError(f"data path {p} does not exist; pass an existing text file or directory")
+    if p.is_file():
+        data = _read_text_file(p)
+        if not data:
+            raise DataError(f"data file {p} contains no text; it is empty")
+        if b"\0" in data:
+            raise DataError(
+                f"data file {p} contains NUL bytes, so it looks binary, not text; "
+                "pass a text file (a pre-tokenized file must be named *.bin)"
+            )
+        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+    if not p.is_dir():
+        raise DataError(f"data path {p} is neither a file nor a directory; pass a text file")
+    chunks: list[np.ndarray] = []
+    n_binary = 0
+    for f in _text_files(p):
+        data = _read_text_file(f)
+        if not data:
+            continue
+        if b"\0" in data:
+            n_binary += 1
+            continue
+        if chunks:
+            chunks.append(np.array([EOS], dtype=np.uint16))
+        chunks.append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16))
+    if not chunks:
+        skipped = f" ({n_binary} binary file(s) skipped)" if n_binary else ""
+        raise DataError(
+            f"data directory {p} contains no text{skipped}; "
+            "it needs non-empty, non-hidden text files"
+        )
+    return np.concatenate(chunks)
+
+
+# --------------------------------------------------------------------------------------------
+# nanoGPT-style pre-tokenized .bin files
+
+
+def _read_meta(directory: pathlib.Path) -> dict[str, Any] | None:
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{meta_path} is not readable JSON ({e}); fix or delete it") from e
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path} must hold a JSON object; fix or delete it")
+    return meta
+
+
+def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    # Chunked so a multi-GB memmap is streamed through the page cache, never copied whole.
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, tokens.size, chunk))
+
+
+def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+    if tokens.size == 0:
+        return
+    top = _max_token(tokens)
+    if top >= vocab_size:
+        raise DataError(
+            f"{what} has token id {top} but the model's vocab_size is {vocab_size}; "
+            "was it prepared with another tokenizer?"
+        )
+
+
+def load_bin(path: str | os.PathLike[str], vocab_size: int = VOCAB_SIZE) -> np.memmap:
+    """Open a nanoGPT-style ``.bin`` token file read-only as a ``uint16`` memmap.
+
+    Validates that the file is non-empty and a whole number of ``uint16`` tokens, that a
+    ``meta.json`` beside it (if any) agrees on dtype and on this split's token count
+    (``train_tokens`` for ``train.bin``, ``val_tokens`` for ``val.bin``), and that every token id
+    is below ``vocab_size``.
+
+    Raises:
+        DataError: on any of the mismatches above, or a missing file.
+    """
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise DataError(f"token file {p} does not exist; pass an existing .bin file")
+    size = p.stat().st_size
+    if size == 0:
+        raise DataError(f"token file {p} is empty; re-run prepare to regenerate it")
+    if size % BIN_DTYPE.itemsize:
+        raise DataError(
+            f"token file {p} is {size} bytes, not a multiple of 2, so it is not raw uint16 "
+            "tokens; re-run prepare or check how it was written"
+        )
+    n_tokens = size // BIN_DTYPE.itemsize
+    meta = _read_meta(p.parent)
+    if meta is not None:
+        meta_path = p.parent / "meta.json"
+        dtype = meta.get("dtype", "uint16")
+        if dtype != "uint16":
+            raise DataError(
+                f"{meta_path} says dtype {dtype!r} but .bin files are read as uint16; "
+                "re-run prepare to write uint16 tokens"
+            )
+        key = {"train.bin": "train_tokens", "val.bin": "val_tokens"}.get(p.name)
+        if key is not None and key in meta and meta[key] != n_tokens:
+            raise DataError(
+                f"{meta_path} says {key}={meta[key]} but {p} holds {n_tokens} tokens "
+                f"({size} bytes); the files are out of sync, re-run prepare"
+            )
+    tokens = np.memmap(p, dtype=BIN_DTYPE, mode="r", shape=(n_tokens,))
+    _check_vocab(tokens, vocab_size, f"token file {p}")
+    return tokens
+
+
+def prepare_bin(
+    src: str | os.PathLike[str] | None,
+    out_dir: str | os.PathLike[str],
+    val_fraction: float = 0.05,
+) -> dict[str, Any]:
+    """Tokenize ``src`` into ``out_dir/{train.bin, val.bin, meta.json}``; returns the meta dict.
+
+    ``src`` is a text file or directory (see ``load_text_tokens``), or ``None`` for the embedded
+    standard-library corpus. The split is ``train_val_split``'s: the last ``val_fraction`` of the
+    tokens is validation. Files are written under temporary names in ``out_dir`` and renamed into
+    place, so an error never leaves a half-written ``.bin`` behind.
+
+    Raises:
+        DataError: ``src`` is bad, the data is too small to split, or ``out_dir`` already holds
+            ``train.bin`` / ``val.bin`` (existing data is never overwritten).
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
+    out = pathlib.Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"output path {out} is a file, not a directory; choose another --out")
+    existing = [n for n in ("train.bin", "val.bin") if (out / n).exists()]
+    if existing:
+        raise DataError(
+            f"{out} already contains {' and '.join(existing)}; choose another --out or delete them"
+        )
+    if src is None:
+        tokens, source = stdlib_corpus(), STDLIB_SOURCE
+    else:
+        s = pathlib.Path(src)
+        tokens = load_text_tokens(s)
+        source = f"text {'directory' if s.is_dir() else 'file'} {s.resolve()}"
+    if tokens.size < 2:
+        raise DataError(
+            f"{source} has {tokens.size} token(s); at least 2 are needed for a train/val split"
+        )
+    train, val = train_val_split(tokens, val_fraction)
+    meta: dict[str, Any] = {
+        "format": META_FORMAT,
+        "dtype": "uint16",
+        "vocab_size": VOCAB_SIZE,
+        "tokenizer": "bytes",
+        "train_tokens": int(train.size),
+        "val_tokens": int(val.size),
+        "source": source,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    temps: dict[str, str] = {}
+    placed: list[pathlib.Path] = []
+    try:
+        for name, arr in (("train.bin", train), ("val.bin", val)):
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
+            temps[name] = tmp
+            with os.fdopen(fd, "wb") as f:
+                arr.astype(BIN_DTYPE).tofile(f)
+        fd, tmp = tempfile.mkstemp(prefix=".meta.json.", suffix=".tmp", dir=out)
+        temps["meta.json"] = tmp
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+            f.write("\n")
+        # meta.json first and train.bin last: train.bin is what marks a directory as a prepared
+        # dataset, so it appears only once its companions are in place.
+        for name in ("meta.json", "val.bin", "train.bin"):
+            # Forget the temp name only after the rename succeeded, so cleanup still sees it.
+            os.replace(temps[name], out / name)
+            del temps[name]
+            placed.append(out / name)
+    except BaseException:
+        for leftover in [*map(pathlib.Path, temps.values()), *placed]:
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        raise
+    return meta
+
+
+# --------------------------------------------------------------------------------------------
+# Dataset selection
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Train and validation token streams plus a human-readable description of their source."""
+
+    train: np.ndarray
+    val: np.ndarray
+    source: str
+
+
+def load_dataset(
+    path: str | os.PathLike[str] | None,
+    *,
+    val_fraction: float = 0.05,
+    vocab_size: int = VOCAB_SIZE,
+) -> Dataset:
+    """Load training data from ``path``, picking the format from what the path is.
+
+    * ``None``: the embedded standard-library corpus, split by ``train_val_split``.
+    * a directory containing ``train.bin``: that file and ``val.bin`` beside it as memmaps
+      (without ``val.bin`` the train tokens are split instead).
+    * a file ending ``.bin``: that file as train data; ``val.bin`` beside it if present,
+      otherwise split.
+    * any other file or directory: text, tokenized by ``load_text_tokens`` and split.
+
+    Every token id is checked against ``vocab_size``.
+
+    Raises:
+        DataError: the path is missing, malformed or holds too little data.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
+    if path is None:
+        tokens = stdlib_corpus()
+        _check_vocab(tokens, vocab_size, STDLIB_SOURCE)
+        return Dataset(*train_val_split(tokens, val_fraction), STDLIB_SOURCE)
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise DataError(f"data path {p} does not exist; pass an existing file or directory")
+    train_bin: pathlib.Path | None = None
+    if p.is_dir() and (p / "train.bin").exists():
+        train_bin, source = p / "train.bin", f"nanoGPT .bin in {p}"
+    elif p.is_dir() and (p / "val.bin").exists():
+        raise DataError(
+            f"{p} has val.bin but no train.bin; re-run prepare or pass the text source instead"
+        )
+    elif p.is_file() and p.suffix == ".bin":
+        train_bin, source = p, f"nanoGPT .bin {p}"
+    if train_bin is not None:
+        train = load_bin(train_bin, vocab_size)
+        val_bin = train_bin.parent / "val.bin"
+        if val_bin.exists() and val_bin.resolve() != train_bin.resolve():
+            return Dataset(train, load_bin(val_bin, vocab_size), source)
+        if train.size < 2:
+            raise DataError(f"{train_bin} has 1 token; at least 2 are needed for a train/val split")
+        train, val = train_val_split(train, val_fraction)
+        return Dataset(train, val, f"{source} (no val.bin: last {val_fraction:g} split off)")
+    tokens = load_text_tokens(p)
+    if tokens.size < 2:
+        raise DataError(f"data file {p} has 1 token; at least 2 are needed for a train/val split")
+    _check_vocab(tokens, vocab_size, f"data {p}")
+    train, val = train_val_split(tokens, val_fraction)
+    return Dataset(train, val, f"text {'directory' if p.is_dir() else 'file'} {p}")
+
+
+# --------------------------------------------------------------------------------------------
+# Deterministic batches and prefetching
+
+
+def batch_at(
+    tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int, what: str = "train"
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(inputs [B, S], targets [B, S])`` int32 windows for one step; targets are inputs + 1.
+
+    Offsets come from ``np.random.default_rng([seed, step])``, so the batch is a pure function of
+    ``(tokens, seed, step, batch, seq_len)``: a run resumed at step ``k`` sees exactly the batches
+    an uninterrupted run would, without replaying steps ``0..k-1`` of an iterator. ``what`` names
+    the split in the error message.
+
+    Raises:
+        DataError: ``tokens`` has fewer than ``seq_len + 2`` tokens.
+        ValueError: a negative ``step`` or ``seed``, or a non-positive ``batch`` or ``seq_len``.
+    """
+    if step < 0 or seed < 0:
+        raise ValueError(f"step={step} and seed={seed} must be >= 0 (they seed numpy's RNG)")
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch={batch} and seq_len={seq_len} must be >= 1")
+    if tokens.size < seq_len + 2:
+        raise DataError(
+            f"seq_len={seq_len} needs at least {seq_len + 2} tokens; "
+            f"the {what} split has {tokens.size}"
+        )
+    rng = np.random.default_rng([seed, step])
+    # Same offset range as random_windows: every window [s, s + seq_len] lies inside the data.
+    starts = rng.integers(0, tokens.size - seq_len - 1, batch)
+    # One fancy-index gather: on a memmap it reads only the pages the windows touch.
+    windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
+    return windows[:, :-1], windows[:, 1:]
+
+
+class Prefetcher:
+    """Build and device-transfer batches for steps ``start..stop-1`` on a background thread.
+
+    ``make(step)`` returns a dict of numpy arrays; the worker puts it where the step reads it with
+    ``transfer(batch)`` (``jax.device_put``, or a copy to torch tensors on the device) and keeps
+    at most ``depth`` batches ready. Iterating yields ``(step, transferred batch)`` in step
+    order. An exception raised by ``make`` or the transfer is re-raised, unchanged, by the
+    consumer's next ``next()``. ``close()`` (or leaving a ``with`` block) stops the worker
+    promptly even when the consumer stops early.
+
+    This is the JAX analogue of a PyTorch DataLoader with ``pin_memory`` and ``prefetch_factor``.
+    It is written by hand because JAX has no built-in background host-to-device prefetcher for a
+    single-process numpy pipeline: ``flax.jax_utils.prefetch_to_device`` only enqueues ahead on
+    the consumer's own thread (host batch building still stalls the step) and stacks a leading
+    per-device axis for ``pmap``; grain, Google's JAX data loader, is a heavy extra dependency
+    and is not installed in this environment.
+    """
+
+    _POLL_S = 0.05  # how often a blocked put/get rechecks the stop flag / worker liveness
+
+    def __init__(
+        self,
+        make: Callable[[int], Mapping[str, np.ndarray]],
+        start: int,
+        stop: int,
+        *,
+        transfer: Callable[[dict[str, np.ndarray]], Any],
+        depth: int = 2,
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth={depth} must be >= 1")
+        if stop < start:
+            raise ValueError(f"stop={stop} must be >= start={start}")
+        self._make = make
+        self._range = range(start, stop)
+        self._transfer = transfer
+        self._queue: queue.Queue[tuple[str, Any, Any]] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._finished = False
+        # Daemon: a consumer that forgets close() must not keep the interpreter alive at exit.
+        self._thread = threading.Thread(target=self._work, name="jaxmem-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: tuple[str, Any, Any]) -> bool:
+        # A bounded put with a timeout, not a blocking one: if the consumer has stopped reading,
+        # close() sets the flag and the worker notices within _POLL_S instead of blocking forever.
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=self._POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self) -> None:
+        try:
+            for step in self._range:
+                if self._stop.is_set():
+                    return
+                host = dict(self._make(step))
+                if not self._put(("batch", step, self._transfer(host))):
+                    return
+            self._put(("done", None, None))
+        # BaseException too: whatever stops the worker must reach the consumer, or it would
+        # wait for a batch that never comes.
+        except BaseException as e:
+            self._put(("error", None, e))
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        while not self._finished:
+            try:
+                kind, step, payload = self._queue.get(timeout=self._POLL_S)
+            except queue.Empty:
+                # A worker that died without a final message (cannot happen short of interpreter
+                # shutdown) must not leave the consumer polling forever.
+                if self._stop.is_set() or (not self._thread.is_alive() and self._queue.empty()):
+                    self._finished = True
+                continue
+            if kind == "batch":
+                return step, payload
+            self._finished = True
+            if kind == "error":
+                raise payload
+        raise StopIteration
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the worker and join it (waiting at most ``timeout`` s for a running ``make``)."""
+        self._stop.set()
+        self._finished = True
+        self._thread.join(timeout)
+        # Drop queued device batches now rather than whenever this object is collected.
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,188 @@
+"""Closed-form memory model of this architecture (bytes), term by term.
+
+Activations: what one block's backward pass must read, per tag (``tag_bytes``), and which tags
+that is (``jaxmem.policy.backward_reads``). For the dropout-free pre-norm GELU block with p-byte
+activations, ``d_ff = 4h``, ``a`` heads, sequence ``s``, batch ``b`` and hidden ``h``, the
+per-layer total is
+
+    p·sbh · (1 norm1 input + 1 norm1_out + 3 q,k,v + 1 context + 1 attn_residual + 1 norm2_out
+             + 4 mlp_up + 4 mlp_act) + p·a·s²·b (probabilities, read by probs·v)
+             + 4·a·s²·b when p < 4 (softmax runs in fp32 and its backward reads its fp32 output)
+    = sbh·(16p + p·a·s/h)  in fp32,    sbh·(32 + 6as/h) in 16-bit.
+
+Korthikanti et al. (2022, eq. 1) derive sbh·(34 + 5as/h) for Megatron's GPT layer, with dropout
+(two 1-byte sbh masks, an as²b mask and its 2-byte output) and a 16-bit softmax; this model has
+no dropout and an fp32 softmax. Recomputing the attention core (``selective``: probabilities and
+context) leaves sbh·15p, i.e. 30·sbh in 16-bit: under half of ``none`` for any as/h ≥ 1.
+A ReLU block keeps 4·p·sbh less: ReLU's backward reads its output (kept for the MLP's second
+matmul anyway), not its input.
+
+Parameters, gradients and optimizer state are counted from the config (``jaxmem.config``'s
+analytic parameter count); tests check each against real arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxmem.config import ModelConfig, OptimizerConfig
+from jaxmem.policy import (
+    CHECKPOINT_NAMES,
+    MemoryPolicy,
+    backward_reads,
+    kept_tags,
+    nested_segment_size,
+)
+from jaxmem.precision import Precision
+
+FP32 = 4
+
+
+def tag_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision) -> dict[str, int]:
+    """Bytes of each tagged tensor of one block. Scores are fp32; probabilities are cast to the
+    compute dtype (``jaxmem.model.SelfAttention``)."""
+    p = precision.compute_bytes
+    bsd = batch * seq_len * cfg.d_model
+    bhss = batch * cfg.n_heads * seq_len * seq_len
+    bsf = batch * seq_len * cfg.d_ff
+    sizes = {
+        "block_input": bsd * p,
+        "norm1_out": bsd * p,
+        "query_proj": bsd * p,
+        "key_proj": bsd * p,
+        "value_proj": bsd * p,
+        "attn_scores": bhss * max(p, FP32),
+        "attn_probs": bhss * p,
+        "attn_context": bsd * p,
+        "attn_out": bsd * p,
+        "attn_residual": bsd * p,
+        "norm2_out": bsd * p,
+        "mlp_up": bsf * p,
+        "mlp_act": bsf * p,
+        "mlp_down": bsd * p,
+        "mlp_residual": bsd * p,
+    }
+    assert set(sizes) == set(CHECKPOINT_NAMES)
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationEstimate:
+    device_bytes: int
+    host_bytes: int
+    per_layer: tuple[int, ...]  # device + host bytes of each layer
+
+
+def saved_activation_bytes(
+    cfg: ModelConfig, policy: MemoryPolicy, batch: int, seq_len: int, precision: Precision
+) -> ActivationEstimate:
+    """What the blocks keep for the backward pass at the end of the forward, by policy.
+
+    - no remat: every tag the backward reads;
+    - remat: the block input plus the tags the policy saves (device) or offloads (host) that the
+      backward reads or recomputes a read tag from (``kept_tags``): ``dots`` stores the four
+      projections (q/k/v, attn_out, mlp_up, mlp_down) and keeps q, k, v, mlp_up and attn_out
+      (the source of attn_residual);
+    - ``save_dots`` (custom policies: every matmul without batch dimensions): q, k, v and
+      mlp_up;
+    - nested: one input per ⌈√L⌉-block segment.
+    Embeddings, the LM head and the loss are outside this model.
+    """
+    sizes = tag_bytes(cfg, batch, seq_len, precision)
+    reads = backward_reads(cfg)
+    everything = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in reads)
+    if policy.nested:
+        k = nested_segment_size(cfg.n_layers)
+        n_seg = math.ceil(cfg.n_layers / k)
+        per_layer = [sizes["block_input"] if i % k == 0 else 0 for i in range(cfg.n_layers)]
+        return ActivationEstimate(n_seg * sizes["block_input"], 0, tuple(per_layer))
+    selected = set(policy.layers.indices(cfg.n_layers))
+    device = host = 0
+    per_layer = []
+    for i in range(cfg.n_layers):
+        if not policy.remat or i not in selected:
+            device += everything
+            per_layer.append(everything)
+            continue
+        if policy.save_dots:
+            kept = {"query_proj", "key_proj", "value_proj", "mlp_up"} & reads
+            on_device, on_host = kept | {"block_input"}, set()
+        else:
+            kept = kept_tags(cfg, policy)
+            on_device = ({"block_input"} | set(policy.save)) & (kept | {"block_input"})
+            on_host = set(policy.offload) & kept - on_device
+        d = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in on_device)
+        h = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in on_host)
+        device += d
+        host += h
+        per_layer.append(d + h)
+    return ActivationEstimate(device, host, tuple(per_layer))
+
+
+def _fp32_softmax_extra(name: str, sizes: dict[str, int], precision: Precision) -> int:
+    """Keeping the probabilities in 16-bit also keeps softmax's fp32 output (its backward reads
+    it), unless the compute dtype is fp32 (or wider) and the two are one tensor."""
+    if name != "attn_probs" or precision.compute_bytes >= FP32:
+        return 0
+    return sizes["attn_scores"]  # a [B, H, S, S] fp32 tensor
+
+
+def param_bytes(cfg: ModelConfig, precision: Precision) -> int:
+    return cfg.n_params * precision.param_bytes
+
+
+def opt_state_bytes(cfg: ModelConfig, opt: OptimizerConfig, precision: Precision) -> int:
+    """AdamW: two moments; SGD: one momentum buffer; Adafactor: row + column second-moment
+    factors for matrices whose dims are both >= 128 (optax's default), a full second moment
+    otherwise. Counters and scalars are ignored (a few bytes)."""
+    p = precision.param_bytes
+    if opt.name == "adamw":
+        return 2 * cfg.n_params * p
+    if opt.name == "sgd":
+        return cfg.n_params * p
+    total = 0
+    for shape in _param_shapes(cfg):
+        if len(shape) >= 2 and min(shape[-2:]) >= 128:
+            total += (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) * FP32
+        else:
+            total += math.prod(shape) * FP32
+    return total
+
+
+def _param_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
+    shapes = [
+        (cfg.vocab_size, d),
+        (cfg.max_seq_len, d),
+        (L, d, 3 * d),
+        (L, d, d),
+        (L, d, f),
+        (L, f, d),
+        (L, d),
+        (L, d),
+    ]
+    if cfg.bias:
+        shapes += [(L, 3 * d), (L, d), (L, f), (L, d), (L, d), (L, d)]
+    if cfg.final_norm:
+        shapes += [(d,)] + ([(d,)] if cfg.bias else [])
+    if not cfg.tie_embeddings:
+        shapes.append((d, cfg.vocab_size))
+    return shapes
+
+
+def korthikanti_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+    """Megatron's GPT layer in 16-bit with dropout: s·b·h·(34 + 5·a·s/h) (for reference)."""
+    sbh = seq_len * batch * cfg.d_model
+    return int(sbh * (34 + 5 * cfg.n_heads * seq_len / cfg.d_model))
+
+
+def model_flops(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+    """Matmul FLOPs of one training step without recompute (forward + backward = 3 × forward):
+    projections 2·tokens·(4D² + 2DF) per layer, attention 2·2·B·S²·D per layer, LM head
+    2·tokens·D·V."""
+    t = batch * seq_len
+    d, f = cfg.d_model, cfg.d_ff
+    per_layer = 2 * t * (4 * d * d + 2 * d * f) + 4 * batch * seq_len * seq_len * d
+    forward = cfg.n_layers * per_layer + 2 * t * d * cfg.vocab_size
+    return 3 * forward

@@ -1,0 +1,136 @@
+"""One training step's memory record in JAX: the same categories as torch_ref's
+(``jaxmem.compare.records.torch_record``), every figure measured or derived as its ``*_source``
+field says; nothing is filled in unmeasured (a figure a backend cannot give is ``None``).
+
+Records can be built from shapes alone (``abstract=True``: ``jax.ShapeDtypeStruct`` parameters,
+no weights allocated) so large presets are planned ahead of time from a laptop. A plan compiled
+for XLA:CPU is a proxy for the GPU's: the same program, another compiler backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmem.config import ModelConfig, OptimizerConfig
+from jaxmem.data import lm_batch
+from jaxmem.figures import process_max_rss_bytes
+from jaxmem.memory import analytic
+from jaxmem.memory.flops import grad_matmul_flops
+from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.residuals import (
+    bytes_by_name,
+    compiled_plan,
+    device_peak_bytes,
+    saved_residuals,
+    summarize_residuals,
+)
+from jaxmem.model import make_model
+from jaxmem.policy import MemoryPolicy
+from jaxmem.precision import Precision
+from jaxmem.train.scaling import init_loss_scale
+from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step, tree_bytes
+
+RECORD_FIELDS = (
+    "framework",
+    "policy",
+    "precision",
+    "params_bytes",
+    "grads_bytes",
+    "opt_state_bytes",
+    "saved_activation_bytes_device",
+    "saved_activation_bytes_host",
+    "analytic_activation_bytes",
+    "compiled_temp_bytes",
+    "flops",
+    "model_flops",
+    "peak_bytes",
+    "peak_source",
+    "saved_by_name",
+    "saved_argument_bytes",
+)
+
+
+def lm_step_batch(cfg: ModelConfig, batch: int, seq_len: int, abstract: bool) -> dict[str, Any]:
+    """The deterministic batch a record measures (shapes only when ``abstract``)."""
+    if abstract:
+        spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+        return {"inputs": spec, "targets": spec}
+    inputs, targets = lm_batch(cfg, batch, seq_len, seed=0)
+    return {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+
+
+def jax_record(
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    batch: int,
+    seq_len: int,
+    *,
+    abstract: bool = False,
+) -> dict[str, Any]:
+    """Measure one jaxmem training step (or plan it from shapes when ``abstract``)."""
+    if abstract:
+        model = nnx.eval_shape(lambda: make_model(cfg, precision))
+    else:
+        model = make_model(cfg, precision)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = make_optimizer(opt_cfg)
+    opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
+    data = lm_step_batch(cfg, batch, seq_len, abstract)
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+
+    def f(p, b):
+        return loss(p, b)[0]
+
+    saved = saved_residuals(f, params, data)
+    residuals = summarize_residuals(saved)
+    grads = jax.eval_shape(jax.grad(f), params, data)
+    step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg)
+    scale = init_loss_scale(precision)
+    plan = compiled_plan(step.lower(params, opt_state, scale, data).compile())
+    platform = jax.devices()[0].platform
+    peak, peak_source = None, None
+    if not abstract and platform != "cpu":
+        step(params, opt_state, scale, data)
+        peak, peak_source = device_peak_bytes(), "runtime peak (device.memory_stats)"
+    if peak is None:
+        peak = (
+            plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
+        )
+        peak_source = (
+            f"compiled plan (XLA:{platform.upper()}): arguments + outputs - aliased + temporaries"
+        )
+    estimate = analytic.saved_activation_bytes(cfg, policy, batch, seq_len, precision)
+    return {
+        "framework": "jax",
+        "translation": "jaxmem.memory.remat (jax.checkpoint under lax.scan)",
+        "policy": policy.name,
+        "precision": precision.name,
+        "batch": batch,
+        "seq_len": seq_len,
+        "planned_from_shapes": abstract,
+        "params_bytes": tree_bytes(params),
+        "grads_bytes": tree_bytes(grads),
+        "opt_state_bytes": tree_bytes(opt_state),
+        "saved_activation_bytes_device": residuals.activation_bytes_device,
+        "saved_activation_bytes_host": residuals.activation_bytes_host,
+        "saved_source": "residual accounting (jaxpr of jax.vjp; parameters excluded)",
+        "saved_by_name": bytes_by_name(saved),
+        "saved_argument_bytes": residuals.argument_bytes,
+        "analytic_activation_bytes": estimate.device_bytes + estimate.host_bytes,
+        "compiled_temp_bytes": plan["temp_bytes"],
+        "compiled_plan": plan,
+        "flops": grad_matmul_flops(f, params, data),
+        "flops_source": "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)",
+        "model_flops": analytic.model_flops(cfg, batch, seq_len),
+        "peak_bytes": peak,
+        "peak_source": peak_source,
+        # the OS's high-water mark of this whole process (everything so far)
+        "process_max_rss_bytes": process_max_rss_bytes(),
+        "process_max_rss_source": "OS (getrusage ru_maxrss), whole process so far, host",
+    }

@@ -1,0 +1,136 @@
+"""A memory policy (``jaxmem.policy.MemoryPolicy``, pure data) translated to JAX, in exactly one
+place: ``layers_fn`` turns it into a ``jax.checkpoint`` policy applied to the model's scanned
+block stack. ``torch_ref.remat`` translates the same object to PyTorch. The model itself never
+changes.
+
+How each policy runs in JAX:
+
+- ``none``: the plain ``lax.scan`` over the blocks, every residual kept;
+- remat policies: the scan body is ``jax.checkpoint``-ed with ``save_only_these_names`` (or
+  ``save_and_offload_only_these_names`` to ``pinned_host`` for offloaded names, or
+  ``dots_with_no_batch_dims_saveable`` for ``save_dots``; ``nothing_saveable`` for ``full``);
+  JAX's partial evaluation then keeps only what the backward reads of what the policy stores;
+- ``nested``: an outer scan over ⌈√L⌉-block segments, each checkpointed, each block inside
+  checkpointed again (every segment, the last included);
+- a layer subset: the stack unrolled, remat only on the selected layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxmem.config import ConfigError
+from jaxmem.model import LayerFn, LayersFn, scan_layers
+from jaxmem.policy import HOST_MEMORY_KIND, MemoryPolicy, nested_segment_size
+
+
+def backend_memory_kinds(device: jax.Device | None = None) -> tuple[str, ...]:
+    device = device or jax.devices()[0]
+    return tuple(m.kind for m in device.addressable_memories())
+
+
+def check_backend(policy: MemoryPolicy, device: jax.Device | None = None) -> None:
+    """Raise if the policy needs a memory kind the backend lacks (offload needs pinned_host)."""
+    if policy.offload:
+        kinds = backend_memory_kinds(device)
+        if HOST_MEMORY_KIND not in kinds:
+            raise ConfigError(
+                f"policy {policy.name!r} offloads {list(policy.offload)} to {HOST_MEMORY_KIND}, "
+                f"but this backend only has memory kinds {list(kinds)}; use a policy without "
+                "offload (e.g. selective)"
+            )
+
+
+def jax_checkpoint_policy(policy: MemoryPolicy) -> Any:
+    """The ``jax.checkpoint`` policy for one remat block of ``policy``.
+
+    Never uses ``save_anything_except_these_names``: it ignores its names in this JAX version.
+    """
+    cp = jax.checkpoint_policies
+    if policy.offload:
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=list(policy.save),
+            names_which_can_be_offloaded=list(policy.offload),
+            offload_src="device",
+            offload_dst=HOST_MEMORY_KIND,
+        )
+    if policy.save_dots and policy.save:
+        return cp.save_from_both_policies(
+            cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(*policy.save)
+        )
+    if policy.save_dots:
+        return cp.dots_with_no_batch_dims_saveable
+    if policy.save:
+        return cp.save_only_these_names(*policy.save)
+    return cp.nothing_saveable
+
+
+def _layer(stacked: Any, i: int) -> Any:
+    return jax.tree_util.tree_map(lambda a: a[i], stacked)
+
+
+def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
+    """How the block stack runs under ``policy`` (pass as ``model(tokens, layers_fn=...)``).
+
+    - all layers, one policy: one ``lax.scan`` over a ``jax.checkpoint``-ed body (the default
+      path; XLA's compiled memory plan reflects remat only under scan);
+    - nested: an outer scan over ⌈√L⌉-block segments, each segment checkpointed, each block inside
+      fully recomputed; a shorter last segment when ⌈√L⌉ does not divide L;
+    - a layer subset: unrolled, remat only on the selected layers.
+    """
+    check_backend(policy)
+    if not policy.remat:
+        return scan_layers
+    ckpt_policy = jax_checkpoint_policy(policy)
+
+    def remat(fn: LayerFn, *, in_scan: bool = True) -> LayerFn:
+        # prevent_cse=False is safe (and faster) inside scan, which cannot CSE across iterations.
+        return jax.checkpoint(fn, policy=ckpt_policy, prevent_cse=not in_scan)
+
+    if policy.nested:
+        k = nested_segment_size(n_layers)
+
+        def run_nested(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
+            inner = remat(layer_fn)
+
+            def segment(x, seg_state):
+                return scan_layers(inner, x, seg_state)
+
+            segment = jax.checkpoint(segment, policy=ckpt_policy, prevent_cse=False)
+            n_full = n_layers // k
+            if n_full:
+                # [L, ...] -> [L/k, k, ...] is a reshape (no copy) of the resident parameters; the
+                # segment's slice then arrives through scan, so the backward accumulates each
+                # segment's gradient into its own slice (slicing inside the checkpoint instead
+                # makes XLA build full-size [L, ...] gradient buffers per segment).
+                head = jax.tree_util.tree_map(
+                    lambda a: a[: n_full * k].reshape(n_full, k, *a.shape[1:]), stacked
+                )
+                x = scan_layers(segment, x, head)
+            if n_layers % k:
+                tail = jax.tree_util.tree_map(lambda a: a[n_full * k :], stacked)
+                x = segment(x, tail)
+            return x
+
+        return run_nested
+
+    selected = policy.layers.indices(n_layers)
+    if len(selected) == n_layers:
+
+        def run_scanned(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
+            return scan_layers(remat(layer_fn), x, stacked)
+
+        return run_scanned
+
+    def run_unrolled(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
+        for i in range(n_layers):
+            # Slice inside the checkpoint: the layer's parameters stay views, not saved copies.
+            def one_layer(x, stacked, i=i):
+                return layer_fn(x, _layer(stacked, i))
+
+            x = (remat(one_layer, in_scan=False) if i in selected else one_layer)(x, stacked)
+        return x
+
+    return run_unrolled

@@ -1,0 +1,27 @@
+"""The model, in Flax NNX: a pure decoder that only tags its intermediates (``decoder``), the
+memory-lean elementwise ops it uses (``ops``), losses outside the model (``loss``) and sampling
+(``generate``)."""
+
+from jaxmem.model.decoder import (
+    Block,
+    BlockStack,
+    Decoder,
+    LayerFn,
+    LayersFn,
+    causal_mask,
+    make_model,
+    scan_layers,
+)
+from jaxmem.policy import CHECKPOINT_NAMES
+
+__all__ = [
+    "CHECKPOINT_NAMES",
+    "Block",
+    "BlockStack",
+    "Decoder",
+    "LayerFn",
+    "LayersFn",
+    "causal_mask",
+    "make_model",
+    "scan_layers",
+]

@@ -1,0 +1,307 @@
+"""A decoder-only transformer in Flax NNX.
+
+The model is pure: it knows nothing of remat, host offload, precision policy or gradient
+accumulation. It only *tags* its intermediate tensors with ``checkpoint_name`` (the names in
+``jaxmem.policy.CHECKPOINT_NAMES``, a pure-data module both frameworks share); memory policies
+are applied from outside by passing a ``layers_fn`` that decides how the stacked blocks are run
+(see ``scan_layers``, the default; ``jaxmem.memory.remat`` builds the others).
+
+Shapes in comments: B batch, S sequence, D d_model, H heads, K head_dim, F d_ff, V vocab,
+L layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import jaxmem.model.ops as ops
+from jaxmem.config import ModelConfig
+from jaxmem.model.ops import wide
+from jaxmem.precision import Precision
+
+Array = jax.Array
+LayerFn = Callable[[Array, Any], Array]
+LayersFn = Callable[[LayerFn, Array, Any], Array]
+
+
+def _normal(std: float) -> nnx.Initializer:
+    return nnx.initializers.normal(stddev=std)
+
+
+def activation(name: str, x: Array, tag: str) -> Array:
+    """The MLP non-linearity applied to ``x``, its output tagged ``tag``. ``gelu`` is exact (erf)
+    like ``torch.nn.GELU()``; ``relu`` tags inside (see ``ops.relu``)."""
+    if name == "relu":
+        return ops.relu(x, tag)
+    if name in ("gelu", "gelu_tanh"):
+        return checkpoint_name(ops.gelu(x, name == "gelu_tanh"), tag)
+    raise ValueError(f"activation={name!r} is not one of gelu, gelu_tanh, relu")
+
+
+def _linear_kwargs(cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any) -> dict:
+    """Linear layers multiply in the compute dtype, accumulate and add the bias in fp32 (or
+    wider), and round once (callers cast the result back): PyTorch's addmm under autocast does the
+    same, and it keeps the bias gradient's reduction over batch and sequence in fp32."""
+    return dict(
+        use_bias=cfg.bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        preferred_element_type=wide(dtype),
+        rngs=rngs,
+    )
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm whose statistics and affine transform are always computed in fp32 (or wider).
+
+    The output is cast back to the compute dtype. Written as a thin wrapper so the fp32 rule holds
+    whatever compute dtype a precision policy picks (PyTorch autocast does the same on CUDA).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        self.dtype = dtype
+        self.eps = cfg.layer_norm_eps
+        # nnx.LayerNorm holds the parameters (scale, bias); the math is jaxmem.ops.layer_norm,
+        # whose backward keeps only the input and per-row statistics.
+        self.norm = nnx.LayerNorm(
+            cfg.d_model,
+            epsilon=cfg.layer_norm_eps,
+            use_bias=cfg.bias,
+            dtype=wide(dtype),
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+
+    def __call__(self, x: Array) -> Array:
+        bias = None if self.norm.bias is None else self.norm.bias[...]
+        return ops.layer_norm(x, self.norm.scale[...], bias, self.eps).astype(self.dtype)
+
+
+class SelfAttention(nnx.Module):
+    """Multi-head self-attention with a fused QKV projection.
+
+    Parameters mirror ``torch.nn.MultiheadAttention``: ``in_proj`` ↔ ``in_proj_weight`` /
+    ``in_proj_bias`` (q, k, v stacked in that order) and ``out_proj``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.dtype = dtype
+        d = cfg.d_model
+        common = _linear_kwargs(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.in_proj = nnx.Linear(d, 3 * d, kernel_init=_normal(cfg.init_std), **common)
+        # GPT-2: residual-branch output projections scaled by 1/sqrt(2 L).
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.out_proj = nnx.Linear(d, d, kernel_init=_normal(out_std), **common)
+
+    def __call__(self, x_bsd: Array, mask_ss: Array | None) -> Array:
+        b, s, d = x_bsd.shape
+        qkv = self.in_proj(x_bsd).astype(self.dtype)  # [B, S, 3D]
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        q = checkpoint_name(q.reshape(b, s, self.n_heads, self.head_dim), "query_proj")
+        k = checkpoint_name(k.reshape(b, s, self.n_heads, self.head_dim), "key_proj")
+        v = checkpoint_name(v.reshape(b, s, self.n_heads, self.head_dim), "value_proj")
+        scale = 1.0 / math.sqrt(self.head_dim)
+        # Scores and softmax in fp32 (or wider) whatever the compute dtype.
+        acc = wide(self.dtype)
+        scores = (
+            jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=acc) * scale
+        )  # [B, H, S, S]
+        if mask_ss is not None:
+            # An additive [S, S] bias: its backward needs nothing (a where() would keep a
+            # [B, H, S, S] broadcast of the mask for the backward pass).
+            scores = scores + jnp.where(mask_ss, 0.0, jnp.finfo(acc).min)
+        scores = checkpoint_name(scores, "attn_scores")
+        probs = ops.softmax(scores, self.dtype, "attn_probs")  # tagged inside (see ops)
+        context = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(b, s, d)  # [B, S, D]
+        context = checkpoint_name(context, "attn_context")
+        return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")
+
+
+class FeedForward(nnx.Module):
+    """Two-layer MLP. ``up`` ↔ PyTorch ``ffn.0``, ``down`` ↔ ``ffn.2`` (``ffn.1`` is the
+    activation)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        common = _linear_kwargs(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dtype = dtype
+        self.up = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_normal(cfg.init_std), **common)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.down = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_normal(out_std), **common)
+        self.activation = cfg.activation
+
+    def __call__(self, x_bsd: Array) -> Array:
+        h = checkpoint_name(self.up(x_bsd).astype(self.dtype), "mlp_up")  # [B, S, F]
+        h = activation(self.activation, h, "mlp_act")
+        return checkpoint_name(self.down(h).astype(self.dtype), "mlp_down")  # [B, S, D]
+
+
+class Block(nnx.Module):
+    """One decoder block; parameter names mirror the seeds' PyTorch ``DecoderLayer``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+    ):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.pre_norm = cfg.norm == "pre"
+        self.dtype = dtype
+        self.self_attn = SelfAttention(cfg, **kw)
+        self.ffn = FeedForward(cfg, **kw)
+        self.norm1 = LayerNorm(cfg, **kw)
+        self.norm2 = LayerNorm(cfg, **kw)
+
+    def __call__(self, x_bsd: Array, mask_ss: Array | None) -> Array:
+        x = checkpoint_name(x_bsd.astype(self.dtype), "block_input")
+        if self.pre_norm:  # GPT-2: x + f(norm(x))
+            h = checkpoint_name(self.norm1(x), "norm1_out")
+            x = checkpoint_name(x + self.self_attn(h, mask_ss), "attn_residual")
+            h = checkpoint_name(self.norm2(x), "norm2_out")
+            return checkpoint_name(x + self.ffn(h), "mlp_residual")
+        # Post-norm (the seeds' DecoderLayer): norm(x + f(x)).
+        x = checkpoint_name(x + self.self_attn(x, mask_ss), "attn_residual")
+        x = checkpoint_name(self.norm1(x), "norm1_out")
+        x = checkpoint_name(x + self.ffn(x), "mlp_residual")
+        return checkpoint_name(self.norm2(x), "norm2_out")
+
+
+def scan_layers(layer_fn: LayerFn, x_bsd: Array, stacked_state: Any) -> Array:
+    """Run ``layer_fn`` over the leading (layer) axis of ``stacked_state`` with ``lax.scan``.
+
+    The body returns only the carry: returning the (read-only) layer parameters would make scan
+    stack a second [L, params] copy of them.
+    """
+
+    def body(x, layer_state):
+        return layer_fn(x, layer_state), None
+
+    x_bsd, _ = jax.lax.scan(body, x_bsd, stacked_state)
+    return x_bsd
+
+
+def causal_mask(cfg: ModelConfig, seq_len: int) -> Array | None:
+    """``[S, S]`` boolean mask (True = may attend), or None when attention is not causal."""
+    if not cfg.causal:
+        return None
+    return jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+
+
+class BlockStack(nnx.Module):
+    """``n_layers`` blocks with parameters stacked on a leading layer axis.
+
+    Usable on its own: ``[B, S, D] -> [B, S, D]`` (the seeds' single-layer example runs on this).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+    ):
+        self.cfg = cfg
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+        self.layers = make_layers(rngs)
+
+    def __call__(self, x_bsd: Array, *, layers_fn: LayersFn | None = None) -> Array:
+        """Apply every block. ``layers_fn(layer_fn, x, stacked_state)`` decides how (default:
+        ``scan_layers``); memory policies pass their own (see ``jaxmem.remat``)."""
+        seq_len = x_bsd.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
+            )
+        mask_ss = causal_mask(self.cfg, seq_len)
+        graphdef, stacked_state = nnx.split(self.layers)
+
+        def layer_fn(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, mask_ss)
+
+        return (layers_fn or scan_layers)(layer_fn, x_bsd, stacked_state)
+
+
+class Decoder(nnx.Module):
+    """Token + learned position embeddings, a ``BlockStack``, optional final norm, LM head."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+    ):
+        self.cfg = cfg
+        self.dtype = dtype
+        emb = dict(embedding_init=_normal(cfg.init_std), param_dtype=param_dtype, rngs=rngs)
+        self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, **emb)
+        self.wpe = nnx.Embed(cfg.max_seq_len, cfg.d_model, **emb)
+        self.blocks = BlockStack(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.norm_f = (
+            LayerNorm(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            if cfg.final_norm
+            else None
+        )
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else nnx.Linear(
+                cfg.d_model,
+                cfg.vocab_size,
+                use_bias=False,
+                kernel_init=_normal(cfg.init_std),
+                dtype=dtype,
+                param_dtype=param_dtype,
+                preferred_element_type=wide(dtype),  # compute-dtype inputs, fp32 logits
+                rngs=rngs,
+            )
+        )
+
+    def __call__(self, tokens_bs: Array, *, layers_fn: LayersFn | None = None) -> Array:
+        """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32 (float64 for a float64 model)."""
+        seq_len = tokens_bs.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
+            )
+        pos = jnp.arange(seq_len)
+        x = (self.wte(tokens_bs) + self.wpe(pos)[None]).astype(self.dtype)  # [B, S, D]
+        x = self.blocks(x, layers_fn=layers_fn)
+        if self.norm_f is not None:
+            x = self.norm_f(x)
+        if self.lm_head is None:
+            table = self.wte.embedding[...].astype(self.dtype)  # [V, D]
+            logits = jnp.einsum("bsd,vd->bsv", x, table, preferred_element_type=wide(self.dtype))
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(wide(self.dtype))
+
+
+def make_model(cfg: ModelConfig, precision: Precision | None = None, *, seed: int = 0) -> Decoder:
+    """A ``Decoder`` whose parameters are stored and computed in ``precision``'s dtypes (default
+    fp32), initialised from ``seed``."""
+    p = precision or Precision(name="fp32")
+    return Decoder(
+        cfg,
+        rngs=nnx.Rngs(seed),
+        dtype=jnp.dtype(p.compute_dtype),
+        param_dtype=jnp.dtype(p.param_dtype),
+    )

@@ -1,0 +1,389 @@
+"""Memory policies as pure data: what the backward pass keeps, recomputes or sends to host memory.
+
+This module imports neither JAX nor PyTorch. It holds the vocabulary both frameworks share —
+the tag names the model puts on its intermediates (``CHECKPOINT_NAMES``), the facts of which
+tags a block's backward reads (``backward_reads``, ``kept_tags``) — and the policy objects
+themselves. Each framework translates a policy in exactly one place: ``jaxmem.memory.remat``
+(``jax.checkpoint`` policies under ``lax.scan``) and ``torch_ref.remat`` (stock
+``torch.utils.checkpoint``, selective checkpointing, ``checkpoint_sequential``).
+
+Presets (``POLICIES``):
+
+- ``none``: plain autodiff, every residual kept in device memory.
+- ``full``: recompute the whole block; only each block's input is kept.
+- ``dots``: keep the projections (the matmuls without batch dimensions: q/k/v, attention
+  output, MLP up and down), recompute the rest. By name, not with
+  ``dots_with_no_batch_dims_saveable``: the projections accumulate in fp32, so that policy would
+  keep their fp32 results under bf16; the tags hold the compute-dtype values.
+  ``MemoryPolicy(save_dots=True)`` still gives the ``jax.checkpoint_policies`` form.
+- ``selective``: Megatron-style (Korthikanti et al. 2022): keep the projections and elementwise
+  outputs, recompute the attention core (scores, softmax, context).
+- ``mlp``: keep the attention side, recompute the MLP.
+- ``offload``: ``selective`` with everything it keeps but the block input sent to host memory
+  (``pinned_host``): device memory close to ``full``'s at ``selective``'s FLOPs.
+- ``nested``: √L segments: checkpoint every ⌈√L⌉ blocks and fully recompute inside.
+- ``MemoryPolicy.custom({...})``: a per-name choice of ``device`` / ``offload`` / ``recompute``,
+  like MaxText's per-tensor remat config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from jaxmem.config import ModelConfig, lookup, require
+
+# The tags a memory policy can refer to, in the order a pre-norm block computes them. The model
+# (jaxmem.model) applies every tag exactly once per block; tests check each appears in the
+# traced program. Shapes: B batch, S sequence, D d_model, H heads, K head_dim, F d_ff.
+CHECKPOINT_NAMES: tuple[str, ...] = (
+    "block_input",  # [B, S, D] the residual stream entering the block
+    "norm1_out",  # [B, S, D] output of norm1 (pre-norm: attention input; post-norm: MLP input)
+    "query_proj",  # [B, S, H, K] queries from the fused in_proj
+    "key_proj",  # [B, S, H, K]
+    "value_proj",  # [B, S, H, K]
+    "attn_scores",  # [B, H, S, S] q·k / sqrt(K), masked, fp32
+    "attn_probs",  # [B, H, S, S] softmax of the scores, fp32 (cast to the compute dtype after)
+    "attn_context",  # [B, S, D] probabilities applied to values, heads merged
+    "attn_out",  # [B, S, D] out_proj of the context
+    "attn_residual",  # [B, S, D] block input + attention output (before norm1 in post-norm)
+    "norm2_out",  # [B, S, D] output of norm2 (pre-norm: MLP input; post-norm: block output)
+    "mlp_up",  # [B, S, F] first MLP projection (ffn.0 in PyTorch)
+    "mlp_act",  # [B, S, F] activation of mlp_up
+    "mlp_down",  # [B, S, D] second MLP projection (ffn.2 in PyTorch)
+    "mlp_residual",  # [B, S, D] residual add after the MLP (before norm2 in post-norm)
+)
+
+Choice = Literal["device", "offload", "recompute"]
+CHOICES: tuple[str, ...] = ("device", "offload", "recompute")
+HOST_MEMORY_KIND = "pinned_host"
+
+ATTENTION_CORE = ("attn_scores", "attn_probs", "attn_context")
+PROJECTIONS = ("query_proj", "key_proj", "value_proj", "attn_out", "mlp_up", "mlp_down")
+MLP_SIDE = ("mlp_up", "mlp_act", "mlp_down", "mlp_residual")
+QKV = ("query_proj", "key_proj", "value_proj")
+
+
+def _check_names(field: str, names: tuple[str, ...]) -> None:
+    unknown = [n for n in names if n not in CHECKPOINT_NAMES]
+    require(
+        not unknown,
+        f"{field} has unknown tag name(s) {unknown}; valid names: {', '.join(CHECKPOINT_NAMES)}",
+    )
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    require(not dupes, f"{field} lists {dupes} more than once")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerSelection:
+    """Which layers a policy applies to; the others run without remat (everything kept).
+
+    Exactly one of: ``every=k`` (layers 0, k, 2k, ...: Megatron's "uniform"), ``first=n``
+    (layers 0..n-1: Megatron's "block"), ``layers=(i, j, ...)``; or none of them for all layers.
+    """
+
+    every: int | None = None
+    first: int | None = None
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("every", "first", "layers") if getattr(self, k) is not None]
+        require(len(given) <= 1, f"layer selection takes one of every/first/layers, got {given}")
+        for name in ("every", "first"):
+            value = getattr(self, name)
+            require(
+                value is None or (isinstance(value, int) and value > 0),
+                f"layers {name}={value!r} must be a positive integer",
+            )
+        if self.layers is not None:
+            require(
+                isinstance(self.layers, tuple) and bool(self.layers),
+                f"layers={self.layers!r} must be a non-empty tuple of indices",
+            )
+            require(
+                len(set(self.layers)) == len(self.layers),
+                f"layers={self.layers!r} lists a layer more than once",
+            )
+
+    @property
+    def is_all(self) -> bool:
+        return self.every is None and self.first is None and self.layers is None
+
+    def indices(self, n_layers: int) -> tuple[int, ...]:
+        """Sorted layer indices for a stack of ``n_layers``; raises if any is out of range."""
+        if self.every is not None:
+            return tuple(range(0, n_layers, self.every))
+        if self.first is not None:
+            require(
+                self.first <= n_layers, f"layers first={self.first} exceeds n_layers={n_layers}"
+            )
+            return tuple(range(self.first))
+        if self.layers is not None:
+            bad = [i for i in self.layers if not (isinstance(i, int) and 0 <= i < n_layers)]
+            require(
+                not bad,
+                f"layer indices {bad} are out of range for n_layers={n_layers} "
+                f"(valid: 0..{n_layers - 1})",
+            )
+            return tuple(sorted(self.layers))
+        return tuple(range(n_layers))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryPolicy:
+    """What the backward pass of each selected block keeps, recomputes or offloads.
+
+    Attributes:
+      name: label used in reports.
+      remat: False = plain autodiff (keep every residual); True = checkpoint the block and keep
+        only what ``save`` / ``offload`` / ``save_dots`` name.
+      save: tag names kept in device memory.
+      offload: tag names moved to host memory (``pinned_host``) in the forward pass and brought
+        back for the backward pass.
+      save_dots: also keep matmul outputs without batch dimensions (the projections).
+      nested: √L segments of fully recomputed blocks (takes no names).
+      layers: which layers the policy applies to.
+      use_reentrant: PyTorch only: ``torch.utils.checkpoint``'s mode (chosen explicitly, never
+        left to its default).
+    """
+
+    name: str = "custom"
+    remat: bool = True
+    save: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()
+    save_dots: bool = False
+    nested: bool = False
+    layers: LayerSelection = LayerSelection()
+    use_reentrant: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("save", "offload"):
+            value = getattr(self, field)
+            require(isinstance(value, tuple), f"{field}={value!r} must be a tuple of tag names")
+            _check_names(field, value)
+        both = sorted(set(self.save) & set(self.offload))
+        # jax.checkpoint_policies.save_and_offload_only_these_names silently keeps such a name
+        # on device and never offloads it.
+        require(not both, f"{both} are both saved and offloaded; choose one place for each name")
+        require(
+            self.remat or not (self.save or self.offload or self.save_dots or self.nested),
+            "remat=False keeps everything: it takes no save/offload/save_dots/nested",
+        )
+        # save_from_both_policies (dots + names) raises on offloading policies.
+        require(
+            not (self.save_dots and self.offload),
+            f"save_dots cannot be combined with offload={list(self.offload)}: name the "
+            "projections to offload instead",
+        )
+        require(
+            not (self.nested and (self.save or self.offload or self.save_dots)),
+            "nested recomputes whole segments: it takes no save/offload names",
+        )
+        require(
+            not (self.nested and not self.layers.is_all),
+            "nested applies to the whole stack: it takes no layer selection",
+        )
+        require(
+            isinstance(self.use_reentrant, bool),
+            f"use_reentrant={self.use_reentrant!r} must be True or False",
+        )
+
+    @classmethod
+    def custom(
+        cls,
+        choices: Mapping[str, Choice],
+        *,
+        layers: LayerSelection = LayerSelection(),
+        name: str = "custom",
+        use_reentrant: bool = False,
+    ) -> MemoryPolicy:
+        """Per-name choices; names not mentioned are recomputed.
+
+        ``MemoryPolicy.custom({"query_proj": "device", "mlp_up": "offload"})``
+        """
+        bad = {k: v for k, v in choices.items() if v not in CHOICES}
+        require(not bad, f"choices {bad} must each be one of {CHOICES}")
+        _check_names("choices", tuple(choices))
+        return cls(
+            name=name,
+            save=tuple(n for n in CHECKPOINT_NAMES if choices.get(n) == "device"),
+            offload=tuple(n for n in CHECKPOINT_NAMES if choices.get(n) == "offload"),
+            layers=layers,
+            use_reentrant=use_reentrant,
+        )
+
+    def replace(self, **changes: Any) -> MemoryPolicy:
+        return dataclasses.replace(self, **changes)
+
+    def choice(self, name: str) -> Choice:
+        """Where tag ``name`` lives under this policy (for remat layers)."""
+        if not self.remat or name in self.save:
+            return "device"
+        return "offload" if name in self.offload else "recompute"
+
+    @property
+    def is_named(self) -> bool:
+        """Keeps chosen tensors by name (``save``/``offload``/``save_dots``)."""
+        return bool(self.save or self.offload or self.save_dots)
+
+
+POLICIES: dict[str, MemoryPolicy] = {
+    "none": MemoryPolicy(name="none", remat=False),
+    "full": MemoryPolicy(name="full"),
+    "dots": MemoryPolicy(name="dots", save=PROJECTIONS),
+    "selective": MemoryPolicy(
+        name="selective", save=tuple(n for n in CHECKPOINT_NAMES if n not in ATTENTION_CORE)
+    ),
+    "mlp": MemoryPolicy(name="mlp", save=tuple(n for n in CHECKPOINT_NAMES if n not in MLP_SIDE)),
+    "offload": MemoryPolicy(
+        name="offload",
+        save=("block_input",),
+        offload=tuple(n for n in CHECKPOINT_NAMES if n not in ATTENTION_CORE + ("block_input",)),
+    ),
+    "nested": MemoryPolicy(name="nested", nested=True),
+}
+
+
+def get_policy(name: str) -> MemoryPolicy:
+    """The preset called ``name``; an unknown name raises ``ConfigError`` listing the valid ones."""
+    return lookup(POLICIES, name, "memory policy")
+
+
+def nested_segment_size(n_layers: int) -> int:
+    """⌈√L⌉ blocks per segment (Chen et al. 2016, "Training Deep Nets with Sublinear Memory")."""
+    return math.ceil(math.sqrt(n_layers))
+
+
+# ---------------------------------------------------------------------- files and command lines
+LAYER_FIELDS = {"layers_every": "every", "layers_first": "first", "layers": "layers"}
+
+
+def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
+    """The ``[memory]`` section of a run config: a preset by name (with its layer selection and
+    checkpoint mode), or ``policy = "custom"`` with the tag lists. ``policy_from_dict`` inverts
+    it exactly."""
+    layers = {key: getattr(policy.layers, attr) for key, attr in LAYER_FIELDS.items()}
+    layers = {k: (list(v) if isinstance(v, tuple) else v) for k, v in layers.items()}
+    preset = POLICIES.get(policy.name)
+    as_preset = policy.replace(layers=LayerSelection(), use_reentrant=False)
+    if preset is not None and as_preset == preset:
+        return {"policy": policy.name, **layers, "use_reentrant": policy.use_reentrant}
+    require(
+        not (policy.save_dots or policy.nested) and policy.remat,
+        f"policy {policy.name!r} (save_dots/nested/no remat, not a preset) cannot be written to a "
+        "run config; use a preset or save/offload tag lists",
+    )
+    return {
+        "policy": "custom",
+        "save": list(policy.save),
+        "offload": list(policy.offload),
+        **layers,
+        "use_reentrant": policy.use_reentrant,
+    }
+
+
+def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
+    """A ``MemoryPolicy`` from a ``[memory]`` section (see ``policy_to_dict``); bad names, a tag
+    both saved and offloaded and bad layer selections raise ``ConfigError``."""
+    known = {"policy", "save", "offload", "use_reentrant", *LAYER_FIELDS}
+    unknown = sorted(set(section) - known)
+    require(not unknown, f"unknown setting(s) {unknown} in [memory]; valid: {', '.join(known)}")
+    name = section.get("policy", "none")
+    require(isinstance(name, str), f"memory policy={name!r} must be a name")
+    save, offload = tuple(section.get("save") or ()), tuple(section.get("offload") or ())
+    if name != "custom":
+        require(
+            not (save or offload),
+            f"save/offload lists define a custom policy: set policy = 'custom' (not {name!r}) "
+            "or drop them",
+        )
+    layers = {}
+    for key, attr in LAYER_FIELDS.items():
+        value = section.get(key)
+        layers[attr] = tuple(value) if isinstance(value, list) else value
+    selection = LayerSelection(**layers)
+    use_reentrant = section.get("use_reentrant", False)
+    if name == "custom":
+        return MemoryPolicy(
+            name="custom",
+            save=save,
+            offload=offload,
+            layers=selection,
+            use_reentrant=use_reentrant,
+        )
+    return get_policy(name).replace(layers=selection, use_reentrant=use_reentrant)
+
+
+# ------------------------------------------------------------------------- the block's backward
+def backward_reads(cfg: ModelConfig) -> frozenset[str]:
+    """The tags a block's backward reads (each op's minimal needs):
+
+    - a LayerNorm reads its input (pre-norm: block_input, attn_residual; post-norm:
+      attn_residual, mlp_residual);
+    - a Linear reads its input (in_proj: norm1_out or block_input; out_proj: attn_context;
+      up: norm2_out or norm1_out; down: mlp_act);
+    - q·k reads q and k; softmax reads its output (attn_probs); probs·v reads attn_probs and v;
+    - GELU reads its input (mlp_up), ReLU its output (mlp_act, read by down anyway); additions
+      read nothing.
+
+    Tests check this against both frameworks independently: the tensors JAX keeps when a policy
+    may keep every tag, and the op outputs PyTorch's autograd saves without checkpointing.
+    """
+    common = {
+        "query_proj",
+        "key_proj",
+        "value_proj",
+        "attn_probs",
+        "attn_context",
+        "mlp_act",
+        "attn_residual",
+    }
+    if cfg.activation != "relu":
+        common.add("mlp_up")
+    if cfg.norm == "pre":
+        return frozenset(common | {"block_input", "norm1_out", "norm2_out"})
+    return frozenset(common | {"block_input", "norm1_out", "mlp_residual"})
+
+
+# A tag the backward does not read is still kept when the policy stores it and an unstored tag
+# the backward does read is recomputed from it (with the block input, always kept): the residual
+# additions, the softmax and the activation. JAX's partial evaluation keeps such a source instead
+# of recomputing further back.
+RECOMPUTED_FROM = {
+    "attn_residual": "attn_out",
+    "mlp_residual": "mlp_down",
+    "attn_probs": "attn_scores",
+    "mlp_act": "mlp_up",
+}
+
+
+def kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
+    """The tags a rematerialised block keeps (in device or host memory) under ``policy`` when
+    only what the backward needs is kept (JAX's partial evaluation; torch_ref's ``lean``
+    extension): the stored tags its backward reads, plus stored sources of unstored tags it
+    reads."""
+    reads = backward_reads(cfg)
+    stored = set(policy.save) | set(policy.offload)
+    kept = stored & (reads | {"block_input"})
+    for needed, source in RECOMPUTED_FROM.items():
+        if needed in reads and needed not in stored and source in stored:
+            kept.add(source)
+    return frozenset(kept)
+
+
+def describe_kept(cfg: ModelConfig, policy: MemoryPolicy) -> str:
+    """One line for ``config.yaml`` and reports: what the JAX translation keeps and where."""
+    if not policy.remat:
+        return "keeps every activation (no remat)"
+    if policy.nested:
+        return "keeps one block input per segment of ⌈√L⌉ blocks and recomputes the rest"
+    needed = kept_tags(cfg, policy) | {"block_input"}
+    on_device = ["block_input"] + [n for n in policy.save if n in needed - {"block_input"}]
+    on_host = [n for n in policy.offload if n in needed]
+    return (
+        f"keeps on device {on_device}, offloads {on_host or '-'}"
+        f"{', and matmul outputs' if policy.save_dots else ''} (what the backward needs of what "
+        "it stores); recomputes the rest"
+    )

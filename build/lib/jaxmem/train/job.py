@@ -1,0 +1,407 @@
+"""The configuration of a training job: one frozen object per concern, resolved in layers.
+
+Pure data (no JAX, no PyTorch): the same object drives jaxmem and torch_ref
+(``run.framework``). ``jaxmem train`` builds a ``JobConfig`` from, lowest priority first: the
+defaults, the model preset, a config file (TOML, YAML or JSON, the same sections as
+``JobConfig.to_dict()``), and the command line. The resolved config is written to the run
+directory as ``config.yaml`` and reads back to an equal object (``--config RUN/config.yaml``
+repeats a run). ``JobConfig`` holds objects (``ModelConfig``, ``MemoryPolicy``, ``Precision``,
+...); names exist only in files and on the command line. Sections::
+
+    preset = "small"
+    precision = "bf16"  # fp32 | bf16 | fp16 | pure-bf16
+    [model]      # any ModelConfig field, overriding the preset's
+    [memory]     # policy = "selective" (a preset), or policy = "custom" with save / offload
+                 # tag lists; optionally layers_every / layers_first / layers, use_reentrant
+    [optimizer]  # OptimizerConfig fields (name, lr, weight_decay, ...)
+    [accum]      # steps, mode ("scan" | "multisteps")
+    [data]       # path (a text file, a directory of text, or nanoGPT .bin files; empty: the
+                 # embedded Python-stdlib corpus), val_fraction
+    [run]        # RunConfig fields (framework, steps, batch_size, seq_len, seed, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from jaxmem.config import (
+    PLANNING_ONLY,
+    AccumConfig,
+    ConfigError,
+    ModelConfig,
+    OptimizerConfig,
+    get_preset,
+    require,
+)
+from jaxmem.policy import MemoryPolicy, describe_kept, policy_from_dict, policy_to_dict
+from jaxmem.precision import Precision, get_precision
+
+FRAMEWORKS: tuple[str, ...] = ("jax", "torch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the tokens come from. ``path=None``: the embedded corpus (the Python standard
+    library's sources, byte tokens); otherwise a text file, a directory of text files, a
+    nanoGPT ``.bin`` file or a directory holding ``train.bin``/``val.bin``
+    (``jaxmem prepare`` writes those)."""
+
+    path: str | None = None
+    val_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        require(
+            self.path is None or (isinstance(self.path, str) and self.path != ""),
+            f"data path={self.path!r} must be a non-empty path (or unset for the embedded corpus)",
+        )
+        require(
+            isinstance(self.val_fraction, float) and 0.0 < self.val_fraction < 0.5,
+            f"val_fraction={self.val_fraction!r} must be in (0, 0.5)",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The run itself.
+
+    Attributes:
+      framework: ``"jax"`` (jaxmem) or ``"torch"`` (torch_ref, the same model and data).
+      steps: optimizer steps in total (a resumed run continues up to this number).
+      batch_size, seq_len: tokens per step = batch_size * seq_len (seq_len defaults to 128, or
+        the model's max_seq_len if that is shorter).
+      seed: weights and data order (batch ``i`` is a pure function of ``(seed, i)``).
+      eval_every / eval_batches: validation loss every so many steps, over so many batches.
+      log_every: progress refresh and host sync interval in steps (0: about 50 per run).
+      checkpoint_every / keep_checkpoints: save every so many steps, keep the last so many.
+      sample_tokens / prompt / temperature: the text sample at the end (0 tokens: none).
+      prefetch: batches prepared ahead on a background thread.
+    """
+
+    framework: str = "jax"
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 0
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    sample_tokens: int = 200
+    prompt: str = "def "
+    temperature: float = 0.8
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        require(
+            self.framework in FRAMEWORKS,
+            f"framework={self.framework!r} is not one of {FRAMEWORKS}",
+        )
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "prefetch",
+        ):
+            value = getattr(self, name)
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"{name}={value!r} must be a positive integer",
+            )
+        for name in ("seed", "log_every", "sample_tokens"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                f"{name}={value!r} must be a non-negative integer",
+            )
+        require(
+            isinstance(self.temperature, float) and self.temperature >= 0.0,
+            f"temperature={self.temperature!r} must be >= 0 (0: greedy)",
+        )
+        require(isinstance(self.prompt, str), f"prompt={self.prompt!r} must be text")
+
+    @property
+    def refresh_every(self) -> int:
+        return self.log_every or max(1, self.steps // 50)
+
+
+# Sections read onto a dataclass's defaults (the model onto its preset's values).
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "optimizer": OptimizerConfig,
+    "accum": AccumConfig,
+    "data": DataConfig,
+    "run": RunConfig,
+}
+# What a resumed run may change: how long to train and what is reported or written, not the
+# arithmetic of a step. Dotted paths of ``JobConfig.to_dict()`` (the one list: the resume check
+# and ``config_conflicts`` both use it).
+RESUMABLE_CHANGES: tuple[str, ...] = (
+    "run.steps",
+    "run.eval_every",
+    "run.eval_batches",
+    "run.log_every",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.sample_tokens",
+    "run.prompt",
+    "run.temperature",
+    "run.prefetch",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    preset: str
+    model: ModelConfig
+    memory: MemoryPolicy = MemoryPolicy(name="none", remat=False)
+    precision: Precision = Precision(name="fp32")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    accum: AccumConfig = AccumConfig()
+    data: DataConfig = DataConfig()
+    run: RunConfig = RunConfig()
+
+    def __post_init__(self) -> None:
+        require(
+            self.preset not in PLANNING_ONLY and self.preset != "seed",
+            f"preset {self.preset!r} is not trainable on this machine (planning-only shape or "
+            "the seeds' single layer); train tiny or small",
+        )
+        require(
+            isinstance(self.memory, MemoryPolicy),
+            f"memory={self.memory!r} must be a MemoryPolicy (names belong in config files)",
+        )
+        require(
+            isinstance(self.precision, Precision),
+            f"precision={self.precision!r} must be a Precision (names belong in config files)",
+        )
+        self.memory.layers.indices(self.model.n_layers)  # layer indices exist in this model
+        require(
+            self.precision.loss_scale == "none" or self.accum.mode == "scan",
+            f"accum mode {self.accum.mode!r} has no loss scaling; precision "
+            f"{self.precision.name!r} needs it: use accum mode 'scan' or precision bf16",
+        )
+        host_kept = {self.optimizer.state_memory, self.optimizer.params_memory} != {"device"}
+        require(
+            not (host_kept and self.accum.mode == "multisteps"),
+            "optimizer state/params in pinned_host need accum mode 'scan' (MultiSteps updates "
+            "them once per microbatch on the device)",
+        )
+        self.accum.check_batch(self.run.batch_size)
+        require(
+            self.run.seq_len <= self.model.max_seq_len,
+            f"seq_len={self.run.seq_len} exceeds the model's max_seq_len="
+            f"{self.model.max_seq_len}; use at most {self.model.max_seq_len} or raise "
+            "model.max_seq_len",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested data (lists, not tuples) for YAML/JSON; ``from_dict`` inverts it."""
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, tuple):
+                return [plain(v) for v in value]
+            return value
+
+        out: dict[str, Any] = {"preset": self.preset, "precision": self.precision.name}
+        for section in ("model", "optimizer", "accum", "data", "run"):
+            obj = getattr(self, section)
+            out[section] = {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out["memory"] = policy_to_dict(self.memory)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> JobConfig:
+        """Build from nested data: the preset's model overlaid with the ``model`` section,
+        every other section onto its defaults. Unknown sections or keys raise ``ConfigError``."""
+        known = {"preset", "precision", "memory", *SECTIONS}
+        unknown = sorted(set(raw) - known)
+        require(not unknown, f"unknown config section(s) {unknown}; valid: {sorted(known)}")
+        preset = raw.get("preset", "small")
+        require(isinstance(preset, str), f"preset={preset!r} must be a preset name")
+        base_model = get_preset(preset)
+        sections: dict[str, Any] = {}
+        for name in (*SECTIONS, "memory"):
+            values = raw.get(name) or {}
+            require(
+                isinstance(values, Mapping),
+                f"config section [{name}] must be a table of settings, got {values!r}",
+            )
+            if name == "memory":
+                sections[name] = policy_from_dict(values)
+            else:
+                base = base_model if name == "model" else SECTIONS[name]()
+                sections[name] = _overlay(name, base, values)
+        if "seq_len" not in (raw.get("run") or {}):
+            # the default sequence length fits the model: 128 or its max_seq_len if shorter
+            run = sections["run"]
+            sections["run"] = dataclasses.replace(
+                run, seq_len=min(run.seq_len, sections["model"].max_seq_len)
+            )
+        name = raw.get("precision", "fp32")
+        require(isinstance(name, str), f"precision={name!r} must be a precision name")
+        return cls(preset=preset, precision=get_precision(name), **sections)
+
+
+def write_config(config: JobConfig, path: str) -> None:
+    """``config.yaml`` of a run (atomic: written beside it, then renamed)."""
+    import yaml
+
+    from jaxmem.files import write_atomic
+
+    header = (
+        "# jaxmem resolved run config: `jaxmem train --config THIS_FILE` repeats it\n"
+        f"# memory policy {config.memory.name!r} {describe_kept(config.model, config.memory)}\n"
+    )
+    write_atomic(path, header + yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------------- resuming
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: tree}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):  # True == 1 in Python; not here
+        return type(a) is type(b) and a == b
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+_MISSING = object()
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "absent"
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def config_conflicts(
+    saved: Mapping[str, Any],
+    new: Mapping[str, Any],
+    *,
+    allowed: Iterable[str] = RESUMABLE_CHANGES,
+) -> list[str]:
+    """Differences between a checkpoint's run config and a new one, one human-readable line per
+    dotted path (``"model.d_model: checkpoint 64, now 128"``), ignoring the ``allowed`` paths
+    (and everything below them). Both sides are compared as JSON values (a tuple equals the list
+    it was saved as). Empty when a resume is safe."""
+    allowed = tuple(allowed)
+    flat_saved = _flatten(json.loads(json.dumps(dict(saved))))
+    flat_new = _flatten(json.loads(json.dumps(dict(new))))
+    conflicts = []
+    for path in sorted(flat_saved.keys() | flat_new.keys()):
+        if any(path == a or path.startswith(a + ".") for a in allowed):
+            continue
+        before, after = flat_saved.get(path, _MISSING), flat_new.get(path, _MISSING)
+        if before is _MISSING or after is _MISSING or not _same(before, after):
+            conflicts.append(f"{path}: checkpoint {_show(before)}, now {_show(after)}")
+    return conflicts
+
+
+# ------------------------------------------------------------------------ files and flags
+def _overlay(section: str, base: Any, values: Mapping[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    unknown = sorted(set(values) - set(fields))
+    require(
+        not unknown,
+        f"unknown setting(s) {unknown} in [{section}]; valid: {', '.join(fields)}",
+    )
+    changes = {k: _coerce(section, k, getattr(base, k), v) for k, v in values.items()}
+    return dataclasses.replace(base, **changes)
+
+
+def _coerce(section: str, key: str, default: Any, value: Any) -> Any:
+    """Config files and ``--set`` give ints for floats, lists for tuples and strings such as
+    ``3e-4`` (YAML 1.1 reads that as text): convert to the field's type, or say which value
+    is wrong."""
+    where = f"{section}.{key}={value!r}"
+    if isinstance(default, bool):
+        require(isinstance(value, bool), f"{where} must be true or false")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number") from None
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A TOML (``.toml``), YAML (``.yaml``/``.yml``) or JSON config file as nested data."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist")
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".toml":
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        elif ext in (".yaml", ".yml"):
+            import yaml
+
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        elif ext == ".json":
+            with open(path) as f:
+                data = json.load(f)
+        else:
+            raise ConfigError(
+                f"config file {path}: unknown extension {ext!r}; use .toml, .yaml or .json"
+            )
+    except ConfigError:
+        raise
+    except Exception as e:  # the parsers' own error types differ; all mean "cannot parse"
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"config file {path} cannot be parsed: {first}") from None
+    require(isinstance(data, dict), f"config file {path} must hold a table of sections")
+    return data
+
+
+def merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` applied section by section (nested dicts merged)."""
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in base.items()}
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = dict(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def parse_assignment(text: str) -> dict[str, Any]:
+    """``--set section.key=value`` as nested data (value parsed as YAML: numbers, booleans,
+    lists, text)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {text!r}: write section.key=value, e.g. --set model.n_layers=6")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return {parts[0]: {parts[1]: parsed}}

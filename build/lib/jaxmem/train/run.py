@@ -1,0 +1,273 @@
+"""``jaxmem train`` in JAX: the ``Trainer`` that ``jaxmem.train.loop.run_job`` drives.
+
+``prepare`` checks the job against this backend (offload needs ``pinned_host``; fp16 a backend
+that computes in it; optimizer state or parameters in ``pinned_host`` need that memory kind),
+then the generic checks of ``jaxmem.train.loop.prepare_job``. ``run_training`` compiles the step
+(an out-of-memory compile reports a cheaper policy), restores the latest checkpoint when
+resuming, and trains through the shared loop. Parameters and optimizer state are donated to the
+step; the host syncs only when the loop fetches metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from rich.console import Console
+
+from jaxmem.config import ConfigError
+from jaxmem.figures import Figure, format_bytes, rss_figure
+from jaxmem.memory import residuals
+from jaxmem.memory.remat import backend_memory_kinds, check_backend, layers_fn
+from jaxmem.model import make_model
+from jaxmem.policy import HOST_MEMORY_KIND
+from jaxmem.train.job import JobConfig
+from jaxmem.train.layout import CHECKPOINT_DIR
+from jaxmem.train.loop import (
+    PreparedJob,
+    RunFailed,
+    is_out_of_memory,
+    out_of_memory_message,
+    prepare_job,
+    run_job,
+    train_batch,
+    val_batches,
+)
+from jaxmem.train.scaling import init_loss_scale
+from jaxmem.train.step import (
+    check_precision_backend,
+    lm_loss_fn,
+    make_multisteps_step,
+    make_optimizer,
+    make_train_step,
+    place,
+    tree_bytes,
+    valid_tokens,
+)
+
+
+def check_jax_backend(job: JobConfig) -> None:
+    """Raise ``ConfigError`` for what this JAX backend cannot run."""
+    check_backend(job.memory)
+    check_precision_backend(job.precision)
+    for name in ("state_memory", "params_memory"):
+        kind = getattr(job.optimizer, name)
+        if kind != "device" and kind not in backend_memory_kinds():
+            raise ConfigError(
+                f"optimizer.{name}={kind!r}, but this backend only has memory kinds "
+                f"{list(backend_memory_kinds())}; use 'device'"
+            )
+
+
+def prepare(job: JobConfig, out_dir: str | None, *, resume: bool = False) -> PreparedJob:
+    """Check everything about ``job`` that can be checked before training; write nothing."""
+    return prepare_job(job, out_dir, resume=resume, check_backend=check_jax_backend)
+
+
+def memory_figures(
+    loss_fn: Any,
+    params: Any,
+    opt_state: Any,
+    batch: dict[str, Any],
+    plan: dict[str, int],
+    accum_steps: int = 1,
+) -> list[Figure]:
+    """The memory table of one training step. Every figure is measured, with its method.
+    Residuals are those of one microbatch (what the backward keeps at a time)."""
+    if accum_steps > 1:
+        batch = jax.tree_util.tree_map(lambda a: a[: a.shape[0] // accum_steps], batch)
+    grads_shape = jax.eval_shape(jax.grad(lambda p: loss_fn(p, batch)[0]), params)
+    summary = residuals.summarize_residuals(
+        residuals.saved_residuals(lambda p: loss_fn(p, batch)[0], params)
+    )
+    vjp = "residual accounting (jaxpr of jax.vjp)"
+    figures = [
+        Figure("parameters", tree_bytes(params), "counted (arrays)"),
+        Figure("gradients", tree_bytes(grads_shape), "counted (jax.eval_shape of grad)"),
+        Figure("optimizer state", tree_bytes(opt_state), "counted (arrays)"),
+        Figure("saved activations, device memory", summary.activation_bytes_device, vjp),
+        Figure("saved activations, host memory (offloaded)", summary.activation_bytes_host, vjp),
+        Figure("parameters the backward keeps (not extra)", summary.argument_bytes, vjp),
+    ]
+    source = f"compiled plan (XLA:{jax.devices()[0].platform.upper()} memory_analysis)"
+    figures += [
+        Figure("train step: arguments", plan["argument_bytes"], source),
+        Figure("train step: outputs", plan["output_bytes"], source),
+        Figure("train step: donated (aliased)", plan["alias_bytes"], source),
+        Figure("train step: temporaries", plan["temp_bytes"], source),
+    ]
+    peak = residuals.device_peak_bytes()
+    if peak is not None:
+        figures.append(Figure("device peak", peak, "runtime peak (device.memory_stats)"))
+    return figures
+
+
+class JaxTrainer:
+    """jaxmem's side of ``jaxmem.train.loop.run_job``: a compiled, donating step."""
+
+    framework = "jax"
+
+    def __init__(self, prepared: PreparedJob):
+        job = self.job = prepared.job
+        cfg, r = job.model, job.run
+        self.platform = jax.devices()[0].platform
+        self.can_offload = HOST_MEMORY_KIND in backend_memory_kinds()
+        model = make_model(cfg, job.precision, seed=r.seed)
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        del model  # params are donated to the step; keep no second reference
+        tx = make_optimizer(job.optimizer)
+        loss_fn = lm_loss_fn(self.graphdef, layers_fn=layers_fn(job.memory, cfg.n_layers))
+        self.host_params = job.optimizer.params_memory != "device"
+        # parameters kept in host memory are brought to the device inside the jitted evaluation
+        self._eval = jax.jit(
+            lambda p, b: loss_fn(place(p, "device") if self.host_params else p, b)[1]
+        )
+        self.loss_scale = init_loss_scale(job.precision)
+        first = self.transfer(train_batch(prepared.dataset, job)(1))
+        t0 = time.perf_counter()
+        try:
+            if job.accum.mode == "multisteps":
+                self._step, opt_state = _multisteps(loss_fn, tx, job.accum.steps, params, first)
+            else:
+                # optimizer state / parameters kept in host memory between steps enter the
+                # compiled step there (it moves them to the device for the update and back)
+                opt_state = place(tx.init(params), job.optimizer.state_memory)
+                params = place(params, job.optimizer.params_memory)
+                step_fn = make_train_step(
+                    loss_fn, tx, precision=job.precision, accum=job.accum, opt_cfg=job.optimizer
+                )
+                self._step = step_fn.lower(params, opt_state, self.loss_scale, first).compile()
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise RunFailed(
+                    out_of_memory_message(
+                        job, None, "while compiling", can_offload=self.can_offload
+                    )
+                ) from None
+            raise
+        self.compile_s = time.perf_counter() - t0
+        self.params, self.opt_state = params, opt_state
+        plan = residuals.compiled_plan(self._step)
+        self.planned_bytes = (
+            plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
+        )
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state))
+        self._figures = memory_figures(loss_fn, *shapes, first, plan, job.accum.steps)
+        self._valid = [self.transfer(b) for b in val_batches(prepared.dataset, job)]
+        self.ckpt = None
+        if prepared.out_dir is not None:
+            from jaxmem.train.checkpoint import RunCheckpointer
+
+            self.ckpt = RunCheckpointer(
+                os.path.join(prepared.out_dir, CHECKPOINT_DIR), r.keep_checkpoints
+            )
+
+    def describe(self) -> str:
+        return (
+            f"compiled in {self.compile_s:.1f} s, step plans {format_bytes(self.planned_bytes)} "
+            "(compiled plan)"
+        )
+
+    def transfer(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return jax.device_put(batch)
+
+    def restore(self, step: int) -> None:
+        assert self.ckpt is not None
+        self.params, self.opt_state, self.loss_scale, _, _ = self.ckpt.restore(
+            step,
+            params_like=self.params,
+            opt_state_like=self.opt_state,
+            loss_scale_like=self.loss_scale,
+        )
+
+    def step(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        self.params, self.opt_state, self.loss_scale, metrics = self._step(
+            self.params, self.opt_state, self.loss_scale, batch
+        )
+        return metrics
+
+    def fetch(self, metrics: dict[str, jax.Array]) -> dict[str, Any]:
+        out: dict[str, Any] = {"loss": float(metrics["loss"])}
+        if "grad_norm" in metrics:  # not seen by MultiSteps' caller
+            out["grad_norm"] = float(metrics["grad_norm"])
+        if self.loss_scale is not None:
+            out["skipped"] = not bool(metrics["grads_finite"])
+        return out
+
+    def val_loss(self) -> float:
+        sums = [self._eval(self.params, b) for b in self._valid]
+        return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
+
+    def save(self, step: int, extra: dict[str, Any]) -> None:
+        assert self.ckpt is not None
+        self.ckpt.save(
+            step,
+            params=self.params,
+            opt_state=self.opt_state,
+            loss_scale=self.loss_scale,
+            run_config=self.job.to_dict(),
+            extra=extra,
+            force=True,
+        )
+
+    def memory_label(self) -> str:
+        peak = residuals.device_peak_bytes()
+        if peak is not None:
+            return f"peak {format_bytes(peak)}"
+        return f"plan {format_bytes(self.planned_bytes)}"
+
+    def sample(self, prompt: np.ndarray, n_new: int, temperature: float, seed: int) -> np.ndarray:
+        from jaxmem.model.generate import generate
+
+        jax.block_until_ready(self.params)
+        return generate(
+            self.graphdef,
+            place(self.params, "device") if self.host_params else self.params,
+            prompt,
+            n_new,
+            max_seq_len=self.job.model.max_seq_len,
+            temperature=temperature,
+            seed=seed,
+        )
+
+    def figures(self) -> list[Figure]:
+        return [*self._figures, rss_figure()]
+
+    def close(self) -> None:
+        jax.block_until_ready(self.params)
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+
+def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
+    """Train ``prepared.job`` in JAX; returns the run summary."""
+    return run_job(prepared, JaxTrainer(prepared), console or Console())
+
+
+def _multisteps(loss_fn: Any, tx: Any, k: int, params: Any, batch: dict) -> tuple[Any, Any]:
+    """``optax.MultiSteps`` accumulation as a step with the scan step's signature: the jitted
+    micro-step (compiled once, for one microbatch) runs ``k`` times per step, the parameters
+    changing on the k-th. Returns ``(step, opt_state)``; the step's ``memory_analysis`` is the
+    micro-step's compiled plan."""
+    multi, micro_step = make_multisteps_step(loss_fn, tx, k)
+    opt_state = multi.init(params)
+
+    def split(b: dict, i: int) -> dict:
+        return {key: v[i * (v.shape[0] // k) : (i + 1) * (v.shape[0] // k)] for key, v in b.items()}
+
+    micro = micro_step.lower(params, opt_state, split(batch, 0), valid_tokens(batch)).compile()
+
+    def step(params, opt_state, loss_scale, batch):
+        n_total = valid_tokens(batch)
+        loss_sum = 0.0
+        for i in range(k):
+            params, opt_state, m = micro(params, opt_state, split(batch, i), n_total)
+            loss_sum = loss_sum + m["loss_sum"]
+        return params, opt_state, loss_scale, {"loss": loss_sum / n_total}
+
+    step.memory_analysis = micro.memory_analysis  # type: ignore[attr-defined]
+    return step, opt_state

@@ -1,0 +1,267 @@
+"""Optimizers and the jitted training step: precision, loss scaling, gradient accumulation and
+optimizer-state placement, all driven by config objects.
+
+The step is a pure function of ``(params, opt_state, loss_scale, batch)``; parameters and
+optimizer state are donated so XLA updates them in place instead of holding two copies.
+Accumulation sums loss sums, valid-token counts and gradients over microbatches and divides
+once: a mean of per-microbatch means would weight tokens unequally whenever microbatches hold
+different numbers of valid tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jaxmem.config import AccumConfig, ConfigError, OptimizerConfig
+from jaxmem.model.loss import cross_entropy_sum
+from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.train.scaling import all_finite
+
+DECAYED_LEAVES = ("kernel", "embedding")  # matrices; biases and norm scales are not decayed
+FP32 = PRECISIONS["fp32"]
+NO_ACCUM = AccumConfig()
+
+
+def _param_name(path: tuple) -> str:
+    """The parameter's own name (``kernel``, ``bias``, ...): the last dict key of its path (an
+    NNX ``Param`` adds a trailing ``.value`` attribute key, which is skipped)."""
+    return [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+
+
+def decay_mask(params: nnx.State) -> Any:
+    """True for the leaves that get weight decay (Linear kernels and embedding tables)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: _param_name(path) in DECAYED_LEAVES, params
+    )
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """optax transformation with the ``torch.optim`` semantics described in
+    ``OptimizerConfig``."""
+    if cfg.name == "adamw":
+        # eps outside the square root, bias correction on both moments, decay lr * wd * param.
+        return optax.adamw(
+            learning_rate=cfg.lr,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+    if cfg.name == "sgd":
+        # torch.optim.SGD: g += wd * p, then buf = momentum * buf + g, p -= lr * buf.
+        return optax.chain(
+            optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
+            optax.sgd(cfg.lr, momentum=cfg.momentum),
+        )
+    if cfg.name == "adafactor":
+        return optax.adafactor(
+            learning_rate=cfg.lr,
+            weight_decay_rate=cfg.weight_decay or None,
+            weight_decay_mask=decay_mask,
+        )
+    raise ValueError(f"optimizer={cfg.name!r} is not supported")
+
+
+def lm_loss_fn(graphdef: nnx.GraphDef, **model_kwargs: Any) -> Callable[..., tuple]:
+    """``loss(params, batch) -> (mean_loss, (loss_sum, n_tokens))`` for next-token prediction.
+
+    ``batch`` is ``{"inputs": [B, S] ids, "targets": [B, S] ids, "mask": [B, S] (optional)}``.
+    """
+
+    def loss(params: nnx.State, batch: dict[str, jax.Array]):
+        model = nnx.merge(graphdef, params)
+        logits = model(batch["inputs"], **model_kwargs)
+        loss_sum, n_tokens = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
+        return loss_sum / n_tokens, (loss_sum, n_tokens)
+
+    return loss
+
+
+def _split_microbatches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+    def split(a):
+        if a.shape[0] % k:
+            raise ValueError(f"batch size {a.shape[0]} is not divisible by accum steps {k}")
+        return a.reshape(k, a.shape[0] // k, *a.shape[1:])
+
+    return jax.tree_util.tree_map(split, batch)
+
+
+def summed_grads(
+    loss_fn: Callable[..., tuple],
+    params: Any,
+    batch: dict[str, jax.Array],
+    *,
+    accum_steps: int = 1,
+    accum_dtype: Any = jnp.float32,
+    scale: jax.Array | None = None,
+) -> tuple[Any, jax.Array, jax.Array]:
+    """``(d(scale * Σ loss_sum)/dθ, Σ loss_sum, Σ n_tokens)`` over ``accum_steps`` microbatches.
+
+    Nothing is divided here: the caller divides once by the total token count (and the scale).
+    """
+
+    def scaled_sum(p, b):
+        loss_sum, n_tokens = loss_fn(p, b)[1]
+        return (loss_sum if scale is None else loss_sum * scale), (loss_sum, n_tokens)
+
+    grad_fn = jax.grad(scaled_sum, has_aux=True)
+    if accum_steps == 1:
+        grads, (loss_sum, n_tokens) = grad_fn(params, batch)
+        return grads, loss_sum, n_tokens
+
+    def body(carry, micro):
+        g_acc, s_acc, n_acc = carry
+        g, (s, n) = grad_fn(params, micro)
+        g_acc = jax.tree_util.tree_map(lambda a, x: a + x.astype(accum_dtype), g_acc, g)
+        return (g_acc, s_acc + s, n_acc + n), None
+
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), params)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads, loss_sum, n_tokens), _ = jax.lax.scan(
+        body, init, _split_microbatches(batch, accum_steps)
+    )
+    return grads, loss_sum, n_tokens
+
+
+def valid_tokens(batch: dict[str, jax.Array]) -> jax.Array:
+    """Number of tokens the loss counts: the mask's sum, or every target without a mask."""
+    if batch.get("mask") is not None:
+        return batch["mask"].astype(jnp.float32).sum()
+    return jnp.asarray(batch["targets"].size, jnp.float32)
+
+
+def memory_sharding(kind: str, device: jax.Device | None = None) -> SingleDeviceSharding:
+    return SingleDeviceSharding(device or jax.devices()[0], memory_kind=kind)
+
+
+def place(tree: Any, kind: str) -> Any:
+    """Put every array of ``tree`` in memory kind ``kind`` (``device`` or ``pinned_host``)."""
+    return jax.device_put(tree, memory_sharding(kind))
+
+
+def make_train_step(
+    loss_fn: Callable[..., tuple],
+    tx: optax.GradientTransformation,
+    *,
+    precision: Precision = FP32,
+    accum: AccumConfig = NO_ACCUM,
+    opt_cfg: OptimizerConfig | None = None,
+) -> Callable[..., tuple]:
+    """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, loss_scale,
+    metrics)``, donating params and optimizer state. ``loss_scale`` is a ``DynamicLossScale``
+    for fp16 precision and None otherwise; an fp16 step with non-finite gradients leaves params
+    and optimizer state unchanged and halves the scale. ``metrics`` stay on device.
+
+    With ``opt_cfg.state_memory == "pinned_host"`` the optimizer state enters and leaves the step
+    in host memory and is brought to the device only for the update (likewise the parameters
+    with ``params_memory``).
+    """
+    if accum.mode != "scan":
+        raise ValueError("make_train_step runs scan accumulation; use make_multisteps_step")
+    state_kind = opt_cfg.state_memory if opt_cfg else "device"
+    params_kind = opt_cfg.params_memory if opt_cfg else "device"
+
+    def step(params, opt_state, loss_scale, batch):
+        params = place(params, "device") if params_kind != "device" else params
+        opt_state = place(opt_state, "device") if state_kind != "device" else opt_state
+        # GradScaler scales the *mean* loss; the batch's valid-token count is known before the
+        # forward, so each microbatch's summed loss is weighted by scale / n_total (fp16
+        # overflow then happens at the same scales as in PyTorch).
+        factor = None if loss_scale is None else loss_scale.scale / valid_tokens(batch)
+        grads, loss_sum, n_tokens = summed_grads(
+            loss_fn,
+            params,
+            batch,
+            accum_steps=accum.steps,
+            accum_dtype=jnp.dtype(precision.accum_dtype),
+            scale=factor,
+        )
+        divisor = n_tokens if loss_scale is None else loss_scale.scale
+        grads = jax.tree_util.tree_map(lambda g: (g / divisor).astype(g.dtype), grads)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = all_finite(grads)
+        if loss_scale is not None:
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_params = jax.tree_util.tree_map(keep, new_params, params)
+            new_opt_state = jax.tree_util.tree_map(keep, new_opt_state, opt_state)
+            loss_scale = loss_scale.update(finite)
+        if params_kind != "device":
+            new_params = place(new_params, params_kind)
+        if state_kind != "device":
+            new_opt_state = place(new_opt_state, state_kind)
+        metrics = {
+            "loss": loss_sum / n_tokens,
+            "n_tokens": n_tokens,
+            "grad_norm": optax.tree.norm(grads),
+            "grads_finite": finite,
+        }
+        return new_params, new_opt_state, loss_scale, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_multisteps_step(
+    loss_fn: Callable[..., tuple], tx: optax.GradientTransformation, accum_steps: int
+) -> tuple[optax.GradientTransformation, Callable[..., tuple]]:
+    """``optax.MultiSteps`` accumulation: returns ``(multi_tx, micro_step)``.
+
+    ``micro_step(params, opt_state, micro_batch, n_total)`` is called once per microbatch with
+    ``n_total``, the valid-token count of the whole batch; the parameters change on every
+    ``accum_steps``-th call. MultiSteps sums (``use_grad_mean=False``) gradients of
+    ``loss_sum / n_total``, which add up to the big batch's mean gradient.
+    """
+    multi = optax.MultiSteps(tx, every_k_schedule=accum_steps, use_grad_mean=False)
+
+    def micro_step(params, opt_state, micro_batch, n_total):
+        def normalised(p):
+            loss_sum, n = loss_fn(p, micro_batch)[1]
+            return loss_sum / n_total, (loss_sum, n)
+
+        grads, (loss_sum, n) = jax.grad(normalised, has_aux=True)(params)
+        updates, opt_state = multi.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss_sum": loss_sum, "n": n}
+
+    return multi, jax.jit(micro_step, donate_argnums=(0, 1))
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes held by the array leaves of ``tree`` (counted from shapes and dtypes)."""
+    return sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree_util.tree_leaves(tree)
+        if hasattr(x, "dtype")
+    )
+
+
+def check_precision_backend(precision: Precision, device: jax.Device | None = None) -> None:
+    """Raise ``ConfigError`` if the backend cannot compute in ``precision``'s dtypes.
+
+    TPUs have no float16 arithmetic; elsewhere a one-element matmul is compiled and run in each
+    16-bit dtype the precision uses, so an unsupported backend fails here, with the fix, rather
+    than in the middle of a compile.
+    """
+    device = device or jax.devices()[0]
+    for dtype in {precision.compute_dtype, precision.param_dtype} - {"float32"}:
+        if dtype == "float16" and device.platform == "tpu":
+            raise ConfigError(
+                f"precision {precision.name!r} computes in float16, which {device.platform} "
+                "does not support; use bf16"
+            )
+        try:
+            x = jax.device_put(jnp.ones((1, 1), dtype), device)
+            jax.block_until_ready(jnp.dot(x, x))
+        except Exception as e:  # backends raise their own error types
+            raise ConfigError(
+                f"precision {precision.name!r} needs {dtype}, which this {device.platform} "
+                f"backend rejects ({type(e).__name__}); use fp32 or bf16"
+            ) from None

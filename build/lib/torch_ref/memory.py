@@ -1,0 +1,261 @@
+"""Memory measurement for torch_ref, mirroring ``jaxmem.memory``.
+
+``forward_live_bytes`` counts what a forward pass leaves alive for the backward pass: every tensor
+storage created during the forward and still referenced when it ends (activations autograd
+saved, checkpoint inputs, tensors a selective policy kept, host copies of offloaded ones),
+de-duplicated by storage and split by device, and (given the model's block stack) grouped by the
+jaxmem tag of the op that made each storage, so the two frameworks can be compared tensor by
+tensor.
+
+``saved_tensor_bytes`` is the other, narrower figure: what autograd's saved-tensor hooks see
+(storages de-duplicated, parameters and inputs apart). It sees what autograd saves, including a
+non-reentrant checkpoint's inputs, and is blind to what a selective policy keeps itself (held by
+its dispatch mode, not by autograd). A test checks both figures agree under ``none`` and
+``full`` and differ by exactly the kept tensors under ``selective``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from jaxmem.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBytes:
+    device_bytes: int  # on the compute device (on a CPU-only run: not offloaded)
+    host_bytes: int  # offloaded to host memory (cpu tensors while computing on an accelerator,
+    # or tensors a policy explicitly moved to host on a CPU-only run)
+    n_storages: int
+    # device + host bytes by the jaxmem tag of the op that made each storage (see _BlockScope);
+    # empty when no block stack was given
+    by_name: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+LAYER_INPUT, STACK_OUTPUT = "<layer input>", "<stack output>"  # the names jaxmem.memory uses
+
+# The contiguous copies ``torch.einsum`` makes of q, k, v (heads layout) and of the context
+# (merging heads), in the order of the op stream (torch 2.13): autograd saves these copies
+# instead of the projection outputs, so they carry the projections' names in the listing.
+LAYOUT_COPIES = {
+    ("clone", 0): ("query_proj",),
+    ("clone", 1): ("key_proj",),
+    ("clone", 2): ("value_proj",),
+    ("clone", 3): ("attn_context",),
+}
+
+
+class _BlockScope:
+    """Names the storages a forward allocates the way ``jaxmem.memory`` names residuals.
+
+    Forward hooks on every block of the stack say which block runs; inside one, an op's output
+    gets the tag(s) ``torch_ref.remat.block_ops`` gives its (op kind, occurrence), q/k/v joined
+    by ``/`` (one fused matmul). A block's input is ``<layer input>``, the last block's output
+    ``<stack output>``; other outputs are ``<kind in block>`` or ``<kind outside the stack>``.
+    """
+
+    def __init__(self, stack: torch.nn.Module, cfg: ModelConfig):
+        from torch_ref.remat import _op_kind, block_ops
+
+        self.op_kind, self.ops = _op_kind, block_ops(cfg)
+        self.depth = 0
+        self.counts: dict[str, int] = {}
+        self.inputs: set[int] = set()
+        self.last_output = 0
+        self.handles = []
+        for block in stack.layers:
+            self.handles.append(block.register_forward_pre_hook(self._enter))
+            self.handles.append(block.register_forward_hook(self._leave))
+
+    def _enter(self, module, args) -> None:
+        self.depth += 1
+        self.counts = {}
+        self.inputs.add(args[0].untyped_storage().data_ptr())
+
+    def _leave(self, module, args, out) -> None:
+        self.depth -= 1
+        self.last_output = out.untyped_storage().data_ptr()
+
+    def label(self, func: Any) -> str:
+        kind = self.op_kind(func)
+        if self.depth == 0:
+            return f"<{kind} outside the stack>"
+        index = self.counts.get(kind, 0)
+        self.counts[kind] = index + 1
+        names = self.ops.get((kind, index)) or LAYOUT_COPIES.get((kind, index))
+        return "/".join(names) if names else f"<{kind} in block>"
+
+    def final_label(self, key: int, label: str) -> str:
+        if key == self.last_output:
+            return STACK_OUTPUT
+        return LAYER_INPUT if key in self.inputs else label
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _TrackAllocations(TorchDispatchMode):
+    def __init__(self, scope: _BlockScope | None = None) -> None:
+        super().__init__()
+        self.scope = scope
+        self.live: dict[int, tuple[int, str, str]] = {}
+
+    def _track(self, t: torch.Tensor, label: str) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self.live:
+            return
+        self.live[key] = (storage.nbytes(), t.device.type, label)
+        weakref.finalize(storage, self.live.pop, key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        label = self.scope.label(func) if self.scope else ""
+        # Views (e.g. a parameter's transpose) share their input's storage: not an allocation.
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self._track(t, label)
+        return out
+
+
+def forward_live_bytes(
+    forward: Callable[[], Any],
+    *,
+    host_storages: Callable[[], set[int]] | None = None,
+    stack: torch.nn.Module | None = None,
+    kept_names: Callable[[], dict[int, str]] | None = None,
+) -> tuple[Any, LiveBytes]:
+    """Run ``forward()`` and count the storages it allocated that are alive at its end, minus
+    the returned tensors' own. ``host_storages()`` names storages to count as host memory (the
+    copies an offloading policy made; on a CPU-only machine they are not told apart by device).
+    With ``stack`` (a ``torch_ref.BlockStack``) the bytes are also grouped by tag
+    (``LiveBytes.by_name``); ``kept_names()`` names the copies a policy made (storage -> tag).
+    """
+    scope = _BlockScope(stack, stack.cfg) if stack is not None else None
+    mode = _TrackAllocations(scope)
+    try:
+        with mode:
+            out = forward()
+    finally:
+        if scope is not None:
+            scope.close()
+    returned = {
+        t.untyped_storage().data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+    }
+    host = host_storages() if host_storages else set()
+    named = kept_names() if kept_names else {}
+    device_bytes = host_bytes = n = 0
+    by_name: dict[str, int] = {}
+    compute = next((t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)), "cpu")
+    for key, (nbytes, device, label) in list(mode.live.items()):
+        if key in returned:
+            continue
+        n += 1
+        if key in host or (device == "cpu" and compute != "cpu"):
+            host_bytes += nbytes
+        else:
+            device_bytes += nbytes
+        if scope is not None:
+            name = named.get(key) or scope.final_label(key, label)
+            by_name[name] = by_name.get(name, 0) + nbytes
+    return out, LiveBytes(
+        device_bytes=device_bytes, host_bytes=host_bytes, n_storages=n, by_name=by_name
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedBytes:
+    """What autograd's saved-tensor hooks saw during one forward (storages counted once)."""
+
+    activation_bytes_device: int
+    activation_bytes_host: int  # saved tensors living in cpu memory while computing elsewhere
+    argument_bytes: int  # parameters and batch tensors (and views of them) the backward keeps
+    # anyway: memory that exists whether or not it is saved
+    n_storages: int
+
+
+def saved_tensor_bytes(forward: Callable[[], Any], arguments: Any = ()) -> tuple[Any, SavedBytes]:
+    """Run ``forward()`` under ``torch.autograd.graph.saved_tensors_hooks`` and count the saved
+    storages, de-duplicated; storages of ``arguments`` (parameters, inputs) are reported apart.
+    Blind to tensors a selective policy keeps itself (see the module docstring)."""
+    params = {p.untyped_storage().data_ptr() for p in arguments}
+    seen: dict[int, tuple[int, str]] = {}
+    compute: list[str] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen.setdefault(storage.data_ptr(), (storage.nbytes(), t.device.type))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    compute = [t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    device = compute[0] if compute else "cpu"
+    act_dev = act_host = par = 0
+    for key, (nbytes, dev) in seen.items():
+        if key in params:
+            par += nbytes
+        elif dev == "cpu" and device != "cpu":
+            act_host += nbytes
+        else:
+            act_dev += nbytes
+    return out, SavedBytes(
+        activation_bytes_device=act_dev,
+        activation_bytes_host=act_host,
+        argument_bytes=par,
+        n_storages=len(seen),
+    )
+
+
+def measure_lm_step(
+    model: torch.nn.Module,
+    runner: Any,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    precision: Any,
+) -> tuple[LiveBytes, SavedBytes, int]:
+    """One forward + backward of the mean LM loss (autocast for mixed precision).
+
+    Returns, from the one forward, the bytes it leaves for the backward (live-tensor accounting,
+    by tag; the host copies of ``runner``, a ``torch_ref.remat.PolicyLayers``, counted as host)
+    and what the saved-tensor hooks saw; and the matmul FLOPs executed (``FlopCounterMode``,
+    recompute included). Gradients stay in ``.grad``.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torch_ref.loss import cross_entropy_sum
+    from torch_ref.train import TORCH_DTYPES
+
+    device = inputs.device.type
+
+    def forward():
+        with torch.autocast(
+            device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
+        ):
+            logits = model(inputs)
+        loss_sum, n = cross_entropy_sum(logits, targets)
+        return loss_sum / n
+
+    with FlopCounterMode(display=False) as counter:
+        (loss, saved), live = forward_live_bytes(
+            lambda: saved_tensor_bytes(forward, [*model.parameters(), inputs, targets]),
+            host_storages=runner.host_storages,
+            stack=model.blocks,
+            kept_names=runner.kept_names,
+        )
+        loss.backward()
+    return live, saved, counter.get_total_flops()

@@ -1,0 +1,497 @@
+"""jaxmem's ``MemoryPolicy`` in PyTorch (the JAX translation is ``jaxmem.memory.remat``).
+
+``apply_memory_policy(stack, policy, translation=...)`` sets the block stack's ``layers_fn``; the
+model and its state dict do not change. Two translations, reported side by side:
+
+**stock** (the default): the PyTorch a PyTorch user writes, and nothing else.
+
+- ``none``: the plain loop.
+- ``full``: ``torch.utils.checkpoint.checkpoint`` per selected block, ``use_reentrant`` taken
+  from the policy (both modes work; never left to PyTorch's default).
+- ``nested``: ``torch.utils.checkpoint.checkpoint_sequential`` over ⌈L / ⌈√L⌉⌉ segments. Stock
+  runs its *last* segment without checkpointing, so it keeps that segment's activations.
+- names (``selective``, ``mlp``, ``dots``, custom): non-reentrant checkpoint with
+  ``create_selective_checkpoint_contexts``; the policy function answers ``MUST_SAVE`` for the ops
+  whose output the policy stores (by tag) and ``PREFER_RECOMPUTE`` for the rest
+  (``save_dots``: ``MUST_SAVE`` for every ``mm``/``addmm``). Selective checkpointing caches every
+  output it is told to save, read by the backward or not.
+- offloaded names: stock PyTorch has no API for them. ``CheckpointPolicy.MUST_CPU_OFFLOAD``
+  exists but is honoured only under ``torch.compile``; in eager mode it recomputes. Such policies
+  use the ``lean`` extension below, and say so (``PolicyLayers.translation``).
+
+**lean** (torch_ref's extension, beyond stock): two small dispatch modes keep only what the
+backward reads of what the policy stores (``jaxmem.policy.kept_tags``, what JAX's partial
+evaluation keeps), send offloaded names to host memory, and skip replaying a matmul whose
+product nothing the backward uses reads (out_proj / mlp_down when their residual add is kept,
+a ReLU MLP's first matmul when the activation is kept);
+``nested`` checkpoints every segment (the last included) and every block inside it again, as
+JAX's two-level scan does.
+
+PyTorch ops carry no names, so ``block_ops`` maps each tag of ``jaxmem.policy.CHECKPOINT_NAMES``
+to the op that produces it in ``torch_ref.model.Block`` (by op kind and occurrence within a
+block); a test records the real op stream and checks every entry's shape against the JAX tag.
+
+Also here, for PyTorch users: ``save_on_cpu_layers_fn`` (PyTorch's built-in saved-tensor-hook
+offload of every saved tensor) and ``OffloadCheckpoint``, the seeds' ``OffloadFunction`` made
+correct: the input kept in host memory, the real block recomputed in backward, gradients for the
+parameters whatever the input requires (as FairScale's ``checkpoint_wrapper(offload_to_cpu=True)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
+
+from jaxmem.config import ConfigError, ModelConfig
+from jaxmem.policy import (
+    CHECKPOINT_NAMES,
+    QKV,
+    LayerSelection,
+    MemoryPolicy,
+    backward_reads,
+    kept_tags,
+    nested_segment_size,
+)
+from torch_ref.model import BlockStack, run_layers
+
+Translation = Literal["stock", "lean"]
+TRANSLATIONS: tuple[str, ...] = ("stock", "lean")
+LINEAR_OPS = ("addmm", "mm")  # nn.Linear with / without bias
+
+
+def _op_kind(func: Any) -> str:
+    name = func.overloadpacket.__name__
+    return "linear" if name in LINEAR_OPS else name
+
+
+def block_ops(cfg: ModelConfig) -> dict[tuple[str, int], tuple[str, ...]]:
+    """``(op kind, occurrence within one block) -> tag names`` for ``torch_ref.model.Block``.
+
+    The occurrence numbers are the same for pre- and post-norm blocks. q, k and v come out of
+    one fused matmul, so they share one entry.
+    """
+    scores = ("masked_fill", 0) if cfg.causal else ("div", 0)
+    act = "relu" if cfg.activation == "relu" else "gelu"
+    return {
+        ("native_layer_norm", 0): ("norm1_out",),
+        ("linear", 0): QKV,
+        scores: ("attn_scores",),
+        ("_softmax", 0): ("attn_probs",),
+        ("bmm", 1): ("attn_context",),
+        ("linear", 1): ("attn_out",),
+        ("add", 0): ("attn_residual",),
+        ("native_layer_norm", 1): ("norm2_out",),
+        ("linear", 2): ("mlp_up",),
+        (act, 0): ("mlp_act",),
+        ("linear", 3): ("mlp_down",),
+        ("add", 1): ("mlp_residual",),
+    }
+
+
+class _OpNamer:
+    """Names the ops of one block by (kind, occurrence) as they come; one per pass."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.ops = block_ops(cfg)
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, func: Any) -> tuple[str, tuple[str, ...]]:
+        kind = _op_kind(func)
+        index = self.counts.get(kind, 0)
+        self.counts[kind] = index + 1
+        return kind, self.ops.get((kind, index), ())
+
+
+def unread_by_backward(cfg: ModelConfig, policy: MemoryPolicy | None = None) -> frozenset[str]:
+    """Tags the lean translation need not keep under ``policy``: no backward op reads them and
+    no read tag is recomputed from them (``jaxmem.policy.kept_tags``). Without ``policy``: the
+    tags no backward op reads."""
+    reads = backward_reads(cfg) | {"block_input"}
+    unread = frozenset(CHECKPOINT_NAMES) - reads
+    return unread if policy is None else unread - kept_tags(cfg, policy)
+
+
+# The block's matmul outputs and their one consumer: (matmul tag, the consumer's tag).
+_FEEDS = {"attn_out": "attn_residual", "mlp_down": "mlp_residual", "mlp_up": "mlp_act"}
+
+
+def skippable_in_recompute(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
+    """Matmul tags the lean recompute need not compute: not kept, read by no backward op, and
+    their one consumer (a residual addition, or ReLU, whose backward reads its output) is
+    either kept — its value comes back from storage — or read by no backward op. Their inputs
+    are still saved by autograd when the op is replayed; only the product is skipped."""
+    kept, reads = kept_tags(cfg, policy), backward_reads(cfg)
+    return frozenset(
+        tag
+        for tag, consumer in _FEEDS.items()
+        if tag not in kept and tag not in reads and (consumer in kept or consumer not in reads)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptTensor:
+    """One op output a policy kept for the backward pass (for tests and memory reports)."""
+
+    layer: int
+    names: tuple[str, ...]  # tag names, or ("<linear>",) for an untagged matmul under dots
+    memory: str  # "device" or "host" (offloaded; on a CPU-only machine both are host RAM)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int
+    storage: int  # data_ptr of the kept copy's storage (for memory accounting)
+
+
+def _kept(layer: int, names: tuple[str, ...], memory: str, t: torch.Tensor) -> KeptTensor:
+    return KeptTensor(
+        layer=layer,
+        names=names,
+        memory=memory,
+        shape=tuple(t.shape),
+        dtype=t.dtype,
+        device=t.device,
+        nbytes=t.numel() * t.element_size(),
+        storage=t.untyped_storage().data_ptr(),
+    )
+
+
+# ------------------------------------------------------------------------------------- stock
+def _stock_contexts(policy: MemoryPolicy, cfg: ModelConfig, kept: list, layer: int):
+    """``create_selective_checkpoint_contexts`` with a policy function over jaxmem's tags."""
+    name_op = _OpNamer(cfg)
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        kind, names = name_op(op)
+        save = (policy.save_dots and kind == "linear") or (bool(names) and names[0] in policy.save)
+        if not save:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        # selective checkpointing caches every tensor the op returns (LayerNorm: its output,
+        # mean and rstd)
+        outs = [ctx.op_output] if isinstance(ctx.op_output, torch.Tensor) else ctx.op_output
+        kept.extend(
+            _kept(layer, names or ("<linear>",), "device", t)
+            for t in outs
+            if isinstance(t, torch.Tensor)
+        )
+        return CheckpointPolicy.MUST_SAVE
+
+    return create_selective_checkpoint_contexts(policy_fn)
+
+
+# -------------------------------------------------------------------------------------- lean
+class _Decider:
+    """Lean translation: counts ops per kind within one block, returns the policy's choice."""
+
+    def __init__(self, policy: MemoryPolicy, cfg: ModelConfig):
+        self.policy = policy
+        self.unread = unread_by_backward(cfg, policy)
+        self.skip = skippable_in_recompute(cfg, policy)
+        self.namers = {False: _OpNamer(cfg), True: _OpNamer(cfg)}
+
+    def __call__(self, func: Any, recompute: bool) -> tuple[str, tuple[str, ...]]:
+        kind, names = self.namers[recompute](func)
+        if self.policy.save_dots and kind == "linear":
+            return "device", names or ("<linear>",)
+        if recompute and kind == "linear" and names and names[0] in self.skip:
+            return "skip", names
+        if not names or names[0] in self.unread:
+            return "recompute", names
+        return self.policy.choice(names[0]), names
+
+
+class _KeepMode(TorchDispatchMode):
+    """Forward pass of a checkpointed block: keep (or offload) the chosen op outputs."""
+
+    def __init__(self, decide: _Decider, storage: list, kept: list, layer: int):
+        super().__init__()
+        self.decide, self.storage, self.kept, self.layer = decide, storage, kept, layer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        choice, names = self.decide(func, recompute=False)
+        if choice == "recompute":
+            return out
+        if choice == "offload":
+            pin = torch.cuda.is_available()
+
+            def move(t: torch.Tensor) -> torch.Tensor:
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                return host.copy_(t.detach(), non_blocking=pin)
+
+            stored = tree_map_only(torch.Tensor, move, out)
+        else:
+            stored = tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        self.storage.append((func, stored))
+        copies = [stored] if isinstance(stored, torch.Tensor) else stored
+        memory = "host" if choice == "offload" else "device"
+        self.kept.extend(
+            _kept(self.layer, names, memory, c) for c in copies if isinstance(c, torch.Tensor)
+        )
+        return out
+
+
+class _ReplayMode(TorchDispatchMode):
+    """Recompute pass: hand back kept outputs (from host memory if offloaded), run the rest."""
+
+    def __init__(self, decide: _Decider, storage: list):
+        super().__init__()
+        self.decide, self.storage, self.next = decide, storage, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        choice, _ = self.decide(func, recompute=True)
+        if choice == "recompute":
+            return func(*args, **(kwargs or {}))
+        if choice == "skip":
+            # Autograd has already saved this matmul's inputs (all its backward needs); its
+            # output is read by nothing the backward uses, so its FLOPs are not spent again.
+            # (JAX's partial evaluation skips the same matmuls.)
+            mat1, mat2 = args[-2], args[-1]  # addmm(bias, mat1, mat2) / mm(mat1, mat2)
+            return torch.empty((mat1.shape[0], mat2.shape[1]), dtype=mat1.dtype, device=mat1.device)
+        stored_func, stored = self.storage[self.next]
+        self.next += 1
+        if stored_func is not func:
+            raise RuntimeError(f"recompute diverged from the forward: {func} vs {stored_func}")
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), stored)
+
+
+# ------------------------------------------------------------------------------------ policy
+def resolve_translation(policy: MemoryPolicy, translation: str) -> Translation:
+    """The translation that runs: ``stock`` unless asked for ``lean`` or the policy offloads by
+    name (no stock API in eager PyTorch)."""
+    if translation not in TRANSLATIONS:
+        raise ConfigError(f"translation={translation!r} is not one of {TRANSLATIONS}")
+    return "lean" if policy.offload else translation  # type: ignore[return-value]
+
+
+def describe(policy: MemoryPolicy, translation: str) -> str:
+    """What runs, in PyTorch's own words (one line for reports)."""
+    used = resolve_translation(policy, translation)
+    mode = f"use_reentrant={policy.use_reentrant}"
+    if not policy.remat:
+        return "stock: plain loop (autograd keeps what each op saves)"
+    if used == "stock":
+        if policy.nested:
+            return f"stock: checkpoint_sequential({mode}; its last segment is not checkpointed)"
+        if policy.is_named:
+            return (
+                "stock: checkpoint(use_reentrant=False, context_fn=create_selective_checkpoint_"
+                "contexts: MUST_SAVE for the stored tags)"
+            )
+        return f"stock: checkpoint({mode}) per block"
+    why = "no stock API for name-based offload in eager PyTorch; " if translation == "stock" else ""
+    if policy.nested:
+        return "lean (torch_ref extension): two-level checkpoint, every segment and block"
+    return (
+        f"lean (torch_ref extension; {why}keeps what the backward reads of what the policy "
+        "stores, skips matmuls nothing reads)"
+    )
+
+
+def validate_for_torch(policy: MemoryPolicy, translation: str = "stock") -> None:
+    """Raise for what the policy asks that torch_ref cannot express."""
+    qkv = {policy.choice(n) for n in QKV}
+    if len(qkv) > 1:
+        raise ConfigError(
+            "torch_ref computes query_proj, key_proj and value_proj with one fused matmul: give "
+            f"them the same choice (got {sorted(qkv)})"
+        )
+    if "block_input" in policy.offload:
+        raise ConfigError(
+            "offloading block_input is not expressible in torch_ref (checkpoint keeps its input "
+            "itself); use OffloadCheckpoint for that"
+        )
+    used = resolve_translation(policy, translation)
+    two_level = policy.nested and used == "lean"
+    if policy.use_reentrant and (policy.is_named or two_level):
+        raise ConfigError(
+            f"policy {policy.name!r} needs use_reentrant=False: reentrant checkpoint supports "
+            "neither selective context_fn nor nesting"
+        )
+
+
+def _grad_input(x: torch.Tensor) -> torch.Tensor:
+    # Reentrant checkpoint back-propagates to parameters only when an input requires grad (the
+    # classic pitfall with a frozen first input).
+    return x if x.requires_grad else x.detach().requires_grad_(True)
+
+
+class PolicyLayers:
+    """A ``layers_fn`` for ``torch_ref.BlockStack`` running ``policy``. ``kept`` lists what the
+    last forward kept for the backward pass (named policies: what selective checkpointing cached
+    under stock, what the dispatch modes kept under lean); ``translation`` says which ran."""
+
+    def __init__(self, policy: MemoryPolicy, cfg: ModelConfig, translation: str = "stock"):
+        validate_for_torch(policy, translation)
+        self.policy, self.cfg = policy, cfg
+        self.translation = resolve_translation(policy, translation)
+        self.description = describe(policy, translation)
+        self.selected = set(policy.layers.indices(cfg.n_layers))
+        self.kept: list[KeptTensor] = []
+
+    def _checkpointed(self, i: int, layer: nn.Module, x: torch.Tensor, mask: Any) -> torch.Tensor:
+        policy = self.policy
+        if policy.use_reentrant:
+            return checkpoint(layer, _grad_input(x), mask, use_reentrant=True)
+        if not policy.is_named:
+            return checkpoint(layer, x, mask, use_reentrant=False)
+        if self.translation == "stock":
+            context_fn = functools.partial(_stock_contexts, policy, self.cfg, self.kept, i)
+        else:
+
+            def context_fn():
+                decide, storage = _Decider(policy, self.cfg), []
+                return _KeepMode(decide, storage, self.kept, i), _ReplayMode(decide, storage)
+
+        return checkpoint(layer, x, mask, use_reentrant=False, context_fn=context_fn)
+
+    def host_storages(self) -> set[int]:
+        """Storages of the copies the last forward moved to host memory (for accounting)."""
+        return {k.storage for k in self.kept if k.memory == "host"}
+
+    def kept_names(self) -> dict[int, str]:
+        """Storage of each copy the last forward kept -> its tag(s), ``/``-joined."""
+        return {k.storage: "/".join(k.names) for k in self.kept}
+
+    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+        self.kept = []
+        if not self.policy.remat:
+            return run_layers(layers, x, mask)
+        if self.policy.nested:
+            if self.translation == "stock":
+                return self._sequential(layers, x, mask)
+            return self._two_level(layers, x, mask)
+        for i, layer in enumerate(layers):
+            x = self._checkpointed(i, layer, x, mask) if i in self.selected else layer(x, mask)
+        return x
+
+    def _sequential(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+        n = len(layers)
+        segments = -(-n // nested_segment_size(n))  # ⌈L / ⌈√L⌉⌉
+        functions = [functools.partial(layer, mask_ss=mask) for layer in layers]
+        reentrant = self.policy.use_reentrant
+        x = _grad_input(x) if reentrant else x
+        return checkpoint_sequential(functions, segments, x, use_reentrant=reentrant)
+
+    def _two_level(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+        k = nested_segment_size(len(layers))
+
+        def segment(x: torch.Tensor, start: int) -> torch.Tensor:
+            for layer in layers[start : start + k]:
+                x = checkpoint(layer, x, mask, use_reentrant=False)
+            return x
+
+        for start in range(0, len(layers), k):
+            x = checkpoint(segment, x, start, use_reentrant=False)
+        return x
+
+
+def apply_memory_policy(
+    stack: BlockStack, policy: MemoryPolicy, translation: str = "stock"
+) -> PolicyLayers:
+    """Run ``stack`` (a ``torch_ref.BlockStack``, e.g. ``decoder.blocks``) under ``policy``."""
+    runner = PolicyLayers(policy, stack.cfg, translation)
+    stack.layers_fn = runner
+    return runner
+
+
+def save_on_cpu_layers_fn(selection: LayerSelection, n_layers: int) -> Callable[..., Any]:
+    """Every tensor the selected blocks save for backward goes to host memory
+    (``torch.autograd.graph.save_on_cpu``; pinned when CUDA is present). No recompute."""
+    selected = set(selection.indices(n_layers))
+    pin = torch.cuda.is_available()
+
+    def layers_fn(layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+        for i, layer in enumerate(layers):
+            if i in selected:
+                with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                    x = layer(x, mask)
+            else:
+                x = layer(x, mask)
+        return x
+
+    return layers_fn
+
+
+class _OffloadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, anchor, *args):
+        ctx.fn = fn
+        ctx.is_tensor = [isinstance(a, torch.Tensor) for a in args]
+        ctx.non_tensors = [None if t else a for t, a in zip(ctx.is_tensor, args, strict=True)]
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        ctx.devices = [t.device for t in tensors]
+        ctx.requires = [t.requires_grad for t in tensors]
+        pin = torch.cuda.is_available()
+        host = []
+        for t in tensors:
+            copy = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            host.append(copy.copy_(t.detach(), non_blocking=pin))
+        ctx.save_for_backward(*host)
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        tensors = [
+            t.to(d, non_blocking=True).requires_grad_(r)
+            for t, d, r in zip(ctx.saved_tensors, ctx.devices, ctx.requires, strict=True)
+        ]
+        it = iter(tensors)
+        args = [
+            next(it) if is_t else a for is_t, a in zip(ctx.is_tensor, ctx.non_tensors, strict=True)
+        ]
+        with torch.enable_grad():
+            out = ctx.fn(*args)
+        # Accumulates into the parameters inside fn, and into the inputs that require grad.
+        torch.autograd.backward(out, grad_out)
+        grads = iter(t.grad if t.requires_grad else None for t in tensors)
+        return (None, None, *[next(grads) if is_t else None for is_t in ctx.is_tensor])
+
+
+class OffloadCheckpoint:
+    """The seeds' ``OffloadFunction``, made correct and general.
+
+    ``OffloadCheckpoint.apply(fn, *args)`` runs ``fn(*args)`` without building a graph and keeps
+    only the tensor arguments, in host memory. Backward brings them back, re-runs the real ``fn``
+    with grad enabled and back-propagates through it, so parameters inside ``fn`` receive their
+    gradients and every tensor argument that requires grad gets its own. (The seed's version
+    recomputed a placeholder ``input * 2`` and dropped parameter gradients.) ``fn`` must be
+    deterministic: no RNG state is replayed.
+
+    An ``autograd.Function`` runs its backward only if one of its inputs requires grad, and a
+    block's parameters are not inputs: with an input that does not require grad (a frozen first
+    layer, a block stack fed raw features) the parameters would silently get no gradient. An
+    empty anchor tensor that requires grad is passed along, as FairScale's ``checkpoint_wrapper``
+    does with its dummy tensor.
+    """
+
+    @staticmethod
+    def apply(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+        return _OffloadFunction.apply(fn, anchor, *args)
+
+
+def offload_checkpoint_layers_fn(selection: LayerSelection, n_layers: int) -> Callable[..., Any]:
+    """Selected blocks run through ``OffloadCheckpoint``: only their input is kept, on host."""
+    selected = set(selection.indices(n_layers))
+
+    def layers_fn(layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+        for i, layer in enumerate(layers):
+            x = OffloadCheckpoint.apply(layer, x, mask) if i in selected else layer(x, mask)
+        return x
+
+    return layers_fn

@@ -1,0 +1,188 @@
+"""Optimizers and the training step, mirroring ``jaxmem.train`` in plain PyTorch: autocast +
+GradScaler for mixed precision, the seeds' accumulation loop corrected to normalise by the whole
+batch's valid-token count, and a CPU-offloading optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from jaxmem.config import OptimizerConfig
+from jaxmem.precision import Precision
+from torch_ref.loss import cross_entropy_sum
+
+TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
+    """Decay matrices and embedding tables (ndim >= 2); not biases or LayerNorm weights —
+    the same split as ``jaxmem.train.decay_mask``."""
+    params = list(params)
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _optimizer(params: Iterable[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    groups = param_groups(params, cfg.weight_decay)
+    # foreach=False: the plain per-parameter loop, the reference arithmetic order.
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=(cfg.b1, cfg.b2), eps=cfg.eps, foreach=False
+        )
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=False)
+    if cfg.name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=False)
+    raise ValueError(f"optimizer={cfg.name!r} is not supported")
+
+
+def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return _optimizer(model.parameters(), cfg)
+
+
+class HybridDeviceOptimizer:
+    """Megatron-LM's HybridDeviceOptimizer idea, written plainly.
+
+    The first ``offload_fraction`` of the parameters (by element count, in model order) get an
+    fp32 master copy and their optimizer state in host memory, and are updated there by a CPU
+    optimizer; their gradients go to the host before the update and the new values come back
+    after. The rest is updated on the device as usual. With fraction 1.0 no optimizer state
+    lives on the device.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        cfg: OptimizerConfig,
+        offload_fraction: float,
+        make: Callable[
+            [Iterable[nn.Parameter], OptimizerConfig], torch.optim.Optimizer
+        ] = _optimizer,
+    ):
+        if not 0.0 <= offload_fraction <= 1.0:
+            raise ValueError(f"offload_fraction={offload_fraction!r} must be in [0, 1]")
+        params = [p for p in params if p.requires_grad]
+        total = sum(p.numel() for p in params)
+        budget, used = offload_fraction * total, 0
+        self.offloaded: list[tuple[nn.Parameter, nn.Parameter]] = []  # (device param, host master)
+        on_device: list[nn.Parameter] = []
+        for p in params:
+            if used + p.numel() <= budget:
+                master = nn.Parameter(p.detach().to("cpu", torch.float32, copy=True))
+                self.offloaded.append((p, master))
+                used += p.numel()
+            else:
+                on_device.append(p)
+        self.offloaded_numel = used
+        self.host = make([m for _, m in self.offloaded], cfg) if self.offloaded else None
+        self.device = make(on_device, cfg) if on_device else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in (self.host, self.device):
+            if opt is not None:
+                opt.zero_grad(set_to_none=set_to_none)
+        for p, _ in self.offloaded:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, master in self.offloaded:
+            master.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
+        if self.host is not None:
+            self.host.step()
+        for p, master in self.offloaded:
+            p.copy_(master.to(p.device, p.dtype, non_blocking=True))
+        if self.device is not None:
+            self.device.step()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [
+            t
+            for opt in (self.host, self.device)
+            if opt is not None
+            for state in opt.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        ]
+
+
+def split_microbatches(batch: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor]]:
+    b = next(iter(batch.values())).shape[0]
+    if b % k:
+        raise ValueError(f"batch size {b} is not divisible by accum steps {k}")
+    return [
+        {key: v[i * (b // k) : (i + 1) * (b // k)] for key, v in batch.items()} for i in range(k)
+    ]
+
+
+def accumulate_grads(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    precision: Precision,
+    accum_steps: int = 1,
+    scaler: torch.amp.GradScaler | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward over ``accum_steps`` microbatches, leaving the batch's mean-loss gradient in
+    ``.grad`` (scaled by ``scaler`` if given). Returns ``(loss_sum, n_tokens)`` of the batch.
+
+    The seeds' loop divides each microbatch loss by ``accum_steps`` — a mean of means, wrong
+    whenever microbatches hold different numbers of valid tokens. Here every microbatch's summed
+    loss is divided by the whole batch's valid-token count, so the accumulated gradient is the
+    big batch's mean gradient exactly.
+    """
+    mask = batch.get("mask")
+    n_total = (
+        mask.float().sum() if mask is not None else torch.tensor(float(batch["targets"].numel()))
+    )
+    device = batch["inputs"].device.type
+    loss_sum_total = None  # summed on the device, in the loss's dtype
+    for micro in split_microbatches(batch, accum_steps):
+        with torch.autocast(
+            device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
+        ):
+            logits = model(micro["inputs"])
+        loss_sum, _ = cross_entropy_sum(logits, micro["targets"], micro.get("mask"))
+        loss = loss_sum / n_total
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum = loss_sum.detach()
+        loss_sum_total = loss_sum if loss_sum_total is None else loss_sum_total + loss_sum
+    return loss_sum_total, n_total
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | HybridDeviceOptimizer,
+    batch: dict[str, torch.Tensor],
+    *,
+    precision: Precision,
+    accum_steps: int = 1,
+    scaler: torch.amp.GradScaler | None = None,
+) -> dict[str, torch.Tensor]:
+    """One optimizer step over ``batch`` in ``accum_steps`` microbatches (see
+    ``accumulate_grads``); with a ``scaler`` a step with inf/nan gradients is skipped."""
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, n_tokens = accumulate_grads(
+        model, batch, precision=precision, accum_steps=accum_steps, scaler=scaler
+    )
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return {"loss": loss_sum / n_tokens, "n_tokens": n_tokens}
+
+
+def make_scaler(precision: Precision, device: str = "cpu") -> torch.amp.GradScaler | None:
+    """GradScaler with its defaults (init 2**16, growth 2 every 2000 finite steps, backoff 0.5)
+    when the precision asks for dynamic loss scaling."""
+    return torch.amp.GradScaler(device) if precision.loss_scale == "dynamic" else None

@@ -1,0 +1,186 @@
+"""The architecture, checked: jaxmem's core imports no PyTorch, torch_ref imports no JAX, the
+comparison wing (``jaxmem.compare``) is the only code that imports both, jaxmem's pure modules
+import neither framework, and a JAX-only install (PyTorch unimportable) trains."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+JAX_FAMILY = ("jax", "jaxlib", "flax", "optax", "orbax")
+TORCH_FAMILY = ("torch", "torch_ref")
+# jaxmem modules that import neither framework: the data both sides share
+PURE = (
+    "jaxmem.config",
+    "jaxmem.policy",
+    "jaxmem.precision",
+    "jaxmem.data",
+    "jaxmem.files",
+    "jaxmem.figures",
+    "jaxmem.memory.analytic",
+    "jaxmem.train.job",
+    "jaxmem.train.loop",
+    "jaxmem.train.layout",
+    "jaxmem.compare.tolerances",
+)
+
+
+def modules(package: str) -> list[str]:
+    base = ROOT / package
+    return sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for p in base.rglob("*.py")
+    )
+
+
+def imported(module: str) -> set[str]:
+    """Every module ``module``'s source imports, at any depth of the file (lazy imports too)."""
+    path = ROOT / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = ROOT / module.replace(".", "/") / "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            # `from package import submodule` imports the submodule too
+            out |= {
+                f"{node.module}.{a.name}"
+                for a in node.names
+                if (ROOT / node.module.replace(".", "/") / f"{a.name}.py").exists()
+            }
+    return out
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def loaded_after(code: str, block_torch: bool = False) -> set[str]:
+    """Top-level packages in ``sys.modules`` after running ``code`` in a fresh interpreter."""
+    prelude = BLOCK_TORCH if block_torch else ""
+    script = prelude + code + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {top(m) for m in json.loads(proc.stdout.splitlines()[-1])}
+
+
+# PyTorch made unimportable, as in an environment with `pip install .` only.
+BLOCK_TORCH = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class _NoTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in ("torch", "torch_ref"):
+                raise ModuleNotFoundError(f"No module named {name!r} (JAX-only install)")
+            return None
+
+    sys.meta_path.insert(0, _NoTorch())
+    """
+)
+
+
+def test_the_core_imports_no_pytorch_anywhere_in_its_source():
+    core = [m for m in modules("jaxmem") if not m.startswith("jaxmem.compare")]
+    offenders = {m: {i for i in imported(m) if top(i) in TORCH_FAMILY} for m in core}
+    assert not {m: v for m, v in offenders.items() if v}
+    # and none of it imports the comparison wing, which would pull PyTorch in
+    assert not {
+        m
+        for m in core
+        if any(i.startswith("jaxmem.compare") for i in imported(m)) and m != "jaxmem.cli"
+    }
+
+
+def test_the_cli_reaches_the_comparison_wing_only_lazily():
+    """The CLI imports jaxmem.compare inside the commands that compare, never at start."""
+    tree = ast.parse((ROOT / "jaxmem/cli.py").read_text())
+    at_start = {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module} | {
+        a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names
+    }
+    assert not {m for m in at_start if top(m) in (*TORCH_FAMILY, *JAX_FAMILY)}
+    assert not {m for m in at_start if m.startswith("jaxmem.compare")}
+
+
+def test_torch_ref_imports_no_jax_and_only_jaxmems_pure_modules():
+    for m in modules("torch_ref"):
+        names = imported(m)
+        assert not {i for i in names if top(i) in JAX_FAMILY}, m
+        assert {i for i in names if top(i) == "jaxmem"} <= set(PURE), (m, names)
+
+
+def test_pure_modules_import_no_framework_in_their_source():
+    for m in PURE:
+        assert not {i for i in imported(m) if top(i) in (*JAX_FAMILY, *TORCH_FAMILY)}, m
+        assert not {
+            i
+            for i in imported(m)
+            if i.startswith("jaxmem.") and i not in PURE and i != "jaxmem.train.checkpoint"
+        }, m
+
+
+def test_importing_the_core_loads_no_pytorch_and_torch_ref_loads_no_jax():
+    core = [m for m in modules("jaxmem") if not m.startswith("jaxmem.compare")]
+    loaded = loaded_after("\n".join(f"import {m}" for m in core))
+    assert "jax" in loaded and not loaded & set(TORCH_FAMILY)
+    loaded = loaded_after("\n".join(f"import {m}" for m in modules("torch_ref")))
+    assert "torch" in loaded and not loaded & set(JAX_FAMILY)
+    loaded = loaded_after("\n".join(f"import {m}" for m in PURE))
+    assert not loaded & {*JAX_FAMILY, *TORCH_FAMILY}
+
+
+def test_a_jax_only_install_trains(tmp_path):
+    """`pip install .` without the torch extra: `jaxmem train` works and loads no PyTorch;
+    asking for PyTorch gives one line naming the extra (CI also checks a real fresh venv)."""
+    out = tmp_path / "run"
+    code = (
+        "from jaxmem.cli import main\n"
+        f"assert main(['train', '--preset', 'tiny', '--steps', '5', '--batch-size', '4', "
+        f"'--seq-len', '32', '--sample-tokens', '8', '--out', {str(out)!r}]) == 0\n"
+    )
+    loaded = loaded_after(code, block_torch=True)
+    assert not loaded & set(TORCH_FAMILY)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH + "from jaxmem.cli import main\nmain(['parity'])"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "jaxmem parity: error: jaxmem parity needs PyTorch, which is not installed: "
+        "pip install 'jaxmem[torch]'"
+    )
+
+
+@pytest.mark.parametrize("package", ["jaxmem", "torch_ref"])
+def test_no_import_cycles_between_modules(package):
+    """A module never imports one that (through the same package) imports it back."""
+    known = set(modules("jaxmem") + modules("torch_ref"))
+    graph = {m: imported(m) & known for m in known}
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cycles = [m for m in modules(package) if m in reach(m)]
+    assert not cycles
