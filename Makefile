@@ -37,7 +37,7 @@ check-jax-only:
 	  assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_ref')]; print('jaxmem imports without torch')"
 	cd $(JAX_ONLY) && bin/jaxmem train --preset tiny --steps 5 --batch-size 4 --seq-len 32 --sample-tokens 0 --out run
 	cd $(JAX_ONLY) && ! bin/jaxmem parity 2> err.txt && grep -q "pip install 'jaxmem\[torch\]'" err.txt && cat err.txt
-	rm -rf $(JAX_ONLY)
+	rm -rf $(JAX_ONLY) build
 
 lint: $(STAMP)
 	$(BIN)/ruff check jaxmem torch_ref tests parity_tests benchmarks

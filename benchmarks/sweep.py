@@ -1,5 +1,5 @@
 """Memory, FLOPs and step time across strategies, JAX vs PyTorch, with plots: the same sweep as
-``jaxmem bench`` (see ``jaxmem/bench.py`` for the axes and what each figure is).
+``jaxmem bench`` (see ``jaxmem/compare/bench.py`` for the axes and what each figure is).
 
     python benchmarks/sweep.py        # a few minutes on 2 CPU cores; writes benchmarks/results
 """

@@ -168,7 +168,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ train
-# flag -> (section, key) of jaxmem.job.JobConfig.to_dict(); None values (flag not given) are
+# flag -> (section, key) of jaxmem.train.job.JobConfig.to_dict(); None values (flag not given) are
 # skipped, so a flag overrides the config file only when given.
 TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "preset": ("", "preset"),

@@ -9,29 +9,11 @@ import numpy as np
 
 from jaxmem import cli
 from jaxmem.compare.tolerances import tolerance
-from tests.test_train import metrics, train
+from tests.test_train import check_non_finite_stop, metrics, train
 
 
 def test_non_finite_loss_stops_the_torch_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
-    out = tmp_path / "run"
-    code = train(
-        "--framework",
-        "torch",
-        "--steps",
-        "20",
-        "--checkpoint-every",
-        "1",
-        "--set",
-        "optimizer.lr=1e30",
-        "--out",
-        str(out),
-    )
-    assert code == cli.EXIT_RUN_FAILED
-    err = capsys.readouterr().err
-    assert "loss became nan at step 2" in err or "loss became inf at step 2" in err
-    assert "last good checkpoint: step 1" in err
-    assert os.listdir(out / "checkpoints") == ["1"]
-    assert [r["step"] for r in metrics(out)] == [1]
+    check_non_finite_stop(tmp_path, capsys, "torch")
 
 
 def test_torch_framework_trains_the_same_job_to_the_same_losses(tmp_path):

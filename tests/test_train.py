@@ -285,11 +285,13 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_losses_step_for_step(tmp_
     assert [r.get("val_loss") for r in res] == [r.get("val_loss") for r in ref]
 
 
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
-    """(The same for ``--framework torch``: parity_tests/test_torch_job.py.)"""
+def check_non_finite_stop(tmp_path, capsys, framework: str) -> None:
+    """An absurd learning rate: AdamW moves every weight by ~1e30 and the next loss is not
+    finite; the run stops before checkpointing it and names the last good checkpoint."""
     out = tmp_path / "run"
-    # an absurd learning rate: AdamW moves every weight by ~1e30 and the next loss is not finite
     code = train(
+        "--framework",
+        framework,
         "--steps",
         "20",
         "--checkpoint-every",
@@ -305,6 +307,11 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     assert "last good checkpoint: step 1" in err
     assert os.listdir(out / "checkpoints") == ["1"]
     assert [r["step"] for r in metrics(out)] == [1]
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    """(The same for ``--framework torch``: parity_tests/test_torch_job.py.)"""
+    check_non_finite_stop(tmp_path, capsys, "jax")
 
 
 def test_out_of_memory_reports_the_plan_and_a_cheaper_policy(tmp_path, monkeypatch, capsys):

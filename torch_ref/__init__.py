@@ -1,6 +1,14 @@
-"""torch_ref: the plain, eager PyTorch mirror of jaxmem, used as the oracle in parity tests.
+"""torch_ref: the same decoder and memory strategies in plain, eager PyTorch, written as a
+PyTorch user would write them: the oracle of the parity suite and the other column of every
+benchmark.
 
-Module names mirror jaxmem's (``config`` is shared: ``jaxmem.config`` imports no JAX).
+Imports no JAX: only jaxmem's pure-data modules (``jaxmem.config``, ``jaxmem.policy``,
+``jaxmem.precision``, ``jaxmem.data``, ``jaxmem.train.layout``), so a policy or config object
+means the same thing on both sides. Modules: ``model``, ``remat`` (a ``MemoryPolicy`` in stock
+PyTorch, and torch_ref's labelled ``lean`` extension), ``train`` (autocast + GradScaler,
+accumulation, optimizers), ``memory`` (live-tensor and saved-tensor accounting), ``loss``,
+``checkpoint``, ``generate``, ``seed_example``. What needs both frameworks (weights from jaxmem,
+parity, benchmarks, ``jaxmem train --framework torch``) is ``jaxmem.compare``.
 """
 
 from torch_ref.model import Block, BlockStack, Decoder, FeedForward, SelfAttention

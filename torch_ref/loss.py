@@ -1,4 +1,5 @@
-"""Losses mirroring ``jaxmem.loss``: each returns a sum and a count, divided once by the caller."""
+"""Losses mirroring ``jaxmem.model.loss``: each returns a sum and a count, divided once by the
+caller."""
 
 from __future__ import annotations
 

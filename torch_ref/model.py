@@ -194,7 +194,7 @@ class Decoder(nn.Module):
 
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
     """GPT-2 initialisation, the same distributions as jaxmem (not the same draws: parity tests
-    copy weights across with ``jaxmem.weights``)."""
+    copy weights across with ``jaxmem.compare.weights``)."""
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     for name, p in module.named_parameters():
         if name.endswith(("out_proj.weight", "ffn.2.weight")):

@@ -73,7 +73,7 @@ def jax_loss_and_grads(
         loss_sum, n = cross_entropy_sum(logits, jnp.asarray(targets))
         return loss_sum / n, logits
 
-    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, logits), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
     return float(loss), np.asarray(logits), to_torch_state_dict(nnx.merge(graphdef, grads))
 
 

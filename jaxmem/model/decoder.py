@@ -68,7 +68,7 @@ class LayerNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
         self.dtype = dtype
         self.eps = cfg.layer_norm_eps
-        # nnx.LayerNorm holds the parameters (scale, bias); the math is jaxmem.ops.layer_norm,
+        # nnx.LayerNorm holds the parameters (scale, bias); the math is jaxmem.model.ops.layer_norm,
         # whose backward keeps only the input and per-row statistics.
         self.norm = nnx.LayerNorm(
             cfg.d_model,
@@ -223,7 +223,7 @@ class BlockStack(nnx.Module):
 
     def __call__(self, x_bsd: Array, *, layers_fn: LayersFn | None = None) -> Array:
         """Apply every block. ``layers_fn(layer_fn, x, stacked_state)`` decides how (default:
-        ``scan_layers``); memory policies pass their own (see ``jaxmem.remat``)."""
+        ``scan_layers``); memory policies pass their own (see ``jaxmem.memory.remat``)."""
         seq_len = x_bsd.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(
