@@ -90,15 +90,15 @@ def assert_close_dicts(actual, expected, tol):
     assert diff.passed, f"{diff.failures} (max abs {diff.max_abs:.3e})"
 
 
-# Every policy × precision without accumulation; with two microbatches, the policies whose
-# structure a scan over microbatches could interact with (none, a named keep, host offload and
-# the two-level nested scan). Accumulation itself is policy-independent (summed, divided once).
+# Every policy × precision without accumulation; with two microbatches, every structure a scan
+# over microbatches could interact with: none, full remat, a named keep (dots and mlp are
+# selective's structure with other names), host offload and the two-level nested scan.
 MATRIX = [
     (policy, precision, accum)
     for policy in sorted(POLICIES)
     for precision in ("fp32", "bf16")
     for accum in (1, 2)
-    if accum == 1 or policy in ("none", "selective", "offload", "nested")
+    if accum == 1 or policy in ("none", "full", "selective", "offload", "nested")
 ]
 
 
