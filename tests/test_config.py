@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from flax import nnx
 
 from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig, get_preset
 from jaxmem.model import Decoder
+from jaxmem.policy import POLICIES, LayerSelection, MemoryPolicy, policy_from_dict, policy_to_dict
+from jaxmem.precision import FP64, PRECISIONS
+from jaxmem.train.job import JobConfig
 from jaxmem.train.step import tree_bytes
 
 
@@ -86,3 +90,36 @@ def test_configs_are_frozen():
 def test_bad_optimizer_values_are_named(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
         OptimizerConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        *POLICIES.values(),
+        POLICIES["full"].replace(layers=LayerSelection(every=2), use_reentrant=True),
+        POLICIES["selective"].replace(layers=LayerSelection(layers=(0, 2))),
+        MemoryPolicy.custom({"mlp_up": "device", "norm1_out": "offload"}),
+        MemoryPolicy.custom({"attn_out": "offload"}, layers=LayerSelection(first=1)),
+    ],
+    ids=lambda p: f"{p.name}-{p.layers}",
+)
+def test_memory_policies_round_trip_through_the_run_config(policy):
+    """Names at the file boundary only: a run config's [memory] section reads back to the very
+    same MemoryPolicy object (JobConfig holds objects)."""
+    section = json.loads(json.dumps(policy_to_dict(policy)))  # as a file gives it back
+    assert policy_from_dict(section) == policy
+    job = JobConfig.from_dict({"preset": "tiny", "model": {"n_layers": 3}, "memory": section})
+    assert job.memory == policy and JobConfig.from_dict(job.to_dict()) == job
+
+
+def test_a_job_holds_objects_and_refuses_what_a_file_cannot_name():
+    job = JobConfig.from_dict({"preset": "tiny", "precision": "bf16"})
+    assert job.precision == PRECISIONS["bf16"] and job.memory == POLICIES["none"]
+    with pytest.raises(ConfigError, match="'fp64' is not one of the named precisions"):
+        JobConfig(preset="tiny", model=PRESETS["tiny"], precision=FP64)
+    with pytest.raises(ConfigError, match="must be a MemoryPolicy"):
+        JobConfig(preset="tiny", model=PRESETS["tiny"], memory="selective")
+    with pytest.raises(ConfigError, match="cannot be written to a run config"):
+        policy_to_dict(MemoryPolicy(name="mine", save_dots=True))
+    with pytest.raises(ConfigError, match="layer indices \\[5\\] are out of range"):
+        JobConfig.from_dict({"preset": "tiny", "memory": {"policy": "full", "layers": [5]}})

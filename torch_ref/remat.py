@@ -270,11 +270,16 @@ class _ReplayMode(TorchDispatchMode):
 
 # ------------------------------------------------------------------------------------ policy
 def resolve_translation(policy: MemoryPolicy, translation: str) -> Translation:
-    """The translation that runs: ``stock`` unless asked for ``lean`` or the policy offloads by
-    name (no stock API in eager PyTorch)."""
+    """The translation that runs: ``lean`` where the policy offloads by name (no stock API in
+    eager PyTorch), ``stock`` where the extension would run what stock runs (no remat, or whole
+    blocks without names), else the one asked for."""
     if translation not in TRANSLATIONS:
         raise ConfigError(f"translation={translation!r} is not one of {TRANSLATIONS}")
-    return "lean" if policy.offload else translation  # type: ignore[return-value]
+    if policy.offload:
+        return "lean"
+    if not (policy.remat and (policy.is_named or policy.nested)):
+        return "stock"
+    return translation  # type: ignore[return-value]
 
 
 def describe(policy: MemoryPolicy, translation: str) -> str:

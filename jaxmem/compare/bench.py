@@ -92,7 +92,10 @@ QUICK = SweepPlan(
 def has_lean(policy: MemoryPolicy) -> bool:
     """Whether torch_ref's lean extension runs something other than the stock translation (and
     stock exists): named policies without offload, and nested."""
-    return policy.remat and (policy.is_named or policy.nested) and not policy.offload
+    return (
+        resolve_translation(policy, "lean") == "lean"
+        and resolve_translation(policy, "stock") == "stock"
+    )
 
 
 def torch_point(

@@ -40,7 +40,7 @@ from jaxmem.config import (
     require,
 )
 from jaxmem.policy import MemoryPolicy, describe_kept, policy_from_dict, policy_to_dict
-from jaxmem.precision import Precision, get_precision
+from jaxmem.precision import PRECISIONS, Precision, get_precision
 
 FRAMEWORKS: tuple[str, ...] = ("jax", "torch")
 
@@ -184,6 +184,11 @@ class JobConfig:
         require(
             isinstance(self.precision, Precision),
             f"precision={self.precision!r} must be a Precision (names belong in config files)",
+        )
+        require(
+            PRECISIONS.get(self.precision.name) == self.precision,
+            f"precision {self.precision.name!r} is not one of the named precisions "
+            f"({', '.join(PRECISIONS)}): a run config names its precision",
         )
         self.memory.layers.indices(self.model.n_layers)  # layer indices exist in this model
         require(
