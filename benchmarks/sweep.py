@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
-from jaxmem.compare.bench import DEFAULT, run_sweep
+from jaxmem.compare.bench import DEFAULT, run_sweep, set_threads
 
 if __name__ == "__main__":
-    run_sweep(DEFAULT, "benchmarks/results", progress=print)
+    set_threads()  # every usable core, set explicitly for both frameworks, before JAX starts
+    result = run_sweep(DEFAULT, "benchmarks/results", progress=print)
+    if result["meta"]["busy_warning"]:
+        print(f"warning: {result['meta']['busy_warning']}")

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 
+from jaxmem import __version__
 from jaxmem.config import (
     PLANNING_ONLY,
     PRESETS,
@@ -31,7 +32,8 @@ from jaxmem.train.job import FRAMEWORKS
 
 EXIT_USAGE = 2
 EXIT_PARITY_FAILED = 1
-EXIT_RUN_FAILED = 1  # a training run stopped at run time (non-finite loss, out of memory)
+EXIT_RUN_FAILED = 1  # a training run stopped at run time (non-finite loss, out of memory, disk)
+EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM (128 + SIGINT), after saving the step
 TORCH_EXTRA = "pip install 'jaxmem[torch]'"
 
 
@@ -56,13 +58,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed: use 0 .. {2**32 - 1}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{value} must be positive and finite")
     return value
 
 
@@ -81,17 +93,51 @@ def need_torch(what: str) -> None:
         raise UsageError(f"{what} needs PyTorch, which is not installed: {TORCH_EXTRA}")
 
 
-def _check_writable_json(path: str | None) -> None:
+def need_jax_backend() -> None:
+    """One line and exit 2 when JAX cannot start the backend ``JAX_PLATFORMS`` asks for (it
+    raises a bare AssertionError or RuntimeError on first use)."""
+    import jax
+
+    try:
+        jax.devices()
+    except Exception as e:  # jax raises AssertionError / RuntimeError, varying by version
+        wanted = os.environ.get("JAX_PLATFORMS", "")
+        if any(p in wanted.lower() for p in ("cuda", "gpu")):
+            raise UsageError(
+                f"JAX has no CUDA backend here (JAX_PLATFORMS={wanted!r}): install "
+                "'jaxmem[cuda]' on a machine with an NVIDIA driver, or unset JAX_PLATFORMS"
+            ) from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UsageError(
+            f"JAX cannot start a backend for JAX_PLATFORMS={wanted!r} ({first}); unset it or "
+            "set it to cpu"
+        ) from None
+
+
+def _check_writable_json(path: str | None, flag: str = "--json") -> None:
+    """The directory an output file goes to exists and is writable."""
     if path is None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise UsageError(f"--json {path}: directory {parent} does not exist; create it first")
+        raise UsageError(f"{flag} {path}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
-        raise UsageError(f"--json {path}: directory {parent} is not writable")
+        raise UsageError(f"{flag} {path}: directory {parent} is not writable")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a directory; give a file name")
 
 
 # ---------------------------------------------------------------------------------------- presets
+def preset_use(name: str) -> str:
+    """What a preset is for, in the words of the rules the commands apply."""
+    cfg = PRESETS[name]
+    if not cfg.causal:
+        return "seed-example, memory (no causal mask: not a language model to train)"
+    if name in PLANNING_ONLY:
+        return "memory plans it from shapes; train (a GPU's work)"
+    return "train, memory, parity, bench"
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -114,7 +160,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
             str(cfg.max_seq_len),
             cfg.norm,
             cfg.activation,
-            "planning" if name in PLANNING_ONLY else "train",
+            preset_use(name),
         )
     console = Console()
     Console(width=max(console.width, 100)).print(table)  # never wrap the columns
@@ -136,6 +182,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
             "runs both frameworks in float64 and fp32 on this machine: use tiny, small or seed"
         )
     need_torch("jaxmem parity")
+    need_jax_backend()
     _check_writable_json(args.json)
     from jaxmem.compare.parity import run_parity
 
@@ -209,7 +256,7 @@ def resolve_job(args: argparse.Namespace):
         from jaxmem.train.checkpoint import latest_checkpoint
 
         # either framework's checkpoint layout is read; its config says which one it was
-        _, saved = latest_checkpoint(args.out, args.framework or "jax")
+        _, saved, _ = latest_checkpoint(args.out)
         layered = saved or {}
     if args.config:
         layered = merge(layered, read_config_file(args.config))
@@ -244,18 +291,27 @@ def cmd_train(args: argparse.Namespace) -> int:
         need_torch("jaxmem train --framework torch")
         from jaxmem.compare import torch_run as framework
     else:
+        need_jax_backend()
         from jaxmem.train import run as framework
-    from jaxmem.train.loop import RunFailed
+    from jaxmem.train.loop import RunFailed, RunInterrupted
 
     try:
         prepared = framework.prepare(job, args.out, resume=args.resume)
+        framework.run_training(prepared)
     except (ConfigError, DataError, CheckpointError) as e:
         raise UsageError(str(e)) from None
-    try:
-        framework.run_training(prepared)
     except RunFailed as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
+    except RunInterrupted as e:
+        print(f"jaxmem train: {e}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print(
+            "jaxmem train: interrupted; nothing saved since the last checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     return 0
 
 
@@ -274,31 +330,45 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plot(args: argparse.Namespace) -> int:
-    from jaxmem.train.loop import plot_losses
+PLOT_FORMATS = (".png", ".pdf", ".svg")
 
-    runs = []
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from jaxmem.train.job import read_config_file
+    from jaxmem.train.loop import plot_losses, read_metrics
+
+    out = args.out
+    ext = os.path.splitext(out)[1].lower()
+    if not ext:
+        out += ".png"
+    elif ext not in PLOT_FORMATS:
+        raise UsageError(f"--out {out}: give a {', '.join(PLOT_FORMATS)} file")
+    _check_writable_json(out, "--out")
+    runs, notes = [], []
     for run_dir in args.runs:
         path = os.path.join(run_dir, "metrics.jsonl")
         if not os.path.isfile(path):
             raise UsageError(
                 f"{run_dir} has no metrics.jsonl; give run directories of jaxmem train"
             )
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records, partial = read_metrics(path)
+        if partial:
+            notes.append(f"{path}: skipped {partial} unreadable line(s) (a run killed mid-write)")
         if not records:
-            raise UsageError(f"{path} is empty; the run logged no step yet")
+            raise UsageError(f"{path} holds no step yet; the run logged nothing")
         label = os.path.basename(os.path.normpath(run_dir))
         config = os.path.join(run_dir, "config.yaml")
         if os.path.isfile(config):
-            from jaxmem.train.job import read_config_file
-
-            run = read_config_file(config).get("run", {})
+            try:
+                run = read_config_file(config).get("run", {})
+            except ConfigError as e:
+                raise UsageError(str(e)) from None
             label = f"{label} ({run.get('framework', 'jax')})"
         runs.append((label, records))
-    _check_writable_json(args.out)
-    plot_losses(runs, args.out)
-    print(f"wrote {args.out}: loss curves of {len(runs)} run(s)")
+    plot_losses(runs, out)
+    for note in notes:
+        print(note, file=sys.stderr)
+    print(f"wrote {out}: loss curves of {len(runs)} run(s)")
     return 0
 
 
@@ -307,7 +377,8 @@ MEMORY_FRAMEWORKS = ("jax", "torch", "torch-lean")
 
 
 def _names(text: str, valid: Sequence[str], what: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    """Comma-separated names, each once, in the order given."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     bad = [n for n in names if n not in valid]
     if bad or not names:
         raise UsageError(f"unknown {what} {bad or [text]}; choose from: {', '.join(valid)}")
@@ -341,8 +412,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
             f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
             f"use at most {cfg.max_seq_len}"
         )
+    if planning and "jax" not in frameworks:
+        raise UsageError(
+            f"--preset {args.preset_name} is planned from shapes in JAX only (torch_ref needs "
+            "real weights): add jax to --frameworks, or measure tiny or small in torch"
+        )
     _check_writable_json(args.json)
     if "jax" in frameworks:
+        need_jax_backend()
         from jaxmem.memory.remat import check_backend
 
         try:
@@ -365,6 +442,12 @@ def cmd_memory(args: argparse.Namespace) -> int:
     for name in policies:
         policy = get_policy(name)
         for fw in frameworks:
+            console.print(
+                f"measuring {fw} {name}"
+                + (" (compiling the train step from shapes)" if planning else "")
+                + "...",
+                style="dim",
+            )
             if fw == "jax":
                 from jaxmem.memory.records import jax_record
 
@@ -416,7 +499,8 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
         "compiled temp",
         "opt state",
         "GFLOP (hw / model)",
-        "peak",
+        "planned peak",
+        "runtime peak",
     ):
         table.add_column(col, justify="left" if col in ("framework", "policy") else "right")
     for r in records:
@@ -430,7 +514,11 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
             "-" if temp is None else format_bytes(temp),
             format_bytes(r["opt_state_bytes"]),
             f"{r['flops'] / 1e9:,.1f} / {r['model_flops'] / 1e9:,.1f}",
-            format_bytes(r["peak_bytes"]),
+            *(
+                (format_bytes(r["peak_bytes"]), "-")
+                if r["peak_source"].startswith("compiled plan")
+                else ("-", format_bytes(r["peak_bytes"]))
+            ),
         )
     wide = Console(file=console.file, width=max(console.width, 150))
     wide.print(table)
@@ -451,12 +539,18 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
     )
     for fw, policy, how in translations:
         wide.print(f"  {fw} {policy}: {how}")
+    wide.print(
+        "  planned peak = a compiled plan (arguments + outputs - aliased + temporaries), runtime "
+        "peak = measured while the step ran: different kinds of figure, kept in two columns"
+    )
     for r in records:
-        if r["framework"].startswith("torch"):
+        if not r["framework"].startswith("torch"):
+            continue
+        hooks = r["hook_saved_bytes_device"] + r["hook_saved_bytes_host"]
+        if hooks != r["saved_activation_bytes_device"] + r["saved_activation_bytes_host"]:
             wide.print(
-                f"  {r['framework']} {r['policy']}: saved-tensor hooks see "
-                f"{format_bytes(r['hook_saved_bytes_device'] + r['hook_saved_bytes_host'])} "
-                "(blind to what selective checkpointing caches itself)"
+                f"  {r['framework']} {r['policy']}: saved-tensor hooks see {format_bytes(hooks)} "
+                "(blind to what selective checkpointing or the extension keeps itself)"
             )
     wide.print(
         "  process max RSS: "
@@ -522,7 +616,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
     need_torch("jaxmem bench")
-    from jaxmem.compare.bench import DEFAULT, QUICK, run_sweep
+    from jaxmem.compare.bench import DEFAULT, QUICK, run_sweep, set_threads, usable_cores
+
+    if args.threads is not None and args.threads > usable_cores():
+        raise UsageError(
+            f"--threads {args.threads}: this process may use {usable_cores()} cores; use at "
+            "most that"
+        )
+    set_threads(args.threads)  # before JAX starts its CPU backend, which sizes its pool then
+    need_jax_backend()
 
     plan = QUICK if args.quick else DEFAULT
     overrides = {
@@ -567,6 +669,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     console = Console()
     result = run_sweep(plan, out, progress=lambda m: console.log(m))
+    if result["meta"]["busy_warning"]:
+        console.print(f"[yellow]warning: {result['meta']['busy_warning']}[/]")
     console.print(open(os.path.join(out, "sweep.md")).read())
     console.print(
         f"wrote {out}/sweep.json, sweep.md, bytes_per_policy.png, memory_vs_layers.png, "
@@ -586,6 +690,7 @@ def cmd_seed_example(args: argparse.Namespace) -> int:
 
         losses = train("torch", args.steps, policy)
     else:
+        need_jax_backend()
         from jaxmem.train.seed_example import train
 
         losses = train(args.steps, policy=policy)
@@ -601,6 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decide, prove and run the cheapest memory strategy for training a "
         "transformer, in JAX (Flax NNX) and PyTorch.",
     )
+    parser.add_argument("--version", action="version", version=f"jaxmem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("presets", help="list the model presets")
@@ -620,7 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seq-len", type=_positive_int, default=None, help="default min(max_seq_len, 32)"
     )
-    p.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="weights and data seed (default 0)")
     p.add_argument(
         "--dtype",
         choices=("float64", "float32"),
@@ -687,6 +793,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=_positive_int, default=None, help="timed runs (default 10)")
     p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="threads for both frameworks: PyTorch's pool and the CPU affinity XLA sizes its "
+        "pool by (default: every usable core)",
+    )
+    p.add_argument(
         "--out", default="bench-results", help="output directory (default bench-results)"
     )
     p.set_defaults(func=cmd_bench)
@@ -750,7 +863,7 @@ def _train_parser(sub) -> None:
         "before anything is written; a run stopped by a non-finite loss or out of memory exits "
         "with code 1.",
         epilog="presets: "
-        + ", ".join(n for n in PRESETS if n not in PLANNING_ONLY and n != "seed")
+        + ", ".join(n for n in PRESETS if PRESETS[n].causal)
         + f"; policies: {', '.join(POLICIES)}; precisions: {', '.join(PRECISIONS)}; "
         "tags for --save/--offload: " + ", ".join(CHECKPOINT_NAMES),
     )
@@ -803,7 +916,7 @@ def _train_parser(sub) -> None:
     a("--steps", type=_positive_int, default=None, help=f"default {run.steps}")
     a("--batch-size", type=_positive_int, default=None, help=f"default {run.batch_size}")
     a("--seq-len", type=_positive_int, default=None, help=f"default {run.seq_len}")
-    a("--seed", type=int, default=None, help=f"weights and data order (default {run.seed})")
+    a("--seed", type=_seed, default=None, help=f"weights and data order (default {run.seed})")
     a("--eval-every", type=_positive_int, default=None, help=f"default {run.eval_every}")
     a(
         "--checkpoint-every",

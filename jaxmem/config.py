@@ -7,6 +7,7 @@ PyTorch, so ``torch_ref`` uses the very same config objects.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Literal, TypeVar
 
@@ -233,14 +234,20 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         require(self.name in OPTIMIZERS, f"optimizer={self.name!r} is not one of {OPTIMIZERS}")
         require(
-            isinstance(self.lr, float) and self.lr > 0.0,
-            f"lr={self.lr!r} must be a positive float (e.g. 3e-4)",
+            isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0.0,
+            f"lr={self.lr!r} must be a positive, finite float (e.g. 3e-4)",
         )
         for name in ("b1", "b2", "momentum"):
             value = getattr(self, name)
             require(0.0 <= value < 1.0, f"{name}={value!r} must be in [0, 1)")
-        require(self.eps > 0.0, f"eps={self.eps!r} must be positive")
-        require(self.weight_decay >= 0.0, f"weight_decay={self.weight_decay!r} must be >= 0")
+        require(
+            math.isfinite(self.eps) and self.eps > 0.0,
+            f"eps={self.eps!r} must be positive and finite",
+        )
+        require(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0.0,
+            f"weight_decay={self.weight_decay!r} must be >= 0 and finite",
+        )
         for name in ("state_memory", "params_memory"):
             value = getattr(self, name)
             require(value in MEMORY_KINDS, f"{name}={value!r} is not one of {MEMORY_KINDS}")

@@ -37,6 +37,12 @@ META_FORMAT = "jaxmem-bytes-v1"
 STDLIB_SOURCE = "Python stdlib sources (embedded default)"
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class DataError(ValueError):
     """Training data is missing, empty or malformed (the CLI maps this to exit code 2)."""
 
@@ -334,6 +340,8 @@ def prepare_bin(
         # meta.json first and train.bin last: train.bin is what marks a directory as a prepared
         # dataset, so it appears only once its companions are in place.
         for name in ("meta.json", "val.bin", "train.bin"):
+            # mkstemp makes 0600 files; a dataset is shared like any other file (umask applies)
+            os.chmod(temps[name], 0o666 & ~_umask())
             # Forget the temp name only after the rename succeeded, so cleanup still sees it.
             os.replace(temps[name], out / name)
             del temps[name]

@@ -347,7 +347,7 @@ def test_corrupt_or_missing_directories_raise_checkpoint_error(tmp_path):
     _, params, _, opt_state, _ = fresh_state()
     like = {"params_like": params, "opt_state_like": opt_state, "loss_scale_like": None}
 
-    with pytest.raises(CheckpointError, match="no complete checkpoint in .*empty"):
+    with pytest.raises(CheckpointError, match="no checkpoint that verifies in .*empty"):
         RunCheckpointer(tmp_path / "empty", keep=1).restore(**like)
 
     a_file = tmp_path / "a_file"
@@ -363,14 +363,19 @@ def test_corrupt_or_missing_directories_raise_checkpoint_error(tmp_path):
     (ckpt / "1" / "run_config" / "metadata").write_text("{truncated")
     with pytest.raises(CheckpointError, match=rf"cannot read checkpoint {ckpt}/1 .*delete or move"):
         read_config(ckpt)
+    with pytest.raises(CheckpointError, match=r"1 does not verify: file run_config/metadata has"):
+        ck.restore(1, **like)
 
     save_state(ck, 2, params, opt_state, None)
     for f in (ckpt / "2" / "params" / "d").iterdir():  # array data lost
         f.unlink()
-    with pytest.raises(CheckpointError, match=rf"cannot read checkpoint {ckpt}/2"):
+    with pytest.raises(CheckpointError, match=r"2 does not verify: file params/d/\S+ is missing"):
+        ck.restore(2, **like)
+    # neither verifies: restoring "the newest" names none of them
+    with pytest.raises(CheckpointError, match="no checkpoint that verifies"):
         ck.restore(**like)
 
     (ckpt / "3").mkdir()  # an empty step directory (copied by hand, say)
-    with pytest.raises(CheckpointError, match=rf"{ckpt}/3") as excinfo:
-        ck.restore(**like)
-    assert isinstance(excinfo.value, ValueError) and "\n" not in str(excinfo.value)
+    with pytest.raises(CheckpointError, match=rf"{ckpt}/3 does not verify: no integrity") as exc:
+        ck.restore(3, **like)
+    assert isinstance(exc.value, ValueError) and "\n" not in str(exc.value)

@@ -81,7 +81,8 @@ def test_configs_are_frozen():
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"lr": 0.0}, "lr=0.0 must be a positive float"),
+        ({"lr": 0.0}, "lr=0.0 must be a positive, finite float"),
+            ({"lr": float("inf")}, "lr=inf must be a positive, finite float"),
         ({"name": "lion"}, "optimizer='lion' is not one of"),
         ({"b2": 1.0}, "b2=1.0 must be in"),
         ({"weight_decay": -1.0}, "weight_decay=-1.0"),

@@ -28,6 +28,7 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxmem import cli  # noqa: E402
+from jaxmem.config import PRESETS, ConfigError  # noqa: E402
 from jaxmem.compare.tolerances import tolerance  # noqa: E402
 from jaxmem.train.job import JobConfig, read_config_file, write_config  # noqa: E402
 
@@ -130,15 +131,21 @@ def test_config_round_trips_through_yaml_toml_and_flags(tmp_path):
     assert resolved.model.norm == "post" and resolved.model.n_layers == 3
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small"])
-def test_every_trainable_preset_validates_and_planning_presets_are_refused(preset):
-    from jaxmem.config import PLANNING_ONLY, ConfigError
-
+@pytest.mark.parametrize("preset", sorted(n for n, c in PRESETS.items() if c.causal))
+def test_every_causal_preset_validates_and_round_trips(preset):
     job = JobConfig.from_dict({"preset": preset})
     assert JobConfig.from_dict(job.to_dict()) == job
-    for name in (*PLANNING_ONLY, "seed"):
-        with pytest.raises(ConfigError, match="not trainable on this machine"):
-            JobConfig.from_dict({"preset": name})
+
+
+def test_a_preset_without_a_causal_mask_is_refused_for_what_it_is():
+    """The seeds' layer attends both ways: trained as a language model it would see the token
+    it predicts. The rule is about the model, not the machine, and `jaxmem presets` says so."""
+    with pytest.raises(ConfigError, match="'seed' has no causal mask"):
+        JobConfig.from_dict({"preset": "seed"})
+    with pytest.raises(ConfigError, match="no causal mask"):
+        JobConfig.from_dict({"preset": "tiny", "model": {"causal": False}})
+    assert "not a language model to train" in cli.preset_use("seed")
+    assert cli.preset_use("gpt2-124m").startswith("memory plans it from shapes; train")
 
 
 def _bin_with_wrong_dtype(tmp_path):
@@ -165,7 +172,11 @@ BAD_INPUT = [
     (["--seq-len", "65"], "seq_len=65 exceeds the model's max_seq_len=64"),
     (["--steps", "0"], "0 must be a positive integer"),
     (["--lr", "-1"], "-1.0 must be positive"),
-    (["--set", "optimizer.lr=0"], "lr=0.0 must be a positive float"),
+    (["--set", "optimizer.lr=0"], "lr=0.0 must be a positive, finite float"),
+    (["--lr", "inf"], "inf must be positive and finite"),
+    (["--set", "optimizer.lr=.inf"], "lr=inf must be a positive, finite float"),
+    (["--seed", str(2**63)], f"{2**63} is not a seed: use 0 .. {2**32 - 1}"),
+    (["--set", f"run.seed={2**40}"], "seed=1099511627776 is too large"),
     (["--set", "run.steps=-3"], "steps=-3 must be a positive integer"),
     (["--set", "model.colour=blue"], "unknown setting(s) ['colour'] in [model]"),
     (["--data", "/nonexistent/corpus"], "data path /nonexistent/corpus does not exist"),
@@ -174,6 +185,14 @@ BAD_INPUT = [
     ("BAD_BIN", "is 4001 bytes, not a multiple of 2, so it is not raw uint16 tokens"),
     (["--config", "/nonexistent/job.toml"], "config file /nonexistent/job.toml does not exist"),
     (["--out", "/proc/jaxmem-run"], "is not writable"),
+    # config files a user gets wrong (written by the test into its tmp_path)
+    (("run.yaml", "run: 5\n"), "section [run] must be a table of settings, got 5"),
+    (("p.yaml", "precision: [fp32]\n"), "precision=['fp32'] must be a name"),
+    (("empty.yaml", ""), "is empty; give at least one setting"),
+    (("empty.toml", "\n"), "is empty; give at least one setting"),
+    (("dup.yaml", "run:\n  steps: 3\n  steps: 4\n"), "key 'steps' is given twice (line 3)"),
+    (("dup.json", '{"run": {"steps": 3, "steps": 4}}'), "key(s) ['steps'] given twice"),
+    (("a_dir", None), "is a directory; give a TOML/YAML/JSON file"),
 ]
 
 
@@ -186,6 +205,11 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path
         args = ["--data", _text(tmp_path, "x = 1\n" * 30)]  # 180 bytes: val split of 9 tokens
     elif args == "BAD_BIN":
         args = ["--data", _bin_with_wrong_dtype(tmp_path)]
+    elif isinstance(args, tuple):  # a config file with this text (None: a directory)
+        name, text = args
+        path = tmp_path / name
+        path.mkdir() if text is None else path.write_text(text)
+        args = ["--config", str(path)]
     out = tmp_path / "run"
     before = snapshot(tmp_path)
     with pytest.raises(SystemExit) as exc:

@@ -1,8 +1,10 @@
 """Checkpoints of a torch_ref training run, in the PyTorch layout of ``jaxmem.train.layout``.
 
 ``checkpoints/<step>/`` holds ``state.pt`` (model, optimizer and GradScaler state dicts),
-``run_config.json`` and ``meta.json``, written under a temporary name and renamed into place, so
-a killed save leaves nothing that looks complete; the last ``keep`` are kept. They load with
+``run_config.json``, ``meta.json`` and, written last, the integrity manifest
+(``jaxmem.train.layout.write_manifest``), all under a temporary name renamed into place, so a
+killed save leaves nothing that looks complete. A step counts only if its manifest verifies; the
+newest ``keep`` verified steps are kept (``layout.rotate``). They load with
 ``torch.load(weights_only=True)``: no pickled code runs.
 """
 
@@ -15,7 +17,8 @@ from typing import Any
 
 import torch
 
-from jaxmem.train.layout import META_JSON, RUN_CONFIG_JSON, CheckpointError, json_steps
+from jaxmem.train import layout
+from jaxmem.train.layout import META_JSON, RUN_CONFIG_JSON, CheckpointError
 
 STATE_FILE = "state.pt"
 _TMP = ".tmp-"
@@ -28,7 +31,8 @@ class TorchCheckpointer:
         self.directory, self.keep = directory, keep
 
     def all_steps(self) -> list[int]:
-        return json_steps(self.directory)
+        """Every step directory, verified or not (a new save must come after all of them)."""
+        return layout.step_dirs(self.directory)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -43,16 +47,23 @@ class TorchCheckpointer:
         torch.save(state, os.path.join(tmp, STATE_FILE))
         with open(os.path.join(tmp, RUN_CONFIG_JSON), "w") as f:
             json.dump(run_config, f)
-        with open(os.path.join(tmp, META_JSON), "w") as f:  # written last: marks complete
+        with open(os.path.join(tmp, META_JSON), "w") as f:
             json.dump({"step": step, "extra": extra}, f)
+        layout.write_manifest(tmp, step)  # last: the step counts once this verifies
         os.replace(tmp, final)
-        for old in self.all_steps()[: -self.keep]:
-            shutil.rmtree(os.path.join(self.directory, str(old)), ignore_errors=True)
+        layout.fsync_dir(self.directory)
+        layout.rotate(self.directory, self.keep)
         for name in os.listdir(self.directory):  # leftovers of killed saves
             if _TMP in name:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def load(self, step: int) -> dict[str, Any]:
+        reason = layout.verify(os.path.join(self.directory, str(step)))
+        if reason is not None:
+            raise CheckpointError(
+                f"checkpoint {self.directory}/{step} does not verify: {reason}; resume from an "
+                "earlier checkpoint (--resume picks the newest that verifies)"
+            )
         path = os.path.join(self.directory, str(step), STATE_FILE)
         try:
             return torch.load(path, weights_only=True, map_location="cpu")

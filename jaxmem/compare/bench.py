@@ -245,6 +245,42 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], repeats: int) -> d
     }
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def set_threads(n: int | None = None) -> dict[str, Any]:
+    """Give both frameworks ``n`` threads (default: every core this process may use), set
+    explicitly: PyTorch's intra-op pool (``torch.set_num_threads``) and JAX's, which XLA:CPU
+    sizes from the process's CPU affinity when its backend starts (so this must run first).
+    Returns what was set, for the results' metadata."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = len(cores) if n is None else n
+    if not 1 <= n <= len(cores):
+        raise ValueError(f"threads={n} must be between 1 and the {len(cores)} usable cores")
+    if n < len(cores):
+        os.sched_setaffinity(0, cores[:n])
+    torch.set_num_threads(n)
+    return {"threads": n, "cpu_affinity": cores[:n], "torch_threads": torch.get_num_threads()}
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def busy_warning(before: list[float], after: list[float], threads: int) -> str | None:
+    """A warning when other processes kept the machine busy around a timed run: the 1-minute
+    load average beyond what the benchmark's own threads explain (timings are then noise; the
+    ratios measured interleaved suffer least)."""
+    cores = usable_cores()
+    if before[0] > 0.5 or after[0] > threads + 0.5 or max(before[0], after[0]) > cores:
+        return (
+            f"the machine was busy (1-min load average {before[0]} before, {after[0]} after, "
+            f"{cores} cores, {threads} benchmark threads): timings are unreliable"
+        )
+    return None
+
+
 def machine_meta() -> dict[str, Any]:
     """Hardware, versions and date, recorded with every benchmark result."""
     return {
@@ -265,7 +301,9 @@ def machine_meta() -> dict[str, Any]:
 def run_sweep(
     plan: SweepPlan, out_dir: str, progress: Callable[[str], None] = lambda _: None
 ) -> dict[str, Any]:
-    """Measure every axis of ``plan`` and write sweep.json, sweep.md and the PNGs."""
+    """Measure every axis of ``plan`` and write sweep.json, sweep.md and the PNGs (thread counts
+    as ``set_threads`` left them; the load average is recorded before and after)."""
+    load_before = load_average()
     base = get_preset(plan.preset)
     b, s = plan.batch, plan.seq_len
     rows: dict[str, list[dict[str, Any]]] = {
@@ -300,9 +338,18 @@ def run_sweep(
     for name in plan.timed_policies:
         progress(f"step time: {name}")
         rows["step_time"].append(step_times(base, name, b, s, plan.repeats))
+    load_after = load_average()
+    threads = torch.get_num_threads()
     meta = machine_meta() | {
         "plan": dataclasses.asdict(plan),
         "base_config": dataclasses.asdict(base),
+        "threads": {
+            "torch": threads,
+            "jax": f"XLA:CPU pool sized by the CPU affinity: {usable_cores()} cores",
+        },
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "busy_warning": busy_warning(load_before, load_after, threads),
         "note": f"{jax.devices()[0].platform.upper()} results: bytes and FLOPs are exact "
         "accounting; compiled temps are XLA's plan on this backend (on CPU a proxy for a GPU's); "
         "step times are wall-clock medians on this machine",
@@ -337,7 +384,10 @@ def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str
         f"{meta['device']}, {meta['cpu_count']} cores, {meta['date']} "
         f"(jax {meta['versions']['jax']}, torch {meta['versions']['torch']}). Saved bytes: JAX "
         "residual accounting / torch live-tensor accounting (device + host, MiB). FLOPs: matmul "
-        "GFLOP executed.",
+        "GFLOP executed. Threads: PyTorch "
+        f"{meta['threads']['torch']}, JAX {meta['threads']['jax']}; load average "
+        f"{meta['load_average_before']} before, {meta['load_average_after']} after.",
+        *(["", f"**Warning: {meta['busy_warning']}.**"] if meta["busy_warning"] else []),
         "",
         "### policy × precision",
         "",

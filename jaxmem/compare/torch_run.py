@@ -168,4 +168,4 @@ class TorchTrainer:
 
 def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
     """Train ``prepared.job`` with torch_ref; returns the run summary."""
-    return run_job(prepared, TorchTrainer(prepared), console or Console())
+    return run_job(prepared, lambda: TorchTrainer(prepared), console or Console())

@@ -36,7 +36,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxmem.train.layout import CHECKPOINT_DIR, CheckpointError, json_steps, read_json_config
+from jaxmem.train import layout
+from jaxmem.train.layout import CHECKPOINT_DIR, CheckpointError, read_json_config
 
 FORMAT_VERSION = 1
 TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
@@ -45,13 +46,15 @@ JSON_ITEMS = ("run_config", "meta")
 
 
 @contextlib.contextmanager
-def _quiet_orbax() -> Iterator[None]:
+def _quiet_orbax(quiet_errors: bool = False) -> Iterator[None]:
     """Hide orbax's absl WARNING chatter (e.g. about its own defaults) during our calls; errors
-    still show. absl logs through the standard ``logging`` logger named ``absl``."""
+    still show, unless ``quiet_errors`` (a failed save is reported by jaxmem in one line, not
+    as pages of absl tracebacks). absl logs through the standard ``logging`` logger ``absl``."""
     logger = logging.getLogger("absl")
     old = logger.level
-    if logger.getEffectiveLevel() < logging.ERROR:
-        logger.setLevel(logging.ERROR)
+    level = logging.CRITICAL if quiet_errors else logging.ERROR
+    if logger.getEffectiveLevel() < level:
+        logger.setLevel(level)
     try:
         yield
     finally:
@@ -187,6 +190,7 @@ class RunCheckpointer(_Reader):
     """
 
     def __init__(self, directory: str | Path, keep: int, *, save_interval_steps: int = 1) -> None:
+        self.keep = keep
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep={keep!r} must be a positive integer")
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
@@ -199,8 +203,8 @@ class RunCheckpointer(_Reader):
             )
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=save_interval_steps,
-            # `max_to_keep` is deprecated in 0.12 in favour of a preservation policy.
-            preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+            # No preservation policy: orbax would keep the newest `keep` steps, good or bad. The
+            # rotation is jaxmem.train.layout.rotate, over steps whose manifest verifies.
             # Remove `<step>.orbax-checkpoint-tmp` left by a killed save.
             cleanup_tmp_directories=True,
             # Synchronous: save() returns once the step directory is renamed into place.
@@ -226,7 +230,8 @@ class RunCheckpointer(_Reader):
         when ``step`` is not a multiple of ``save_interval_steps`` (and ``force`` is not set).
 
         Call it with the arrays the train step *returned* (before they are donated to the next
-        step). Older checkpoints beyond the last ``keep`` are deleted.
+        step). Once orbax has renamed the step into place its manifest is written (the step
+        counts from then on), and verified checkpoints beyond the newest ``keep`` are deleted.
         """
         latest = self.latest_step()
         if latest is not None and step <= latest:
@@ -249,9 +254,14 @@ class RunCheckpointer(_Reader):
         }
         if loss_scale is not None:
             items["loss_scale"] = ocp.args.StandardSave(loss_scale)
-        with _quiet_orbax():
+        with _quiet_orbax(quiet_errors=True):
             saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
             self._manager.wait_until_finished()
+        if saved:
+            layout.write_manifest(str(self.directory / str(step)), step)
+            layout.rotate(str(self.directory), self.keep)
+            with _quiet_orbax():
+                self._manager.reload()
         return bool(saved)
 
     # -- restore ----------------------------------------------------------------------------
@@ -273,16 +283,22 @@ class RunCheckpointer(_Reader):
         recompilation). ``loss_scale_like`` is None exactly when the run has no loss scale.
         """
         if step is None:
-            step = self.latest_step()
+            step, _ = layout.newest_verified(str(self.directory))
             if step is None:
                 raise CheckpointError(
-                    f"no complete checkpoint in {self.directory}; train without resuming or "
-                    "point to the directory the run was saved in"
+                    f"no checkpoint that verifies in {self.directory}; train without resuming "
+                    "or point to the directory the run was saved in"
                 )
         elif step not in self.all_steps():
             raise CheckpointError(
                 f"no checkpoint for step {step} in {self.directory} (steps: "
                 f"{self.all_steps()}); pick one of those steps or omit the step"
+            )
+        reason = layout.verify(str(self.directory / str(step)))
+        if reason is not None:
+            raise CheckpointError(
+                f"checkpoint {self.directory}/{step} does not verify: {reason}; resume from an "
+                "earlier checkpoint (--resume picks the newest that verifies)"
             )
         meta = self._restore_json(step, "meta")
         if meta.get("format_version") != FORMAT_VERSION:
@@ -382,31 +398,22 @@ def read_config(directory: str | Path) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------------- either layout
-def _torch_latest(directory: str) -> tuple[int | None, dict | None]:
-    steps = json_steps(directory)
-    return (steps[-1], read_json_config(directory, steps[-1])) if steps else (None, None)
-
-
-def _jax_latest(directory: str) -> tuple[int | None, dict | None]:
+def _read_saved_config(directory: str, step: int) -> dict | None:
+    """The run config saved with a (verified) step, in whichever layout it was written."""
+    if os.path.isfile(os.path.join(directory, str(step), layout.RUN_CONFIG_JSON)):
+        return read_json_config(directory, step)  # PyTorch layout
     with RunCheckpointer(directory, keep=1) as reader:
-        step = reader.latest_step()
-        return step, (reader.read_config(step) if step is not None else None)
+        return reader.read_config(step)
 
 
-def latest_checkpoint(out_dir: str, framework: str) -> tuple[int | None, dict | None]:
-    """The latest complete checkpoint's step and saved config in run directory ``out_dir``
-    (``(None, None)`` if none), in either layout (``jaxmem.train.layout``), trying
-    ``framework``'s first: resuming a torch run as a JAX run (or the reverse) is then refused
-    by the config comparison, naming ``run.framework``."""
+def latest_checkpoint(out_dir: str) -> tuple[int | None, dict | None, list[tuple[int, str]]]:
+    """In run directory ``out_dir``: the newest checkpoint that verifies (either layout, see
+    ``jaxmem.train.layout``), its saved config, and the newer steps skipped with their reasons.
+    ``(None, None, skipped)`` when none verifies. Reading the config of the other framework's
+    layout lets a resume across frameworks be refused by the config comparison, naming
+    ``run.framework``."""
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
-    if not os.path.isdir(directory):
-        return None, None
-    readers = (_torch_latest, _jax_latest) if framework == "torch" else (_jax_latest, _torch_latest)
-    for read in readers:
-        try:
-            step, saved = read(directory)
-        except CheckpointError:
-            continue
-        if step is not None and saved is not None:
-            return step, saved
-    return None, None
+    step, skipped = layout.newest_verified(directory)
+    if step is None:
+        return None, None, skipped
+    return step, _read_saved_config(directory, step), skipped

@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jaxmem.config import (
-    PLANNING_ONLY,
     AccumConfig,
     ConfigError,
     ModelConfig,
@@ -125,7 +124,14 @@ class RunConfig:
                 f"{name}={value!r} must be a non-negative integer",
             )
         require(
-            isinstance(self.temperature, float) and self.temperature >= 0.0,
+            self.seed < 2**32,
+            f"seed={self.seed} is too large: JAX and numpy take seeds below 2**32 "
+            f"({2**32}); use a smaller one",
+        )
+        require(
+            isinstance(self.temperature, float)
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0.0,
             f"temperature={self.temperature!r} must be >= 0 (0: greedy)",
         )
         require(isinstance(self.prompt, str), f"prompt={self.prompt!r} must be text")
@@ -173,9 +179,10 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         require(
-            self.preset not in PLANNING_ONLY and self.preset != "seed",
-            f"preset {self.preset!r} is not trainable on this machine (planning-only shape or "
-            "the seeds' single layer); train tiny or small",
+            self.model.causal,
+            f"preset {self.preset!r} has no causal mask (model.causal=False): a language model "
+            "trained on it would see the token it predicts; train a causal preset (tiny, small, "
+            "gpt2-*) or set model.causal=true (the seeds' layer runs in `jaxmem seed-example`)",
         )
         require(
             isinstance(self.memory, MemoryPolicy),
@@ -355,23 +362,57 @@ def _coerce(section: str, key: str, default: Any, value: Any) -> Any:
     return value
 
 
+def _yaml_loader() -> Any:
+    """PyYAML's safe loader, refusing a key given twice in one table (PyYAML keeps the last one
+    silently)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: Any, node: Any, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    f"key {key!r} is given twice (line {key_node.start_mark.line + 1}); keep one"
+                )
+            seen.add(key)
+        return loader.construct_mapping(node, deep)
+
+    UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return UniqueKeys
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    dupes = sorted({k for k in keys if keys.count(k) > 1})
+    require(not dupes, f"key(s) {dupes} given twice; keep one")
+    return dict(pairs)
+
+
 def read_config_file(path: str) -> dict[str, Any]:
-    """A TOML (``.toml``), YAML (``.yaml``/``.yml``) or JSON config file as nested data."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} does not exist")
+    """A TOML (``.toml``), YAML (``.yaml``/``.yml``) or JSON config file as nested data: a table
+    of sections, each section itself a table (``preset`` and ``precision`` are names). An empty
+    file, a key given twice and a section given as a single value are errors, not defaults."""
+    require(
+        not os.path.isdir(path), f"config file {path} is a directory; give a TOML/YAML/JSON file"
+    )
+    require(os.path.isfile(path), f"config file {path} does not exist")
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".toml":
             with open(path, "rb") as f:
-                data = tomllib.load(f)
+                data = tomllib.load(f)  # TOML itself refuses duplicate keys
         elif ext in (".yaml", ".yml"):
             import yaml
 
             with open(path) as f:
-                data = yaml.safe_load(f) or {}
+                data = yaml.load(f, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader)
         elif ext == ".json":
             with open(path) as f:
-                data = json.load(f)
+                data = json.load(f, object_pairs_hook=_no_duplicate_keys)
         else:
             raise ConfigError(
                 f"config file {path}: unknown extension {ext!r}; use .toml, .yaml or .json"
@@ -381,8 +422,28 @@ def read_config_file(path: str) -> dict[str, Any]:
     except Exception as e:  # the parsers' own error types differ; all mean "cannot parse"
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"config file {path} cannot be parsed: {first}") from None
+    require(data not in (None, {}), f"config file {path} is empty; give at least one setting")
     require(isinstance(data, dict), f"config file {path} must hold a table of sections")
+    check_sections(data, f"config file {path}")
     return data
+
+
+def check_sections(data: Mapping[str, Any], where: str) -> None:
+    """Each section is a table and ``preset``/``precision`` are names (a section given as a
+    single value would otherwise vanish when flags are merged over it)."""
+    for name in (*SECTIONS, "memory"):
+        value = data.get(name)
+        require(
+            value is None or isinstance(value, Mapping),
+            f"{where}: section [{name}] must be a table of settings, got {value!r}",
+        )
+    for name in ("preset", "precision"):
+        value = data.get(name)
+        require(
+            value is None or isinstance(value, str),
+            f"{where}: {name}={value!r} must be a name (e.g. {name} = "
+            f'"{"tiny" if name == "preset" else "fp32"}")',
+        )
 
 
 def merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from jaxmem.config import ConfigError, require
 from jaxmem.figures import Figure, format_bytes, render_table
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.train.job import JobConfig, config_conflicts, write_config
-from jaxmem.train.layout import CHECKPOINT_DIR
+from jaxmem.train.layout import CHECKPOINT_DIR, quarantine
 
 # From most to least device memory at a given size (FLOPs grow the other way).
 CHEAPER_POLICIES = ("none", "mlp", "selective", "dots", "offload", "full", "nested")
@@ -57,6 +57,8 @@ class PreparedJob:
     dataset: data_lib.Dataset
     out_dir: str | None
     resume_step: int | None  # the checkpoint to continue from (None: a new run)
+    # newer checkpoints that do not verify, with why: moved aside when the run starts
+    skipped: tuple[tuple[int, str], ...] = ()
 
 
 class Trainer(Protocol):
@@ -111,7 +113,7 @@ def prepare_job(
     ``check_backend`` raises ``ConfigError`` for what the framework's backend cannot run."""
     check_backend(job)
     require(not (resume and out_dir is None), "--resume needs --out, the directory of the run")
-    resume_step = _check_run_dir(job, out_dir, resume)
+    resume_step, skipped = _check_run_dir(job, out_dir, resume)
     dataset = data_lib.load_dataset(
         job.data.path, val_fraction=job.data.val_fraction, vocab_size=job.model.vocab_size
     )
@@ -122,18 +124,46 @@ def prepare_job(
                 f"seq_len={job.run.seq_len} needs at least {need} tokens but the {name} split "
                 f"of {dataset.source} has {tokens.size}; use a shorter --seq-len or more data"
             )
-    return PreparedJob(job=job, dataset=dataset, out_dir=out_dir, resume_step=resume_step)
+    return PreparedJob(
+        job=job, dataset=dataset, out_dir=out_dir, resume_step=resume_step, skipped=skipped
+    )
 
 
-def _check_run_dir(job: JobConfig, out_dir: str | None, resume: bool) -> int | None:
+def _check_in_use(out_dir: str) -> None:
+    """Refuse a run directory whose lock another live process holds (without taking it)."""
+    import fcntl
+
+    path = os.path.join(out_dir, LOCK_FILE)
+    if not os.path.isfile(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        raise ConfigError(
+            f"run directory {out_dir} is in use by process {owner}; wait for it to finish or "
+            "choose another --out"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def _check_run_dir(
+    job: JobConfig, out_dir: str | None, resume: bool
+) -> tuple[int | None, tuple[tuple[int, str], ...]]:
+    """The step to resume from (None: a new run) and the newer steps that do not verify."""
     if out_dir is None:
-        return None
+        return None, ()
     require(
         not (os.path.exists(out_dir) and not os.path.isdir(out_dir)),
         f"--out {out_dir} is a file; give a directory",
     )
+    if os.path.isdir(out_dir):
+        _check_in_use(out_dir)
     if not resume:
-        if os.path.isdir(out_dir) and os.listdir(out_dir):
+        if os.path.isdir(out_dir) and not _holds_only_the_lock(out_dir):
             hint = (
                 "add --resume to continue it"
                 if os.path.isdir(os.path.join(out_dir, CHECKPOINT_DIR))
@@ -150,7 +180,7 @@ def _check_run_dir(job: JobConfig, out_dir: str | None, resume: bool) -> int | N
             raise ConfigError(
                 f"--out {out_dir}: {parent} is not writable; choose another --out"
             ) from None
-        return None
+        return None, ()
     require(
         os.path.isdir(out_dir),
         f"--resume: {out_dir} does not exist; start the run without --resume",
@@ -158,10 +188,13 @@ def _check_run_dir(job: JobConfig, out_dir: str | None, resume: bool) -> int | N
     require(os.access(out_dir, os.W_OK), f"--resume: {out_dir} is not writable")
     from jaxmem.train.checkpoint import latest_checkpoint  # orbax reads a JAX run's layout
 
-    step, saved = latest_checkpoint(out_dir, job.run.framework)
+    step, saved, skipped = latest_checkpoint(out_dir)
+    reasons = "; ".join(f"{s}: {why}" for s, why in skipped)
     require(
         step is not None and saved is not None,
-        f"--resume: {out_dir} holds no complete checkpoint; start a new run instead",
+        f"--resume: {out_dir} holds no checkpoint that verifies"
+        + (f" ({reasons})" if reasons else "")
+        + "; start a new run in another directory",
     )
     conflicts = config_conflicts(saved, job.to_dict())
     require(
@@ -175,7 +208,7 @@ def _check_run_dir(job: JobConfig, out_dir: str | None, resume: bool) -> int | N
         f"--resume: {out_dir} is already at step {step} of {job.run.steps}; "
         f"raise --steps above {step} to train further",
     )
-    return step
+    return step, tuple(skipped)
 
 
 # ------------------------------------------------------------------------------------ run files
@@ -199,9 +232,9 @@ class RunFiles:
         write_config(self.job, self.path("config.yaml"))
         metrics = self.path("metrics.jsonl")
         if resume_step is not None and os.path.exists(metrics):
-            with open(metrics) as f:
-                kept = [json.loads(line) for line in f if line.strip()]
-            kept = [r for r in kept if r["step"] <= resume_step]
+            # back to the checkpoint's step: a resumed run's file equals an uninterrupted one's
+            # (a line cut by a kill mid-write is dropped with the steps after the checkpoint)
+            kept = [r for r in read_metrics(metrics)[0] if r["step"] <= resume_step]
             write_atomic(metrics, "".join(json.dumps(r) + "\n" for r in kept))
             self.records = kept
         elif os.path.exists(metrics):
@@ -226,6 +259,26 @@ class RunFiles:
         plot_losses([(self.job.run.framework, self.records)], self.path("loss.png"))
         written.append("loss.png")
         return written
+
+
+def read_metrics(path: str) -> tuple[list[dict[str, Any]], int]:
+    """The step records of a ``metrics.jsonl`` and how many lines could not be read (a line a
+    killed run left half-written)."""
+    records, partial = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                partial += 1
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+            else:
+                partial += 1
+    return records, partial
 
 
 def plot_losses(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str) -> None:
@@ -306,8 +359,8 @@ def progress_bar(console: Console) -> Progress:
     return Progress(
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
         TextColumn("{task.fields[mem]}"),
         TimeRemainingColumn(),
         console=console,
@@ -315,15 +368,209 @@ def progress_bar(console: Console) -> Progress:
     )
 
 
+# ------------------------------------------------------------------------------- the run dir
+LOCK_FILE = ".jaxmem.lock"
+
+
+class RunLock:
+    """An exclusive lock on a run directory for the whole run (``fcntl.flock`` on
+    ``<run>/.jaxmem.lock``, which holds the owner's pid). The OS releases it when the process
+    ends, however it ends; a second run on the directory is refused, naming the owner."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, LOCK_FILE)
+        self._fd: int | None = None
+        self.created_dir = False
+
+    def acquire(self) -> None:
+        import fcntl
+
+        if not os.path.isdir(self.out_dir):
+            os.makedirs(self.out_dir)
+            self.created_dir = True
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(
+                f"run directory {self.out_dir} is in use by process {owner}; wait for it to "
+                "finish or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None
+
+    def abandon(self) -> None:
+        """Release, and remove what acquiring created when nothing else was written."""
+        self.release()
+        if self.created_dir and os.listdir(self.out_dir) == [LOCK_FILE]:
+            os.remove(self.path)
+            os.rmdir(self.out_dir)
+
+
+def _holds_only_the_lock(out_dir: str) -> bool:
+    return not [n for n in os.listdir(out_dir) if n != LOCK_FILE]
+
+
+class RunInterrupted(RuntimeError):
+    """Ctrl-C or SIGTERM: the run stopped after a step (and saved it); the CLI exits with 130."""
+
+
+class _StopRequests:
+    """SIGINT and SIGTERM ask the loop to stop after the current step (torchtitan and the HF
+    Trainer checkpoint on a signal the same way); a second signal aborts at once."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.signal: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequests:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                number = getattr(signal, name)
+                self._old[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number: int, frame: Any) -> None:
+        import signal
+
+        if self.signal is not None:  # the second one: abort without saving
+            signal.signal(number, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(number).name
+        self.console.print(
+            f"[yellow]{self.signal}: stopping after this step and saving it (again to abort "
+            "without saving)[/]"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        for number, handler in self._old.items():
+            signal.signal(number, handler)
+
+
+def disk_error(error: BaseException) -> OSError | None:
+    """The OS write error behind ``error`` (itself, a cause, or one that orbax/tensorstore report
+    in their message, e.g. ENOSPC as RESOURCE_EXHAUSTED), or None."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        text = str(e)
+        for errno_name, words in _OS_ERROR_TEXT.items():
+            if words in text:
+                import errno
+
+                code = getattr(errno, errno_name)
+                return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+_OS_ERROR_TEXT = {
+    "ENOSPC": "No space left on device",
+    "EDQUOT": "Disk quota exceeded",
+    "EFBIG": "File too large",
+    "EROFS": "Read-only file system",
+    "EIO": "Input/output error",
+}
+
+
 # ----------------------------------------------------------------------------------------- run
-def run_job(prepared: PreparedJob, trainer: Trainer, console: Console) -> dict[str, Any]:
-    """Train ``prepared.job`` with ``trainer`` (see the module docstring); returns the summary."""
+def run_job(
+    prepared: PreparedJob, make_trainer: Callable[[], Trainer], console: Console
+) -> dict[str, Any]:
+    """Train ``prepared.job`` (see the module docstring); returns the summary. The run
+    directory is locked first; checkpoints newer than the one resumed from that do not verify
+    are moved to ``<run>/quarantine/`` (never deleted); ``make_trainer()`` then builds the
+    framework's side (compiling, for JAX)."""
+    lock = RunLock(prepared.out_dir) if prepared.out_dir is not None else None
+    if lock is not None:
+        lock.acquire()
+        # Checked again under the lock: two runs may both have seen an empty directory.
+        if prepared.resume_step is None and not _holds_only_the_lock(prepared.out_dir):
+            lock.abandon()
+            raise ConfigError(f"--out {prepared.out_dir} exists and is not empty; add --resume")
+    else:
+        console.print(
+            "[yellow]no --out: nothing of this run is kept (metrics, checkpoints, sample); "
+            "pass --out DIR to keep it[/]"
+        )
+    try:
+        with _StopRequests(console) as stop:
+            for step, reason in prepared.skipped:
+                where = quarantine(prepared.out_dir, step)
+                console.print(
+                    f"[yellow]skipped checkpoint {step}: {reason}; moved it to {where}[/]"
+                )
+            trainer = make_trainer()
+            return _train(prepared, trainer, console, stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(
+    prepared: PreparedJob, trainer: Trainer, console: Console, stop: _StopRequests
+) -> dict[str, Any]:
     job, r = prepared.job, prepared.job.run
     start = prepared.resume_step or 0
-    if prepared.resume_step is not None:
-        trainer.restore(prepared.resume_step)
+    saves = prepared.out_dir is not None
+    last_good = start  # the newest checkpoint known to verify (0: none)
+    writing = "the run's files"
+
+    def where_good() -> str:
+        if saves and last_good:
+            return f"step {last_good} in {prepared.out_dir}/{CHECKPOINT_DIR}"
+        return "none"
+
+    def failed(e: BaseException) -> RunFailed:
+        os_error = disk_error(e)
+        if os_error is not None:
+            return RunFailed(
+                f"could not write {writing}: {os_error.strerror or os_error}; last verified "
+                f"checkpoint: {where_good()}; free space there (or choose another --out) and "
+                "continue with --resume"
+            )
+        return RunFailed(
+            out_of_memory_message(
+                job,
+                trainer.planned_bytes,
+                "while training",
+                can_offload=getattr(trainer, "can_offload", True),
+            )
+        )
+
     files = RunFiles(prepared.out_dir, job)
-    files.start(prepared.resume_step)
+    try:
+        if prepared.resume_step is not None:
+            trainer.restore(prepared.resume_step)
+        writing = f"config.yaml and metrics.jsonl in {prepared.out_dir}"
+        files.start(prepared.resume_step)
+    except Exception as e:
+        if disk_error(e) is not None:
+            raise failed(e) from None
+        raise
+    if stop.signal is not None:
+        trainer.close()
+        raise RunInterrupted(f"{stop.signal} before the first step; nothing was saved")
     scaled = job.precision.loss_scale == "dynamic"
     console.print(
         f"[bold]jaxmem train[/] ({trainer.framework}) preset {job.preset} "
@@ -337,8 +584,7 @@ def run_job(prepared: PreparedJob, trainer: Trainer, console: Console) -> dict[s
     )
     tokens_per_step = r.batch_size * r.seq_len
     pending: list[tuple[int, Any]] = []
-    skipped, last_good, steps_done = 0, start, 0
-    saves = prepared.out_dir is not None
+    skipped, steps_done = 0, 0
 
     def flush() -> list[dict[str, Any]]:
         """The one host sync: the metrics of the steps since the last one."""
@@ -354,14 +600,12 @@ def run_job(prepared: PreparedJob, trainer: Trainer, console: Console) -> dict[s
                 skipped += rec["skipped"]
             elif not math.isfinite(rec["loss"]):
                 files.append(out)
-                where = (
-                    f"step {last_good} in {prepared.out_dir}/{CHECKPOINT_DIR}"
-                    if saves and last_good
-                    else "none"
+                fix = "lower --lr" + (
+                    "" if job.precision.name == "fp32" else ", or use --precision fp32"
                 )
                 raise RunFailed(
                     f"loss became {rec['loss']} at step {s}; stopped before checkpointing it "
-                    f"(last good checkpoint: {where}); lower --lr, or use --precision fp32"
+                    f"(last good checkpoint: {where_good()}); {fix}"
                 )
             out.append(rec)
         pending.clear()
@@ -379,51 +623,54 @@ def run_job(prepared: PreparedJob, trainer: Trainer, console: Console) -> dict[s
         ) as batches,
     ):
         task = progress.add_task(
-            "train",
-            total=r.steps,
-            completed=start,
-            loss=float("nan"),
-            tps=0.0,
-            mem=trainer.memory_label(),
+            "train", total=r.steps, completed=start, loss="-", tps="-", mem=trainer.memory_label()
         )
         try:
             for step, batch in batches:
                 pending.append((step, trainer.step(batch)))
                 steps_done += 1
                 is_last = step == r.steps
+                interrupted = stop.signal is not None
                 evaluate = step % r.eval_every == 0 or is_last
-                save = saves and (step % r.checkpoint_every == 0 or is_last)
-                if step % r.refresh_every and not (evaluate or save):
+                save = saves and (step % r.checkpoint_every == 0 or is_last or interrupted)
+                if step % r.refresh_every and not (evaluate or save or interrupted):
                     continue
                 records = flush()
-                if evaluate:
+                if evaluate and not interrupted:
                     records[-1]["val_loss"] = trainer.val_loss()
                     progress.console.print(
                         f"step {step}: train loss {records[-1]['loss']:.4f}, "
                         f"val loss {records[-1]['val_loss']:.4f}"
                     )
+                writing = f"metrics.jsonl in {prepared.out_dir}"
                 files.append(records)
                 if save:
+                    writing = f"checkpoint {step} in {prepared.out_dir}/{CHECKPOINT_DIR}"
                     trainer.save(step, {"loss": records[-1]["loss"], "skipped_steps": skipped})
                     last_good = step
                 elapsed = time.perf_counter() - t_start
                 progress.update(
                     task,
                     completed=step,
-                    loss=records[-1]["loss"],
-                    tps=steps_done * tokens_per_step / elapsed,
+                    loss=f"{records[-1]['loss']:.4f}",
+                    tps=f"{steps_done * tokens_per_step / elapsed:,.0f}",
                     mem=trainer.memory_label(),
                 )
-        except Exception as e:
-            if is_out_of_memory(e):
-                raise RunFailed(
-                    out_of_memory_message(
-                        job,
-                        trainer.planned_bytes,
-                        "while training",
-                        can_offload=getattr(trainer, "can_offload", True),
+                if interrupted:
+                    raise RunInterrupted(
+                        f"{stop.signal} at step {step}: "
+                        + (
+                            f"saved checkpoint {step} in {prepared.out_dir}/{CHECKPOINT_DIR}; "
+                            f"continue with: jaxmem train --out {prepared.out_dir} --resume"
+                            if saves
+                            else "nothing was saved (no --out)"
+                        )
                     )
-                ) from None
+        except (RunFailed, RunInterrupted):
+            raise
+        except Exception as e:
+            if is_out_of_memory(e) or disk_error(e) is not None:
+                raise failed(e) from None
             raise
         finally:
             trainer.close()
@@ -436,6 +683,13 @@ def run_job(prepared: PreparedJob, trainer: Trainer, console: Console) -> dict[s
     sample = None
     if r.sample_tokens:
         prompt = data_lib.encode(r.prompt) if r.prompt else np.array([data_lib.BOS])
+        room = job.model.max_seq_len - min(prompt.size, job.model.max_seq_len - 1)
+        if prompt.size > job.model.max_seq_len - 1 or r.sample_tokens > room:
+            console.print(
+                f"[yellow]sample cut to fit max_seq_len={job.model.max_seq_len}: the prompt's "
+                f"last {min(prompt.size, job.model.max_seq_len - 1)} tokens and "
+                f"{min(r.sample_tokens, room)} new ones (asked for {r.sample_tokens})[/]"
+            )
         tokens = trainer.sample(prompt, r.sample_tokens, r.temperature, r.seed)
         sample = data_lib.decode(tokens)
         console.rule("sample")
@@ -462,7 +716,11 @@ def run_job(prepared: PreparedJob, trainer: Trainer, console: Console) -> dict[s
         "memory": [dataclasses.asdict(f) for f in trainer.figures()],
         "planned_step_bytes": trainer.planned_bytes,
     }
-    written = files.finish(summary, sample)
+    writing = f"summary.json, sample.txt and loss.png in {prepared.out_dir}"
+    try:
+        written = files.finish(summary, sample)
+    except OSError as e:
+        raise failed(e) from None
     first, final, val = summary["first_loss"], summary["final_loss"], summary["final_val_loss"]
     console.print(
         f"loss {first:.4f} -> {final:.4f}"

@@ -111,8 +111,9 @@ class JaxTrainer:
 
     framework = "jax"
 
-    def __init__(self, prepared: PreparedJob):
+    def __init__(self, prepared: PreparedJob, console: Console | None = None):
         job = self.job = prepared.job
+        console = console or Console()
         cfg, r = job.model, job.run
         self.platform = jax.devices()[0].platform
         self.can_offload = HOST_MEMORY_KIND in backend_memory_kinds()
@@ -129,6 +130,11 @@ class JaxTrainer:
         self.loss_scale = init_loss_scale(job.precision)
         first = self.transfer(train_batch(prepared.dataset, job)(1))
         t0 = time.perf_counter()
+        console.print(
+            f"compiling the train step ({cfg.n_params / 1e6:.2f} M params, policy "
+            f"{job.memory.name}, {job.precision.name}, batch {r.batch_size} x seq {r.seq_len}, "
+            f"accum {job.accum.steps}) on {self.platform}..."
+        )
         try:
             if job.accum.mode == "multisteps":
                 self._step, opt_state = _multisteps(loss_fn, tx, job.accum.steps, params, first)
@@ -245,7 +251,8 @@ class JaxTrainer:
 
 def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
     """Train ``prepared.job`` in JAX; returns the run summary."""
-    return run_job(prepared, JaxTrainer(prepared), console or Console())
+    console = console or Console()
+    return run_job(prepared, lambda: JaxTrainer(prepared, console), console)
 
 
 def _multisteps(loss_fn: Any, tx: Any, k: int, params: Any, batch: dict) -> tuple[Any, Any]:
