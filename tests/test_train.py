@@ -28,8 +28,8 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxmem import cli  # noqa: E402
-from jaxmem.config import PRESETS, ConfigError  # noqa: E402
 from jaxmem.compare.tolerances import tolerance  # noqa: E402
+from jaxmem.config import PRESETS, ConfigError  # noqa: E402
 from jaxmem.train.job import JobConfig, read_config_file, write_config  # noqa: E402
 
 TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0"]
