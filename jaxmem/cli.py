@@ -301,6 +301,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (ConfigError, DataError, CheckpointError) as e:
         raise UsageError(str(e)) from None
     except RunFailed as e:
+        if job.run.framework == "jax":
+            from jaxmem.train.checkpoint import silence_background_errors
+
+            silence_background_errors()  # orbax's threads would repeat a failed save at exit
         print(f"jaxmem train: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
     except RunInterrupted as e:
@@ -338,6 +342,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from jaxmem.train.loop import plot_losses, read_metrics
 
     out = args.out
+    if os.path.isdir(out):
+        raise UsageError(f"--out {out} is a directory; give a file name")
     ext = os.path.splitext(out)[1].lower()
     if not ext:
         out += ".png"

@@ -82,7 +82,7 @@ def test_configs_are_frozen():
     ("kwargs", "fragment"),
     [
         ({"lr": 0.0}, "lr=0.0 must be a positive, finite float"),
-            ({"lr": float("inf")}, "lr=inf must be a positive, finite float"),
+        ({"lr": float("inf")}, "lr=inf must be a positive, finite float"),
         ({"name": "lion"}, "optimizer='lion' is not one of"),
         ({"b2": 1.0}, "b2=1.0 must be in"),
         ({"weight_decay": -1.0}, "weight_decay=-1.0"),

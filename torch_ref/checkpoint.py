@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from jaxmem.train import layout
+import jaxmem.train.layout as layout
 from jaxmem.train.layout import META_JSON, RUN_CONFIG_JSON, CheckpointError
 
 STATE_FILE = "state.pt"

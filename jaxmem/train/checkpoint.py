@@ -61,6 +61,38 @@ def _quiet_orbax(quiet_errors: bool = False) -> Iterator[None]:
         logger.setLevel(old)
 
 
+@contextlib.contextmanager
+def contain_background_errors() -> Iterator[None]:
+    """While orbax writes: errors its background threads and asyncio tasks hit (after the save
+    itself has failed, e.g. ENOSPC reported once per array) are not printed as pages of
+    tracebacks; the failure reaches the caller once, as the save's exception."""
+    import sys
+    import threading
+
+    logger = logging.getLogger("asyncio")
+    old = (logger.level, sys.unraisablehook, threading.excepthook)
+    logger.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None
+    threading.excepthook = lambda args: None
+    try:
+        yield
+    finally:
+        logger.setLevel(old[0])
+        sys.unraisablehook, threading.excepthook = old[1], old[2]
+
+
+def silence_background_errors() -> None:
+    """For a process about to exit after a failed save: orbax's leftover tasks and threads
+    would print their own copies of the error at shutdown."""
+    import sys
+    import threading
+
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None
+    threading.excepthook = lambda args: None
+
+
 def _fix(directory: Path) -> str:
     return (
         f"delete or move {directory} to start a fresh run, or pass a different checkpoint directory"
@@ -254,7 +286,7 @@ class RunCheckpointer(_Reader):
         }
         if loss_scale is not None:
             items["loss_scale"] = ocp.args.StandardSave(loss_scale)
-        with _quiet_orbax(quiet_errors=True):
+        with _quiet_orbax(quiet_errors=True), contain_background_errors():
             saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
             self._manager.wait_until_finished()
         if saved:

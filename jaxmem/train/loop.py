@@ -308,8 +308,16 @@ def plot_losses(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str)
 
 # ------------------------------------------------------------------------------------- helpers
 def is_out_of_memory(error: BaseException) -> bool:
+    """A real out-of-memory from XLA or PyTorch; not a full disk, which tensorstore also reports
+    as RESOURCE_EXHAUSTED."""
+    if disk_error(error) is not None:
+        return False
     text = str(error)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+    return (
+        "RESOURCE_EXHAUSTED" in text
+        or "out of memory" in text.lower()
+        or type(error).__name__ == "OutOfMemoryError"  # torch.cuda.OutOfMemoryError
+    )
 
 
 def out_of_memory_message(
@@ -353,6 +361,10 @@ def train_batch(dataset: data_lib.Dataset, job: JobConfig) -> Callable[[int], di
         return {"inputs": x, "targets": y}
 
     return make
+
+
+# What the bar shows before the first host sync: nothing measured yet ("nan" read as divergence)
+INITIAL_FIELDS = {"loss": "-", "tps": "-"}
 
 
 def progress_bar(console: Console) -> Progress:
@@ -623,7 +635,11 @@ def _train(
         ) as batches,
     ):
         task = progress.add_task(
-            "train", total=r.steps, completed=start, loss="-", tps="-", mem=trainer.memory_label()
+            "train",
+            total=r.steps,
+            completed=start,
+            mem=trainer.memory_label(),
+            **INITIAL_FIELDS,
         )
         try:
             for step, batch in batches:

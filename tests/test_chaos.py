@@ -1,0 +1,477 @@
+"""The training job under abuse: corrupt checkpoints, two runs on one directory, a full disk,
+Ctrl-C and SIGTERM, a half-written metrics line, and every user mistake that used to end in a
+traceback. Each test runs the real command (in a subprocess where the process itself is the
+subject: signals, locks, disks, environment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from rich.console import Console
+
+from jaxmem import cli
+from jaxmem.train.layout import MANIFEST, verify
+from jaxmem.train.loop import INITIAL_FIELDS, progress_bar
+from tests.test_train import metrics, snapshot
+
+BASE = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0"]
+RUN = [*BASE, "--checkpoint-every", "2", "--eval-every", "2", "--keep", "3"]
+
+
+def jaxmem(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jaxmem.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "400", **(env or {})},
+        **kw,
+    )
+
+
+def popen(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxmem.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+
+
+def wait_for(condition, timeout: float = 240.0) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def steps_logged(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+# ----------------------------------------------------------------------- corrupt checkpoints
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A 6-step run checkpointed at 2, 4, 6, and an uninterrupted 8-step run to compare to."""
+    root = tmp_path_factory.mktemp("runs")
+    base, reference = root / "base", root / "reference"
+    for out, steps in ((base, "6"), (reference, "8")):
+        proc = jaxmem("train", *RUN, "--steps", steps, "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+    return base, reference
+
+
+def _largest_file(directory) -> str:
+    files = [os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+def flip_bytes(step_dir) -> str:
+    path = _largest_file(step_dir / "params")
+    data = bytearray(open(path, "rb").read())
+    for i in (100, 200, 300):
+        data[i] ^= 0xFF
+    open(path, "wb").write(data)
+    return "changed since it was saved (checksum mismatch)"
+
+
+def garbage_config(step_dir) -> str:
+    (step_dir / "run_config" / "metadata").write_text("{garbage")
+    return "file run_config/metadata has"
+
+
+def missing_meta(step_dir) -> str:
+    os.remove(step_dir / "meta" / "metadata")
+    return "file meta/metadata is missing"
+
+
+def truncated_array(step_dir) -> str:
+    path = _largest_file(step_dir / "params")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    return "(truncated?)"
+
+
+def no_manifest(step_dir) -> str:  # a save killed after orbax's rename, before the manifest
+    os.remove(step_dir / MANIFEST)
+    return "no integrity manifest"
+
+
+@pytest.mark.parametrize(
+    "corrupt", [flip_bytes, garbage_config, missing_meta, truncated_array, no_manifest]
+)
+def test_resume_takes_the_newest_checkpoint_that_verifies(runs, tmp_path, corrupt):
+    """Checkpoint 6 damaged: --resume says so in one line, moves it aside (never deletes it),
+    resumes from 4, trains exactly what an uninterrupted run trains, and keeps checkpoint 2
+    (rotation counts only checkpoints that verify)."""
+    base, reference = runs
+    run = tmp_path / "A"
+    shutil.copytree(base, run)
+    reason = corrupt(run / "checkpoints" / "6")
+    proc = jaxmem("train", *RUN, "--steps", "5", "--out", str(run), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("skipped checkpoint")]
+    assert len(skipped) == 1 and reason in skipped[0], proc.stdout
+    assert f"moved it to {run}/quarantine/checkpoint-6" in skipped[0]
+    assert "resumed from step 4" in proc.stdout
+    assert (run / "quarantine" / "checkpoint-6").is_dir()
+    # keep 3: the bad 6 does not count, so 2 survives beside 4 and the new 5
+    assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "5"]
+    ref = {r["step"]: r["loss"] for r in metrics(reference)}
+    assert [(r["step"], r["loss"]) for r in metrics(run)] == [(s, ref[s]) for s in range(1, 6)]
+    assert verify(str(run / "checkpoints" / "5")) is None
+
+
+def test_resume_with_no_checkpoint_that_verifies_names_each_and_writes_nothing(
+    runs, tmp_path, capsys
+):
+    base, _ = runs
+    run = tmp_path / "A"
+    shutil.copytree(base, run)
+    for step, corrupt in zip((2, 4, 6), (flip_bytes, missing_meta, no_manifest), strict=True):
+        corrupt(run / "checkpoints" / str(step))
+    before = snapshot(run)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *RUN, "--steps", "8", "--out", str(run), "--resume"])
+    assert exc.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert f"--resume: {run} holds no checkpoint that verifies (6: no integrity" in err
+    assert "4: file meta/metadata is missing; 2: file params/" in err
+    assert "start a new run in another directory" in err
+    assert snapshot(run) == before
+
+
+def test_every_checkpoint_carries_a_manifest_that_catches_any_change(runs):
+    base, _ = runs
+    for step in ("4", "6"):
+        step_dir = base / "checkpoints" / step
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+        on_disk = {
+            os.path.relpath(os.path.join(r, f), step_dir)
+            for r, _, fs in os.walk(step_dir)
+            for f in fs
+        } - {MANIFEST}
+        assert set(manifest["files"]) == on_disk and manifest["step"] == int(step)
+        assert verify(str(step_dir)) is None
+
+
+# ----------------------------------------------------------------------------------- the lock
+def test_a_second_run_on_a_directory_in_use_is_refused_naming_the_owner(tmp_path):
+    out = tmp_path / "A"
+    first = popen(
+        "train",
+        *BASE,
+        "--steps",
+        "100000",  # still running when the test ends (it is killed)
+        "--checkpoint-every",
+        "100000",
+        "--set",
+        "run.log_every=1",
+        "--out",
+        str(out),
+    )
+    try:
+        wait_for(lambda: steps_logged(out) >= 2)
+        config = (out / "config.yaml").read_text()
+        for extra in ([], ["--resume"]):
+            second = jaxmem(
+                "train", *BASE, "--steps", "3", "--seed", "7", "--out", str(out), *extra
+            )
+            assert second.returncode == 2
+            assert second.stderr.strip().splitlines() == [
+                f"jaxmem train: error: run directory {out} is in use by process {first.pid}; "
+                "wait for it to finish or choose another --out"
+            ]
+            assert (out / "config.yaml").read_text() == config  # the first run's, untouched
+        assert first.poll() is None  # and the first run goes on
+    finally:
+        first.kill()
+        first.wait()
+    # killed: the OS released the lock; a resume now finds no checkpoint (none was saved)
+    again = jaxmem("train", *BASE, "--steps", "3", "--out", str(out), "--resume")
+    assert again.returncode == 2 and "holds no checkpoint that verifies" in again.stderr
+
+
+def test_two_runs_started_at_once_on_one_directory_never_mix(tmp_path):
+    out = tmp_path / "A"
+    procs = {
+        seed: popen("train", *BASE, "--steps", "3", "--seed", seed, "--out", str(out))
+        for seed in ("1", "2")
+    }
+    codes = {seed: p.wait(timeout=300) for seed, p in procs.items()}
+    assert sorted(codes.values()) == [0, 2], codes
+    winner = next(seed for seed, code in codes.items() if code == 0)
+    loser = procs[next(seed for seed, code in codes.items() if code == 2)]
+    err = loser.stderr.read().strip().splitlines()
+    assert len(err) == 1 and (
+        "is in use by process" in err[0] or "exists and is not empty" in err[0]
+    ), err
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    config = (out / "config.yaml").read_text()
+    assert f"seed: {winner}\n" in config
+
+
+# ---------------------------------------------------------------------------------- full disk
+def _small_disk(path) -> bool:
+    """A 1.5 MiB tmpfs at ``path`` (root only); False where mounting is not allowed."""
+    path.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3000k", "tmpfs", str(path)], capture_output=True
+    )
+    return proc.returncode == 0
+
+
+def test_a_full_disk_is_reported_as_a_full_disk_in_one_line(tmp_path):
+    """A real ENOSPC (a small tmpfs) where this user may mount one, else a real EFBIG (a file
+    size limit): either way an OS write error, reported as one, never as out of memory."""
+    disk = tmp_path / "disk"
+    mounted = _small_disk(disk)  # room for about two checkpoints of tiny
+    out = disk / "run"
+    try:
+        limit = None
+        if not mounted:
+
+            def limit():  # runs in the child before exec
+                import resource
+
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000))
+
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jaxmem.cli",
+                "train",
+                *BASE,
+                "--steps",
+                "20",
+                "--checkpoint-every",
+                "1",
+                "--keep",
+                "5",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=limit,
+            env={**os.environ, "COLUMNS": "400"},
+        )
+        assert proc.returncode == 1, proc.stderr
+        (err,) = proc.stderr.strip().splitlines()
+        what = "No space left on device" if mounted else "File too large"
+        assert err.startswith("jaxmem train: could not write checkpoint ") and what in err, err
+        assert "out of memory" not in err
+        good = [
+            s
+            for s in os.listdir(out / "checkpoints")
+            if s.isdigit() and verify(str(out / "checkpoints" / s)) is None
+        ]
+        if mounted:  # the disk held some checkpoints before it filled up
+            last = int(err.split("last verified checkpoint: step ")[1].split()[0])
+            assert good and max(map(int, good)) == last
+        else:  # a file size limit refuses the very first array file
+            assert "last verified checkpoint: none" in err and not good
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_out_of_memory_advice_is_only_for_real_out_of_memory():
+    from jaxmem.train.loop import disk_error, is_out_of_memory
+
+    enospc = ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "x": Failed to write 207 bytes to file 27: No space '
+        "left on device [os_error_code='28']"
+    )
+    assert disk_error(enospc).errno == 28 and not is_out_of_memory(enospc)
+    xla = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.1GiB")
+    assert is_out_of_memory(xla) and disk_error(xla) is None
+
+
+# ------------------------------------------------------------------------- Ctrl-C and SIGTERM
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_after_the_step_saves_it_and_exits_130(tmp_path, sig):
+    out = tmp_path / "A"
+    proc = popen(
+        "train",
+        *BASE,
+        "--steps",
+        "100000",  # still running when the signal comes
+        "--checkpoint-every",
+        "1000",
+        "--set",
+        "run.log_every=1",
+        "--out",
+        str(out),
+    )
+    wait_for(lambda: steps_logged(out) >= 3)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    last = metrics(out)[-1]["step"]
+    assert err.strip().splitlines() == [
+        f"jaxmem train: {sig.name} at step {last}: saved checkpoint {last} in {out}/checkpoints; "
+        f"continue with: jaxmem train --out {out} --resume"
+    ]
+    assert os.listdir(out / "checkpoints") == [str(last)]
+    assert verify(str(out / "checkpoints" / str(last))) is None
+    resumed = jaxmem("train", *BASE, "--steps", str(last + 2), "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in metrics(out)] == list(range(1, last + 3))
+
+
+# ------------------------------------------------------------------------ half-written metrics
+def test_a_half_written_metrics_line_neither_breaks_resume_nor_plot(runs, tmp_path):
+    base, reference = runs
+    run = tmp_path / "A"
+    shutil.copytree(base, run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss": 4.9')  # a kill mid-write
+    plot = jaxmem("plot", str(run), "--out", str(tmp_path / "c.png"))
+    assert plot.returncode == 0, plot.stderr
+    assert "skipped 1 unreadable line(s)" in plot.stderr
+    proc = jaxmem("train", *RUN, "--steps", "8", "--out", str(run), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    # the resumed file equals an uninterrupted run's, step for step
+    assert metrics(run) == [{k: v for k, v in r.items()} for r in metrics(reference)]
+
+
+# ---------------------------------------------------------------- mistakes that were tracebacks
+@pytest.mark.parametrize(
+    ("platforms", "message"),
+    [
+        ("cuda", "JAX has no CUDA backend here (JAX_PLATFORMS='cuda'): install 'jaxmem[cuda]'"),
+        ("bogus", "JAX cannot start a backend for JAX_PLATFORMS='bogus'"),
+    ],
+)
+def test_a_backend_jax_cannot_start_is_one_line(platforms, message, tmp_path):
+    proc = jaxmem(
+        "train",
+        *BASE,
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "A"),
+        env={"JAX_PLATFORMS": platforms},
+    )
+    assert proc.returncode == 2
+    (err,) = proc.stderr.strip().splitlines()
+    assert message in err
+    assert not (tmp_path / "A").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plot", "RUN", "--out", "x.txt"], "--out x.txt: give a .png, .pdf, .svg file"),
+        (["plot", "RUN", "--out", "TMP"], "is a directory; give a file name"),
+        (
+            ["memory", "--preset", "gpt3-6.7b", "--frameworks", "torch"],
+            "--preset gpt3-6.7b is planned from shapes in JAX only",
+        ),
+    ],
+)
+def test_more_bad_input_is_one_line_exit_2(args, message, runs, tmp_path, capsys):
+    base, _ = runs
+    args = [str(base) if a == "RUN" else str(tmp_path) if a == "TMP" else a for a in args]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert message in err
+
+
+def test_a_non_finite_fp32_loss_does_not_advise_fp32(tmp_path, capsys):
+    code = cli.main(
+        ["train", *BASE, "--steps", "4", "--set", "optimizer.lr=1e30", "--out", str(tmp_path / "A")]
+    )
+    assert code == cli.EXIT_RUN_FAILED
+    err = capsys.readouterr().err
+    assert "lower --lr" in err and "--precision fp32" not in err
+
+
+# ----------------------------------------------------------------------- what a user sees
+def test_a_run_says_what_it_is_doing_and_what_it_keeps(capsys):
+    assert (
+        cli.main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--batch-size",
+                "4",
+                "--seq-len",
+                "32",
+                "--steps",
+                "2",
+                "--sample-tokens",
+                "5000",
+            ]
+        )
+        == 0
+    )
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.index("compiling the train step") < out.index("jaxmem train (jax) preset tiny")
+    assert "no --out: nothing of this run is kept" in out
+    assert "sample cut to fit max_seq_len=64" in out and "asked for 5000" in out
+
+
+def test_the_progress_bar_starts_without_a_made_up_loss():
+    console = Console(record=True, width=160, force_terminal=False)
+    with progress_bar(console) as progress:
+        progress.add_task("train", total=10, completed=0, mem="", **INITIAL_FIELDS)
+    text = console.export_text()
+    assert "loss - " in text and "- tok/s" in text and "nan" not in text
+
+
+def test_plot_names_the_file_it_wrote(runs, tmp_path, capsys):
+    base, _ = runs
+    assert cli.main(["plot", str(base), "--out", str(tmp_path / "mydocs")]) == 0
+    assert f"wrote {tmp_path / 'mydocs.png'}:" in capsys.readouterr().out
+    assert (tmp_path / "mydocs.png").stat().st_size > 0
+
+
+def test_prepared_data_is_readable_by_others_and_version_is_printed(tmp_path, capsys):
+    src = tmp_path / "src.txt"
+    src.write_text("def f(x):\n    return x\n" * 300)
+    assert cli.main(["prepare", str(src), "--out", str(tmp_path / "bin")]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert os.stat(tmp_path / "bin" / name).st_mode & 0o777 == 0o666 & ~umask
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("jaxmem 0.")
+
+
+def test_memory_rows_are_not_repeated(tmp_path):
+    out = tmp_path / "m.json"
+    proc = jaxmem(
+        "memory",
+        "--frameworks",
+        "jax",
+        "--policies",
+        "full,,full",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [r["policy"] for r in json.loads(out.read_text())] == ["full"]
+    assert "measuring jax full" in proc.stdout
