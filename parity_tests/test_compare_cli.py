@@ -121,6 +121,21 @@ def test_memory_command_shows_stock_pytorch_and_the_extension_beside_jax(tmp_pat
         assert f"{policy}: saved tensors that differ (jaxmem vs torch)" in proc.stdout
     assert "selective: saved tensors that differ (jaxmem vs torch-lean)" in proc.stdout
     assert by[("torch", "none")]["hook_saved_bytes_device"] > 0
+    # two kinds of peak, two columns: JAX's is a compiled plan, PyTorch's a runtime peak
+    assert "planned peak" in proc.stdout and "runtime peak" in proc.stdout
+    for r in records:
+        planned = r["peak_source"].startswith("compiled plan")
+        assert planned == (r["framework"] == "jax"), r["peak_source"]
+    # the saved-tensor hooks note appears exactly for the rows where the hooks see other bytes
+    for r in records:
+        if r["framework"] == "jax":
+            continue
+        hooks = r["hook_saved_bytes_device"] + r["hook_saved_bytes_host"]
+        differs = hooks != r["saved_activation_bytes_device"] + r["saved_activation_bytes_host"]
+        note = f"{r['framework']} {r['policy']}: saved-tensor hooks see"
+        assert (note in proc.stdout) == differs, (note, differs)
+    # stock selective checkpointing caches outside the hooks: that row must carry the note
+    assert "torch selective: saved-tensor hooks see" in proc.stdout
 
 
 def test_bench_command_writes_json_markdown_and_plots(tmp_path):
@@ -176,3 +191,40 @@ def test_seed_example_command_runs_in_both_frameworks(capsys):
     out = capsys.readouterr().out.splitlines()
     losses = {line.split("(")[1]: float(line.split()[3]) for line in out}
     assert len(out) == 4 and len(losses) == 2
+
+
+def test_set_threads_pins_both_frameworks_and_refuses_impossible_counts():
+    """In a subprocess: the affinity change is the process's, and XLA must not have started."""
+    code = """
+import json, os
+from jaxmem.compare import bench
+cores = len(os.sched_getaffinity(0))
+try:
+    bench.set_threads(cores + 1)
+    refused = None
+except ValueError as e:
+    refused = str(e)
+meta = bench.set_threads(1)
+print(json.dumps({"cores": cores, "refused": refused, "meta": meta,
+                  "affinity": sorted(os.sched_getaffinity(0))}))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (
+        got["refused"]
+        == f"threads={got['cores'] + 1} must be between 1 and the {got['cores']} usable cores"
+    )
+    assert got["meta"]["threads"] == 1 and got["meta"]["torch_threads"] == 1
+    assert got["affinity"] == got["meta"]["cpu_affinity"] and len(got["affinity"]) == 1
+
+
+def test_busy_warning_fires_only_beyond_the_benchmarks_own_load(monkeypatch):
+    from jaxmem.compare import bench
+
+    monkeypatch.setattr(bench, "usable_cores", lambda: 4)
+    assert bench.busy_warning([0.1, 0.2, 0.3], [1.9, 1.0, 0.5], threads=2) is None
+    assert "busy" in bench.busy_warning([1.5, 1.0, 0.5], [1.9, 1.0, 0.5], threads=2)
+    assert "busy" in bench.busy_warning([0.1, 0.2, 0.3], [3.0, 1.0, 0.5], threads=2)
+    assert "busy" in bench.busy_warning([0.1, 0.2, 0.3], [4.4, 1.0, 0.5], threads=4)

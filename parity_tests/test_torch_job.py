@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxmem import cli
 from jaxmem.compare.tolerances import tolerance
+from jaxmem.train.layout import verify
 from tests.test_train import check_non_finite_stop, metrics, train
 
 
@@ -42,3 +43,34 @@ def test_torch_run_resumes_from_its_checkpoint(tmp_path):
     resumed = metrics(out)
     assert [r["step"] for r in resumed] == list(range(1, 10))
     assert resumed[:6] == first
+
+
+def test_a_corrupt_torch_checkpoint_is_skipped_and_kept_aside(tmp_path, capsys, monkeypatch):
+    """The same integrity rule as JAX runs: flip bytes in the newest ``state.pt`` and --resume
+    names it, moves it to quarantine, and resumes from the newest checkpoint that verifies,
+    training exactly what the first run trained."""
+    out = tmp_path / "torch"
+    common = ["--framework", "torch", "--checkpoint-every", "2", "--out", str(out)]
+    assert train("--steps", "4", *common) == 0
+    first = metrics(out)
+    state = out / "checkpoints" / "4" / "state.pt"
+    data = bytearray(state.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 3] = bytes(b ^ 0xFF for b in data[middle : middle + 3])
+    state.write_bytes(bytes(data))
+    assert verify(str(out / "checkpoints" / "4")) == (
+        "file state.pt changed since it was saved (checksum mismatch)"
+    )
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "400")  # one message per line
+    assert train("--steps", "5", "--resume", *common) == 0
+    printed = capsys.readouterr().out
+    assert "skipped checkpoint 4: file state.pt changed since it was saved" in printed
+    assert "resumed from step 2" in printed
+    assert (out / "quarantine" / "checkpoint-4" / "state.pt").read_bytes() == bytes(data)
+    resumed = metrics(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    trained = [(r["step"], r["loss"], r["grad_norm"]) for r in resumed[:4]]
+    assert trained == [(r["step"], r["loss"], r["grad_norm"]) for r in first]  # bit for bit
+    assert sorted(os.listdir(out / "checkpoints")) == ["4", "5"]  # --keep 2 (the default)
+    assert all(verify(str(out / "checkpoints" / s)) is None for s in ("4", "5"))
