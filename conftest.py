@@ -23,6 +23,14 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
+from jaxmem.backend import contain_cuda_plugin  # noqa: E402  (after the cache settings: JAX reads them at import)
+
+# jaxmem[gpu-plan] puts JAX's CUDA plugin in this environment; on a machine without a driver the
+# suite runs on the CPU as the CLI does (subprocesses inherit the choice), and where a driver
+# exists JAX picks the GPU and the CUDA-only tests run
+contain_cuda_plugin()
+
+
 def pytest_unconfigure(config) -> None:
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

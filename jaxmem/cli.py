@@ -98,8 +98,11 @@ def need_jax_backend() -> None:
     raises a bare AssertionError or RuntimeError on first use)."""
     import jax
 
+    from jaxmem.backend import quiet_native_stderr
+
     try:
-        jax.devices()
+        with quiet_native_stderr():
+            jax.devices()
     except Exception as e:  # jax raises AssertionError / RuntimeError, varying by version
         wanted = os.environ.get("JAX_PLATFORMS", "")
         if any(p in wanted.lower() for p in ("cuda", "gpu")):
@@ -411,7 +414,20 @@ def cmd_memory(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if args.preset_name == "seed":
         raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
-    planning = args.preset_name in PLANNING_ONLY
+    from jaxmem.memory.targets import get_target
+
+    try:
+        target = get_target(args.target)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if target.is_gpu:
+        if args.frameworks is not None and frameworks != ["jax"]:
+            raise UsageError(
+                f"--target {target.name} plans the JAX step for that GPU; the PyTorch rows are "
+                "measured on this machine: use --frameworks jax (or drop --target)"
+            )
+        frameworks = ["jax"]
+    planning = args.preset_name in PLANNING_ONLY or target.is_gpu
     seq_len = args.seq_len or (cfg.max_seq_len if planning else min(64, cfg.max_seq_len))
     if seq_len > cfg.max_seq_len:
         raise UsageError(
@@ -429,8 +445,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
         from jaxmem.memory.remat import check_backend
 
         try:
-            for name in policies:
-                check_backend(get_policy(name))
+            if target.is_gpu:
+                from jaxmem.memory.gpu_plan import require_gpu_plan
+
+                require_gpu_plan(target)  # a GPU target has host memory: offload plans there
+            else:
+                for name in policies:
+                    check_backend(get_policy(name))
         except ConfigError as e:
             raise UsageError(str(e)) from None
     from rich.console import Console
@@ -450,7 +471,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
         for fw in frameworks:
             console.print(
                 f"measuring {fw} {name}"
-                + (" (compiling the train step from shapes)" if planning else "")
+                + (
+                    f" (compiling the train step from shapes for {target.description})"
+                    if target.is_gpu
+                    else " (compiling the train step from shapes)"
+                    if planning
+                    else ""
+                )
                 + "...",
                 style="dim",
             )
@@ -458,7 +485,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
                 from jaxmem.memory.records import jax_record
 
                 rec = jax_record(
-                    cfg, policy, precision, opt_cfg, args.batch_size, seq_len, abstract=planning
+                    cfg,
+                    policy,
+                    precision,
+                    opt_cfg,
+                    args.batch_size,
+                    seq_len,
+                    abstract=planning,
+                    target=target,
                 )
             else:
                 from jaxmem.compare.bench import has_lean
@@ -478,25 +512,29 @@ def cmd_memory(args: argparse.Namespace) -> int:
                 )
             rec["preset"] = args.preset_name
             records.append(rec)
-    _print_memory_table(console, records, args.preset_name, args.batch_size, seq_len, planning)
+    _print_memory_table(
+        console, records, args.preset_name, args.batch_size, seq_len, planning, target
+    )
     if args.json:
         write_json_atomic(args.json, records)
         console.print(f"wrote {len(records)} records to {args.json}")
     return 0
 
 
-def _print_memory_table(console, records, preset, batch, seq_len, planning) -> None:
+def _print_memory_table(console, records, preset, batch, seq_len, planning, target) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from jaxmem.figures import format_bytes
 
     kind = "planned from shapes" if planning else "measured"
+    if target.is_gpu:
+        kind += f", plans compiled for {target.description}"
     table = Table(
         title=f"memory of one training step: {preset}, batch {batch} x seq {seq_len} "
         f"({kind}, {records[0]['precision']})"
     )
-    for col in (
+    columns = [
         "framework",
         "policy",
         "saved device",
@@ -507,10 +545,18 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
         "GFLOP (hw / model)",
         "planned peak",
         "runtime peak",
-    ):
+    ]
+    if target.is_gpu:
+        columns += ["plan host", f"fits {format_bytes(target.device_memory_bytes)}"]
+    for col in columns:
         table.add_column(col, justify="left" if col in ("framework", "policy") else "right")
     for r in records:
         temp = r["compiled_temp_bytes"]
+        gpu = (
+            (format_bytes(r["plan_host_bytes"]), "yes" if r["fits"] else "no")
+            if target.is_gpu
+            else ()
+        )
         table.add_row(
             r["framework"],
             r["policy"],
@@ -525,6 +571,7 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
                 if r["peak_source"].startswith("compiled plan")
                 else ("-", format_bytes(r["peak_bytes"]))
             ),
+            *gpu,
         )
     wide = Console(file=console.file, width=max(console.width, 150))
     wide.print(table)
@@ -563,6 +610,13 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning) -> N
         f"{format_bytes(max(r['process_max_rss_bytes'] for r in records))} (OS getrusage: the "
         "whole process, host memory, both frameworks and everything before them)"
     )
+    if target.is_gpu:
+        wide.print(
+            f"  plan host = host memory in the {target.name} plan (offloaded residuals); fits = "
+            f"planned peak <= the target's {format_bytes(target.device_memory_bytes)} "
+            "(jaxmem's check: a deviceless compile never fails for lack of memory; it runs no "
+            "autotuning, so GEMM workspaces may differ slightly from a compile on the GPU)"
+        )
     _print_differences(wide, records)
 
 
@@ -748,7 +802,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="For each policy and framework: parameter, gradient and optimizer-state "
         "bytes, saved activations (device / host), the analytic model, the compiled plan (JAX), "
         "FLOPs and a peak, each labelled with how it was obtained. Planning-only presets are "
-        "compiled from shapes (no weights allocated); a CPU plan is a proxy for a GPU's.",
+        "compiled from shapes (no weights allocated); --target compiles the plan for a GPU "
+        "without one (XLA:CPU's plan is far from a GPU's).",
     )
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--policies", default="none,full,selective,offload", help="comma-separated")
@@ -766,6 +821,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="default 64 (max_seq_len for planning presets)",
+    )
+    p.add_argument(
+        "--target",
+        default="cpu",
+        help="compile the JAX plan for: cpu (the local backend, default), h100, a100-40gb, "
+        "a100-80gb (XLA:CUDA without a GPU; needs jaxmem[gpu-plan]) or a .txtpb target file",
     )
     p.add_argument("--json", metavar="OUT.json", help="write the records as a JSON list")
     p.set_defaults(func=cmd_memory)
@@ -947,6 +1008,9 @@ def _train_parser(sub) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from jaxmem.backend import contain_cuda_plugin
+
+    contain_cuda_plugin()  # before JAX starts (it starts lazily, in the commands)
     parser = build_parser()
     args = parser.parse_args(argv)
     if hasattr(args, "preset") and args.command != "train":  # train resolves its own config

@@ -25,6 +25,8 @@ PURE = (
     "jaxmem.files",
     "jaxmem.figures",
     "jaxmem.memory.analytic",
+    "jaxmem.memory.targets",
+    "jaxmem.backend",
     "jaxmem.train.job",
     "jaxmem.train.loop",
     "jaxmem.train.layout",

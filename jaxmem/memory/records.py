@@ -3,8 +3,10 @@
 field says; nothing is filled in unmeasured (a figure a backend cannot give is ``None``).
 
 Records can be built from shapes alone (``abstract=True``: ``jax.ShapeDtypeStruct`` parameters,
-no weights allocated) so large presets are planned ahead of time from a laptop. A plan compiled
-for XLA:CPU is a proxy for the GPU's: the same program, another compiler backend.
+no weights allocated) so large presets are planned ahead of time from a laptop. The compiled plan
+is the local backend's (``target=LOCAL``) or, for a GPU target, XLA:CUDA's, compiled without the
+GPU (``jaxmem.memory.gpu_plan``). XLA:CPU's plan is far from a GPU's (it keeps remat only under
+scan and erases host offload); every record names the compiler and target of its plan.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jaxmem.memory.residuals import (
     saved_residuals,
     summarize_residuals,
 )
+from jaxmem.memory.targets import LOCAL, Target
 from jaxmem.model import make_model
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
@@ -72,8 +75,11 @@ def jax_record(
     seq_len: int,
     *,
     abstract: bool = False,
+    target: Target = LOCAL,
 ) -> dict[str, Any]:
-    """Measure one jaxmem training step (or plan it from shapes when ``abstract``)."""
+    """Measure one jaxmem training step (or plan it from shapes when ``abstract``; always from
+    shapes for a GPU target)."""
+    abstract = abstract or target.is_gpu
     if abstract:
         model = nnx.eval_shape(lambda: make_model(cfg, precision))
     else:
@@ -92,19 +98,25 @@ def jax_record(
     grads = jax.eval_shape(jax.grad(f), params, data)
     step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg)
     scale = init_loss_scale(precision)
-    plan = compiled_plan(step.lower(params, opt_state, scale, data).compile())
-    platform = jax.devices()[0].platform
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import compile_for
+
+        compiled = compile_for(step, (params, opt_state, scale, data), target)
+        compiler = target.compiler()
+    else:
+        compiled = step.lower(params, opt_state, scale, data).compile()
+        compiler = f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
+    plan = compiled_plan(compiled)
+    planned_peak = (
+        plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
+    )
     peak, peak_source = None, None
-    if not abstract and platform != "cpu":
+    if not abstract and jax.devices()[0].platform != "cpu":
         step(params, opt_state, scale, data)
         peak, peak_source = device_peak_bytes(), "runtime peak (device.memory_stats)"
     if peak is None:
-        peak = (
-            plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
-        )
-        peak_source = (
-            f"compiled plan (XLA:{platform.upper()}): arguments + outputs - aliased + temporaries"
-        )
+        peak = planned_peak
+        peak_source = f"compiled plan ({compiler}): arguments + outputs - aliased + temporaries"
     estimate = analytic.saved_activation_bytes(cfg, policy, batch, seq_len, precision)
     return {
         "framework": "jax",
@@ -130,6 +142,15 @@ def jax_record(
         "model_flops": analytic.model_flops(cfg, batch, seq_len),
         "peak_bytes": peak,
         "peak_source": peak_source,
+        "target": target.name,
+        "compiler": compiler,
+        "planned_peak_bytes": planned_peak,
+        "plan_host_bytes": plan["host_temp_bytes"] + plan["host_argument_bytes"],
+        "device_memory_bytes": target.device_memory_bytes,
+        # fitting is jaxmem's check: a deviceless compile never fails for lack of memory
+        "fits": None
+        if target.device_memory_bytes is None
+        else planned_peak <= target.device_memory_bytes,
         # the OS's high-water mark of this whole process (everything so far)
         "process_max_rss_bytes": process_max_rss_bytes(),
         "process_max_rss_source": "OS (getrusage ru_maxrss), whole process so far, host",

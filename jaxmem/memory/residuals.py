@@ -187,6 +187,11 @@ def compiled_plan(compiled: Any) -> dict[str, int]:
         "alias_bytes": int(stats.alias_size_in_bytes),
         "temp_bytes": int(stats.temp_size_in_bytes),
         "generated_code_bytes": int(stats.generated_code_size_in_bytes),
+        # host memory the plan uses (offloaded residuals on a GPU; XLA:CPU reports none)
+        "host_argument_bytes": int(stats.host_argument_size_in_bytes),
+        "host_output_bytes": int(stats.host_output_size_in_bytes),
+        "host_alias_bytes": int(stats.host_alias_size_in_bytes),
+        "host_temp_bytes": int(stats.host_temp_size_in_bytes),
     }
 
 

@@ -1,0 +1,74 @@
+"""Keeping JAX's CUDA plugin in its place on machines without a GPU (imports no JAX).
+
+``jaxmem[gpu-plan]`` installs JAX's CUDA plugin so that XLA can compile for a GPU target on a
+CPU-only machine. Installed, the plugin joins every JAX process: without an NVIDIA driver its
+start-up check prints a traceback before JAX falls back to the CPU, and loading its library
+prints absl lines ("Could not find cuda drivers on your machine") straight to file descriptor 2.
+``contain_cuda_plugin`` (called before JAX starts) asks for the CPU backend in that case, and
+``quiet_native_stderr`` drops those known lines from a block that loads the plugin, passing every
+other byte through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import tempfile
+from collections.abc import Iterator
+
+# lines the plugin's native code prints on a machine without a driver: information, not errors
+_NOISE = (
+    "Could not find cuda drivers on your machine",
+    "All log messages before absl::InitializeLog() is called are written to STDERR",
+)
+
+
+def cuda_plugin_installed() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def nvidia_driver_present() -> bool:
+    return os.path.exists("/proc/driver/nvidia/version")
+
+
+def contain_cuda_plugin() -> None:
+    """Before JAX starts: with the plugin installed and no driver, import JAX with the plugin's
+    start-up lines dropped (``import jax`` itself loads the plugin's native modules) and, unless
+    the user chose ``JAX_PLATFORMS``, run on the CPU (what JAX falls back to anyway) without the
+    plugin's traceback. Without the plugin, or with a driver, nothing happens (JAX stays unloaded
+    until a command needs it)."""
+    if not cuda_plugin_installed() or nvidia_driver_present():
+        return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    with quiet_native_stderr():
+        import jax  # noqa: F401
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Run a block with file descriptor 2 sent to a temporary file, then write back every line
+    but the plugin's known start-up noise. Written by hand: the lines come from C++ before absl
+    logging is set up, so neither Python logging nor absl flags reach them."""
+    if not cuda_plugin_installed():
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [
+                line
+                for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                if not any(n in line for n in _NOISE)
+            ]
+            if kept:
+                os.write(2, "".join(kept).encode())

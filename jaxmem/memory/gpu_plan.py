@@ -1,0 +1,121 @@
+"""Compile a jitted program for a GPU target on a machine without a GPU (a deviceless compile).
+
+JAX's CUDA plugin (``jaxmem[gpu-plan]``) describes a GPU from a ``GpuTargetConfig`` text
+(``jaxmem.memory.targets``); ``jax.experimental.topologies`` turns it into a one-device mesh, and a
+program lowered with ``jax.ShapeDtypeStruct`` arguments placed on that mesh compiles with the real
+XLA:CUDA pipeline (fusion, scheduling, buffer assignment, host offload) into a plan whose
+``memory_analysis()`` is the GPU's. This is the path of JAX's own
+``tests/aot_test.py::test_deviceless_aot_compile``.
+
+What such a plan cannot show, and jaxmem says so where it matters:
+- memory kinds on the jitted function's *arguments* (optimizer state or parameters kept in
+  ``pinned_host``) are dropped in a deviceless compile: count those analytically;
+- a deviceless compile never fails for lack of memory (fitting is jaxmem's check, against the
+  target's ``device_memory_bytes``), and runs no autotuning, so GEMM workspaces may differ slightly
+  from a compile on the GPU itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxmem.backend import cuda_plugin_installed, quiet_native_stderr
+from jaxmem.config import ConfigError
+from jaxmem.memory.targets import Target
+
+GPU_PLAN_EXTRA = "pip install 'jaxmem[gpu-plan]'"
+
+
+def require_gpu_plan(target: Target) -> None:
+    """A one-line error naming the extra when the plugin or ptxas is missing."""
+    import importlib.util
+
+    if not cuda_plugin_installed():
+        raise ConfigError(
+            f"--target {target.name} compiles for a GPU without one and needs JAX's CUDA plugin, "
+            f"which is not installed: {GPU_PLAN_EXTRA}"
+        )
+    try:
+        nvcc = importlib.util.find_spec("nvidia.cuda_nvcc") is not None
+    except (ImportError, ValueError):
+        nvcc = False
+    if not nvcc:
+        raise ConfigError(
+            f"--target {target.name} needs ptxas and libdevice (nvidia-cuda-nvcc-cu12), which "
+            f"are not installed: {GPU_PLAN_EXTRA}"
+        )
+    if jax.default_backend() == "cpu":
+        return
+    # on a machine with a GPU the plugin is the backend; the deviceless path is the same
+    # topology API, so nothing more to check
+
+
+@functools.cache
+def _sharding(config_text: str) -> NamedSharding:
+    from jax.experimental import topologies
+
+    with quiet_native_stderr():
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=config_text, topology="1x1x1"
+        )
+    mesh = topologies.make_mesh(topo, (1,), ("x",))
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def target_sharding(target: Target) -> NamedSharding:
+    """A replicated sharding over the target's one device (slices x hosts x devices = 1x1x1)."""
+    assert target.is_gpu and target.config_text is not None, target
+    require_gpu_plan(target)
+    return _sharding(target.config_text)
+
+
+def on_target(tree: Any, target: Target) -> Any:
+    """``tree``'s leaves (arrays or shape structs) as shape structs on the target's device."""
+    sharding = target_sharding(target)
+
+    def place(x):
+        if x is None:
+            return None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map(place, tree)
+
+
+def compile_for(jitted: Any, args: tuple, target: Target) -> Any:
+    """``jitted`` compiled for ``target`` from ``args`` (arrays or shape structs)."""
+    placed = on_target(args, target)
+    # a deviceless executable cannot be read back from JAX's persistent compilation cache
+    # ("PjRtCompiler must be constructed with a Client"): keep it out of the cache
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with quiet_native_stderr():
+            return jitted.lower(*placed).compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+
+
+def capture_target_config() -> str:
+    """The exact target config of this machine's first GPU (run where CUDA works): the text
+    ``--target FILE`` takes, for GPUs jaxmem does not ship."""
+    from jax._src.lib import xla_client  # the only public route to it (see the README)
+
+    devices = [d for d in jax.devices() if d.platform == "gpu"]
+    if not devices:
+        raise ConfigError(
+            "capture-target needs a CUDA GPU visible to JAX (jax.devices() has none here); run it "
+            "on the GPU machine with 'jaxmem[cuda]' installed"
+        )
+    config = xla_client.get_topology_for_devices(devices[:1]).target_config
+    # not verified on a GPU by this project's CI (it has none): text expected, as the plugin's
+    # topology API takes; anything else is refused rather than written as a broken file
+    if not isinstance(config, str):
+        raise ConfigError(
+            f"this jaxlib returns the target config as {type(config).__name__}, not text; "
+            "capture-target cannot write it"
+        )
+    return config

@@ -1,0 +1,104 @@
+"""Compile targets for memory plans (pure: no JAX).
+
+``cpu`` is the local backend (XLA:CPU; today's plans). The GPU targets are XLA ``GpuTargetConfig``
+text protos shipped in ``jaxmem/memory/target_configs/``: with JAX's CUDA plugin installed
+(``jaxmem[gpu-plan]``) XLA compiles the real GPU program for them on a machine without a GPU
+(``jaxmem.memory.gpu_plan``). A target can also be a ``.txtpb`` file captured on a real GPU
+(``jaxmem capture-target``), for GPUs not shipped here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from importlib import resources
+
+from jaxmem.config import ConfigError
+
+# name -> (file in jaxmem/memory/target_configs/, what it is)
+SHIPPED: dict[str, tuple[str, str]] = {
+    "h100": ("h100_sxm.txtpb", "NVIDIA H100 SXM5 80 GB"),
+    "a100-40gb": ("a100_sxm_40.txtpb", "NVIDIA A100 SXM4 40 GB"),
+    "a100-80gb": ("a100_sxm_80.txtpb", "NVIDIA A100 SXM4 80 GB"),
+}
+TARGET_NAMES = ("cpu", *SHIPPED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a plan is compiled for. ``config_text`` is the ``GpuTargetConfig`` proto (None for
+    the local backend); ``device_memory_bytes`` what the device has (None: the local backend's
+    memory is not a fixed budget)."""
+
+    name: str
+    platform: str  # "cpu" (the local backend, whatever it is) or "cuda"
+    description: str
+    device_memory_bytes: int | None = None
+    config_text: str | None = None
+    source: str = ""  # the file it came from
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.platform == "cuda"
+
+    def compiler(self) -> str:
+        """Which compiler and target produced a plan, for every record's ``*_source``."""
+        if not self.is_gpu:
+            return "XLA for the local backend"
+        return f"XLA:CUDA deviceless compile for {self.description} (target {self.name})"
+
+
+LOCAL = Target(name="cpu", platform="cpu", description="the local backend")
+
+_FIELD = {
+    "device_memory_size": re.compile(r"\bdevice_memory_size\s*:\s*(\d+)"),
+    "platform_name": re.compile(r'\bplatform_name\s*:\s*"([^"]*)"'),
+    "device_description_str": re.compile(r'\bdevice_description_str\s*:\s*"([^"]*)"'),
+}
+
+
+def parse_target(name: str, text: str, source: str) -> Target:
+    """The fields jaxmem reads from a target-config text (XLA parses the whole of it when it
+    compiles); a text without them is refused, naming the file and the missing field."""
+    found = {k: p.search(text) for k, p in _FIELD.items()}
+    missing = [k for k, m in found.items() if m is None]
+    if missing:
+        raise ConfigError(
+            f"target file {source} has no {missing[0]}: give a GpuTargetConfig text proto "
+            "(capture one on the GPU with `jaxmem capture-target --out FILE`)"
+        )
+    if found["platform_name"].group(1).upper() != "CUDA":
+        raise ConfigError(
+            f"target file {source} is for platform {found['platform_name'].group(1)!r}; "
+            "jaxmem plans CUDA targets only"
+        )
+    return Target(
+        name=name,
+        platform="cuda",
+        description=found["device_description_str"].group(1),
+        device_memory_bytes=int(found["device_memory_size"].group(1)),
+        config_text=text,
+        source=source,
+    )
+
+
+def get_target(name: str) -> Target:
+    """``cpu``, a shipped GPU target by name, or a path to a ``.txtpb`` target file."""
+    if name == "cpu":
+        return LOCAL
+    if name in SHIPPED:
+        file = resources.files("jaxmem.memory") / "target_configs" / SHIPPED[name][0]
+        return parse_target(
+            name, file.read_text(), f"jaxmem/memory/target_configs/{SHIPPED[name][0]}"
+        )
+    if name.endswith((".txtpb", ".pbtxt", ".textproto")) or os.sep in name:
+        if not os.path.isfile(name):
+            raise ConfigError(f"--target {name}: no such file")
+        with open(name) as f:
+            text = f.read()
+        return parse_target(os.path.splitext(os.path.basename(name))[0], text, name)
+    raise ConfigError(
+        f"unknown target {name!r}; valid: {', '.join(TARGET_NAMES)}, or a .txtpb file captured "
+        "with `jaxmem capture-target`"
+    )

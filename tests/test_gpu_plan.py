@@ -1,0 +1,152 @@
+"""GPU memory plans without a GPU: the shipped targets, the deviceless XLA:CUDA compile of the
+train step, the `memory --target` command, and keeping JAX's CUDA plugin quiet on a CPU machine.
+Needs jaxmem[gpu-plan] (``make test`` installs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxmem import cli
+from jaxmem.backend import quiet_native_stderr
+from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
+from jaxmem.memory import gpu_plan
+from jaxmem.memory.records import jax_record
+from jaxmem.memory.targets import SHIPPED, get_target
+from jaxmem.policy import POLICIES
+from jaxmem.precision import PRECISIONS
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_every_shipped_target_parses_and_gives_a_gpu_device(name):
+    target = get_target(name)
+    assert target.is_gpu and target.device_memory_bytes > 30 * 2**30
+    sharding = gpu_plan.target_sharding(target)  # XLA parses the whole proto here
+    (device,) = sharding.mesh.devices.flat
+    assert device.platform == "gpu" and device.device_kind == target.description
+
+
+def plan(policy: str, target: str = "h100") -> dict:
+    return jax_record(
+        PRESETS["tiny"],
+        POLICIES[policy],
+        PRECISIONS["fp32"],
+        OptimizerConfig(),
+        4,
+        32,
+        target=get_target(target),
+    )
+
+
+def test_the_h100_plan_of_tiny_orders_the_policies_and_shows_offload():
+    r = {p: plan(p) for p in ("none", "selective", "full", "offload")}
+    temp = {p: x["compiled_temp_bytes"] for p, x in r.items()}
+    assert temp["none"] > temp["selective"] > temp["full"]
+    assert temp["offload"] < temp["selective"]
+    # what offload moves to the host is in the plan (XLA:CPU's plan erases it)
+    assert r["offload"]["plan_host_bytes"] > 0
+    assert r["offload"]["plan_host_bytes"] == r["offload"]["saved_activation_bytes_host"]
+    assert all(x["plan_host_bytes"] == 0 for p, x in r.items() if p != "offload")
+    for x in r.values():
+        assert (
+            x["compiler"] == "XLA:CUDA deviceless compile for NVIDIA H100 80GB HBM3 (target h100)"
+        )
+        assert x["peak_source"].startswith(f"compiled plan ({x['compiler']})")
+        assert x["fits"] is True and x["planned_from_shapes"]
+
+
+def test_a_deviceless_plan_is_deterministic_across_two_compiles():
+    """Two real compiles: deviceless executables stay out of the suite's compilation cache."""
+    first, second = plan("selective"), plan("selective")
+    assert first["compiled_plan"] == second["compiled_plan"]
+
+
+def test_memory_command_plans_for_a_gpu_target(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    out = tmp_path / "m.json"
+    args = ["memory", "--target", "a100-40gb", "--policies", "full,offload"]
+    assert cli.main([*args, "--batch-size", "2", "--seq-len", "16", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["framework"], r["policy"], r["target"]) for r in records] == [
+        ("jax", "full", "a100-40gb"),
+        ("jax", "offload", "a100-40gb"),
+    ]
+    assert records[0]["device_memory_bytes"] == get_target("a100-40gb").device_memory_bytes
+    text = " ".join(capsys.readouterr().out.split())
+    assert "plans compiled for NVIDIA A100-SXM4-40GB" in text and "fits 39.42 GiB" in text
+
+
+def test_a_captured_target_file_is_accepted_and_a_broken_one_refused(tmp_path):
+    text = get_target("h100").config_text.replace("H100 80GB HBM3", "H100 (captured)")
+    (tmp_path / "mine.txtpb").write_text(text)
+    mine = get_target(str(tmp_path / "mine.txtpb"))
+    assert mine.name == "mine" and mine.description == "NVIDIA H100 (captured)"
+    (tmp_path / "bad.txtpb").write_text('platform_name: "CUDA"\n')
+    with pytest.raises(ConfigError, match=r"bad\.txtpb has no device_memory_size"):
+        get_target(str(tmp_path / "bad.txtpb"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target", "v100"], "unknown target 'v100'; valid: cpu, h100, a100-40gb, a100-80gb"),
+        (["--target", "nope.txtpb"], "--target nope.txtpb: no such file"),
+        (
+            ["--target", "h100", "--frameworks", "jax,torch"],
+            "--target h100 plans the JAX step for that GPU; the PyTorch rows are measured",
+        ),
+    ],
+)
+def test_bad_targets_are_one_line_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["memory", *args])
+    assert exc.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert message in err
+
+
+def test_without_the_extra_the_error_names_it(monkeypatch):
+    monkeypatch.setattr(gpu_plan, "cuda_plugin_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r"pip install 'jaxmem\[gpu-plan\]'"):
+        gpu_plan.require_gpu_plan(get_target("h100"))
+
+
+def test_the_plugin_is_quiet_on_a_machine_without_a_driver(tmp_path):
+    """A fresh process with the plugin installed: the CLI starts JAX on the CPU with no traceback
+    and none of the plugin's native start-up lines, and other stderr output still gets through."""
+    if os.path.exists("/proc/driver/nvidia/version"):
+        pytest.skip("this machine has an NVIDIA driver: the plugin is JAX's backend here")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxmem.cli", "memory", "--target", "h100", "--policies", "full"]
+        + ["--batch-size", "1", "--seq-len", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    code = (
+        "import os\nfrom jaxmem.backend import quiet_native_stderr\n"
+        "with quiet_native_stderr():\n"
+        "    os.write(2, b'W0 cudart_stub.cc:31] Could not find cuda drivers on your machine\\n')\n"
+        "    os.write(2, b'a real error\\n')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.stderr == "a real error\n"
+
+
+def test_quiet_native_stderr_passes_everything_without_the_plugin(monkeypatch, capfd):
+    import jaxmem.backend as backend
+
+    monkeypatch.setattr(backend, "cuda_plugin_installed", lambda: False)
+    with quiet_native_stderr():
+        os.write(2, b"Could not find cuda drivers on your machine\n")
+    assert capfd.readouterr().err == "Could not find cuda drivers on your machine\n"
