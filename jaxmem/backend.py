@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -49,19 +50,26 @@ def contain_cuda_plugin() -> None:
 
 
 @contextlib.contextmanager
-def quiet_native_stderr() -> Iterator[None]:
+def quiet_native_stderr(*, drop_on_error: bool = False) -> Iterator[None]:
     """Run a block with file descriptor 2 sent to a temporary file, then write back every line
-    but the plugin's known start-up noise. Written by hand: the lines come from C++ before absl
-    logging is set up, so neither Python logging nor absl flags reach them."""
+    but the plugin's known start-up noise (none at all when the block raises and
+    ``drop_on_error``: the caller reports the error in its own words). Written by hand: the
+    lines come from C++ before absl logging is set up, so neither Python logging nor absl flags
+    reach them."""
     if not cuda_plugin_installed():
         yield
         return
     with tempfile.TemporaryFile() as tmp:
         saved = os.dup(2)
         os.dup2(tmp.fileno(), 2)
+        failed = False
         try:
             yield
+        except BaseException:
+            failed = True
+            raise
         finally:
+            sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             tmp.seek(0)
@@ -70,5 +78,5 @@ def quiet_native_stderr() -> Iterator[None]:
                 for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
                 if not any(n in line for n in _NOISE)
             ]
-            if kept:
+            if kept and not (failed and drop_on_error):
                 os.write(2, "".join(kept).encode())

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jaxmem import cli
@@ -60,22 +61,39 @@ def test_the_h100_plan_of_tiny_orders_the_policies_and_shows_offload():
 
 
 def test_a_deviceless_plan_is_deterministic_across_two_compiles():
-    """Two real compiles: deviceless executables stay out of the suite's compilation cache."""
-    first, second = plan("selective"), plan("selective")
-    assert first["compiled_plan"] == second["compiled_plan"]
+    """Two real compiles of one train step (a deviceless executable cannot come back from the
+    suite's compilation cache, so the second is compiled again, not loaded)."""
+    from flax import nnx
+
+    from jaxmem.memory.remat import layers_fn
+    from jaxmem.memory.residuals import compiled_plan
+    from jaxmem.model import make_model
+    from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step
+
+    cfg, precision = PRESETS["tiny"], PRECISIONS["bf16"]
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: make_model(cfg, precision)), nnx.Param)
+    tx = make_optimizer(OptimizerConfig())
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(POLICIES["selective"], cfg.n_layers))
+    step = make_train_step(loss, tx, precision=precision)
+    tokens = jax.ShapeDtypeStruct((4, 32), "int32")
+    args = (params, jax.eval_shape(tx.init, params), None, {"inputs": tokens, "targets": tokens})
+    first = gpu_plan.compile_for(step, args, get_target("h100"))
+    second = gpu_plan.compile_for(step, args, get_target("h100"))
+    assert first is not second
+    assert compiled_plan(first) == compiled_plan(second)
+    assert first.as_text() == second.as_text()
 
 
 def test_memory_command_plans_for_a_gpu_target(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
     out = tmp_path / "m.json"
-    args = ["memory", "--target", "a100-40gb", "--policies", "full,offload"]
+    args = ["memory", "--target", "a100-40gb", "--policies", "offload"]
     assert cli.main([*args, "--batch-size", "2", "--seq-len", "16", "--json", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert [(r["framework"], r["policy"], r["target"]) for r in records] == [
-        ("jax", "full", "a100-40gb"),
-        ("jax", "offload", "a100-40gb"),
-    ]
-    assert records[0]["device_memory_bytes"] == get_target("a100-40gb").device_memory_bytes
+    (r,) = records
+    assert (r["framework"], r["policy"], r["target"]) == ("jax", "offload", "a100-40gb")
+    assert r["device_memory_bytes"] == get_target("a100-40gb").device_memory_bytes
+    assert r["plan_host_bytes"] > 0 and r["fits"] is True
     text = " ".join(capsys.readouterr().out.split())
     assert "plans compiled for NVIDIA A100-SXM4-40GB" in text and "fits 39.42 GiB" in text
 
@@ -150,3 +168,23 @@ def test_quiet_native_stderr_passes_everything_without_the_plugin(monkeypatch, c
     with quiet_native_stderr():
         os.write(2, b"Could not find cuda drivers on your machine\n")
     assert capfd.readouterr().err == "Could not find cuda drivers on your machine\n"
+
+
+def test_capture_target_needs_a_gpu_and_says_so(tmp_path, capsys):
+    if os.path.exists("/proc/driver/nvidia/version"):
+        pytest.skip("this machine has an NVIDIA driver")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["capture-target", "--out", str(tmp_path / "mine.txtpb")])
+    assert exc.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "capture-target needs a CUDA GPU visible to JAX" in err
+    assert not (tmp_path / "mine.txtpb").exists()
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/driver/nvidia/version"), reason="needs an NVIDIA GPU and driver"
+)
+def test_capture_target_on_a_gpu_writes_a_target_the_planner_takes(tmp_path):
+    assert cli.main(["capture-target", "--out", str(tmp_path / "here.txtpb")]) == 0
+    target = get_target(str(tmp_path / "here.txtpb"))
+    assert target.device_memory_bytes > 0 and gpu_plan.target_sharding(target)

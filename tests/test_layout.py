@@ -26,7 +26,6 @@ PURE = (
     "jaxmem.figures",
     "jaxmem.memory.analytic",
     "jaxmem.memory.targets",
-    "jaxmem.backend",
     "jaxmem.train.job",
     "jaxmem.train.loop",
     "jaxmem.train.layout",
