@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (JAX is imported after contain_cuda_plugin, on purpose)
 """The train step's memory plan compiled for a GPU target without a GPU, per model and policy
 (``jaxmem.memory.records.jax_record`` with ``target=``; needs ``jaxmem[gpu-plan]``). JAX only:
 no PyTorch needed.
@@ -18,6 +19,9 @@ import os
 import platform
 import time
 
+from jaxmem.backend import contain_cuda_plugin
+
+contain_cuda_plugin()  # before JAX starts: CPU backend, no plugin start-up noise
 import jax
 
 from jaxmem.config import OptimizerConfig, get_preset

@@ -58,10 +58,18 @@ def require_gpu_plan(target: Target) -> None:
 def _sharding(config_text: str) -> NamedSharding:
     from jax.experimental import topologies
 
-    with quiet_native_stderr():
-        topo = topologies.get_topology_desc(
-            platform="cuda", target_config=config_text, topology="1x1x1"
-        )
+    try:
+        with quiet_native_stderr():
+            topo = topologies.get_topology_desc(
+                platform="cuda", target_config=config_text, topology="1x1x1"
+            )
+    except NotImplementedError:
+        # the plugin failed its CUDA check when JAX started (no driver) and never registered
+        raise ConfigError(
+            "JAX's CUDA plugin did not start (no NVIDIA driver) because JAX was started without "
+            "JAX_PLATFORMS=cpu: set JAX_PLATFORMS=cpu before importing JAX, or call "
+            "jaxmem.backend.contain_cuda_plugin() first (the jaxmem CLI does)"
+        ) from None
     mesh = topologies.make_mesh(topo, (1,), ("x",))
     return NamedSharding(mesh, PartitionSpec())
 
