@@ -46,10 +46,9 @@ def contain_cuda_plugin() -> None:
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     with quiet_native_stderr():
-        import jax
-
-        if os.environ["JAX_PLATFORMS"] == "cpu":
-            jax.devices()  # the backend's start loads the plugin's library again: quietly
+        # the backend is not started here: `jaxmem bench --threads` must set the CPU affinity
+        # before XLA:CPU sizes its pool; the CLI starts it quietly in need_jax_backend
+        import jax  # noqa: F401
 
 
 @contextlib.contextmanager
