@@ -188,3 +188,18 @@ def test_capture_target_on_a_gpu_writes_a_target_the_planner_takes(tmp_path):
     assert cli.main(["capture-target", "--out", str(tmp_path / "here.txtpb")]) == 0
     target = get_target(str(tmp_path / "here.txtpb"))
     assert target.device_memory_bytes > 0 and gpu_plan.target_sharding(target)
+
+
+def test_host_resident_optimizer_state_is_refused_not_misplanned():
+    """A deviceless compile drops memory kinds on arguments: planning state in pinned_host for a
+    GPU target would print it as device memory, so it is refused."""
+    with pytest.raises(ConfigError, match="cannot plan optimizer.state_memory='pinned_host'"):
+        jax_record(
+            PRESETS["tiny"],
+            POLICIES["full"],
+            PRECISIONS["fp32"],
+            OptimizerConfig(state_memory="pinned_host"),
+            2,
+            16,
+            target=get_target("h100"),
+        )

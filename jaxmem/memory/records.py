@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmem.config import ModelConfig, OptimizerConfig
+from jaxmem.config import ConfigError, ModelConfig, OptimizerConfig
 from jaxmem.data import lm_batch
 from jaxmem.figures import process_max_rss_bytes
 from jaxmem.memory import analytic
@@ -80,6 +80,14 @@ def jax_record(
     """Measure one jaxmem training step (or plan it from shapes when ``abstract``; always from
     shapes for a GPU target)."""
     abstract = abstract or target.is_gpu
+    if target.is_gpu and "pinned_host" in (opt_cfg.state_memory, opt_cfg.params_memory):
+        # a deviceless compile drops memory kinds on the step's arguments: its plan would show
+        # host-resident state on the device, a figure jaxmem will not print as a plan
+        raise ConfigError(
+            f"--target {target.name} cannot plan optimizer.state_memory="
+            f"{opt_cfg.state_memory!r} / params_memory={opt_cfg.params_memory!r}: a deviceless "
+            "compile drops argument memory kinds; plan with both on the device"
+        )
     if abstract:
         model = nnx.eval_shape(lambda: make_model(cfg, precision))
     else:
