@@ -279,6 +279,7 @@ def test_a_full_disk_is_reported_as_a_full_disk_in_one_line(tmp_path):
             env={**os.environ, "COLUMNS": "400"},
         )
         assert proc.returncode == 1, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         (err,) = proc.stderr.strip().splitlines()
         what = "No space left on device" if mounted else "File too large"
         assert err.startswith("jaxmem train: could not write checkpoint ") and what in err, err
