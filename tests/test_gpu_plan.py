@@ -137,7 +137,10 @@ def test_the_plugin_is_quiet_on_a_machine_without_a_driver(tmp_path):
     """A fresh process with the plugin installed: the CLI starts JAX on the CPU with no traceback
     and none of the plugin's native start-up lines, and other stderr output still gets through."""
     if os.path.exists("/proc/driver/nvidia/version"):
-        pytest.skip("this machine has an NVIDIA driver: the plugin is JAX's backend here")
+        pytest.skip(
+            "checks a machine without an NVIDIA driver; here the driver exists and the CUDA "
+            "plugin is JAX's real backend, so there is no fallback noise to contain"
+        )
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     proc = subprocess.run(
         [sys.executable, "-m", "jaxmem.cli", "memory", "--target", "h100", "--policies", "full"]
@@ -172,7 +175,10 @@ def test_quiet_native_stderr_passes_everything_without_the_plugin(monkeypatch, c
 
 def test_capture_target_needs_a_gpu_and_says_so(tmp_path, capsys):
     if os.path.exists("/proc/driver/nvidia/version"):
-        pytest.skip("this machine has an NVIDIA driver")
+        pytest.skip(
+            "checks the error on a machine without a GPU; here a GPU exists and the GPU-only "
+            "test below captures its target instead"
+        )
     with pytest.raises(SystemExit) as exc:
         cli.main(["capture-target", "--out", str(tmp_path / "mine.txtpb")])
     assert exc.value.code == 2
@@ -182,7 +188,8 @@ def test_capture_target_needs_a_gpu_and_says_so(tmp_path, capsys):
 
 
 @pytest.mark.skipif(
-    not os.path.exists("/proc/driver/nvidia/version"), reason="needs an NVIDIA GPU and driver"
+    not os.path.exists("/proc/driver/nvidia/version"),
+    reason="GPU-only: captures a real GPU's target config (no NVIDIA driver on this machine)",
 )
 def test_capture_target_on_a_gpu_writes_a_target_the_planner_takes(tmp_path):
     assert cli.main(["capture-target", "--out", str(tmp_path / "here.txtpb")]) == 0
