@@ -48,10 +48,6 @@ def require_gpu_plan(target: Target) -> None:
             f"--target {target.name} needs ptxas and libdevice (nvidia-cuda-nvcc-cu12), which "
             f"are not installed: {GPU_PLAN_EXTRA}"
         )
-    if jax.default_backend() == "cpu":
-        return
-    # on a machine with a GPU the plugin is the backend; the deviceless path is the same
-    # topology API, so nothing more to check
 
 
 @functools.cache
