@@ -81,16 +81,37 @@ def contain_background_errors() -> Iterator[None]:
         sys.unraisablehook, threading.excepthook = old[1], old[2]
 
 
+_SILENCED = False
+
+
 def silence_background_errors() -> None:
-    """For a process about to exit after a failed save: orbax's leftover tasks and threads
-    would print their own copies of the error at shutdown."""
+    """After a failed save, for the rest of the process: orbax's leftover threads and
+    tensorstore's callbacks keep failing after the save has raised (a full disk fails every
+    array write; a thread logs through absl, another calls into an asyncio loop orbax has closed)
+    and would print their own copies of the error, as pages, in a race with the caller's one-line
+    report. They only repeat the error the caller already has, so they are dropped from then on:
+    the ``asyncio`` and ``absl`` loggers go quiet below CRITICAL, uncaught exceptions in threads
+    and unraisable ones are dropped, and the main thread's hook drops only "Event loop is
+    closed" (tensorstore prints it through ``sys.excepthook``). Idempotent."""
     import sys
     import threading
 
+    global _SILENCED
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     sys.unraisablehook = lambda unraisable: None
     threading.excepthook = lambda args: None
+    if _SILENCED:
+        return
+    _SILENCED = True
+    previous = sys.excepthook
+
+    def excepthook(kind: type, value: BaseException, tb: Any) -> None:
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
 
 
 def _fix(directory: Path) -> str:
@@ -286,9 +307,16 @@ class RunCheckpointer(_Reader):
         }
         if loss_scale is not None:
             items["loss_scale"] = ocp.args.StandardSave(loss_scale)
-        with _quiet_orbax(quiet_errors=True), contain_background_errors():
-            saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
-            self._manager.wait_until_finished()
+        try:
+            with _quiet_orbax(quiet_errors=True), contain_background_errors():
+                saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+                self._manager.wait_until_finished()
+        except BaseException:
+            # orbax's threads outlive the failed save and keep reporting it; the caller gets it
+            # once, as this exception (the leftover step directory is never verified, so the
+            # next reader skips it)
+            silence_background_errors()
+            raise
         if saved:
             layout.write_manifest(str(self.directory / str(step)), step)
             layout.rotate(str(self.directory), self.keep)
