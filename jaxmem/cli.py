@@ -444,24 +444,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
         target = get_target(args.target)
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    if target.is_gpu:
-        if args.frameworks is not None and frameworks != ["jax"]:
-            raise UsageError(
-                f"--target {target.name} plans the JAX step for that GPU; the PyTorch rows are "
-                "measured on this machine: use --frameworks jax (or drop --target)"
-            )
-        frameworks = ["jax"]
+    # planning: JAX compiles the step from shapes (for this backend or the GPU target) and
+    # torch_ref runs it on fake tensors (shapes only; see jaxmem.compare.records.torch_record)
     planning = args.preset_name in PLANNING_ONLY or target.is_gpu
     seq_len = args.seq_len or (cfg.max_seq_len if planning else min(64, cfg.max_seq_len))
     if seq_len > cfg.max_seq_len:
         raise UsageError(
             f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
             f"use at most {cfg.max_seq_len}"
-        )
-    if planning and "jax" not in frameworks:
-        raise UsageError(
-            f"--preset {args.preset_name} is planned from shapes in JAX only (torch_ref needs "
-            "real weights): add jax to --frameworks, or measure tiny or small in torch"
         )
     _check_writable_json(args.json)
     if "jax" in frameworks:
@@ -483,28 +473,18 @@ def cmd_memory(args: argparse.Namespace) -> int:
     console = Console()
     for note in notes:
         console.print(f"[yellow]{note}[/]")
-    if planning and any(f.startswith("torch") for f in frameworks):
-        console.print(
-            f"[yellow]{args.preset_name} is planning-only: torch_ref needs real weights, so only "
-            "the JAX plan (compiled from shapes, no weights allocated) is reported.[/]"
-        )
-        frameworks = [f for f in frameworks if f == "jax"]
     records = []
     for name in policies:
         policy = get_policy(name)
         for fw in frameworks:
-            console.print(
-                f"measuring {fw} {name}"
-                + (
-                    f" (compiling the train step from shapes for {target.description})"
-                    if target.is_gpu
-                    else " (compiling the train step from shapes)"
-                    if planning
-                    else ""
-                )
-                + "...",
-                style="dim",
-            )
+            how = ""
+            if planning and fw != "jax":
+                how = " (running the step on fake tensors: shapes only)"
+            elif target.is_gpu:
+                how = f" (compiling the train step from shapes for {target.description})"
+            elif planning:
+                how = " (compiling the train step from shapes)"
+            console.print(f"measuring {fw} {name}{how}...", style="dim")
             if fw == "jax":
                 from jaxmem.memory.records import jax_record
 
@@ -533,6 +513,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                     args.batch_size,
                     seq_len,
                     translation=translation,
+                    fake=planning,
                 )
             rec["preset"] = args.preset_name
             records.append(rec)
@@ -576,11 +557,13 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning, targ
         table.add_column(col, justify="left" if col in ("framework", "policy") else "right")
     for r in records:
         temp = r["compiled_temp_bytes"]
-        gpu = (
-            (format_bytes(r["plan_host_bytes"]), "yes" if r["fits"] else "no")
-            if target.is_gpu
-            else ()
-        )
+        gpu = ()
+        if target.is_gpu:  # torch rows have no plan: nothing to fit
+            planned = r.get("fits") is not None
+            gpu = (
+                format_bytes(r["plan_host_bytes"]) if planned else "-",
+                ("yes" if r["fits"] else "no") if planned else "-",
+            )
         table.add_row(
             r["framework"],
             r["policy"],
@@ -591,7 +574,9 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning, targ
             format_bytes(r["opt_state_bytes"]),
             f"{r['flops'] / 1e9:,.1f} / {r['model_flops'] / 1e9:,.1f}",
             *(
-                (format_bytes(r["peak_bytes"]), "-")
+                ("-", "-")
+                if r["peak_bytes"] is None
+                else (format_bytes(r["peak_bytes"]), "-")
                 if r["peak_source"].startswith("compiled plan")
                 else ("-", format_bytes(r["peak_bytes"]))
             ),
@@ -634,6 +619,13 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning, targ
         f"{format_bytes(max(r['process_max_rss_bytes'] for r in records))} (OS getrusage: the "
         "whole process, host memory, both frameworks and everything before them)"
     )
+    if planning and any(r["framework"].startswith("torch") for r in records):
+        wide.print(
+            "  torch rows: torch_ref's step run under FakeTensorMode (no memory, no arithmetic): "
+            "what it keeps and its FLOPs are those of any device; it has no compiled plan and no "
+            "runtime peak"
+            + (f", so the {target.name} plan columns are JAX's only" if target.is_gpu else "")
+        )
     if target.is_gpu:
         wide.print(
             f"  plan host = host memory in the {target.name} plan (offloaded residuals); fits = "

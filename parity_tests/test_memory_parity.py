@@ -233,3 +233,36 @@ def test_memory_report_lists_the_per_tensor_differences():
     # every byte either side keeps is named
     assert sum(jax_rec["saved_by_name"].values()) == jax_rec["saved_activation_bytes_device"]
     assert sum(torch_rec["saved_by_name"].values()) == torch_rec["saved_activation_bytes_device"]
+
+
+@pytest.mark.parametrize("translation", ["stock", "lean"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "pure-bf16"])
+def test_torch_accounting_on_fake_tensors_equals_the_real_step(precision, translation):
+    """The accounting that gives torch_ref's column at GPT-2 1.5B / GPT-3 6.7B shapes (its step
+    under FakeTensorMode: no memory, no arithmetic) is the real step's, figure for figure, on a
+    size both can run: saved bytes by tag and by memory kind, hook bytes, FLOPs, parameter,
+    gradient and optimizer-state bytes; only the runtime peak does not exist."""
+    prec = PRECISIONS[precision]
+    keys = [
+        "saved_activation_bytes_device",
+        "saved_activation_bytes_host",
+        "saved_by_name",
+        "saved_argument_bytes",
+        "hook_saved_bytes_device",
+        "hook_saved_bytes_host",
+        "flops",
+        "params_bytes",
+        "grads_bytes",
+        "opt_state_bytes",
+    ]
+    for name in ["none", "full", "selective", "offload", "nested"]:
+        real = torch_record(
+            CFG, POLICIES[name], prec, OptimizerConfig(), B, S, translation=translation
+        )
+        fake = torch_record(
+            CFG, POLICIES[name], prec, OptimizerConfig(), B, S, translation=translation, fake=True
+        )
+        assert {k: fake[k] for k in keys} == {k: real[k] for k in keys}, name
+        assert fake["planned_from_shapes"] and not real["planned_from_shapes"]
+        assert fake["peak_bytes"] is None and real["peak_bytes"] > 0
+        assert "FakeTensorMode" in fake["saved_source"]

@@ -28,6 +28,13 @@ from torch.utils._pytree import tree_leaves
 from jaxmem.config import ModelConfig
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage, shared by its views: the address of the ``StorageImpl``.
+    Not ``data_ptr()``, which is 0 for every storage of a meta or fake tensor (the accounting
+    also runs under ``FakeTensorMode``, where no memory exists)."""
+    return t.untyped_storage()._cdata
+
+
 @dataclasses.dataclass(frozen=True)
 class LiveBytes:
     device_bytes: int  # on the compute device (on a CPU-only run: not offloaded)
@@ -77,11 +84,21 @@ class _BlockScope:
     def _enter(self, module, args) -> None:
         self.depth += 1
         self.counts = {}
-        self.inputs.add(args[0].untyped_storage().data_ptr())
+        # while it lives: a storage freed later (an inner segment's input) may leave its
+        # address to a new one
+        storage = args[0].untyped_storage()
+        self.inputs.add(storage._cdata)
+        weakref.finalize(storage, self.inputs.discard, storage._cdata)
 
     def _leave(self, module, args, out) -> None:
         self.depth -= 1
-        self.last_output = out.untyped_storage().data_ptr()
+        storage = out.untyped_storage()
+        self.last_output = storage._cdata
+        weakref.finalize(storage, self._forget_output, storage._cdata)
+
+    def _forget_output(self, key: int) -> None:
+        if self.last_output == key:  # freed (e.g. recomputed later): its address may be reused
+            self.last_output = 0
 
     def label(self, func: Any) -> str:
         kind = self.op_kind(func)
@@ -110,8 +127,8 @@ class _TrackAllocations(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor, label: str) -> None:
         storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0 or key in self.live:
+        key = storage._cdata  # = storage_key(t)
+        if key in self.live or storage.nbytes() == 0:
             return
         self.live[key] = (storage.nbytes(), t.device.type, label)
         weakref.finalize(storage, self.live.pop, key, None)
@@ -119,15 +136,17 @@ class _TrackAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is torch.ops.aten.lift_fresh.default:
+            # a constant made outside the dispatcher (``torch.tensor(...)``) entering it: not
+            # an allocation of the step (FakeTensorMode gives it a storage of its own)
+            return out
         label = self.scope.label(func) if self.scope else ""
         # Views (e.g. a parameter's transpose) share their input's storage: not an allocation.
         inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
+            storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         }
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+            if isinstance(t, torch.Tensor) and storage_key(t) not in inputs:
                 self._track(t, label)
         return out
 
@@ -153,9 +172,7 @@ def forward_live_bytes(
     finally:
         if scope is not None:
             scope.close()
-    returned = {
-        t.untyped_storage().data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-    }
+    returned = {storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
     host = host_storages() if host_storages else set()
     named = kept_names() if kept_names else {}
     device_bytes = host_bytes = n = 0
@@ -192,13 +209,13 @@ def saved_tensor_bytes(forward: Callable[[], Any], arguments: Any = ()) -> tuple
     """Run ``forward()`` under ``torch.autograd.graph.saved_tensors_hooks`` and count the saved
     storages, de-duplicated; storages of ``arguments`` (parameters, inputs) are reported apart.
     Blind to tensors a selective policy keeps itself (see the module docstring)."""
-    params = {p.untyped_storage().data_ptr() for p in arguments}
+    params = {storage_key(p) for p in arguments}
     seen: dict[int, tuple[int, str]] = {}
     compute: list[str] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        seen.setdefault(storage.data_ptr(), (storage.nbytes(), t.device.type))
+        seen.setdefault(storage._cdata, (storage.nbytes(), t.device.type))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

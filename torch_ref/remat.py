@@ -65,6 +65,7 @@ from jaxmem.policy import (
     kept_tags,
     nested_segment_size,
 )
+from torch_ref.memory import storage_key
 from torch_ref.model import BlockStack, run_layers
 
 Translation = Literal["stock", "lean"]
@@ -152,7 +153,7 @@ class KeptTensor:
     dtype: torch.dtype
     device: torch.device
     nbytes: int
-    storage: int  # data_ptr of the kept copy's storage (for memory accounting)
+    storage: int  # storage_key of the kept copy (for memory accounting)
 
 
 def _kept(layer: int, names: tuple[str, ...], memory: str, t: torch.Tensor) -> KeptTensor:
@@ -164,7 +165,7 @@ def _kept(layer: int, names: tuple[str, ...], memory: str, t: torch.Tensor) -> K
         dtype=t.dtype,
         device=t.device,
         nbytes=t.numel() * t.element_size(),
-        storage=t.untyped_storage().data_ptr(),
+        storage=storage_key(t),
     )
 
 

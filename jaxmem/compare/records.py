@@ -6,6 +6,7 @@ translation of the policy it ran (``translation``: stock PyTorch, or torch_ref's
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -34,32 +35,58 @@ def torch_record(
     seq_len: int,
     *,
     translation: str = "stock",
+    fake: bool = False,
 ) -> dict[str, Any]:
     """Run one torch_ref training step under ``policy`` (``translation``: ``stock`` PyTorch or
-    torch_ref's ``lean`` extension, see ``torch_ref.remat``) and measure it."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = torch_ref.Decoder(cfg).to(device, TORCH_DTYPES[precision.param_dtype])
-    runner = apply_memory_policy(model.blocks, policy, translation)
-    opt = make_torch_optimizer(model, opt_cfg)
-    data = lm_step_batch(cfg, batch, seq_len, abstract=False)
-    x = torch.from_numpy(np.array(data["inputs"])).long().to(device)
-    y = torch.from_numpy(np.array(data["targets"])).long().to(device)
+    torch_ref's ``lean`` extension, see ``torch_ref.remat``) and measure it.
 
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    with tracker:
-        live, hooks, flops = measure_lm_step(model, runner, x, y, precision)
-        grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
-        opt.step()
-    if device == "cuda":
+    ``fake``: run the same step under ``FakeTensorMode`` (every tensor is meta storage with a
+    shape: no memory, no arithmetic), so the accounting exists at sizes this machine cannot hold
+    (GPT-2 1.5B, GPT-3 6.7B). Shapes, dtypes, what autograd and the policy keep and the FLOPs are
+    the real step's; a runtime peak cannot exist and is None. The fake step runs as a CPU step
+    (this PyTorch has no CUDA), so mixed precision follows CPU autocast's rules; torch_ref
+    upcasts norms, softmax and the loss itself, so the saved dtypes are those of a CUDA run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = "cpu" if fake or not torch.cuda.is_available() else "cuda"
+    dtype = TORCH_DTYPES[precision.param_dtype]
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        if fake:  # Module.to cannot swap fake parameters: build them in their dtype instead
+            with _default_dtype(dtype):
+                model = torch_ref.Decoder(cfg)
+        else:
+            model = torch_ref.Decoder(cfg).to(device, dtype)
+        runner = apply_memory_policy(model.blocks, policy, translation)
+        opt = make_torch_optimizer(model, opt_cfg)
+        if fake:  # token ids do not change the bytes or the FLOPs
+            x = torch.zeros(batch, seq_len, dtype=torch.long)
+            y = torch.zeros(batch, seq_len, dtype=torch.long)
+        else:
+            data = lm_step_batch(cfg, batch, seq_len, abstract=False)
+            x = torch.from_numpy(np.array(data["inputs"])).long().to(device)
+            y = torch.from_numpy(np.array(data["targets"])).long().to(device)
+
+        tracker = None if fake else MemTracker()
+        if tracker is not None:
+            tracker.track_external(model, opt)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with tracker or contextlib.nullcontext():
+            live, hooks, flops = measure_lm_step(model, runner, x, y, precision)
+            grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+            opt.step()
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        opt_state_bytes = sum(t.numel() * t.element_size() for t in state)
+    if fake:
+        peak, source = None, "none (fake tensors allocate nothing)"
+    elif device == "cuda":
         peak, source = torch.cuda.max_memory_allocated(), "runtime peak (max_memory_allocated)"
     else:
         peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
         source = "runtime peak (torch MemTracker, CPU)"
-    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     estimate = analytic.saved_activation_bytes(cfg, policy, batch, seq_len, precision)
+    how = " under FakeTensorMode (shapes only: no memory, no arithmetic)" if fake else ""
     return {
         "framework": framework_label(translation),
         "translation": runner.description,
@@ -67,31 +94,41 @@ def torch_record(
         "precision": precision.name,
         "batch": batch,
         "seq_len": seq_len,
-        "planned_from_shapes": False,
-        "params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "planned_from_shapes": fake,
+        "params_bytes": params_bytes,
         "grads_bytes": grads_bytes,
-        "opt_state_bytes": sum(t.numel() * t.element_size() for t in state),
+        "opt_state_bytes": opt_state_bytes,
         "saved_activation_bytes_device": live.device_bytes,
         "saved_activation_bytes_host": live.host_bytes,
-        "saved_source": "live-tensor accounting (forward allocations alive at its end)",
+        "saved_source": "live-tensor accounting (forward allocations alive at its end)" + how,
         "saved_by_name": live.by_name,
         "saved_argument_bytes": hooks.argument_bytes,
         "hook_saved_bytes_device": hooks.activation_bytes_device,
         "hook_saved_bytes_host": hooks.activation_bytes_host,
         "hook_source": "saved-tensor hooks (storages de-duplicated; blind to what a selective "
-        "policy keeps itself)",
+        "policy keeps itself)" + how,
         "analytic_activation_bytes": estimate.device_bytes + estimate.host_bytes,
         "compiled_temp_bytes": None,
         "compiled_plan": None,
         "flops": flops,
-        "flops_source": "torch.utils.flop_counter.FlopCounterMode (hardware FLOPs)",
+        "flops_source": "torch.utils.flop_counter.FlopCounterMode (hardware FLOPs)" + how,
         "model_flops": analytic.model_flops(cfg, batch, seq_len),
-        "peak_bytes": int(peak),
+        "peak_bytes": None if peak is None else int(peak),
         "peak_source": source,
         # the OS's high-water mark of this whole process (both frameworks, everything so far)
         "process_max_rss_bytes": process_max_rss_bytes(),
         "process_max_rss_source": "OS (getrusage ru_maxrss), whole process so far, host",
     }
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Any:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def framework_label(translation: str) -> str:
