@@ -1,14 +1,17 @@
 # ruff: noqa: E402  (JAX is imported after contain_cuda_plugin, on purpose)
-"""The train step's memory plan compiled for a GPU target without a GPU, per model and policy
-(``jaxmem.memory.records.jax_record`` with ``target=``; needs ``jaxmem[gpu-plan]``). JAX only:
-no PyTorch needed.
+"""The train step's memory plan compiled for a GPU target without a GPU, per model and policy,
+with the PyTorch column, XLA:CPU's plan for contrast and the largest batch that fits (needs
+``jaxmem[gpu-plan]``; the torch column needs ``jaxmem[torch]``).
 
     python benchmarks/gpu_plans.py --target h100 --out benchmarks/results/gpu_plans
 
 Every figure is labelled in the output: device temporaries, arguments and host bytes come from
 ``memory_analysis()`` of the plan XLA:CUDA compiled for the target; saved activations from
-residual accounting (the jaxpr of ``jax.vjp``); the analytic column from
-``jaxmem.memory.analytic`` (the block stack only); FLOPs from the gradient's jaxpr.
+residual accounting (the jaxpr of ``jax.vjp``) for JAX and from torch_ref's step run under
+``FakeTensorMode`` (shapes only) for PyTorch; the analytic column from ``jaxmem.memory.analytic``
+(the block stack only); FLOPs from the gradient's jaxpr / ``FlopCounterMode``; the XLA:CPU column
+from the same step compiled for this machine's CPU backend (from shapes); the largest batch from
+plans compiled at the batch sizes it names (``b`` fits and ``b + 1`` does not, both compiled).
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import jax
 
 from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.memory.records import jax_record
+from jaxmem.memory.records import jax_record, plan_step
 from jaxmem.memory.targets import get_target
-from jaxmem.policy import POLICIES
+from jaxmem.policy import POLICIES, nested_segment_size
 from jaxmem.precision import get_precision
 
 # batch x sequence as these models are trained (GPT-2: 1024 tokens; GPT-3: 2048)
@@ -42,8 +45,45 @@ SHAPES = {
 GB = 1e9
 
 
-def measure(target_name: str, presets: list[str], policies: list[str], precision: str) -> list:
+def largest_batch(cfg, policy, precision, seq_len, target, known: dict[int, int]) -> dict:
+    """The largest batch whose planned peak fits the target, with the two plans that show it
+    (``b`` fits, ``b + 1`` does not). Plans are compiled where the search needs them; the next
+    batch to try is predicted from the two nearest plans (the peak is close to affine in the
+    batch), so a search takes a few compiles. ``known``: batch -> planned peak already planned."""
+    budget = target.device_memory_bytes
+    peaks = dict(known)
+
+    def peak(b: int) -> int:
+        if b not in peaks:
+            plan = plan_step(cfg, policy, precision, OptimizerConfig(), b, seq_len, target)
+            peaks[b] = plan["planned_peak_bytes"]
+        return peaks[b]
+
+    if peak(1) > budget:
+        return {"batch": 0, "plans": {1: peaks[1]}, "compiled": sorted(peaks)}
+    while True:
+        lo = max(b for b in peaks if peaks[b] <= budget)  # fits
+        above = [b for b in peaks if peaks[b] > budget and b > lo]
+        hi = min(above) if above else None  # does not fit
+        if hi == lo + 1:
+            return {"batch": lo, "plans": {lo: peaks[lo], hi: peaks[hi]}, "compiled": sorted(peaks)}
+        others = [b for b in peaks if b != lo]
+        if others:  # the slope from lo and its nearest planned neighbour
+            near = min(others, key=lambda b: abs(b - lo))
+            slope = max((peaks[near] - peaks[lo]) / (near - lo), 1.0)
+            guess = lo + max(1, min(int((budget - peaks[lo]) // slope), 4 * lo))
+        else:
+            guess = lo + 1
+        if hi is not None:
+            guess = min(guess, hi - 1)
+        peak(guess)
+
+
+def measure(
+    target_name: str, presets: list[str], policies: list[str], precision: str, skip: set[str]
+) -> list:
     target = get_target(target_name)
+    prec = get_precision(precision)
     rows = []
     for preset in presets:
         cfg = get_preset(preset)
@@ -51,48 +91,160 @@ def measure(target_name: str, presets: list[str], policies: list[str], precision
         for name in policies:
             start = time.perf_counter()
             rec = jax_record(
-                cfg,
-                POLICIES[name],
-                get_precision(precision),
-                OptimizerConfig(),
-                batch,
-                seq_len,
-                target=target,
+                cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, target=target
             )
             rec["preset"] = preset
-            rec["seconds_to_plan"] = round(time.perf_counter() - start, 1)
+            if "cpu" not in skip:
+                rec["cpu_plan"] = plan_step(
+                    cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len
+                )
+            if "torch" not in skip:
+                from jaxmem.compare.records import torch_record
+
+                t = torch_record(
+                    cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, fake=True
+                )
+                rec["torch"] = {
+                    k: t[k]
+                    for k in (
+                        "translation",
+                        "saved_activation_bytes_device",
+                        "saved_activation_bytes_host",
+                        "saved_source",
+                        "flops",
+                        "flops_source",
+                    )
+                }
+            if "batch" not in skip:
+                rec["largest_batch"] = largest_batch(
+                    cfg, POLICIES[name], prec, seq_len, target, {batch: rec["planned_peak_bytes"]}
+                )
+            rec["seconds"] = round(time.perf_counter() - start, 1)
             print(
-                f"{preset} {name}: planned peak {rec['planned_peak_bytes'] / GB:.2f} GB", flush=True
+                f"{preset} {name}: planned peak {rec['planned_peak_bytes'] / GB:.2f} GB"
+                + (
+                    f", largest batch {rec['largest_batch']['batch']}"
+                    if "largest_batch" in rec
+                    else ""
+                )
+                + f" ({rec['seconds']} s)",
+                flush=True,
             )
             rows.append(rec)
     return rows
 
 
-def to_markdown(rows: list[dict], meta: dict) -> str:
+def nested_vs_full(target_name: str, precision: str, base: str, depths: list[int]) -> list:
+    """Device temporaries of full and nested by depth at one width (the H100 plan): where √L
+    segments start to pay off."""
+    target, prec = get_target(target_name), get_precision(precision)
+    batch, seq_len = SHAPES[base]
+    out = []
+    for depth in depths:
+        cfg = get_preset(base).replace(n_layers=depth)
+        row = {"base": base, "n_layers": depth, "batch": batch, "seq_len": seq_len}
+        for name in ("full", "nested"):
+            plan = plan_step(cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, target)
+            row[f"{name}_temp_bytes"] = plan["compiled_plan"]["temp_bytes"]
+        row["segment_size"] = nested_segment_size(depth)
+        print(
+            f"depth {depth}: full {row['full_temp_bytes'] / GB:.2f} GB, nested "
+            f"{row['nested_temp_bytes'] / GB:.2f} GB",
+            flush=True,
+        )
+        out.append(row)
+    return out
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / GB:.2f}"
+
+
+def to_markdown(rows: list[dict], meta: dict, depth_rows: list[dict]) -> str:
+    budget = meta["target"]["device_memory_bytes"] / GB
     lines = [
         f"Train-step plans compiled for {meta['target']['description']} without a GPU "
         f"({rows[0]['compiler']}), {meta['precision']}, AdamW; {meta['date']}, jax "
-        f"{meta['jax']}, on {meta['host']}. Device temp, arguments and host: the plan's "
-        "`memory_analysis()`; planned peak = arguments + outputs - aliased + temporaries; fits = "
-        f"planned peak <= {meta['target']['device_memory_bytes'] / GB:.1f} GB (jaxmem's check: a "
-        "deviceless compile never fails for lack of memory). Saved: residual accounting (jaxpr "
-        "of `jax.vjp`); analytic: `jaxmem.memory.analytic` (the block stack only); GFLOP: matmul "
-        "FLOPs of the gradient's jaxpr, recompute included.",
+        f"{meta['jax']}, on {meta['host']}.",
+        "",
+        "### The plan, whether it fits, and the largest batch that does",
+        "",
+        "Device temp, arguments and host: the plan's `memory_analysis()`; planned peak = "
+        f"arguments + outputs - aliased + temporaries; fits = planned peak <= {budget:.1f} GB "
+        "(jaxmem's check: a deviceless compile never fails for lack of memory). Largest batch: "
+        "the largest batch (at this sequence length) whose plan fits, shown by two compiled "
+        "plans (b fits, b + 1 does not; 0 = not even batch 1). XLA:CPU temp: the same step "
+        "compiled for this machine's CPU backend, for contrast (it erases host offload).",
         "",
         "| model | batch × seq | policy | device temp GB | arguments GB | host GB | planned peak "
-        "GB | fits | saved device GB | saved host GB | analytic GB | GFLOP |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "GB | fits | largest batch (peak GB at b / b+1) | XLA:CPU temp GB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r["compiled_plan"]
+        lb = r.get("largest_batch")
+        if lb is None:
+            batch_cell = "-"
+        else:
+            plans = {int(k): v for k, v in lb["plans"].items()}
+            b = lb["batch"]
+            shown = " / ".join(f"{plans[k] / GB:.1f}" for k in sorted(plans))
+            batch_cell = f"{b} ({shown})"
+        cpu = r.get("cpu_plan")
         lines.append(
             f"| {r['preset']} | {r['batch']} × {r['seq_len']} | {r['policy']} | "
             f"{p['temp_bytes'] / GB:.2f} | {p['argument_bytes'] / GB:.2f} | "
             f"{r['plan_host_bytes'] / GB:.2f} | {r['planned_peak_bytes'] / GB:.2f} | "
-            f"{'yes' if r['fits'] else 'no'} | {r['saved_activation_bytes_device'] / GB:.2f} | "
-            f"{r['saved_activation_bytes_host'] / GB:.2f} | "
-            f"{r['analytic_activation_bytes'] / GB:.2f} | {r['flops'] / 1e9:,.0f} |"
+            f"{'yes' if r['fits'] else 'no'} | {batch_cell} | "
+            f"{_gb(cpu and cpu['compiled_plan']['temp_bytes'])} |"
         )
+    lines += [
+        "",
+        "### What each framework keeps for the backward, and its FLOPs",
+        "",
+        "Saved (device + host GB): JAX residual accounting (jaxpr of `jax.vjp`); torch: "
+        "torch_ref's stock-PyTorch step run under `FakeTensorMode` (shapes only, live-tensor "
+        "accounting; its translation in the JSON); analytic: `jaxmem.memory.analytic` (the "
+        "block stack only). GFLOP: matmul FLOPs executed, recompute included (JAX: the "
+        "gradient's jaxpr; torch: `FlopCounterMode`).",
+        "",
+        "| model | policy | JAX saved GB | torch saved GB | analytic GB | JAX GFLOP "
+        "| torch GFLOP |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r.get("torch")
+        torch_saved = (
+            "-"
+            if t is None
+            else f"{t['saved_activation_bytes_device'] / GB:.2f} + "
+            f"{t['saved_activation_bytes_host'] / GB:.2f}"
+        )
+        torch_flops = "-" if t is None else f"{t['flops'] / 1e9:,.0f}"
+        lines.append(
+            f"| {r['preset']} | {r['policy']} | {r['saved_activation_bytes_device'] / GB:.2f} + "
+            f"{r['saved_activation_bytes_host'] / GB:.2f} | {torch_saved} | "
+            f"{r['analytic_activation_bytes'] / GB:.2f} | {r['flops'] / 1e9:,.0f} | "
+            f"{torch_flops} |"
+        )
+    if depth_rows:
+        d0 = depth_rows[0]
+        lines += [
+            "",
+            f"### full vs nested by depth ({d0['base']} width, {d0['batch']} × {d0['seq_len']})",
+            "",
+            "Device temporaries of the plan; nested's segment size is "
+            "`jaxmem.policy.nested_segment_size` (a divisor of L near √L where one exists).",
+            "",
+            "| layers | segment size | full temp GB | nested temp GB | nested / full |",
+            "|---|---|---|---|---|",
+        ]
+        for d in depth_rows:
+            lines.append(
+                f"| {d['n_layers']} | {d['segment_size']} | {d['full_temp_bytes'] / GB:.2f} | "
+                f"{d['nested_temp_bytes'] / GB:.2f} | "
+                f"{d['nested_temp_bytes'] / d['full_temp_bytes']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -134,16 +286,31 @@ def main() -> None:
     parser.add_argument("--presets", default=",".join(SHAPES))
     parser.add_argument("--policies", default="none,full,selective,offload,nested")
     parser.add_argument("--precision", default="bf16")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated parts to leave out: cpu (XLA:CPU contrast), torch (the "
+        "FakeTensorMode column), batch (largest-batch search), depth (full vs nested by depth)",
+    )
+    parser.add_argument("--depth-base", default="gpt2-1.5b")
+    parser.add_argument("--depths", default="12,24,36,48,72")
     parser.add_argument("--out", default="benchmarks/results/gpu_plans")
     args = parser.parse_args()
     presets, policies = args.presets.split(","), args.policies.split(",")
+    skip = {x for x in args.skip.split(",") if x}
     target = get_target(args.target)
-    rows = measure(args.target, presets, policies, args.precision)
+    started = time.perf_counter()
+    rows = measure(args.target, presets, policies, args.precision, skip)
+    depth_rows = []
+    if "depth" not in skip:
+        depths = [int(d) for d in args.depths.split(",")]
+        depth_rows = nested_vs_full(args.target, args.precision, args.depth_base, depths)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": f"{platform.node()} ({os.cpu_count()} CPUs, no GPU needed)",
         "jax": jax.__version__,
         "precision": args.precision,
+        "seconds": round(time.perf_counter() - started),
         "target": {
             "name": target.name,
             "description": target.description,
@@ -153,10 +320,10 @@ def main() -> None:
     }
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{target.name}_{args.precision}")
-    write_json_atomic(stem + ".json", {"meta": meta, "rows": rows})
-    write_atomic(stem + ".md", to_markdown(rows, meta))
+    write_json_atomic(stem + ".json", {"meta": meta, "rows": rows, "nested_vs_full": depth_rows})
+    write_atomic(stem + ".md", to_markdown(rows, meta, depth_rows))
     plot(rows, meta, stem + ".png")
-    print(f"wrote {stem}.json, .md, .png")
+    print(f"wrote {stem}.json, .md, .png in {meta['seconds']} s")
 
 
 if __name__ == "__main__":

@@ -290,6 +290,33 @@ def cmd_train(args: argparse.Namespace) -> int:
         job = resolve_job(args)
     except (ConfigError, DataError, CheckpointError) as e:
         raise UsageError(str(e)) from None
+    target = None
+    if args.target not in (None, "cpu"):
+        from jaxmem.memory.targets import get_target
+
+        if job.run.framework == "torch":
+            raise UsageError(
+                f"--target {args.target} plans jaxmem's step for a GPU; torch_ref has no "
+                "compiled plan (see its accounting with jaxmem memory --target)"
+            )
+        if job.accum.mode == "multisteps":
+            raise UsageError(
+                f"--target {args.target} plans the scanned train step; with --accum-mode "
+                "multisteps use --accum-mode scan (or plan with jaxmem memory --target)"
+            )
+        if "pinned_host" in (job.optimizer.state_memory, job.optimizer.params_memory):
+            raise UsageError(
+                f"--target {args.target}: a deviceless compile drops host memory kinds on the "
+                "step's arguments; see host-resident optimizer state with jaxmem memory "
+                "--target ... --state-memory pinned_host (counted analytically there)"
+            )
+        try:
+            target = get_target(args.target)
+            from jaxmem.memory.gpu_plan import require_gpu_plan
+
+            require_gpu_plan(target)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     if job.run.framework == "torch":
         need_torch("jaxmem train --framework torch")
         from jaxmem.compare import torch_run as framework
@@ -300,7 +327,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         prepared = framework.prepare(job, args.out, resume=args.resume)
-        framework.run_training(prepared)
+        if target is not None:
+            framework.run_training(prepared, target=target)
+        else:
+            framework.run_training(prepared)
     except (ConfigError, DataError, CheckpointError) as e:
         raise UsageError(str(e)) from None
     except RunFailed as e:
@@ -433,9 +463,19 @@ def cmd_memory(args: argparse.Namespace) -> int:
         need_torch("jaxmem memory --frameworks torch")
     try:
         precision = get_precision(args.precision)
-        opt_cfg = OptimizerConfig(name=args.optimizer)
+        opt_cfg = OptimizerConfig(name=args.optimizer, state_memory=args.state_memory)
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    if opt_cfg.state_memory != "device" and args.frameworks is None:
+        frameworks = ["jax"]
+        notes.append(
+            "--state-memory pinned_host is jaxmem's (torch_ref has no such offload): JAX only"
+        )
+    elif opt_cfg.state_memory != "device" and frameworks != ["jax"]:
+        raise UsageError(
+            f"--state-memory {opt_cfg.state_memory} is jaxmem's optimizer-state offload, which "
+            "torch_ref does not implement: add --frameworks jax"
+        )
     if args.preset_name == "seed":
         raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
     from jaxmem.memory.targets import get_target
@@ -560,9 +600,13 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning, targ
         gpu = ()
         if target.is_gpu:  # torch rows have no plan: nothing to fit
             planned = r.get("fits") is not None
+            offload = r.get("state_offload")
+            fits = "yes" if r.get("fits") else "no"
+            if offload and not r["fits"] and offload["fits_lower"]:
+                fits = "if streamed"
             gpu = (
                 format_bytes(r["plan_host_bytes"]) if planned else "-",
-                ("yes" if r["fits"] else "no") if planned else "-",
+                fits if planned else "-",
             )
         table.add_row(
             r["framework"],
@@ -619,6 +663,18 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning, targ
         f"{format_bytes(max(r['process_max_rss_bytes'] for r in records))} (OS getrusage: the "
         "whole process, host memory, both frameworks and everything before them)"
     )
+    for r in records:
+        offload = r.get("state_offload")
+        if offload:
+            wide.print(
+                f"  {r['framework']} {r['policy']}: optimizer state in pinned_host, counted "
+                f"analytically: {format_bytes(offload['host_bytes'])} in host memory between "
+                f"steps; device peak between {format_bytes(offload['device_peak_lower_bytes'])} "
+                "(state streamed leaf by leaf) and "
+                f"{format_bytes(offload['device_peak_upper_bytes'])} (the planned peak: whole "
+                "state brought in for the update); a deviceless compile drops argument memory "
+                "kinds, so no plan shows it"
+            )
     if planning and any(r["framework"].startswith("torch") for r in records):
         wide.print(
             "  torch rows: torch_ref's step run under FakeTensorMode (no memory, no arithmetic): "
@@ -713,8 +769,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "accum_steps": args.accum and _int_list(args.accum, "--accum"),
         "timed_policies": args.time_policies
         and tuple(_names(args.time_policies, list(POLICIES), "policies")),
+        "target": args.target,
     }
     plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v})
+    from jaxmem.memory.targets import get_target
+
+    try:
+        target = get_target(plan.target)
+        if target.is_gpu:
+            from jaxmem.memory.gpu_plan import require_gpu_plan
+
+            require_gpu_plan(target)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
     try:
         cfg = get_preset(plan.preset)
     except ConfigError as e:
@@ -831,6 +898,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
     p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor")
+    p.add_argument(
+        "--state-memory",
+        default="device",
+        help="where the optimizer state lives between steps: device (default) or pinned_host "
+        "(JAX; under a GPU --target counted analytically, see the notes)",
+    )
     p.add_argument("--batch-size", type=_positive_int, default=8, help="default 8")
     p.add_argument(
         "--seq-len",
@@ -885,6 +958,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="policies to time (default none,selective,full,offload,nested)",
     )
     p.add_argument("--repeats", type=_positive_int, default=None, help="timed runs (default 10)")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="compile the depth axis's JAX plans for: cpu (the local backend, default), h100, "
+        "a100-40gb, a100-80gb (without a GPU; needs jaxmem[gpu-plan]) or a .txtpb target file",
+    )
     p.add_argument(
         "--threads",
         type=_positive_int,
@@ -975,6 +1054,12 @@ def _train_parser(sub) -> None:
         "summary.json, sample.txt, checkpoints/ (default: nothing written)",
     )
     a("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    a(
+        "--target",
+        default=None,
+        help="also plan this very train step for a GPU (h100, a100-40gb, a100-80gb or a .txtpb "
+        "file; needs jaxmem[gpu-plan]) and print that plan beside this machine's (JAX)",
+    )
     a(
         "--framework",
         choices=FRAMEWORKS,

@@ -21,7 +21,8 @@ Presets (``POLICIES``):
 - ``mlp``: keep the attention side, recompute the MLP.
 - ``offload``: ``selective`` with everything it keeps but the block input sent to host memory
   (``pinned_host``): device memory close to ``full``'s at ``selective``'s FLOPs.
-- ``nested``: √L segments: checkpoint every ⌈√L⌉ blocks and fully recompute inside.
+- ``nested``: about √L segments: checkpoint every ``nested_segment_size(L)`` blocks and fully
+  recompute inside.
 - ``MemoryPolicy.custom({...})``: a per-name choice of ``device`` / ``offload`` / ``recompute``,
   like MaxText's per-tensor remat config.
 """
@@ -143,7 +144,7 @@ class MemoryPolicy:
       offload: tag names moved to host memory (``pinned_host``) in the forward pass and brought
         back for the backward pass.
       save_dots: also keep matmul outputs without batch dimensions (the projections).
-      nested: √L segments of fully recomputed blocks (takes no names).
+      nested: about √L segments of fully recomputed blocks (takes no names).
       layers: which layers the policy applies to.
       use_reentrant: PyTorch only: ``torch.utils.checkpoint``'s mode (chosen explicitly, never
         left to its default).
@@ -252,8 +253,22 @@ def get_policy(name: str) -> MemoryPolicy:
 
 
 def nested_segment_size(n_layers: int) -> int:
-    """⌈√L⌉ blocks per segment (Chen et al. 2016, "Training Deep Nets with Sublinear Memory")."""
-    return math.ceil(math.sqrt(n_layers))
+    """Blocks per segment, about √L (Chen et al. 2016, "Training Deep Nets with Sublinear
+    Memory"): the divisor of L (other than 1 and L) nearest √L, the smaller on a tie, when its
+    segments keep at most one block input more than ⌈√L⌉-block segments would; else ⌈√L⌉, with
+    a shorter last segment.
+
+    Equal segments matter in JAX: a shorter last segment slices the stacked parameters into a
+    head and a tail, and the backward then concatenates their gradients into one more full-size
+    gradient buffer (measured in the H100 plan of gpt2-1.5b, 48 layers, bf16 8 × 1024: temp
+    17.11 GB with 7-block segments and a 6-block tail vs 10.38 GB with 6-block segments)."""
+    ceil = math.ceil(math.sqrt(n_layers))
+    cost = ceil + math.ceil(n_layers / ceil)  # inputs kept: segments + one segment's blocks
+    divisors = [d for d in range(2, n_layers) if n_layers % d == 0]  # 1 and L: no nesting
+    if not divisors:
+        return ceil
+    best = min(divisors, key=lambda d: (abs(d - math.sqrt(n_layers)), d))
+    return best if best + n_layers // best <= cost + 1 else ceil
 
 
 # ---------------------------------------------------------------------- files and command lines
@@ -378,7 +393,7 @@ def describe_kept(cfg: ModelConfig, policy: MemoryPolicy) -> str:
     if not policy.remat:
         return "keeps every activation (no remat)"
     if policy.nested:
-        return "keeps one block input per segment of ⌈√L⌉ blocks and recomputes the rest"
+        return "keeps one block input per segment of about √L blocks and recomputes the rest"
     needed = kept_tags(cfg, policy) | {"block_input"}
     on_device = ["block_input"] + [n for n in policy.save if n in needed - {"block_input"}]
     on_host = [n for n in policy.offload if n in needed]

@@ -174,11 +174,18 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
         "1,2",
         "--repeats",
         "1",
+        "--target",
+        "h100",
         "--out",
         str(out),
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out / "sweep.json").read_text())
+    # --target: the depth axis's plans are H100 plans compiled without a GPU, and say so
+    assert "XLA:CUDA deviceless compile for NVIDIA H100" in result["meta"]["compiler"]
+    temps = {(r["policy"], r["n_layers"]): r["jax_compiled_temp_bytes"] for r in result["depth"]}
+    for depth in (1, 2):
+        assert temps[("full", depth)] < temps[("none", depth)], temps
     meta = result["meta"]
     for key in ("date", "device", "versions", "plan", "base_config", "cpu_count"):
         assert key in meta, key
@@ -206,6 +213,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
         assert (out / name).stat().st_size > 0, name
     text = (out / "sweep.md").read_text()
     assert "### step time" in text and "torch lean MiB" in text and "†" in text
+    assert "JAX compiled temp: jit(grad)'s plan, XLA:CUDA deviceless compile" in text
 
 
 def test_seed_example_command_runs_in_both_frameworks(capsys):

@@ -193,16 +193,109 @@ def test_capture_target_on_a_gpu_writes_a_target_the_planner_takes(tmp_path):
     assert target.device_memory_bytes > 0 and gpu_plan.target_sharding(target)
 
 
-def test_host_resident_optimizer_state_is_refused_not_misplanned():
-    """A deviceless compile drops memory kinds on arguments: planning state in pinned_host for a
-    GPU target would print it as device memory, so it is refused."""
-    with pytest.raises(ConfigError, match="cannot plan optimizer.state_memory='pinned_host'"):
-        jax_record(
-            PRESETS["tiny"],
-            POLICIES["full"],
-            PRECISIONS["fp32"],
-            OptimizerConfig(state_memory="pinned_host"),
-            2,
-            16,
-            target=get_target("h100"),
+def test_host_resident_optimizer_state_is_counted_analytically_and_labelled(capsys):
+    """A deviceless compile drops memory kinds on arguments, so offloaded optimizer state is
+    planned on the device (the upper bound) and its bytes are counted from shapes: host bytes =
+    the state's, the lower bound = the plan without it; parameters in host memory are refused."""
+    args = (PRESETS["tiny"], POLICIES["full"], PRECISIONS["fp32"])
+    h100 = get_target("h100")
+    on_device = jax_record(*args, OptimizerConfig(), 2, 16, target=h100)
+    offloaded = jax_record(*args, OptimizerConfig(state_memory="pinned_host"), 2, 16, target=h100)
+    assert on_device["state_offload"] is None
+    so = offloaded["state_offload"]
+    state = offloaded["opt_state_bytes"]
+    assert state == 2 * 4 * PRESETS["tiny"].n_params + 4  # AdamW's mu and nu in fp32, a count
+    assert so["host_bytes"] == state
+    assert so["device_peak_upper_bytes"] == offloaded["planned_peak_bytes"]
+    assert so["device_peak_lower_bytes"] == offloaded["planned_peak_bytes"] - state
+    assert offloaded["planned_peak_bytes"] == on_device["planned_peak_bytes"]
+    assert "analytic" in so["source"]
+    with pytest.raises(ConfigError, match="cannot plan optimizer.params_memory='pinned_host'"):
+        jax_record(*args, OptimizerConfig(params_memory="pinned_host"), 2, 16, target=h100)
+    cmd = ["memory", "--target", "h100", "--policies", "full", "--frameworks", "jax"]
+    assert cli.main([*cmd, "--state-memory", "pinned_host", "--seq-len", "16"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "optimizer state in pinned_host, counted analytically" in text
+
+
+def test_train_prints_the_same_step_planned_for_a_gpu_target(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    args = ["train", "--preset", "tiny", "--steps", "2", "--batch-size", "4", "--seq-len", "32"]
+    assert cli.main([*args, "--sample-tokens", "0", "--policy", "offload", "--target", "h100"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for line in (
+        "h100 plan: temporaries",
+        "h100 plan: host memory (offloaded)",
+        "h100 plan: planned peak",
+    ):
+        assert line in text, line
+    assert "XLA:CUDA deviceless compile for NVIDIA H100" in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--framework", "torch"], "torch_ref has no compiled plan"),
+        (["--accum", "2", "--accum-mode", "multisteps"], "plans the scanned train step"),
+        (["--set", "optimizer.state_memory=pinned_host"], "drops host memory kinds"),
+        (["--target", "v100"], "unknown target 'v100'"),
+    ],
+)
+def test_train_target_refusals_are_one_line_exit_2(extra, message, capsys, tmp_path):
+    args = ["train", "--preset", "tiny", "--steps", "1", "--out", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*args, "--target", "h100", *extra])
+    assert exc.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert message in err
+    assert not (tmp_path / "run").exists()
+
+
+needs_gpu = pytest.mark.skipif(
+    not any(d.platform == "gpu" for d in jax.devices()),
+    reason="GPU-only: compares the deviceless plan with the plan compiled on the GPU and the "
+    "runtime peak (JAX sees no GPU here)",
+)
+
+
+@needs_gpu
+def test_on_a_gpu_the_deviceless_plan_matches_the_device_and_training_reports_its_peak(
+    tmp_path, capsys
+):
+    """Where CUDA exists: the plan compiled without the device for this GPU's own target config
+    equals (within the table's bound) the plan XLA compiles on it, the measured peak of one
+    step stays within the plan, and ``jaxmem train`` prints the device's peak beside the plan."""
+    from jaxmem.compare.tolerances import tolerance
+
+    assert cli.main(["capture-target", "--out", str(tmp_path / "here.txtpb")]) == 0
+    here = get_target(str(tmp_path / "here.txtpb"))
+    plan_tol = tolerance("bytes", "deviceless_vs_device_plan")
+    peak_tol = tolerance("bytes", "runtime_peak_vs_plan")
+    for policy in ("none", "full", "offload"):
+        args = (PRESETS["small"], POLICIES[policy], PRECISIONS["bf16"], OptimizerConfig(), 8, 256)
+        deviceless = jax_record(*args, target=here)
+        # compiled on the GPU and one step run, in a fresh process: the device's peak is a
+        # high-water mark that never goes down within one
+        code = (
+            "import json; from jaxmem.config import PRESETS, OptimizerConfig; "
+            "from jaxmem.memory.records import jax_record; from jaxmem.policy import POLICIES; "
+            "from jaxmem.precision import PRECISIONS; r = jax_record(PRESETS['small'], "
+            f"POLICIES['{policy}'], PRECISIONS['bf16'], OptimizerConfig(), 8, 256); "
+            "print(json.dumps({k: r[k] for k in ('compiler', 'compiled_temp_bytes', "
+            "'peak_bytes', 'peak_source')}))"
         )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr
+        on_device = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert on_device["compiler"].startswith("XLA:GPU"), on_device["compiler"]
+        a, b = deviceless["compiled_temp_bytes"], on_device["compiled_temp_bytes"]
+        assert abs(a - b) <= plan_tol.atol + plan_tol.rtol * b, (policy, a, b)
+        planned = deviceless["planned_peak_bytes"]
+        assert on_device["peak_bytes"] <= planned + peak_tol.atol + peak_tol.rtol * planned
+        assert on_device["peak_source"].startswith("runtime peak")
+    capsys.readouterr()
+    assert cli.main(["train", "--preset", "tiny", "--steps", "3", "--batch-size", "4"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "device peak" in text and "peak_bytes_in_use" in text

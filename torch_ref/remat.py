@@ -8,7 +8,8 @@ model and its state dict do not change. Two translations, reported side by side:
 - ``none``: the plain loop.
 - ``full``: ``torch.utils.checkpoint.checkpoint`` per selected block, ``use_reentrant`` taken
   from the policy (both modes work; never left to PyTorch's default).
-- ``nested``: ``torch.utils.checkpoint.checkpoint_sequential`` over ⌈L / ⌈√L⌉⌉ segments. Stock
+- ``nested``: ``torch.utils.checkpoint.checkpoint_sequential`` over ⌈L / k⌉ segments (k =
+  ``nested_segment_size(L)``, about √L). Stock
   runs its *last* segment without checkpointing, so it keeps that segment's activations.
 - names (``selective``, ``mlp``, ``dots``, custom): non-reentrant checkpoint with
   ``create_selective_checkpoint_contexts``; the policy function answers ``MUST_SAVE`` for the ops
@@ -386,7 +387,7 @@ class PolicyLayers:
 
     def _sequential(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
         n = len(layers)
-        segments = -(-n // nested_segment_size(n))  # ⌈L / ⌈√L⌉⌉
+        segments = -(-n // nested_segment_size(n))  # ⌈L / k⌉, k about √L
         functions = [functools.partial(layer, mask_ss=mask) for layer in layers]
         reentrant = self.policy.use_reentrant
         x = _grad_input(x) if reentrant else x

@@ -41,6 +41,7 @@ from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.residuals import compiled_plan, saved_residuals, summarize_residuals
+from jaxmem.memory.targets import LOCAL, Target, get_target
 from jaxmem.model import make_model
 from jaxmem.policy import POLICIES, MemoryPolicy
 from jaxmem.precision import PRECISIONS
@@ -74,6 +75,9 @@ class SweepPlan:
     timed_policies: tuple[str, ...] = ("none", "selective", "full", "offload", "nested")
     repeats: int = 10
     torch_nested_max_depth: int = 8  # torch's nested checkpoint is slow to trace beyond this
+    # the compiled-plan column (depth axis): "cpu" = the local backend, or a GPU target
+    # (jaxmem.memory.targets) compiled without a GPU
+    target: str = "cpu"
 
 
 DEFAULT = SweepPlan()
@@ -132,6 +136,7 @@ def memory_point(
     torch_too: bool = True,
     compile_plan: bool = True,
     policy: MemoryPolicy | None = None,
+    target: Target = LOCAL,
 ) -> dict[str, Any]:
     """Saved bytes and FLOPs of one training step in both frameworks (same weights and batch):
     JAX, stock PyTorch (``torch_*``; torch_ref's extension where stock has no API, as
@@ -157,12 +162,19 @@ def memory_point(
         "jax_device_bytes": res.activation_bytes_device,
         "jax_host_bytes": res.activation_bytes_host,
         "jax_flops": grad_matmul_flops(f, params, data),
-        "jax_compiled_temp_bytes": (
-            compiled_plan(jax.jit(jax.grad(f)).lower(params, data).compile())["temp_bytes"]
-            if compile_plan
-            else None
-        ),
+        "jax_compiled_temp_bytes": None,
+        "jax_compiled_host_temp_bytes": None,
     }
+    if compile_plan:
+        grad = jax.jit(jax.grad(f))
+        if target.is_gpu:
+            from jaxmem.memory.gpu_plan import compile_for
+
+            plan = compiled_plan(compile_for(grad, (params, data), target))
+        else:
+            plan = compiled_plan(grad.lower(params, data).compile())
+        row["jax_compiled_temp_bytes"] = plan["temp_bytes"]
+        row["jax_compiled_host_temp_bytes"] = plan["host_temp_bytes"]
     if torch_too:
         stock = torch_point(reference, policy, precision_name, inputs, targets, "stock")
         row.update(
@@ -304,6 +316,7 @@ def run_sweep(
     """Measure every axis of ``plan`` and write sweep.json, sweep.md and the PNGs (thread counts
     as ``set_threads`` left them; the load average is recorded before and after)."""
     load_before = load_average()
+    target = get_target(plan.target)
     base = get_preset(plan.preset)
     b, s = plan.batch, plan.seq_len
     rows: dict[str, list[dict[str, Any]]] = {
@@ -324,7 +337,9 @@ def run_sweep(
             progress(f"depth: {name} {depth} layers")
             torch_too = name != "nested" or depth <= plan.torch_nested_max_depth
             cfg = base.replace(n_layers=depth)
-            rows["depth"].append(memory_point(cfg, name, "fp32", b, s, torch_too=torch_too))
+            rows["depth"].append(
+                memory_point(cfg, name, "fp32", b, s, torch_too=torch_too, target=target)
+            )
     for seq in plan.seq_lens:
         for name in ("none", "selective", "full"):
             progress(f"sequence length: {name} {seq}")
@@ -350,9 +365,11 @@ def run_sweep(
         "load_average_before": load_before,
         "load_average_after": load_after,
         "busy_warning": busy_warning(load_before, load_after, threads),
+        "compiler": target.compiler(),
         "note": f"{jax.devices()[0].platform.upper()} results: bytes and FLOPs are exact "
-        "accounting; compiled temps are XLA's plan on this backend (on CPU a proxy for a GPU's); "
-        "step times are wall-clock medians on this machine",
+        f"accounting; compiled temps are the plan of {target.compiler()}"
+        + ("" if target.is_gpu else " (XLA:CPU's is far from a GPU's and erases host offload)")
+        + "; step times are wall-clock medians on this machine",
     }
     os.makedirs(out_dir, exist_ok=True)
     result = {"meta": meta, **rows}
@@ -414,14 +431,18 @@ def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str
         "",
         "### depth (fp32)",
         "",
-        "| layers | policy | JAX MiB | torch MiB | torch lean MiB | JAX compiled temp MiB |",
+        f"JAX compiled temp: jit(grad)'s plan, {meta['compiler']}.",
+        "",
+        "| layers | policy | JAX MiB | torch MiB | torch lean MiB | JAX compiled temp MiB "
+        "(device + host) |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows["depth"]:
         lines.append(
             f"| {r['n_layers']} | {r['policy']} | {mib_cell(r, 'jax', host=False)} | "
             f"{mib_cell(r, 'torch', host=False)} | {mib_cell(r, 'torch_lean', host=False)} | "
-            f"{r['jax_compiled_temp_bytes'] / MIB:.2f} |"
+            f"{r['jax_compiled_temp_bytes'] / MIB:.2f} + "
+            f"{r['jax_compiled_host_temp_bytes'] / MIB:.2f} |"
         )
     lines += [
         "",

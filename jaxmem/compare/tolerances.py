@@ -178,6 +178,25 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
 }
 
 
+# Memory figures of one program measured two ways (bytes, not values): the key is "bytes".
+TOLERANCES["bytes"] = {
+    "deviceless_vs_device_plan": Tolerance(
+        rtol=0.10,
+        atol=0.0,
+        reason="a deviceless compile runs no autotuning, so GEMM workspaces and some fusion "
+        "choices may differ from the plan XLA compiles on the GPU; the issue bounds the "
+        "difference at 10 %. Not yet measured (this project has no GPU): GPU-only test",
+    ),
+    "runtime_peak_vs_plan": Tolerance(
+        rtol=0.10,
+        atol=256 * 2**20,
+        reason="the allocator's peak adds rounding to its size classes, the step's inputs "
+        "transferred before it and what other executables left resident (the CUDA context "
+        "itself is not counted); 10 % + 256 MiB. Not yet measured on a GPU: GPU-only test",
+    ),
+}
+
+
 def tolerance(dtype: str, quantity: str) -> Tolerance:
     try:
         return TOLERANCES[dtype][quantity]

@@ -86,7 +86,7 @@ def saved_activation_bytes(
       (the source of attn_residual);
     - ``save_dots`` (custom policies: every matmul without batch dimensions): q, k, v and
       mlp_up;
-    - nested: one input per ⌈√L⌉-block segment.
+    - nested: one input per segment (``nested_segment_size``: about √L blocks).
     Embeddings, the LM head and the loss are outside this model.
     """
     sizes = tag_bytes(cfg, batch, seq_len, precision)

@@ -11,6 +11,7 @@ scan and erases host offload); every record names the compiler and target of its
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -66,6 +67,62 @@ def lm_step_batch(cfg: ModelConfig, batch: int, seq_len: int, abstract: bool) ->
     return {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
 
 
+def plan_step(
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    batch: int,
+    seq_len: int,
+    target: Target = LOCAL,
+) -> dict[str, Any]:
+    """Only the compiled plan of the train step ``jax_record`` plans (from shapes; no residual
+    accounting, no FLOPs): the compiler, the plan's bytes and its planned peak (arguments +
+    outputs - aliased + temporaries). Cheap enough to search for the largest batch that fits."""
+    model = nnx.eval_shape(lambda: make_model(cfg, precision))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = make_optimizer(opt_cfg)
+    opt_state = jax.eval_shape(tx.init, params)
+    data = lm_step_batch(cfg, batch, seq_len, abstract=True)
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg)
+    args = (params, opt_state, init_loss_scale(precision), data)
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import compile_for
+
+        compiled, compiler = compile_for(step, args, target), target.compiler()
+    else:
+        compiled = step.lower(*args).compile()
+        compiler = f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
+    plan = compiled_plan(compiled)
+    return {
+        "compiler": compiler,
+        "compiled_plan": plan,
+        "planned_peak_bytes": plan["argument_bytes"]
+        + plan["output_bytes"]
+        - plan["alias_bytes"]
+        + plan["temp_bytes"],
+    }
+
+
+def _state_offload(opt_state: Any, planned_peak: int, target: Target) -> dict[str, Any]:
+    """Optimizer state in ``pinned_host`` under a GPU target, counted from shapes: a deviceless
+    compile drops argument memory kinds, so the plan (compiled with the state on the device) is
+    the upper bound, the step bringing the whole state in for the update; the lower bound is
+    that plan without the state, as if XLA streamed it leaf by leaf."""
+    state = tree_bytes(opt_state)
+    lower = planned_peak - state
+    return {
+        "host_bytes": state,
+        "device_peak_upper_bytes": planned_peak,
+        "device_peak_lower_bytes": lower,
+        "fits_lower": lower <= target.device_memory_bytes,
+        "source": "analytic: optimizer-state bytes from shapes; a deviceless compile drops "
+        "argument memory kinds, so the plan holds the state on the device (upper bound: the "
+        "whole state brought in for the update; lower bound: the plan minus the state)",
+    }
+
+
 def jax_record(
     cfg: ModelConfig,
     policy: MemoryPolicy,
@@ -80,14 +137,19 @@ def jax_record(
     """Measure one jaxmem training step (or plan it from shapes when ``abstract``; always from
     shapes for a GPU target)."""
     abstract = abstract or target.is_gpu
-    if target.is_gpu and "pinned_host" in (opt_cfg.state_memory, opt_cfg.params_memory):
-        # a deviceless compile drops memory kinds on the step's arguments: its plan would show
-        # host-resident state on the device, a figure jaxmem will not print as a plan
+    state_offload = target.is_gpu and opt_cfg.state_memory == "pinned_host"
+    if target.is_gpu and opt_cfg.params_memory == "pinned_host":
+        # the step brings host-resident parameters to the device for its whole length: the
+        # device holds them as if they stayed there, and a deviceless plan cannot tell
         raise ConfigError(
-            f"--target {target.name} cannot plan optimizer.state_memory="
-            f"{opt_cfg.state_memory!r} / params_memory={opt_cfg.params_memory!r}: a deviceless "
-            "compile drops argument memory kinds; plan with both on the device"
+            f"--target {target.name} cannot plan optimizer.params_memory='pinned_host': a "
+            "deviceless compile drops argument memory kinds, and the step holds the parameters "
+            "on the device throughout anyway; plan with params_memory='device'"
         )
+    if state_offload:
+        # a deviceless compile drops argument memory kinds: plan the step with the state on the
+        # device and count what offloading it moves, analytically (below)
+        opt_cfg = dataclasses.replace(opt_cfg, state_memory="device")
     if abstract:
         model = nnx.eval_shape(lambda: make_model(cfg, precision))
     else:
@@ -121,7 +183,10 @@ def jax_record(
     peak, peak_source = None, None
     if not abstract and jax.devices()[0].platform != "cpu":
         step(params, opt_state, scale, data)
-        peak, peak_source = device_peak_bytes(), "runtime peak (device.memory_stats)"
+        peak = device_peak_bytes()
+        peak_source = (
+            "runtime peak (device.memory_stats peak_bytes_in_use: the process's high-water mark)"
+        )
     if peak is None:
         peak = planned_peak
         peak_source = f"compiled plan ({compiler}): arguments + outputs - aliased + temporaries"
@@ -159,6 +224,7 @@ def jax_record(
         "fits": None
         if target.device_memory_bytes is None
         else planned_peak <= target.device_memory_bytes,
+        "state_offload": _state_offload(opt_state, planned_peak, target) if state_offload else None,
         # the OS's high-water mark of this whole process (everything so far)
         "process_max_rss_bytes": process_max_rss_bytes(),
         "process_max_rss_source": "OS (getrusage ru_maxrss), whole process so far, host",

@@ -10,7 +10,8 @@ How each policy runs in JAX:
   ``save_and_offload_only_these_names`` to ``pinned_host`` for offloaded names, or
   ``dots_with_no_batch_dims_saveable`` for ``save_dots``; ``nothing_saveable`` for ``full``);
   JAX's partial evaluation then keeps only what the backward reads of what the policy stores;
-- ``nested``: an outer scan over ⌈√L⌉-block segments, each checkpointed, each block inside
+- ``nested``: an outer scan over segments of about √L blocks (``nested_segment_size``), each
+  checkpointed, each block inside
   checkpointed again (every segment, the last included);
 - a layer subset: the stack unrolled, remat only on the selected layers.
 """
@@ -76,8 +77,9 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
 
     - all layers, one policy: one ``lax.scan`` over a ``jax.checkpoint``-ed body (the default
       path; XLA's compiled memory plan reflects remat only under scan);
-    - nested: an outer scan over ⌈√L⌉-block segments, each segment checkpointed, each block inside
-      fully recomputed; a shorter last segment when ⌈√L⌉ does not divide L;
+    - nested: an outer scan over equal segments of about √L blocks, each segment checkpointed,
+      each block inside fully recomputed; a shorter last segment only when no divisor of L is
+      near √L (``nested_segment_size``);
     - a layer subset: unrolled, remat only on the selected layers.
     """
     check_backend(policy)

@@ -23,6 +23,7 @@ from jaxmem.config import ConfigError
 from jaxmem.figures import Figure, format_bytes, rss_figure
 from jaxmem.memory import residuals
 from jaxmem.memory.remat import backend_memory_kinds, check_backend, layers_fn
+from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.policy import HOST_MEMORY_KIND
 from jaxmem.train.job import JobConfig
@@ -100,10 +101,36 @@ def memory_figures(
         Figure("train step: donated (aliased)", plan["alias_bytes"], source),
         Figure("train step: temporaries", plan["temp_bytes"], source),
     ]
-    peak = residuals.device_peak_bytes()
-    if peak is not None:
-        figures.append(Figure("device peak", peak, "runtime peak (device.memory_stats)"))
     return figures
+
+
+def target_plan_figures(step_fn: Any, args: tuple, target: Target) -> list[Figure]:
+    """This very train step (scan accumulation, state on the device: the CLI refuses the rest)
+    compiled for a GPU ``target`` without a GPU: its plan's lines."""
+    from jaxmem.memory.gpu_plan import compile_for
+
+    source = f"compiled plan ({target.compiler()})"
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    plan = residuals.compiled_plan(compile_for(step_fn, shapes, target))
+    peak = plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
+    return [
+        Figure(f"{target.name} plan: temporaries", plan["temp_bytes"], source),
+        Figure(f"{target.name} plan: host memory (offloaded)", plan["host_temp_bytes"], source),
+        Figure(
+            f"{target.name} plan: planned peak (of {format_bytes(target.device_memory_bytes)})",
+            peak,
+            source + ": arguments + outputs - aliased + temporaries",
+        ),
+    ]
+
+
+def device_peak_figures() -> list[Figure]:
+    """The device's runtime peak so far (``memory_stats()["peak_bytes_in_use"]``), beside the
+    plan; none on backends that do not report it (CPU). Read after the steps ran."""
+    peak = residuals.device_peak_bytes()
+    if peak is None:
+        return []
+    return [Figure("device peak", peak, "runtime peak (device.memory_stats peak_bytes_in_use)")]
 
 
 class JaxTrainer:
@@ -111,7 +138,9 @@ class JaxTrainer:
 
     framework = "jax"
 
-    def __init__(self, prepared: PreparedJob, console: Console | None = None):
+    def __init__(
+        self, prepared: PreparedJob, console: Console | None = None, target: Target | None = None
+    ):
         job = self.job = prepared.job
         console = console or Console()
         cfg, r = job.model, job.run
@@ -163,6 +192,11 @@ class JaxTrainer:
         )
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state))
         self._figures = memory_figures(loss_fn, *shapes, first, plan, job.accum.steps)
+        if target is not None and target.is_gpu:
+            console.print(f"planning the same step for {target.description} (no GPU needed)...")
+            self._figures += target_plan_figures(
+                step_fn, (params, opt_state, self.loss_scale, first), target
+            )
         self._valid = [self.transfer(b) for b in val_batches(prepared.dataset, job)]
         self.ckpt = None
         if prepared.out_dir is not None:
@@ -241,7 +275,7 @@ class JaxTrainer:
         )
 
     def figures(self) -> list[Figure]:
-        return [*self._figures, rss_figure()]
+        return [*self._figures, *device_peak_figures(), rss_figure()]
 
     def close(self) -> None:
         jax.block_until_ready(self.params)
@@ -249,10 +283,13 @@ class JaxTrainer:
             self.ckpt.close()
 
 
-def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
-    """Train ``prepared.job`` in JAX; returns the run summary."""
+def run_training(
+    prepared: PreparedJob, console: Console | None = None, target: Target | None = None
+) -> dict[str, Any]:
+    """Train ``prepared.job`` in JAX; returns the run summary. With a GPU ``target`` the memory
+    table also shows this step's plan compiled for it (without a GPU)."""
     console = console or Console()
-    return run_job(prepared, lambda: JaxTrainer(prepared, console), console)
+    return run_job(prepared, lambda: JaxTrainer(prepared, console, target), console)
 
 
 def _multisteps(loss_fn: Any, tx: Any, k: int, params: Any, batch: dict) -> tuple[Any, Any]:
