@@ -140,21 +140,20 @@ def test_memory_command_shows_stock_pytorch_and_the_extension_beside_jax(tmp_pat
 
 def test_memory_for_a_gpu_target_has_torch_rows_from_fake_tensors_at_gpt2_1_5b(tmp_path):
     """At a size this machine cannot hold, the torch column exists: torch_ref's step under
-    FakeTensorMode beside JAX's H100 plan, each row saying how it was obtained; full keeps
-    exactly the 48 layer inputs, in bf16, in both frameworks."""
+    FakeTensorMode, each row saying how it was obtained (JAX's H100 plan beside it is tested on
+    tiny; compiling 1.5B here would double the test); full keeps exactly the 48 layer inputs,
+    in bf16, as JAX's residual accounting does."""
     out = tmp_path / "m.json"
     proc = run_cli(
-        "memory", "--preset", "gpt2-1.5b", "--target", "h100", "--frameworks", "jax,torch",
+        "memory", "--preset", "gpt2-1.5b", "--target", "h100", "--frameworks", "torch",
         "--policies", "full", "--precision", "bf16", "--batch-size", "1", "--seq-len", "256",
         "--json", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    jax_rec, torch_rec = json.loads(out.read_text())
-    assert (jax_rec["framework"], torch_rec["framework"]) == ("jax", "torch")
-    for r in (jax_rec, torch_rec):
-        assert r["planned_from_shapes"] and r["precision"] == "bf16"
-        assert r["saved_by_name"]["<layer input>"] == 48 * 1 * 256 * 1600 * 2
-    assert jax_rec["target"] == "h100" and jax_rec["peak_source"].startswith("compiled plan")
+    (torch_rec,) = json.loads(out.read_text())
+    assert torch_rec["framework"] == "torch"
+    assert torch_rec["planned_from_shapes"] and torch_rec["precision"] == "bf16"
+    assert torch_rec["saved_by_name"]["<layer input>"] == 48 * 1 * 256 * 1600 * 2
     assert torch_rec["peak_bytes"] is None and "FakeTensorMode" in torch_rec["saved_source"]
     assert torch_rec["opt_state_bytes"] >= 2 * torch_rec["params_bytes"]  # AdamW, fp32 moments
     assert "torch rows: torch_ref's step run under FakeTensorMode" in proc.stdout

@@ -375,8 +375,8 @@ def test_a_backend_jax_cannot_start_is_one_line(platforms, message, tmp_path):
         (["plot", "RUN", "--out", "x.txt"], "--out x.txt: give a .png, .pdf, .svg file"),
         (["plot", "RUN", "--out", "TMP"], "is a directory; give a file name"),
         (
-            ["memory", "--preset", "gpt3-6.7b", "--frameworks", "torch"],
-            "--preset gpt3-6.7b is planned from shapes in JAX only",
+            ["memory", "--state-memory", "pinned_host", "--frameworks", "jax,torch"],
+            "--state-memory pinned_host is jaxmem's optimizer-state offload",
         ),
     ],
 )

@@ -66,7 +66,6 @@ from jaxmem.policy import (
     kept_tags,
     nested_segment_size,
 )
-from torch_ref.memory import storage_key
 from torch_ref.model import BlockStack, run_layers
 
 Translation = Literal["stock", "lean"]
@@ -166,7 +165,8 @@ def _kept(layer: int, names: tuple[str, ...], memory: str, t: torch.Tensor) -> K
         dtype=t.dtype,
         device=t.device,
         nbytes=t.numel() * t.element_size(),
-        storage=storage_key(t),
+        # torch_ref.memory.storage_key (not imported: memory imports this module)
+        storage=t.untyped_storage()._cdata,
     )
 
 
