@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import time
@@ -80,57 +81,63 @@ def largest_batch(cfg, policy, precision, seq_len, target, known: dict[int, int]
 
 
 def measure(
-    target_name: str, presets: list[str], policies: list[str], precision: str, skip: set[str]
+    target_name: str,
+    presets: list[str],
+    policies: list[str],
+    precision: str,
+    skip: set[str],
+    partial: str,
+    batch_presets: set[str],
 ) -> list:
+    """One row per (model, policy). Rows are kept in ``partial`` (JSON) as they are measured, so
+    a run that stops resumes where it stopped; a kept row gains the parts it lacks (e.g. the
+    largest batch, searched in a later run) and is otherwise reused as measured."""
     target = get_target(target_name)
     prec = get_precision(precision)
+    kept = {}
+    if os.path.exists(partial):
+        with open(partial) as f:
+            kept = {(r["preset"], r["policy"]): r for r in json.load(f)}
     rows = []
     for preset in presets:
         cfg = get_preset(preset)
         batch, seq_len = SHAPES[preset]
         for name in policies:
             start = time.perf_counter()
-            rec = jax_record(
-                cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, target=target
-            )
-            rec["preset"] = preset
-            if "cpu" not in skip:
+            rec = kept.get((preset, name))
+            if rec is None or rec["target"] != target.name or rec["precision"] != precision:
+                rec = jax_record(
+                    cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, target=target
+                )
+                rec["preset"] = preset
+            if "cpu" not in skip and "cpu_plan" not in rec:
                 rec["cpu_plan"] = plan_step(
                     cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len
                 )
-            if "torch" not in skip:
+            if "torch" not in skip and "torch" not in rec:
                 from jaxmem.compare.records import torch_record
 
                 t = torch_record(
                     cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, fake=True
                 )
-                rec["torch"] = {
-                    k: t[k]
-                    for k in (
-                        "translation",
-                        "saved_activation_bytes_device",
-                        "saved_activation_bytes_host",
-                        "saved_source",
-                        "flops",
-                        "flops_source",
-                    )
-                }
-            if "batch" not in skip:
+                keys = ("translation", "saved_activation_bytes_device")
+                keys += ("saved_activation_bytes_host", "saved_source", "flops", "flops_source")
+                rec["torch"] = {k: t[k] for k in keys}
+            if "batch" not in skip and preset in batch_presets and "largest_batch" not in rec:
                 rec["largest_batch"] = largest_batch(
                     cfg, POLICIES[name], prec, seq_len, target, {batch: rec["planned_peak_bytes"]}
                 )
-            rec["seconds"] = round(time.perf_counter() - start, 1)
+            rec["seconds"] = rec.get("seconds", 0) + round(time.perf_counter() - start, 1)
+            rows.append(rec)
+            kept[(preset, name)] = rec
+            write_json_atomic(partial, list(kept.values()))
+            found = rec.get("largest_batch")
             print(
                 f"{preset} {name}: planned peak {rec['planned_peak_bytes'] / GB:.2f} GB"
-                + (
-                    f", largest batch {rec['largest_batch']['batch']}"
-                    if "largest_batch" in rec
-                    else ""
-                )
-                + f" ({rec['seconds']} s)",
+                + (f", largest batch {found['batch']}" if found else "")
+                + f" ({rec['seconds']} s in all)",
                 flush=True,
             )
-            rows.append(rec)
     return rows
 
 
@@ -292,6 +299,9 @@ def main() -> None:
         help="comma-separated parts to leave out: cpu (XLA:CPU contrast), torch (the "
         "FakeTensorMode column), batch (largest-batch search), depth (full vs nested by depth)",
     )
+    parser.add_argument(
+        "--batch-presets", default=None, help="models to search the largest batch for (default all)"
+    )
     parser.add_argument("--depth-base", default="gpt2-1.5b")
     parser.add_argument("--depths", default="12,24,36,48,72")
     parser.add_argument("--out", default="benchmarks/results/gpu_plans")
@@ -300,7 +310,12 @@ def main() -> None:
     skip = {x for x in args.skip.split(",") if x}
     target = get_target(args.target)
     started = time.perf_counter()
-    rows = measure(args.target, presets, policies, args.precision, skip)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{target.name}_{args.precision}")
+    batch_presets = set(args.batch_presets.split(",")) if args.batch_presets else set(presets)
+    rows = measure(
+        args.target, presets, policies, args.precision, skip, stem + ".partial.json", batch_presets
+    )
     depth_rows = []
     if "depth" not in skip:
         depths = [int(d) for d in args.depths.split(",")]
@@ -318,11 +333,10 @@ def main() -> None:
             "config": target.source,
         },
     }
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{target.name}_{args.precision}")
     write_json_atomic(stem + ".json", {"meta": meta, "rows": rows, "nested_vs_full": depth_rows})
     write_atomic(stem + ".md", to_markdown(rows, meta, depth_rows))
     plot(rows, meta, stem + ".png")
+    os.remove(stem + ".partial.json")
     print(f"wrote {stem}.json, .md, .png in {meta['seconds']} s")
 
 

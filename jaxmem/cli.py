@@ -137,7 +137,7 @@ def preset_use(name: str) -> str:
     if not cfg.causal:
         return "seed-example, memory (no causal mask: not a language model to train)"
     if name in PLANNING_ONLY:
-        return "memory plans it from shapes; train (a GPU's work)"
+        return "memory plans it from shapes (torch_ref on fake tensors); train (a GPU's work)"
     return "train, memory, parity, bench"
 
 
@@ -885,8 +885,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="For each policy and framework: parameter, gradient and optimizer-state "
         "bytes, saved activations (device / host), the analytic model, the compiled plan (JAX), "
         "FLOPs and a peak, each labelled with how it was obtained. Planning-only presets are "
-        "compiled from shapes (no weights allocated); --target compiles the plan for a GPU "
-        "without one (XLA:CPU's plan is far from a GPU's).",
+        "compiled from shapes (no weights allocated) and torch_ref's step runs on fake tensors "
+        "(shapes only); --target compiles the plan for a GPU without one (XLA:CPU's plan is far "
+        "from a GPU's).",
     )
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--policies", default="none,full,selective,offload", help="comma-separated")

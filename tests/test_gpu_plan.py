@@ -199,16 +199,14 @@ def test_host_resident_optimizer_state_is_counted_analytically_and_labelled(caps
     the state's, the lower bound = the plan without it; parameters in host memory are refused."""
     args = (PRESETS["tiny"], POLICIES["full"], PRECISIONS["fp32"])
     h100 = get_target("h100")
-    on_device = jax_record(*args, OptimizerConfig(), 2, 16, target=h100)
     offloaded = jax_record(*args, OptimizerConfig(state_memory="pinned_host"), 2, 16, target=h100)
-    assert on_device["state_offload"] is None
     so = offloaded["state_offload"]
     state = offloaded["opt_state_bytes"]
     assert state == 2 * 4 * PRESETS["tiny"].n_params + 4  # AdamW's mu and nu in fp32, a count
     assert so["host_bytes"] == state
     assert so["device_peak_upper_bytes"] == offloaded["planned_peak_bytes"]
     assert so["device_peak_lower_bytes"] == offloaded["planned_peak_bytes"] - state
-    assert offloaded["planned_peak_bytes"] == on_device["planned_peak_bytes"]
+    assert offloaded["compiled_plan"]["argument_bytes"] >= state  # planned on the device
     assert "analytic" in so["source"]
     with pytest.raises(ConfigError, match="cannot plan optimizer.params_memory='pinned_host'"):
         jax_record(*args, OptimizerConfig(params_memory="pinned_host"), 2, 16, target=h100)

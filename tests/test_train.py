@@ -145,7 +145,9 @@ def test_a_preset_without_a_causal_mask_is_refused_for_what_it_is():
     with pytest.raises(ConfigError, match="no causal mask"):
         JobConfig.from_dict({"preset": "tiny", "model": {"causal": False}})
     assert "not a language model to train" in cli.preset_use("seed")
-    assert cli.preset_use("gpt2-124m").startswith("memory plans it from shapes; train")
+    assert cli.preset_use("gpt2-124m").startswith(
+        "memory plans it from shapes (torch_ref on fake tensors); train"
+    )
 
 
 def _bin_with_wrong_dtype(tmp_path):
