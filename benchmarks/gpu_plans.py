@@ -88,16 +88,18 @@ def measure(
     skip: set[str],
     partial: str,
     batch_presets: set[str],
+    earlier: list[dict],
 ) -> list:
     """One row per (model, policy). Rows are kept in ``partial`` (JSON) as they are measured, so
-    a run that stops resumes where it stopped; a kept row gains the parts it lacks (e.g. the
-    largest batch, searched in a later run) and is otherwise reused as measured."""
+    a run that stops resumes where it stopped; a row measured before (``partial``, or
+    ``earlier``: the last finished run's) gains the parts it lacks (e.g. the largest batch,
+    searched in a later run) and is otherwise reused as measured."""
     target = get_target(target_name)
     prec = get_precision(precision)
-    kept = {}
+    kept = {(r["preset"], r["policy"]): r for r in earlier}
     if os.path.exists(partial):
         with open(partial) as f:
-            kept = {(r["preset"], r["policy"]): r for r in json.load(f)}
+            kept |= {(r["preset"], r["policy"]): r for r in json.load(f)}
     rows = []
     for preset in presets:
         cfg = get_preset(preset)
@@ -296,8 +298,9 @@ def main() -> None:
     parser.add_argument(
         "--skip",
         default="",
-        help="comma-separated parts to leave out: cpu (XLA:CPU contrast), torch (the "
-        "FakeTensorMode column), batch (largest-batch search), depth (full vs nested by depth)",
+        help="comma-separated parts not to measure in this run (what an earlier run of the same "
+        "--out measured is kept): cpu (XLA:CPU contrast), torch (the FakeTensorMode column), "
+        "batch (largest-batch search), depth (full vs nested by depth)",
     )
     parser.add_argument(
         "--batch-presets", default=None, help="models to search the largest batch for (default all)"
@@ -313,10 +316,21 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{target.name}_{args.precision}")
     batch_presets = set(args.batch_presets.split(",")) if args.batch_presets else set(presets)
+    earlier = {"rows": [], "nested_vs_full": []}
+    if os.path.exists(stem + ".json"):  # what the last finished run measured is reused
+        with open(stem + ".json") as f:
+            earlier = json.load(f)
     rows = measure(
-        args.target, presets, policies, args.precision, skip, stem + ".partial.json", batch_presets
+        args.target,
+        presets,
+        policies,
+        args.precision,
+        skip,
+        stem + ".partial.json",
+        batch_presets,
+        earlier.get("rows", []),
     )
-    depth_rows = []
+    depth_rows = earlier.get("nested_vs_full", [])
     if "depth" not in skip:
         depths = [int(d) for d in args.depths.split(",")]
         depth_rows = nested_vs_full(args.target, args.precision, args.depth_base, depths)
@@ -336,7 +350,8 @@ def main() -> None:
     write_json_atomic(stem + ".json", {"meta": meta, "rows": rows, "nested_vs_full": depth_rows})
     write_atomic(stem + ".md", to_markdown(rows, meta, depth_rows))
     plot(rows, meta, stem + ".png")
-    os.remove(stem + ".partial.json")
+    if os.path.exists(stem + ".partial.json"):
+        os.remove(stem + ".partial.json")
     print(f"wrote {stem}.json, .md, .png in {meta['seconds']} s")
 
 

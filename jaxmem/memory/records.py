@@ -67,6 +67,15 @@ def lm_step_batch(cfg: ModelConfig, batch: int, seq_len: int, abstract: bool) ->
     return {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
 
 
+def _compile(step: Any, args: tuple, target: Target) -> tuple[Any, str]:
+    """``step`` compiled for ``target`` (deviceless for a GPU target), and which compiler did it."""
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import compile_for
+
+        return compile_for(step, args, target), target.compiler()
+    return step.lower(*args).compile(), f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
+
+
 def plan_step(
     cfg: ModelConfig,
     policy: MemoryPolicy,
@@ -86,14 +95,9 @@ def plan_step(
     data = lm_step_batch(cfg, batch, seq_len, abstract=True)
     loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
     step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg)
-    args = (params, opt_state, init_loss_scale(precision), data)
-    if target.is_gpu:
-        from jaxmem.memory.gpu_plan import compile_for
-
-        compiled, compiler = compile_for(step, args, target), target.compiler()
-    else:
-        compiled = step.lower(*args).compile()
-        compiler = f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
+    compiled, compiler = _compile(
+        step, (params, opt_state, init_loss_scale(precision), data), target
+    )
     plan = compiled_plan(compiled)
     return {
         "compiler": compiler,
@@ -168,14 +172,7 @@ def jax_record(
     grads = jax.eval_shape(jax.grad(f), params, data)
     step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg)
     scale = init_loss_scale(precision)
-    if target.is_gpu:
-        from jaxmem.memory.gpu_plan import compile_for
-
-        compiled = compile_for(step, (params, opt_state, scale, data), target)
-        compiler = target.compiler()
-    else:
-        compiled = step.lower(params, opt_state, scale, data).compile()
-        compiler = f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
+    compiled, compiler = _compile(step, (params, opt_state, scale, data), target)
     plan = compiled_plan(compiled)
     planned_peak = (
         plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
