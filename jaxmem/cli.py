@@ -939,7 +939,7 @@ def build_parser() -> argparse.ArgumentParser:
         "matmul FLOPs executed and JAX's compiled plan per policy x precision, depth, sequence "
         "length and accumulation, and median step time per policy (interleaved runs, compile "
         "and warm-up excluded), jaxmem vs torch_ref on the same weights and batches. Default: "
-        "around `small` (4 min 18 s on 2 busy CPU cores); --quick: `tiny` (73 s).",
+        "around `small` (4 min 18-40 s on 2 busy CPU cores); --quick: `tiny` (73 s).",
     )
     p.add_argument(
         "--preset",
