@@ -129,7 +129,7 @@ def measure(
                 rec["largest_batch"] = largest_batch(
                     cfg, POLICIES[name], prec, seq_len, target, {batch: rec["planned_peak_bytes"]}
                 )
-            rec["seconds"] = rec.get("seconds", 0) + round(time.perf_counter() - start, 1)
+            rec["seconds"] = round(rec.get("seconds", 0) + time.perf_counter() - start, 1)
             rows.append(rec)
             kept[(preset, name)] = rec
             write_json_atomic(partial, list(kept.values()))

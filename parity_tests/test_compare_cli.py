@@ -166,7 +166,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
         "bench",
         "--quick",
         "--depths",
-        "1,2",
+        "2",
         "--seq-lens",
         "16",
         "--accum",
@@ -182,7 +182,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
     meta = result["meta"]
     for key in ("date", "device", "versions", "plan", "base_config", "cpu_count"):
         assert key in meta, key
-    assert meta["plan"]["depths"] == [1, 2] and meta["base_config"]["n_layers"] == 2
+    assert meta["plan"]["depths"] == [2] and meta["base_config"]["n_layers"] == 2
     assert {(r["policy"], r["precision"]) for r in result["policy_precision"]} == {
         (p, prec) for p in POLICIES for prec in ("fp32", "bf16")
     }
@@ -191,7 +191,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
         assert r["torch_is_stock"] == (r["policy"] != "offload")
         has_lean = r["policy"] in ("dots", "selective", "mlp", "nested")
         assert (r["torch_lean_flops"] is not None) == has_lean, r["policy"]
-    assert [r["n_layers"] for r in result["depth"] if r["policy"] == "full"] == [1, 2]
+    assert [r["n_layers"] for r in result["depth"] if r["policy"] == "full"] == [2]
     timed = {r["policy"]: r for r in result["step_time"]}
     assert set(timed) == {"none", "full"}
     for r in timed.values():
