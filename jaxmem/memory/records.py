@@ -31,6 +31,9 @@ from jaxmem.memory.residuals import (
     saved_residuals,
     summarize_residuals,
 )
+from jaxmem.memory.residuals import (
+    planned_peak as peak_of_plan,
+)
 from jaxmem.memory.targets import LOCAL, Target
 from jaxmem.model import make_model
 from jaxmem.policy import MemoryPolicy
@@ -102,10 +105,7 @@ def plan_step(
     return {
         "compiler": compiler,
         "compiled_plan": plan,
-        "planned_peak_bytes": plan["argument_bytes"]
-        + plan["output_bytes"]
-        - plan["alias_bytes"]
-        + plan["temp_bytes"],
+        "planned_peak_bytes": peak_of_plan(plan),
     }
 
 
@@ -174,9 +174,7 @@ def jax_record(
     scale = init_loss_scale(precision)
     compiled, compiler = _compile(step, (params, opt_state, scale, data), target)
     plan = compiled_plan(compiled)
-    planned_peak = (
-        plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
-    )
+    planned_peak = peak_of_plan(plan)
     peak, peak_source = None, None
     if not abstract and jax.devices()[0].platform != "cpu":
         step(params, opt_state, scale, data)

@@ -177,6 +177,11 @@ def summarize_residuals(residuals: Sequence[Residual]) -> ResidualSummary:
     )
 
 
+def planned_peak(plan: dict[str, int]) -> int:
+    """The peak a compiled plan implies: arguments + outputs - aliased (donated) + temporaries."""
+    return plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
+
+
 def compiled_plan(compiled: Any) -> dict[str, int]:
     """``memory_analysis()`` of a compiled program (``jax.jit(f).lower(*args).compile()``, where
     ``args`` may be arrays or ``jax.ShapeDtypeStruct``s)."""

@@ -112,7 +112,7 @@ def target_plan_figures(step_fn: Any, args: tuple, target: Target) -> list[Figur
     source = f"compiled plan ({target.compiler()})"
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
     plan = residuals.compiled_plan(compile_for(step_fn, shapes, target))
-    peak = plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
+    peak = residuals.planned_peak(plan)
     return [
         Figure(f"{target.name} plan: temporaries", plan["temp_bytes"], source),
         Figure(f"{target.name} plan: host memory (offloaded)", plan["host_temp_bytes"], source),
@@ -187,9 +187,7 @@ class JaxTrainer:
         self.compile_s = time.perf_counter() - t0
         self.params, self.opt_state = params, opt_state
         plan = residuals.compiled_plan(self._step)
-        self.planned_bytes = (
-            plan["argument_bytes"] + plan["output_bytes"] - plan["alias_bytes"] + plan["temp_bytes"]
-        )
+        self.planned_bytes = residuals.planned_peak(plan)
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state))
         self._figures = memory_figures(loss_fn, *shapes, first, plan, job.accum.steps)
         if target is not None and target.is_gpu:
