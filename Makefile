@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/jaxmem train --preset small --policy selective --steps 200 --batch-size 16 --seq-len 128 --eval-every 50 --checkpoint-every 100 --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
+# The suite on TEST_WORKERS processes (pytest-xdist), one file per worker at a time: a file's
+# module-scoped fixtures (compiled models, trained runs) are built once, on one worker.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 parity: $(STAMP)
 	$(BIN)/jaxmem parity --preset tiny

@@ -23,6 +23,15 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
+# Under pytest-xdist (`make test` runs 2 workers) each worker's PyTorch gets its share of the
+# cores instead of all of them: N workers x all-core OpenMP pools oversubscribe the machine, which
+# made PyTorch up to 7x slower here. OMP_NUM_THREADS is read when torch is first imported (after
+# this), and subprocesses the tests start inherit it. A value the user set is left alone.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and not os.environ.get("OMP_NUM_THREADS"):
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
+
 from jaxmem.backend import contain_cuda_plugin  # noqa: E402  (after the cache settings: JAX reads them at import)
 
 # jaxmem[gpu-plan] puts JAX's CUDA plugin in this environment; on a machine without a driver the

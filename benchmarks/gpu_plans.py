@@ -340,6 +340,16 @@ def main() -> None:
         "jax": jax.__version__,
         "precision": args.precision,
         "seconds": round(time.perf_counter() - started),
+        # one entry per run that wrote this file; rows measured in earlier runs are reused
+        "passes": earlier.get("meta", {}).get("passes", [])
+        + [
+            {
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "seconds": round(time.perf_counter() - started),
+                "measured": sorted({"plans", "cpu", "torch", "batch", "depth"} - skip),
+                "batch_presets": sorted(batch_presets) if "batch" not in skip else [],
+            }
+        ],
         "target": {
             "name": target.name,
             "description": target.description,

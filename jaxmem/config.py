@@ -13,9 +13,11 @@ from typing import Literal, TypeVar
 
 Norm = Literal["pre", "post"]
 Activation = Literal["gelu", "gelu_tanh", "relu"]
+Attention = Literal["naive", "fused"]
 
 NORMS: tuple[str, ...] = ("pre", "post")
 ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_tanh", "relu")
+ATTENTIONS: tuple[str, ...] = ("naive", "fused")
 
 
 class ConfigError(ValueError):
@@ -67,6 +69,15 @@ class ModelConfig:
         seeds' ``nn.MultiheadAttention`` without a mask.
       layer_norm_eps: LayerNorm epsilon (PyTorch's default).
       init_std: standard deviation of the normal weight init (GPT-2's 0.02).
+      attention: how the attention core (scores, softmax, context) runs. ``"naive"``: three ops
+        that materialise the ``[B, H, S, S]`` scores and probabilities (tagged ``attn_scores``,
+        ``attn_probs``). ``"fused"``: one op that never stores them: its backward recomputes the
+        probabilities block by block from q, k, v, its output (``attn_context``) and the
+        softmax's row log-sum-exp (``attn_lse``, ``[B, H, S]`` fp32) — FlashAttention's
+        algorithm. JAX: ``jaxmem.model.flash`` (blockwise, custom VJP, any backend); PyTorch:
+        ``F.scaled_dot_product_attention`` (its flash kernel on CPU).
+      attention_block: keys per block of JAX's fused attention (a shorter sequence is one
+        block); PyTorch's kernel picks its own blocking.
     """
 
     vocab_size: int
@@ -82,9 +93,12 @@ class ModelConfig:
     causal: bool = True
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
+    attention: Attention = "naive"
+    attention_block: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
+        names = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len")
+        for name in (*names, "attention_block"):
             _require_positive_int(name, getattr(self, name))
         require(
             self.d_model % self.n_heads == 0,
@@ -95,6 +109,10 @@ class ModelConfig:
         require(
             self.activation in ACTIVATIONS,
             f"activation={self.activation!r} is not one of {ACTIVATIONS}",
+        )
+        require(
+            self.attention in ATTENTIONS,
+            f"attention={self.attention!r} is not one of {ATTENTIONS}",
         )
         for name in ("bias", "tie_embeddings", "causal"):
             value = getattr(self, name)

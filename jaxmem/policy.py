@@ -34,7 +34,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from jaxmem.config import ModelConfig, lookup, require
+from jaxmem.config import ConfigError, ModelConfig, lookup, require
 
 # The tags a memory policy can refer to, in the order a pre-norm block computes them. The model
 # (jaxmem.model) applies every tag exactly once per block; tests check each appears in the
@@ -45,8 +45,9 @@ CHECKPOINT_NAMES: tuple[str, ...] = (
     "query_proj",  # [B, S, H, K] queries from the fused in_proj
     "key_proj",  # [B, S, H, K]
     "value_proj",  # [B, S, H, K]
-    "attn_scores",  # [B, H, S, S] q·k / sqrt(K), masked, fp32
-    "attn_probs",  # [B, H, S, S] softmax of the scores, fp32 (cast to the compute dtype after)
+    "attn_scores",  # [B, H, S, S] q·k / sqrt(K), masked, fp32 (naive attention only)
+    "attn_probs",  # [B, H, S, S] softmax of the scores, fp32, then compute dtype (naive only)
+    "attn_lse",  # [B, H, S] the softmax's row log-sum-exp, fp32 (fused attention only)
     "attn_context",  # [B, S, D] probabilities applied to values, heads merged
     "attn_out",  # [B, S, D] out_proj of the context
     "attn_residual",  # [B, S, D] block input + attention output (before norm1 in post-norm)
@@ -61,10 +62,21 @@ Choice = Literal["device", "offload", "recompute"]
 CHOICES: tuple[str, ...] = ("device", "offload", "recompute")
 HOST_MEMORY_KIND = "pinned_host"
 
-ATTENTION_CORE = ("attn_scores", "attn_probs", "attn_context")
+ATTENTION_CORE = ("attn_scores", "attn_probs", "attn_lse", "attn_context")
+# Tags only one attention form produces (``ModelConfig.attention``): the fused op never builds
+# the [B, H, S, S] scores and probabilities; it keeps the row log-sum-exp in their place.
+ONLY_IN = {"naive": ("attn_scores", "attn_probs"), "fused": ("attn_lse",)}
 PROJECTIONS = ("query_proj", "key_proj", "value_proj", "attn_out", "mlp_up", "mlp_down")
 MLP_SIDE = ("mlp_up", "mlp_act", "mlp_down", "mlp_residual")
 QKV = ("query_proj", "key_proj", "value_proj")
+
+
+def model_tags(cfg: ModelConfig) -> tuple[str, ...]:
+    """The tags ``cfg``'s block produces, in ``CHECKPOINT_NAMES`` order: every tag but those only
+    the other attention form has."""
+    other = [form for form in ONLY_IN if form != cfg.attention]
+    absent = {n for form in other for n in ONLY_IN[form]}
+    return tuple(n for n in CHECKPOINT_NAMES if n not in absent)
 
 
 def _check_names(field: str, names: tuple[str, ...]) -> None:
@@ -247,6 +259,39 @@ POLICIES: dict[str, MemoryPolicy] = {
 }
 
 
+def is_preset(policy: MemoryPolicy) -> bool:
+    """``policy`` is a preset of ``POLICIES`` (with any layer selection and checkpoint mode)."""
+    preset = POLICIES.get(policy.name)
+    return preset is not None and policy.replace(layers=LayerSelection(), use_reentrant=False) == (
+        preset
+    )
+
+
+def check_policy(cfg: ModelConfig, policy: MemoryPolicy) -> None:
+    """Raise ``ConfigError`` when a custom policy names a tag ``cfg``'s block does not produce
+    (``attn_scores``/``attn_probs`` under fused attention, ``attn_lse`` under naive): storing
+    nothing where the user asked for something would be a silent no-op. Presets are written for
+    both attention forms: under ``fused`` the attention core they recompute or keep is the fused
+    op's output and log-sum-exp (e.g. ``selective`` re-runs the fused forward in the backward)."""
+    if is_preset(policy):
+        return
+    tags = set(model_tags(cfg))
+    for field in ("save", "offload"):
+        absent = [n for n in getattr(policy, field) if n not in tags]
+        if absent:
+            fused = cfg.attention == "fused"
+            hint = (
+                "fused attention keeps attn_context and attn_lse (the softmax's log-sum-exp) "
+                "instead of the [B, H, S, S] scores and probabilities"
+                if fused
+                else "attn_lse exists only with attention='fused'"
+            )
+            raise ConfigError(
+                f"policy {policy.name!r} {field}s {absent}, which attention={cfg.attention!r} "
+                f"does not produce ({hint}); drop them or change the attention"
+            )
+
+
 def get_policy(name: str) -> MemoryPolicy:
     """The preset called ``name``; an unknown name raises ``ConfigError`` listing the valid ones."""
     return lookup(POLICIES, name, "memory policy")
@@ -339,7 +384,9 @@ def backward_reads(cfg: ModelConfig) -> frozenset[str]:
       attn_residual, mlp_residual);
     - a Linear reads its input (in_proj: norm1_out or block_input; out_proj: attn_context;
       up: norm2_out or norm1_out; down: mlp_act);
-    - q·k reads q and k; softmax reads its output (attn_probs); probs·v reads attn_probs and v;
+    - naive attention: q·k reads q and k; softmax reads its output (attn_probs); probs·v reads
+      attn_probs and v; fused attention: its backward reads q, k, v, its output (attn_context)
+      and the softmax's log-sum-exp (attn_lse);
     - GELU reads its input (mlp_up), ReLU its output (mlp_act, read by down anyway); additions
       read nothing.
 
@@ -350,7 +397,7 @@ def backward_reads(cfg: ModelConfig) -> frozenset[str]:
         "query_proj",
         "key_proj",
         "value_proj",
-        "attn_probs",
+        "attn_lse" if cfg.attention == "fused" else "attn_probs",
         "attn_context",
         "mlp_act",
         "attn_residual",

@@ -70,13 +70,18 @@ class LayerNorm(nn.LayerNorm):
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention with ``nn.MultiheadAttention``'s parameter names, written out so
-    every intermediate (q, k, v, scores, probabilities, context) is an ordinary tensor."""
+    every intermediate (q, k, v, scores, probabilities, context) is an ordinary tensor; under
+    ``attention="fused"`` the core is one ``F.scaled_dot_product_attention`` call (its flash
+    kernel: on CPU ``_scaled_dot_product_flash_attention_for_cpu``, which keeps its output and
+    the row log-sum-exp and recomputes the probabilities in its backward)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d = cfg.d_model
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.head_dim
+        self.fused = cfg.attention == "fused"
+        self.causal = cfg.causal
         self.in_proj_weight = nn.Parameter(torch.empty(3 * d, d))
         if cfg.bias:
             self.in_proj_bias = nn.Parameter(torch.zeros(3 * d))
@@ -88,6 +93,12 @@ class SelfAttention(nn.Module):
         b, s, d = x_bsd.shape
         qkv = F.linear(x_bsd, self.in_proj_weight, self.in_proj_bias)  # [B, S, 3D]
         q, k, v = (t.reshape(b, s, self.n_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
+        if self.fused:
+            # [B, H, S, K] views in, [B, H, S, K] out; the CPU flash kernel lays its output out
+            # as [B, S, H, K], so merging the heads below is a view, not a copy
+            qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+            context = F.scaled_dot_product_attention(qh, kh, vh, is_causal=self.causal)
+            return self.out_proj(context.transpose(1, 2).reshape(b, s, d))
         scores = fp32_einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.head_dim)  # fp32
         if mask_ss is not None:
             scores = scores.masked_fill(~mask_ss, torch.finfo(scores.dtype).min)
@@ -158,7 +169,9 @@ class BlockStack(nn.Module):
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
-        mask_ss = causal_mask(self.cfg, seq_len, x_bsd.device)
+        # fused attention masks inside its kernel (is_causal): no [S, S] mask tensor
+        fused = self.cfg.attention == "fused"
+        mask_ss = None if fused else causal_mask(self.cfg, seq_len, x_bsd.device)
         return self.layers_fn(self.layers, x_bsd, mask_ss)
 
 

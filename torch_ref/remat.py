@@ -63,6 +63,7 @@ from jaxmem.policy import (
     LayerSelection,
     MemoryPolicy,
     backward_reads,
+    check_policy,
     kept_tags,
     nested_segment_size,
 )
@@ -71,27 +72,43 @@ from torch_ref.model import BlockStack, run_layers
 Translation = Literal["stock", "lean"]
 TRANSLATIONS: tuple[str, ...] = ("stock", "lean")
 LINEAR_OPS = ("addmm", "mm")  # nn.Linear with / without bias
+# F.scaled_dot_product_attention's fused kernels (which one runs depends on device and inputs)
+SDPA_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
 
 
 def _op_kind(func: Any) -> str:
     name = func.overloadpacket.__name__
-    return "linear" if name in LINEAR_OPS else name
+    if name in LINEAR_OPS:
+        return "linear"
+    return "sdpa" if name in SDPA_OPS else name
 
 
 def block_ops(cfg: ModelConfig) -> dict[tuple[str, int], tuple[str, ...]]:
     """``(op kind, occurrence within one block) -> tag names`` for ``torch_ref.model.Block``.
 
     The occurrence numbers are the same for pre- and post-norm blocks. q, k and v come out of
-    one fused matmul, so they share one entry.
+    one fused matmul, so they share one entry; so do fused attention's output and log-sum-exp.
     """
     scores = ("masked_fill", 0) if cfg.causal else ("div", 0)
     act = "relu" if cfg.activation == "relu" else "gelu"
+    if cfg.attention == "fused":  # one op returns the context and the log-sum-exp (and more)
+        core = {("sdpa", 0): ("attn_context", "attn_lse")}
+    else:
+        core = {
+            scores: ("attn_scores",),
+            ("_softmax", 0): ("attn_probs",),
+            ("bmm", 1): ("attn_context",),
+        }
     return {
         ("native_layer_norm", 0): ("norm1_out",),
         ("linear", 0): QKV,
-        scores: ("attn_scores",),
-        ("_softmax", 0): ("attn_probs",),
-        ("bmm", 1): ("attn_context",),
+        **core,
         ("linear", 1): ("attn_out",),
         ("add", 0): ("attn_residual",),
         ("native_layer_norm", 1): ("norm2_out",),
@@ -308,13 +325,24 @@ def describe(policy: MemoryPolicy, translation: str) -> str:
     )
 
 
-def validate_for_torch(policy: MemoryPolicy, translation: str = "stock") -> None:
-    """Raise for what the policy asks that torch_ref cannot express."""
+def validate_for_torch(
+    policy: MemoryPolicy, translation: str = "stock", cfg: ModelConfig | None = None
+) -> None:
+    """Raise for what the policy asks that torch_ref cannot express (and, given the model's
+    ``cfg``, for tags that model does not produce: ``jaxmem.policy.check_policy``)."""
+    if cfg is not None:
+        check_policy(cfg, policy)
     qkv = {policy.choice(n) for n in QKV}
     if len(qkv) > 1:
         raise ConfigError(
             "torch_ref computes query_proj, key_proj and value_proj with one fused matmul: give "
             f"them the same choice (got {sorted(qkv)})"
+        )
+    core = {policy.choice(n) for n in ("attn_context", "attn_lse")}
+    if cfg is not None and cfg.attention == "fused" and len(core) > 1:
+        raise ConfigError(
+            "fused attention returns attn_context and attn_lse from one op "
+            f"(F.scaled_dot_product_attention): give them the same choice (got {sorted(core)})"
         )
     if "block_input" in policy.offload:
         raise ConfigError(
@@ -342,7 +370,7 @@ class PolicyLayers:
     under stock, what the dispatch modes kept under lean); ``translation`` says which ran."""
 
     def __init__(self, policy: MemoryPolicy, cfg: ModelConfig, translation: str = "stock"):
-        validate_for_torch(policy, translation)
+        validate_for_torch(policy, translation, cfg)
         self.policy, self.cfg = policy, cfg
         self.translation = resolve_translation(policy, translation)
         self.description = describe(policy, translation)

@@ -33,7 +33,7 @@ from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer, make
 
 def check_torch_backend(job: JobConfig) -> None:
     """Raise ``ConfigError`` for what torch_ref cannot express (e.g. q/k/v split choices)."""
-    validate_for_torch(job.memory)
+    validate_for_torch(job.memory, cfg=job.model)
 
 
 def prepare(job: JobConfig, out_dir: str | None, *, resume: bool = False) -> PreparedJob:

@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem.model.ops as ops
 from jaxmem.config import ModelConfig
+from jaxmem.model.flash import flash_attention
 from jaxmem.model.ops import wide
 from jaxmem.precision import Precision
 
@@ -85,7 +86,8 @@ class LayerNorm(nnx.Module):
 
 
 class SelfAttention(nnx.Module):
-    """Multi-head self-attention with a fused QKV projection.
+    """Multi-head self-attention with a fused QKV projection; the core (scores, softmax,
+    context) naive or fused (``ModelConfig.attention``).
 
     Parameters mirror ``torch.nn.MultiheadAttention``: ``in_proj`` ↔ ``in_proj_weight`` /
     ``in_proj_bias`` (q, k, v stacked in that order) and ``out_proj``.
@@ -95,6 +97,9 @@ class SelfAttention(nnx.Module):
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.head_dim
         self.dtype = dtype
+        self.fused = cfg.attention == "fused"
+        self.causal = cfg.causal
+        self.block = cfg.attention_block
         d = cfg.d_model
         common = _linear_kwargs(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.in_proj = nnx.Linear(d, 3 * d, kernel_init=_normal(cfg.init_std), **common)
@@ -109,6 +114,9 @@ class SelfAttention(nnx.Module):
         q = checkpoint_name(q.reshape(b, s, self.n_heads, self.head_dim), "query_proj")
         k = checkpoint_name(k.reshape(b, s, self.n_heads, self.head_dim), "key_proj")
         v = checkpoint_name(v.reshape(b, s, self.n_heads, self.head_dim), "value_proj")
+        if self.fused:  # one op; its output and log-sum-exp are tagged inside (see flash)
+            context = flash_attention(q, k, v, self.causal, self.block)  # [B, S, D]
+            return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")
         scale = 1.0 / math.sqrt(self.head_dim)
         # Scores and softmax in fp32 (or wider) whatever the compute dtype.
         acc = wide(self.dtype)
@@ -229,7 +237,8 @@ class BlockStack(nnx.Module):
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
-        mask_ss = causal_mask(self.cfg, seq_len)
+        # fused attention masks by position inside its kernel: no [S, S] mask array
+        mask_ss = causal_mask(self.cfg, seq_len) if self.cfg.attention == "naive" else None
         graphdef, stacked_state = nnx.split(self.layers)
 
         def layer_fn(x, layer_state):

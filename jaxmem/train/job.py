@@ -38,7 +38,13 @@ from jaxmem.config import (
     get_preset,
     require,
 )
-from jaxmem.policy import MemoryPolicy, describe_kept, policy_from_dict, policy_to_dict
+from jaxmem.policy import (
+    MemoryPolicy,
+    check_policy,
+    describe_kept,
+    policy_from_dict,
+    policy_to_dict,
+)
 from jaxmem.precision import PRECISIONS, Precision, get_precision
 
 FRAMEWORKS: tuple[str, ...] = ("jax", "torch")
@@ -198,6 +204,7 @@ class JobConfig:
             f"({', '.join(PRECISIONS)}): a run config names its precision",
         )
         self.memory.layers.indices(self.model.n_layers)  # layer indices exist in this model
+        check_policy(self.model, self.memory)  # its tags exist under this model's attention
         require(
             self.precision.loss_scale == "none" or self.accum.mode == "scan",
             f"accum mode {self.accum.mode!r} has no loss scaling; precision "

@@ -1,0 +1,138 @@
+"""Fused (memory-efficient) attention in JAX: FlashAttention's algorithm with a custom VJP.
+
+Why written here: ``jax.nn.dot_product_attention``'s fused kernel is cuDNN's, which exists only
+on CUDA (and compiles in a deviceless H100 plan only with the 2.2 GB ``nvidia-cudnn-cu12``
+installed); its ``implementation="xla"`` form materialises the ``[B, H, S, S]`` scores and keeps
+them for the backward, as naive attention does. This op never stores them, on every backend, so
+CPU plans and deviceless GPU plans alike show attention memory linear in the sequence.
+
+Forward (Rabe & Staats 2021; Dao et al. 2022): all queries at once, keys and values in blocks of
+``block``, under ``lax.scan``, with the online softmax (a running row maximum ``m``, sum ``l``
+and unnormalised output, rescaled as each block arrives). The working set is one
+``[B, H, S, block]`` score block. Kept for the backward: q, k, v (the block's ``query_proj``,
+``key_proj``, ``value_proj``), the output (``attn_context``) and the row log-sum-exp
+``lse = m + log l`` (``attn_lse``, ``[B, H, S]`` fp32) — both tagged inside the forward rule, so
+the kept tensors and the tagged ones are one (as ``ops.softmax`` does).
+
+Backward (FlashAttention-2's): ``D = rowsum(dO * O)``; per key block, the probabilities are
+recomputed as ``exp(q·kᵀ·scale − lse)``, then ``dV_j = Pᵀ dO``, ``dP = dO V_jᵀ``,
+``dS = P (dP − D)``, ``dQ += dS K_j · scale``, ``dK_j = dSᵀ Q · scale``: five block matmuls
+(one more than naive attention's backward: the recomputed scores).
+
+Numerics follow the naive form's rule: scores, softmax and their gradients in fp32 (or wider,
+``ops.wide``), matmul operands in the compute dtype. The causal mask is applied per block from
+positions (no ``[S, S]`` mask array); padding keys of the last block are masked too. FLOPs: every
+block is computed, masked ones included (as naive attention computes the whole ``[S, S]``).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxmem.model.ops import wide
+
+Array = jax.Array
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def flash_attention(q: Array, k: Array, v: Array, causal: bool, block: int) -> Array:
+    """Softmax attention of ``q``, ``k``, ``v`` (``[B, S, H, K]``, one dtype) with heads merged:
+    ``[B, S, H·K]`` in that dtype, tagged ``attn_context``. ``causal``: position i attends to
+    j ≤ i only. ``block``: keys per block (a shorter sequence is one block)."""
+    return _flash_fwd(q, k, v, causal, block)[0]
+
+
+def _blocks(x: Array, block: int) -> Array:
+    """``[B, S, H, K]`` -> ``[N, B, block, H, K]``, zero-padded to N·block positions."""
+    b, s, h, d = x.shape
+    n = -(-s // block)
+    x = jnp.pad(x, ((0, 0), (0, n * block - s), (0, 0), (0, 0)))
+    return jnp.moveaxis(x.reshape(b, n, block, h, d), 1, 0)
+
+
+def _valid(s: int, block: int, j: Array, causal: bool) -> Array:
+    """``[S, block]``: which keys of block ``j`` each query may attend to."""
+    k_pos = j * block + jnp.arange(block)
+    ok = jnp.broadcast_to(k_pos[None, :] < s, (s, block))  # padding keys never
+    if causal:
+        ok = ok & (jnp.arange(s)[:, None] >= k_pos[None, :])
+    return ok
+
+
+def _scores(q: Array, kj: Array, scale: float, acc) -> Array:
+    return jnp.einsum("bqhk,bshk->bhqs", q, kj, preferred_element_type=acc) * scale
+
+
+def _flash_fwd(q, k, v, causal, block):
+    b, s, h, d = q.shape
+    block = min(block, s)
+    acc = wide(q.dtype)
+    scale = 1.0 / math.sqrt(d)
+    n = -(-s // block)
+
+    def step(carry, xs):
+        m, row_sum, o = carry  # [B, H, S], [B, H, S], [B, S, H, K] (fp32)
+        kj, vj, j = xs
+        valid = _valid(s, block, j, causal)
+        sc = jnp.where(valid, _scores(q, kj, scale, acc), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        # every row has a visible key in block 0 (key 0; with causal masking too), so m_new is
+        # finite from the first block on and exp(-inf - m_new) is an exact 0
+        p = jnp.exp(sc - m_new[..., None])
+        rescale = jnp.exp(m - m_new)
+        row_sum = row_sum * rescale + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bhqs,bshk->bqhk", p.astype(v.dtype), vj, preferred_element_type=acc)
+        o = o * jnp.moveaxis(rescale, 1, 2)[..., None] + pv
+        return (m_new, row_sum, o), None
+
+    init = (
+        jnp.full((b, h, s), -jnp.inf, acc),
+        jnp.zeros((b, h, s), acc),
+        jnp.zeros((b, s, h, d), acc),
+    )
+    xs = (_blocks(k, block), _blocks(v, block), jnp.arange(n))
+    (m, row_sum, o), _ = jax.lax.scan(step, init, xs)
+    out = (o / jnp.moveaxis(row_sum, 1, 2)[..., None]).astype(q.dtype).reshape(b, s, h * d)
+    out = checkpoint_name(out, "attn_context")
+    lse = checkpoint_name(m + jnp.log(row_sum), "attn_lse")
+    return out, (q, k, v, out, lse)
+
+
+def _flash_bwd(causal, block, res, g):
+    q, k, v, out, lse = res
+    b, s, h, d = q.shape
+    block = min(block, s)
+    acc = wide(q.dtype)
+    scale = 1.0 / math.sqrt(d)
+    n = -(-s // block)
+    g = g.reshape(b, s, h, d).astype(q.dtype)
+    # D_i = sum_k dO_ik O_ik = sum_j P_ij dP_ij: the softmax backward's row term
+    delta = jnp.sum(g.astype(acc) * out.reshape(b, s, h, d).astype(acc), axis=-1)
+    delta = jnp.moveaxis(delta, 2, 1)  # [B, H, S]
+
+    def step(dq, xs):
+        kj, vj, j = xs
+        valid = _valid(s, block, j, causal)
+        p = jnp.where(valid, jnp.exp(_scores(q, kj, scale, acc) - lse[..., None]), 0.0)
+        dv = jnp.einsum("bhqs,bqhk->bshk", p.astype(g.dtype), g, preferred_element_type=acc)
+        dp = jnp.einsum("bqhk,bshk->bhqs", g, vj, preferred_element_type=acc)
+        ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
+        dq = dq + jnp.einsum("bhqs,bshk->bqhk", ds, kj, preferred_element_type=acc)
+        dk = jnp.einsum("bhqs,bqhk->bshk", ds, q, preferred_element_type=acc)
+        return dq, (dk, dv)
+
+    xs = (_blocks(k, block), _blocks(v, block), jnp.arange(n))
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, s, h, d), acc), xs)
+
+    def unblock(x):  # [N, B, block, H, K] -> [B, S, H, K]
+        return jnp.moveaxis(x, 0, 1).reshape(b, n * block, h, d)[:, :s]
+
+    return dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)
+
+
+flash_attention.defvjp(_flash_fwd, _flash_bwd)
