@@ -42,6 +42,7 @@ from jaxmem.policy import (
     MemoryPolicy,
     backward_reads,
     kept_tags,
+    model_tags,
     nested_segment_size,
 )
 from jaxmem.precision import PRECISIONS
@@ -70,6 +71,8 @@ CONFIGS = {
     "post_relu_bidirectional": PRESETS["tiny"].replace(
         n_layers=3, norm="post", activation="relu", causal=False, bias=False
     ),
+    # fused attention (JAX: jaxmem.model.flash in 3 key blocks; PyTorch: SDPA's flash kernel)
+    "pre_causal_fused": PRESETS["tiny"].replace(n_layers=3, attention="fused", attention_block=8),
 }
 B, S = 4, 24
 
@@ -173,15 +176,17 @@ def test_policy_numerics_in_both_frameworks_and_both_translations(case64, name):
     assert all(np.abs(g).max() > 1e-6 for g in grads_j.values())
 
 
-def random_custom_policy(seed: int) -> MemoryPolicy:
+def random_custom_policy(seed: int, cfg=CONFIGS["pre_causal"]) -> MemoryPolicy:
     """A custom policy with a random choice per tag; odd seeds never offload (so that stock
     selective checkpointing can run them). q/k/v share one choice (torch_ref computes them with
     one fused matmul) and the block input is never offloaded (a checkpoint keeps its input
     itself): everything else is free."""
     rng = random.Random(seed)
     options = CHOICES if seed % 2 == 0 else ("device", "recompute")
-    choices = {n: rng.choice(options) for n in CHECKPOINT_NAMES if n not in QKV}
+    choices = {n: rng.choice(options) for n in model_tags(cfg) if n not in QKV}
     choices.update(dict.fromkeys(QKV, rng.choice(options)))
+    if cfg.attention == "fused":  # one op in torch_ref (SDPA) returns both
+        choices["attn_lse"] = choices["attn_context"]
     if choices["block_input"] == "offload":
         choices["block_input"] = "device"
     return MemoryPolicy.custom(choices, name=f"random{seed}")
@@ -194,7 +199,7 @@ def test_random_custom_policies_cover_every_choice():
     policies = [random_custom_policy(s) for s in CUSTOM_SEEDS]
     assert sum(bool(p.offload) for p in policies) == 3  # through the extension
     assert sum(not p.offload for p in policies) == 3  # through stock selective checkpointing
-    for name in CHECKPOINT_NAMES:
+    for name in model_tags(CONFIGS["pre_causal"]):
         seen = {p.choice(name) for p in policies}
         assert len(seen) >= 2, (name, seen)
     offloaded = {n for p in policies for n in p.offload}
@@ -205,8 +210,8 @@ def test_random_custom_policies_cover_every_choice():
 def test_random_custom_policies_agree_across_frameworks(case64, seed):
     """Numerics (float64) and, against JAX's residuals, the tags the lean extension keeps with
     their memory kind; stock selective checkpointing keeps every stored op output."""
-    policy = random_custom_policy(seed)
     cfg = case64.cfg
+    policy = random_custom_policy(seed, cfg)
     _, base_grads_j, _ = case64.jax(POLICIES["none"])
     loss_j, grads_j, _ = case64.jax(policy)
     assert_grads(grads_j, base_grads_j, F64, "remat_vs_none")
@@ -253,7 +258,7 @@ def test_backward_reads_what_both_frameworks_save_without_remat(case):
     what each framework measures on its own: the tags JAX keeps when a policy may keep them all,
     and the op outputs PyTorch's autograd saves without checkpointing."""
     cfg = case.cfg
-    everything = MemoryPolicy(name="all", save=CHECKPOINT_NAMES)
+    everything = MemoryPolicy(name="all", save=model_tags(cfg))
     block_output = "mlp_residual" if cfg.norm == "pre" else "norm2_out"
     jax_needed = set(jax_kept(case, everything)) | {"block_input"}
     jax_needed |= {block_output} if block_output in backward_reads(cfg) else set()

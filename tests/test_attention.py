@@ -15,12 +15,14 @@ from flax import nnx
 from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.config import PRESETS, ConfigError
 from jaxmem.data import lm_batch
+from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
-from jaxmem.memory.residuals import saved_residuals
+from jaxmem.memory.residuals import bytes_by_name, saved_residuals
 from jaxmem.model import Decoder
 from jaxmem.model.flash import flash_attention
 from jaxmem.policy import POLICIES, MemoryPolicy, backward_reads, check_policy, model_tags
+from jaxmem.precision import PRECISIONS
 from jaxmem.train.job import JobConfig
 from jaxmem.train.step import lm_loss_fn
 
@@ -216,3 +218,27 @@ def test_policies_naming_tags_the_attention_does_not_produce_are_refused():
         JobConfig.from_dict(raw)
     with pytest.raises(ConfigError, match=r"attention='flash' is not one of \('naive', 'fused'\)"):
         CFG.replace(attention="flash")
+
+
+# ------------------------------------------------------------------------- the analytic model
+@pytest.mark.parametrize("name", ["none", "full", "selective", "offload", "nested"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_analytic_model_of_fused_attention_equals_jax_residuals(name, precision):
+    cfg, prec, b, s = CFG.replace(n_layers=4, attention="fused"), PRECISIONS[precision], 2, 32
+    dt = jnp.dtype(prec.compute_dtype)
+    model = Decoder(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=jnp.dtype(prec.param_dtype))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jnp.zeros((b, s), jnp.int32)
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(POLICIES[name], cfg.n_layers))
+    measured = bytes_by_name(
+        saved_residuals(lambda p, bt: loss(p, bt)[0], params, {"inputs": tokens, "targets": tokens})
+    )
+    stack = sum(v for k, v in measured.items() if k not in ("<untagged>", "<stack output>"))
+    estimate = analytic.saved_activation_bytes(cfg, POLICIES[name], b, s, prec)
+    assert stack == estimate.device_bytes + estimate.host_bytes
+    if name == "none":  # sbh·16p + 4·a·s·b per layer
+        per_layer = s * b * cfg.d_model * 16 * prec.compute_bytes + 4 * cfg.n_heads * s * b
+        assert estimate.per_layer == (per_layer,) * cfg.n_layers
+        assert grad_matmul_flops(
+            lambda p, bt: loss(p, bt)[0], params, {"inputs": tokens, "targets": tokens}
+        ) == analytic.model_flops(cfg, b, s)

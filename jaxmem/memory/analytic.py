@@ -17,6 +17,18 @@ context) leaves sbh·15p, i.e. 30·sbh in 16-bit: under half of ``none`` for any
 A ReLU block keeps 4·p·sbh less: ReLU's backward reads its output (kept for the MLP's second
 matmul anyway), not its input.
 
+Fused attention (``ModelConfig.attention="fused"``) keeps no [B, H, S, S] tensor: its backward
+reads q, k, v, its output (the context) and the row log-sum-exp (4·a·s·b bytes, fp32), so
+
+    none, fused = sbh·16p + 4·a·s·b     (32·sbh + 4·asb in 16-bit: linear in s)
+
+i.e. the naive ``selective`` figure (15p·sbh) plus the context and the log-sum-exp: what is
+kept is a little more than selective's, and the FLOPs are fewer (the fused backward recomputes
+q·kᵀ once; selective re-runs q·kᵀ and p·v). What the saved-bytes figure leaves out is the
+working set: naive attention materialises [B, H, S, S] fp32 scores and probabilities for one
+layer at a time in the forward (and again in a recompute), the fused op one [B, H, S, block]
+tile (compiled plans show it).
+
 Parameters, gradients and optimizer state are counted from the config (``jaxmem.config``'s
 analytic parameter count); tests check each against real arrays.
 """
@@ -40,8 +52,9 @@ FP32 = 4
 
 
 def tag_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision) -> dict[str, int]:
-    """Bytes of each tagged tensor of one block. Scores are fp32; probabilities are cast to the
-    compute dtype (``jaxmem.model.SelfAttention``)."""
+    """Bytes of each tagged tensor of one block (either attention form's). Scores and the fused
+    op's log-sum-exp are fp32 (or wider); probabilities are cast to the compute dtype
+    (``jaxmem.model.SelfAttention``)."""
     p = precision.compute_bytes
     bsd = batch * seq_len * cfg.d_model
     bhss = batch * cfg.n_heads * seq_len * seq_len
@@ -54,6 +67,7 @@ def tag_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision) 
         "value_proj": bsd * p,
         "attn_scores": bhss * max(p, FP32),
         "attn_probs": bhss * p,
+        "attn_lse": batch * cfg.n_heads * seq_len * max(p, FP32),
         "attn_context": bsd * p,
         "attn_out": bsd * p,
         "attn_residual": bsd * p,
@@ -178,11 +192,13 @@ def korthikanti_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int) -> i
 
 
 def model_flops(cfg: ModelConfig, batch: int, seq_len: int) -> int:
-    """Matmul FLOPs of one training step without recompute (forward + backward = 3 × forward):
+    """Matmul FLOPs of one training step without remat (forward + backward = 3 × forward):
     projections 2·tokens·(4D² + 2DF) per layer, attention 2·2·B·S²·D per layer, LM head
-    2·tokens·D·V."""
+    2·tokens·D·V; fused attention adds the q·kᵀ its backward recomputes, 2·B·S²·D per layer
+    (masked blocks counted, as both frameworks' counters do)."""
     t = batch * seq_len
     d, f = cfg.d_model, cfg.d_ff
     per_layer = 2 * t * (4 * d * d + 2 * d * f) + 4 * batch * seq_len * seq_len * d
     forward = cfg.n_layers * per_layer + 2 * t * d * cfg.vocab_size
-    return 3 * forward
+    recomputed = 2 * batch * seq_len * seq_len * d if cfg.attention == "fused" else 0
+    return 3 * forward + cfg.n_layers * recomputed
