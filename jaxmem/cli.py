@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from jaxmem import __version__
 from jaxmem.config import (
+    ATTENTIONS,
     PLANNING_ONLY,
     PRESETS,
     ConfigError,
@@ -450,8 +451,19 @@ def _names(text: str, valid: Sequence[str], what: str) -> list[str]:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     cfg: ModelConfig = args.preset
-    policies = _names(args.policies, list(POLICIES), "policies")
     notes = []
+    if args.attention is not None:
+        if args.attention not in ATTENTIONS:
+            raise UsageError(
+                f"--attention {args.attention!r} is not one of {', '.join(ATTENTIONS)}"
+            )
+        cfg = cfg.replace(attention=args.attention)
+    if cfg.attention == "fused":
+        notes.append(
+            "attention: fused (JAX: jaxmem's blockwise kernel; PyTorch: "
+            "F.scaled_dot_product_attention): no [B, H, S, S] tensor is kept or materialised"
+        )
+    policies = _names(args.policies, list(POLICIES), "policies")
     if args.frameworks is None and not torch_available():
         frameworks = ["jax"]
         notes.append(f"PyTorch is not installed: JAX only ({TORCH_EXTRA} adds the torch rows)")
@@ -556,6 +568,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                     fake=planning,
                 )
             rec["preset"] = args.preset_name
+            rec["attention"] = cfg.attention
             records.append(rec)
     _print_memory_table(
         console, records, args.preset_name, args.batch_size, seq_len, planning, target
@@ -899,6 +912,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
     p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor")
+    p.add_argument(
+        "--attention",
+        default=None,
+        help="the attention core: naive (materialises [B, H, S, S]; the presets' default) or "
+        "fused (FlashAttention's algorithm in both frameworks)",
+    )
     p.add_argument(
         "--state-memory",
         default="device",

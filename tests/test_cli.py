@@ -49,6 +49,7 @@ def test_memory_command_plans_a_large_preset_from_shapes(tmp_path):
     [
         (["memory", "--preset", "huge"], "unknown preset 'huge'"),
         (["memory", "--policies", "none,most"], "unknown policies ['most']"),
+        (["memory", "--attention", "flash"], "--attention 'flash' is not one of naive, fused"),
         (["memory", "--frameworks", "jax,tf"], "unknown frameworks ['tf']"),
         (["memory", "--frameworks", "jax", "--precision", "fp8"], "unknown precision 'fp8'"),
         (["memory", "--frameworks", "jax", "--seq-len", "100"], "--seq-len 100 exceeds"),
