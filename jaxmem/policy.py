@@ -17,7 +17,8 @@ Presets (``POLICIES``):
   keep their fp32 results under bf16; the tags hold the compute-dtype values.
   ``MemoryPolicy(save_dots=True)`` still gives the ``jax.checkpoint_policies`` form.
 - ``selective``: Megatron-style (Korthikanti et al. 2022): keep the projections and elementwise
-  outputs, recompute the attention core (scores, softmax, context).
+  outputs, recompute the attention core (scores, softmax, context; under fused attention the
+  fused op, re-run in the backward: same bytes as naive ``selective``, one q·kᵀ more).
 - ``mlp``: keep the attention side, recompute the MLP.
 - ``offload``: ``selective`` with everything it keeps but the block input sent to host memory
   (``pinned_host``): device memory close to ``full``'s at ``selective``'s FLOPs.
@@ -25,6 +26,11 @@ Presets (``POLICIES``):
   recompute inside.
 - ``MemoryPolicy.custom({...})``: a per-name choice of ``device`` / ``offload`` / ``recompute``,
   like MaxText's per-tensor remat config.
+
+Attention forms (``ModelConfig.attention``): the presets are written for both. Naive attention
+produces ``attn_scores`` and ``attn_probs``; fused attention never builds them and produces
+``attn_lse`` (its softmax statistics) instead. A custom policy naming a tag its model does not
+produce is refused (``check_policy``) rather than silently keeping nothing.
 """
 
 from __future__ import annotations

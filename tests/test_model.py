@@ -9,6 +9,7 @@ from flax import nnx
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS
 from jaxmem.model import CHECKPOINT_NAMES, BlockStack, Decoder
+from jaxmem.policy import ONLY_IN, model_tags
 
 
 def _eqns(jaxpr):
@@ -36,13 +37,19 @@ def test_logits_shape_and_dtype(tiny):
     assert logits.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("attention", ["naive", "fused"])
 @pytest.mark.parametrize("norm", ["pre", "post"])
-def test_every_checkpoint_name_is_tagged_once_per_block(norm):
-    cfg = PRESETS["tiny"].replace(norm=norm)
+def test_every_checkpoint_name_is_tagged_once_per_block(norm, attention):
+    """Every tag the model's attention form produces (``model_tags``: the naive form's scores
+    and probabilities, or the fused op's log-sum-exp), once each, inside the scanned body."""
+    cfg = PRESETS["tiny"].replace(norm=norm, attention=attention)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     jaxpr = jax.make_jaxpr(lambda t: model(t))(jnp.zeros((2, 8), jnp.int32))
     names = [e.params["name"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "name"]
-    assert sorted(names) == sorted(CHECKPOINT_NAMES)  # once each: inside the scanned body
+    assert sorted(names) == sorted(model_tags(cfg))
+    assert set(CHECKPOINT_NAMES) - set(model_tags(cfg)) == set(
+        ONLY_IN["fused" if attention == "naive" else "naive"]
+    )
 
 
 def test_layers_run_under_one_scan_that_returns_only_the_carry(tiny):
