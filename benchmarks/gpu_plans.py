@@ -72,7 +72,9 @@ def largest_batch(cfg, policy, precision, seq_len, target, known: dict[int, int]
         if others:  # the slope from lo and its nearest planned neighbour
             near = min(others, key=lambda b: abs(b - lo))
             slope = max((peaks[near] - peaks[lo]) / (near - lo), 1.0)
-            guess = lo + max(1, min(int((budget - peaks[lo]) // slope), 4 * lo))
+            # at most doubling: a far overshoot compiles a huge program, on which XLA's
+            # rematerialization pass (trying to fit the device) spends minutes per compile
+            guess = lo + max(1, min(int((budget - peaks[lo]) // slope), lo))
         else:
             guess = lo + 1
         if hi is not None:
@@ -101,6 +103,7 @@ def measure(
         with open(partial) as f:
             kept |= {(r["preset"], r["policy"]): r for r in json.load(f)}
     rows = []
+    done: dict[str, list[str]] = {"plans": [], "cpu": [], "torch": [], "batch": []}
     for preset in presets:
         cfg = get_preset(preset)
         batch, seq_len = SHAPES[preset]
@@ -112,10 +115,12 @@ def measure(
                     cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, target=target
                 )
                 rec["preset"] = preset
+                done["plans"].append(f"{preset} {name}")
             if "cpu" not in skip and "cpu_plan" not in rec:
                 rec["cpu_plan"] = plan_step(
                     cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len
                 )
+                done["cpu"].append(f"{preset} {name}")
             if "torch" not in skip and "torch" not in rec:
                 from jaxmem.compare.records import torch_record
 
@@ -125,10 +130,12 @@ def measure(
                 keys = ("translation", "saved_activation_bytes_device")
                 keys += ("saved_activation_bytes_host", "saved_source", "flops", "flops_source")
                 rec["torch"] = {k: t[k] for k in keys}
+                done["torch"].append(f"{preset} {name}")
             if "batch" not in skip and preset in batch_presets and "largest_batch" not in rec:
                 rec["largest_batch"] = largest_batch(
                     cfg, POLICIES[name], prec, seq_len, target, {batch: rec["planned_peak_bytes"]}
                 )
+                done["batch"].append(f"{preset} {name}")
             rec["seconds"] = round(rec.get("seconds", 0) + time.perf_counter() - start, 1)
             rows.append(rec)
             kept[(preset, name)] = rec
@@ -140,7 +147,7 @@ def measure(
                 + f" ({rec['seconds']} s in all)",
                 flush=True,
             )
-    return rows
+    return rows, done
 
 
 def nested_vs_full(target_name: str, precision: str, base: str, depths: list[int]) -> list:
@@ -183,7 +190,8 @@ def to_markdown(rows: list[dict], meta: dict, depth_rows: list[dict]) -> str:
         "(jaxmem's check: a deviceless compile never fails for lack of memory). Largest batch: "
         "the largest batch (at this sequence length) whose plan fits, shown by two compiled "
         "plans (b fits, b + 1 does not; 0 = not even batch 1). XLA:CPU temp: the same step "
-        "compiled for this machine's CPU backend, for contrast (it erases host offload).",
+        "compiled for this machine's CPU backend, for contrast (it erases host offload). "
+        "Largest batch '-': not searched (the JSON's `meta.passes` says what each run measured).",
         "",
         "| model | batch × seq | policy | device temp GB | arguments GB | host GB | planned peak "
         "GB | fits | largest batch (peak GB at b / b+1) | XLA:CPU temp GB |",
@@ -320,7 +328,7 @@ def main() -> None:
     if os.path.exists(stem + ".json"):  # what the last finished run measured is reused
         with open(stem + ".json") as f:
             earlier = json.load(f)
-    rows = measure(
+    rows, done = measure(
         args.target,
         presets,
         policies,
@@ -346,8 +354,9 @@ def main() -> None:
             {
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "seconds": round(time.perf_counter() - started),
-                "measured": sorted({"plans", "cpu", "torch", "batch", "depth"} - skip),
-                "batch_presets": sorted(batch_presets) if "batch" not in skip else [],
+                # what this run measured (rows it did not list were reused as measured before)
+                "measured": {k: v for k, v in done.items() if v}
+                | ({"depth": args.depths} if "depth" not in skip else {}),
             }
         ],
         "target": {
