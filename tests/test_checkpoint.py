@@ -314,6 +314,12 @@ def test_config_conflicts_reports_differences_and_ignores_allowed_keys():
     ]
     assert config_conflicts({"x": 1}, {"x": True}, allowed=()) == ["x: checkpoint 1, now true"]
     assert config_conflicts({"s": "pre"}, {"s": "post"}) == ["s: checkpoint pre, now post"]
+    # a checkpoint saved before model.attention existed resumes under the old behaviour only
+    old = {"model": {"d_model": 64}}
+    naive = {"model": {"d_model": 64, "attention": "naive", "attention_block": 128}}
+    assert config_conflicts(old, naive) == []
+    fused = {"model": {"d_model": 64, "attention": "fused", "attention_block": 128}}
+    assert config_conflicts(old, fused) == ["model.attention: checkpoint absent, now fused"]
 
 
 # -- errors ----------------------------------------------------------------------------------

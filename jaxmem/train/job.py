@@ -307,6 +307,14 @@ def _same(a: Any, b: Any) -> bool:
 
 _MISSING = object()
 
+# Settings added after runs could have been saved, with the value that reproduces what those runs
+# did: a checkpoint whose config predates the setting resumes when the new config has this value
+# (and conflicts, naming the setting, when it has another).
+ADDED_LATER: dict[str, Any] = {
+    "model.attention": "naive",
+    "model.attention_block": 128,
+}
+
 
 def _show(value: Any) -> str:
     if value is _MISSING:
@@ -332,6 +340,8 @@ def config_conflicts(
         if any(path == a or path.startswith(a + ".") for a in allowed):
             continue
         before, after = flat_saved.get(path, _MISSING), flat_new.get(path, _MISSING)
+        if before is _MISSING and path in ADDED_LATER and _same(ADDED_LATER[path], after):
+            continue  # saved before the setting existed, and the run does what it did then
         if before is _MISSING or after is _MISSING or not _same(before, after):
             conflicts.append(f"{path}: checkpoint {_show(before)}, now {_show(after)}")
     return conflicts
