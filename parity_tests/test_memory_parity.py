@@ -44,7 +44,7 @@ def jax_named_bytes(policy, precision=FP32):
     return bytes_by_name(saved_residuals(lambda p, b: loss(p, b)[0], params, batch))
 
 
-@pytest.mark.parametrize("name", ["full", "selective", "offload", "nested"])
+@pytest.mark.parametrize("name", ["none", "full", "dots", "selective", "mlp", "offload", "nested"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_jax_stack_bytes_equal_the_analytic_model(name, precision):
     prec = PRECISIONS[precision]

@@ -95,7 +95,8 @@ def saved_activation_bytes(
 
     - no remat: every tag the backward reads;
     - remat: the block input plus the tags the policy saves (device) or offloads (host) that the
-      backward reads or recomputes a read tag from (``kept_tags``): ``dots`` stores the four
+      backward reads or recomputes a read tag from (``kept_tags``; stored probabilities are the
+      fp32 softmax output only, see ``_remat_kept_bytes``): ``dots`` stores the four
       projections (q/k/v, attn_out, mlp_up, mlp_down) and keeps q, k, v, mlp_up and attn_out
       (the source of attn_residual);
     - ``save_dots`` (custom policies: every matmul without batch dimensions): q, k, v and
@@ -126,12 +127,20 @@ def saved_activation_bytes(
             kept = kept_tags(cfg, policy)
             on_device = ({"block_input"} | set(policy.save)) & (kept | {"block_input"})
             on_host = set(policy.offload) & kept - on_device
-        d = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in on_device)
-        h = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in on_host)
+        d = sum(_remat_kept_bytes(n, sizes) for n in on_device)
+        h = sum(_remat_kept_bytes(n, sizes) for n in on_host)
         device += d
         host += h
         per_layer.append(d + h)
     return ActivationEstimate(device, host, tuple(per_layer))
+
+
+def _remat_kept_bytes(name: str, sizes: dict[str, int]) -> int:
+    """Bytes a rematerialised block keeps for a stored tag. ``attn_probs`` is tagged on softmax's
+    fp32 (or wider) output, before the cast to the compute dtype (``ops.softmax``): a policy that
+    stores it keeps that tensor only and recomputes the cast (measured: bf16 ``mlp`` on tiny keeps
+    256 KiB of probabilities, not 384)."""
+    return sizes["attn_scores"] if name == "attn_probs" else sizes[name]
 
 
 def _fp32_softmax_extra(name: str, sizes: dict[str, int], precision: Precision) -> int:
