@@ -13,9 +13,9 @@ from flax import nnx
 from torch.utils.flop_counter import FlopCounterMode
 
 import torch_ref
-from jaxmem.compare.parity import run_parity
+from jaxmem.compare.parity import dtype_context, model_in, run_parity, torch_model_from
+from jaxmem.compare.parity import torch_loss_and_grads as parity_loss_and_grads
 from jaxmem.compare.tolerances import compare_state_dicts, tolerance
-from jaxmem.compare.weights import to_torch_state_dict
 from jaxmem.config import PRESETS
 from jaxmem.data import lm_batch
 from jaxmem.memory.flops import grad_matmul_flops
@@ -55,18 +55,13 @@ CFG = PRESETS["tiny"].replace(n_layers=2)
 
 def torch_loss_and_grads(cfg, dtype, bf16_autocast=False, seq_len=31):
     """torch_ref's loss and gradients with jaxmem's seed-0 weights (the same for both attention
-    forms), run in ``dtype`` (or fp32 weights under bf16 autocast)."""
-    weights = to_torch_state_dict(make_model(cfg))
-    model = torch_ref.Decoder(cfg)
-    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=True)
-    model = model.to(getattr(torch, dtype))
-    inputs, targets = (torch.from_numpy(a).long() for a in lm_batch(cfg, 3, seq_len, seed=1))
+    forms), run in ``dtype`` (or fp32 weights under bf16 autocast); the parity helpers'."""
+    with dtype_context(dtype):
+        torch_model = torch_model_from(model_in(make_model(cfg), dtype))
+    inputs, targets = lm_batch(cfg, 3, seq_len, seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
-        loss_sum, n = cross_entropy_sum(model(inputs), targets)
-    loss = loss_sum / n
-    loss.backward()
-    grads = {k: p.grad.double().numpy() for k, p in model.named_parameters()}
-    return loss.item(), grads
+        loss, _, grads = parity_loss_and_grads(torch_model, inputs, targets)
+    return loss, {k: v.astype(np.float64) for k, v in grads.items()}
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
