@@ -182,8 +182,8 @@ def to_markdown(result: dict) -> str:
         "temporaries (XLA:CPU keeps offloaded tensors on the host = same memory: offload rows "
         "equal selective there).",
         "",
-        "| precision | seq | attention | policy | JAX saved MiB | torch saved MiB | analytic MiB "
-        "| JAX GFLOP | torch GFLOP | JAX plan peak MiB (XLA:CPU) |",
+        "| precision | seq | attention | policy | JAX saved MiB | torch saved MiB "
+        "| analytic MiB (stack only) | JAX GFLOP | torch GFLOP | JAX plan peak MiB (XLA:CPU) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["cpu"]:

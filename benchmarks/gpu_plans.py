@@ -225,7 +225,7 @@ def to_markdown(rows: list[dict], meta: dict, depth_rows: list[dict]) -> str:
         "block stack only). GFLOP: matmul FLOPs executed, recompute included (JAX: the "
         "gradient's jaxpr; torch: `FlopCounterMode`).",
         "",
-        "| model | policy | JAX saved GB | torch saved GB | analytic GB | JAX GFLOP "
+        "| model | policy | JAX saved GB | torch saved GB | analytic GB (stack only) | JAX GFLOP "
         "| torch GFLOP |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -597,7 +597,8 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning, targ
         "policy",
         "saved device",
         "saved host",
-        "analytic",
+        "weight copies",
+        "analytic (stack only)",
         "compiled temp",
         "opt state",
         "GFLOP (hw / model)",
@@ -626,6 +627,7 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning, targ
             r["policy"],
             format_bytes(r["saved_activation_bytes_device"]),
             format_bytes(r["saved_activation_bytes_host"]),
+            format_bytes(r["saved_parameter_copy_bytes"]),
             format_bytes(r["analytic_activation_bytes"]),
             "-" if temp is None else format_bytes(temp),
             format_bytes(r["opt_state_bytes"]),
@@ -650,6 +652,11 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning, targ
     wide.print(
         "  analytic = jaxmem.memory.analytic (what the block's backward reads, by policy, as JAX "
         "keeps it; stack only); model FLOPs = analytic, no recompute"
+    )
+    wide.print(
+        "  weight copies = slices and compute-dtype casts of parameters the backward keeps (new "
+        "memory, not activations: bf16 weight copies, the slices of unequal nested segments); "
+        "not included in saved device / host"
     )
     translations = sorted({(r["framework"], r["policy"], r["translation"]) for r in records})
     wide.print(

@@ -11,17 +11,21 @@ Presets (``POLICIES``):
 
 - ``none``: plain autodiff, every residual kept in device memory.
 - ``full``: recompute the whole block; only each block's input is kept.
-- ``dots``: keep the projections (the matmuls without batch dimensions: q/k/v, attention
-  output, MLP up and down), recompute the rest. By name, not with
-  ``dots_with_no_batch_dims_saveable``: the projections accumulate in fp32, so that policy would
-  keep their fp32 results under bf16; the tags hold the compute-dtype values.
-  ``MemoryPolicy(save_dots=True)`` still gives the ``jax.checkpoint_policies`` form.
-- ``selective``: Megatron-style (Korthikanti et al. 2022): keep the projections and elementwise
-  outputs, recompute the attention core (scores, softmax, context; under fused attention the
-  fused op, re-run in the backward: same bytes as naive ``selective``, one q·kᵀ more).
-- ``mlp``: keep the attention side, recompute the MLP.
-- ``offload``: ``selective`` with everything it keeps but the block input sent to host memory
-  (``pinned_host``): device memory close to ``full``'s at ``selective``'s FLOPs.
+- ``selective``: Megatron's choice (Korthikanti et al. 2022): recompute the attention core
+  (scores, softmax, context; under fused attention the fused op, re-run in the backward), keep
+  the projections (q/k/v, attention output, MLP up and down) so no projection is recomputed, and
+  recompute the elementwise ops (norms, activation, residual additions), which cost no matmul
+  FLOPs. The paper also keeps the elementwise outputs: more bytes at the same FLOPs and, measured,
+  no faster a step (README, "Choosing a policy"), so that set is not a preset (it was until
+  issue 13; ``MemoryPolicy.custom`` writes it). Kept by name rather than with JAX's
+  ``dots_with_no_batch_dims_saveable`` (a benchmark peer row, ``MemoryPolicy(save_dots=True)``):
+  the projections accumulate in fp32, so the built-in keeps their fp32 results under bf16; the
+  tags hold the compute-dtype values. Run configs that name the former ``dots`` preset (the same
+  tensors) load as ``selective``.
+- ``mlp``: keep the attention side, recompute the MLP (fewer FLOPs than ``selective`` only when
+  seq > 2·d_model, at O(seq²) bytes).
+- ``offload``: ``selective`` with the projections it keeps sent to host memory (``pinned_host``)
+  and the block input on the device: device memory close to ``full``'s at ``selective``'s FLOPs.
 - ``nested``: about √L segments: checkpoint every ``nested_segment_size(L)`` blocks and fully
   recompute inside.
 - ``MemoryPolicy.custom({...})``: a per-name choice of ``device`` / ``offload`` / ``recompute``,
@@ -68,7 +72,6 @@ Choice = Literal["device", "offload", "recompute"]
 CHOICES: tuple[str, ...] = ("device", "offload", "recompute")
 HOST_MEMORY_KIND = "pinned_host"
 
-ATTENTION_CORE = ("attn_scores", "attn_probs", "attn_lse", "attn_context")
 # Tags only one attention form produces (``ModelConfig.attention``): the fused op never builds
 # the [B, H, S, S] scores and probabilities; it keeps the row log-sum-exp in their place.
 ONLY_IN = {"naive": ("attn_scores", "attn_probs"), "fused": ("attn_lse",)}
@@ -251,15 +254,12 @@ class MemoryPolicy:
 POLICIES: dict[str, MemoryPolicy] = {
     "none": MemoryPolicy(name="none", remat=False),
     "full": MemoryPolicy(name="full"),
-    "dots": MemoryPolicy(name="dots", save=PROJECTIONS),
-    "selective": MemoryPolicy(
-        name="selective", save=tuple(n for n in CHECKPOINT_NAMES if n not in ATTENTION_CORE)
-    ),
+    "selective": MemoryPolicy(name="selective", save=PROJECTIONS),
     "mlp": MemoryPolicy(name="mlp", save=tuple(n for n in CHECKPOINT_NAMES if n not in MLP_SIDE)),
     "offload": MemoryPolicy(
         name="offload",
         save=("block_input",),
-        offload=tuple(n for n in CHECKPOINT_NAMES if n not in ATTENTION_CORE + ("block_input",)),
+        offload=PROJECTIONS,
     ),
     "nested": MemoryPolicy(name="nested", nested=True),
 }
@@ -298,8 +298,18 @@ def check_policy(cfg: ModelConfig, policy: MemoryPolicy) -> None:
             )
 
 
+# Presets merged into another that keeps the same tensors: run configs written before the merge
+# still load (resuming a run must not fail on a renamed preset); new commands are told the name.
+MERGED = {"dots": "selective"}
+
+
 def get_policy(name: str) -> MemoryPolicy:
     """The preset called ``name``; an unknown name raises ``ConfigError`` listing the valid ones."""
+    if name in MERGED:
+        raise ConfigError(
+            f"memory policy {name!r} is now {MERGED[name]!r} (it keeps the same tensors); "
+            f"use --policy {MERGED[name]}"
+        )
     return lookup(POLICIES, name, "memory policy")
 
 
@@ -379,7 +389,7 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
             layers=selection,
             use_reentrant=use_reentrant,
         )
-    return get_policy(name).replace(layers=selection, use_reentrant=use_reentrant)
+    return get_policy(MERGED.get(name, name)).replace(layers=selection, use_reentrant=use_reentrant)
 
 
 # ------------------------------------------------------------------------- the block's backward

@@ -189,7 +189,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
     for r in result["policy_precision"]:
         assert r["jax_flops"] > 0 and r["torch_flops"] > 0 and r["torch_translation"]
         assert r["torch_is_stock"] == (r["policy"] != "offload")
-        has_lean = r["policy"] in ("dots", "selective", "mlp", "nested")
+        has_lean = r["policy"] in ("selective", "mlp", "nested")
         assert (r["torch_lean_flops"] is not None) == has_lean, r["policy"]
     assert [r["n_layers"] for r in result["depth"] if r["policy"] == "full"] == [2]
     timed = {r["policy"]: r for r in result["step_time"]}

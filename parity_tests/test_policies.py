@@ -63,7 +63,7 @@ from torch_ref.remat import (
 from torch_ref.train import TORCH_DTYPES
 
 F64, F32 = "float64", "float32"
-NAMED = ("selective", "mlp", "dots", "offload")
+NAMED = ("selective", "mlp", "offload")
 CONFIGS = {
     "pre_causal": PRESETS["tiny"].replace(n_layers=4),
     # the 3-layer post-norm ReLU stack where fp32 parity once depended on the rounding of one
@@ -313,7 +313,7 @@ def test_lean_extension_keeps_what_jax_keeps_in_the_same_memory(case, name, prec
     assert all(v == per_layer[0] for v in per_layer.values())
 
 
-@pytest.mark.parametrize("name", ["selective", "mlp", "dots"])
+@pytest.mark.parametrize("name", ["selective", "mlp"])
 def test_stock_selective_checkpointing_also_keeps_what_nothing_reads(case, name):
     """Stock ``create_selective_checkpoint_contexts`` caches every output its policy saves; JAX
     (and the lean extension) keep only what the backward reads of those, plus sources of read
@@ -368,7 +368,7 @@ def test_flops_in_units_of_the_blocks_matmuls(case):
     k = nested_segment_size(L)
     n_segments = -(-L // k)
     flops = {}
-    for name in ("none", "full", "selective", "dots", "offload", "nested"):
+    for name in ("none", "full", "selective", "offload", "nested"):
         flops[name] = {"jax": case.jax_flops(POLICIES[name])}
         for translation in ("stock", "lean"):
             flops[name][translation] = case.torch(POLICIES[name], translation)[2]
@@ -377,7 +377,7 @@ def test_flops_in_units_of_the_blocks_matmuls(case):
     assert flops["full"] == dict.fromkeys(("jax", "stock", "lean"), none + L * replay)
     # the attention core only, everywhere: out_proj and mlp_down come back from storage (stock
     # caches them; JAX and the lean extension skip the matmuls nothing reads)
-    for name in ("selective", "dots", "offload"):
+    for name in ("selective", "offload"):
         assert flops[name] == dict.fromkeys(("jax", "stock", "lean"), none + L * u["attention"])
     # nested. Stock checkpoint_sequential checkpoints every segment but its last; each replays
     # its blocks, the last of them as a replay. The lean extension checkpoints every segment

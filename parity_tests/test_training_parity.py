@@ -91,8 +91,8 @@ def assert_close_dicts(actual, expected, tol):
 
 
 # Every policy × precision without accumulation; with two microbatches, every structure a scan
-# over microbatches could interact with: none, full remat, a named keep (dots and mlp are
-# selective's structure with other names), host offload and the two-level nested scan.
+# over microbatches could interact with: none, full remat, a named keep (mlp is selective's
+# structure with other names), host offload and the two-level nested scan.
 MATRIX = [
     (policy, precision, accum)
     for policy in sorted(POLICIES)

@@ -347,7 +347,7 @@ def test_out_of_memory_reports_the_plan_and_a_cheaper_policy(tmp_path, monkeypat
     job = JobConfig.from_dict({"preset": "tiny", "memory": {"policy": "selective"}})
     message = out_of_memory_message(job, 3 << 30, "while training", can_offload=True)
     assert "the step plans 3.00 GiB (compiled plan)" in message
-    assert "--policy dots" in message and "--precision bf16" in message
+    assert "--policy offload" in message and "--precision bf16" in message
 
     class FakeXlaError(RuntimeError):
         pass
@@ -363,7 +363,7 @@ def test_out_of_memory_reports_the_plan_and_a_cheaper_policy(tmp_path, monkeypat
     assert train("--policy", "selective") == cli.EXIT_RUN_FAILED
     err = capsys.readouterr().err
     assert "out of memory while compiling with policy 'selective'" in err
-    assert "try --policy dots" in err
+    assert "try --policy offload" in err
 
 
 def test_prepare_writes_bin_files_that_train_reads(tmp_path, capsys):

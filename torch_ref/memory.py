@@ -41,12 +41,27 @@ class LiveBytes:
     host_bytes: int  # offloaded to host memory (cpu tensors while computing on an accelerator,
     # or tensors a policy explicitly moved to host on a CPU-only run)
     n_storages: int
+    # compute-dtype copies of parameters (autocast's casts, cached for the backward): new memory,
+    # reported apart from activations, as jaxmem.memory.residuals does; not in device/host bytes
+    parameter_copy_bytes: int = 0
     # device + host bytes by the jaxmem tag of the op that made each storage (see _BlockScope);
     # empty when no block stack was given
     by_name: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 LAYER_INPUT, STACK_OUTPUT = "<layer input>", "<stack output>"  # the names jaxmem.memory uses
+PARAMETER_COPY = "<parameter copy>"
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
+
+
+def _is_parameter(t: Any) -> bool:
+    """A leaf that requires grad, or a view of one (the head's transposed embedding table): a
+    parameter (also under FakeTensorMode, where the fake copy of an ``nn.Parameter`` may not keep
+    its class)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
 
 # The contiguous copies ``torch.einsum`` makes of q, k, v (heads layout) and of the context
 # (merging heads), in the order of the op stream (torch 2.13): autograd saves these copies
@@ -141,6 +156,10 @@ class _TrackAllocations(TorchDispatchMode):
             # an allocation of the step (FakeTensorMode gives it a storage of its own)
             return out
         label = self.scope.label(func) if self.scope else ""
+        if func in _CASTS and args and isinstance(args[0], torch.Tensor):
+            source = self.live.get(storage_key(args[0]))
+            if _is_parameter(args[0]) or (source is not None and source[2] == PARAMETER_COPY):
+                label = PARAMETER_COPY  # a cast of a parameter, or of such a cast
         # Views (e.g. a parameter's transpose) share their input's storage: not an allocation.
         inputs = {
             storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
@@ -175,13 +194,16 @@ def forward_live_bytes(
     returned = {storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
     host = host_storages() if host_storages else set()
     named = kept_names() if kept_names else {}
-    device_bytes = host_bytes = n = 0
+    device_bytes = host_bytes = copies = n = 0
     by_name: dict[str, int] = {}
     compute = next((t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)), "cpu")
     for key, (nbytes, device, label) in list(mode.live.items()):
         if key in returned:
             continue
         n += 1
+        if label == PARAMETER_COPY:
+            copies += nbytes
+            continue
         if key in host or (device == "cpu" and compute != "cpu"):
             host_bytes += nbytes
         else:
@@ -190,7 +212,11 @@ def forward_live_bytes(
             name = named.get(key) or scope.final_label(key, label)
             by_name[name] = by_name.get(name, 0) + nbytes
     return out, LiveBytes(
-        device_bytes=device_bytes, host_bytes=host_bytes, n_storages=n, by_name=by_name
+        device_bytes=device_bytes,
+        host_bytes=host_bytes,
+        n_storages=n,
+        parameter_copy_bytes=copies,
+        by_name=by_name,
     )
 
 

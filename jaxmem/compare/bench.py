@@ -120,6 +120,7 @@ def torch_point(
     return {
         "device_bytes": live.device_bytes,
         "host_bytes": live.host_bytes,
+        "parameter_copy_bytes": live.parameter_copy_bytes,
         "flops": flops,
         "translation": runner.description,
         "by_name": live.by_name,
@@ -161,6 +162,8 @@ def memory_point(
         "seq_len": seq_len,
         "jax_device_bytes": res.activation_bytes_device,
         "jax_host_bytes": res.activation_bytes_host,
+        # slices and compute-dtype casts of parameters: new memory, not activations
+        "jax_parameter_copy_bytes": res.parameter_copy_bytes,
         "jax_flops": grad_matmul_flops(f, params, data),
         "jax_compiled_temp_bytes": None,
         "jax_compiled_host_temp_bytes": None,
@@ -180,6 +183,7 @@ def memory_point(
         row.update(
             torch_device_bytes=stock["device_bytes"],
             torch_host_bytes=stock["host_bytes"],
+            torch_parameter_copy_bytes=stock["parameter_copy_bytes"],
             torch_flops=stock["flops"],
             torch_translation=stock["translation"],
             torch_is_stock=resolve_translation(policy, "stock") == "stock",

@@ -110,11 +110,13 @@ def torch_record(
         "saved_source": "live-tensor accounting (forward allocations alive at its end)" + how,
         "saved_by_name": live.by_name,
         "saved_argument_bytes": hooks.argument_bytes,
+        "saved_parameter_copy_bytes": live.parameter_copy_bytes,
         "hook_saved_bytes_device": hooks.activation_bytes_device,
         "hook_saved_bytes_host": hooks.activation_bytes_host,
         "hook_source": "saved-tensor hooks (storages de-duplicated; blind to what a selective "
         "policy keeps itself)" + how,
         "analytic_activation_bytes": estimate.device_bytes + estimate.host_bytes,
+        "analytic_source": analytic.ANALYTIC_SOURCE,
         "compiled_temp_bytes": None,
         "compiled_plan": None,
         "flops": flops,

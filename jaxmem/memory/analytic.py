@@ -51,6 +51,14 @@ from jaxmem.precision import Precision
 FP32 = 4
 
 
+# What every analytic activation figure covers (issue 13, 6): the blocks. At gpt2-1.5b, batch 1 x
+# 1024, the head's fp32 log-probabilities alone are 196 MiB beside full's 300 MiB of block inputs.
+ANALYTIC_SOURCE = (
+    "analytic model (jaxmem.memory.analytic): the block stack only; embeddings, final norm, "
+    "LM head and loss excluded"
+)
+
+
 def tag_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision) -> dict[str, int]:
     """Bytes of each tagged tensor of one block (either attention form's). Scores and the fused
     op's log-sum-exp are fp32 (or wider); probabilities are cast to the compute dtype

@@ -25,7 +25,9 @@ class Residual:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    origin: str  # "argument" (an input of f, e.g. a parameter), "computed", "constant" or "literal"
+    origin: str  # "argument" (an input of f, e.g. a parameter, or a view of one), "parameter
+    # copy" (a slice or cast of an input: new memory, not an activation), "computed", "constant"
+    # or "literal"
     memory_kind: str | None  # "host" for offloaded residuals; None = default device memory
     name: str | None = None  # the checkpoint_name tag it was saved under, if any; "<layer input>"
     # for the input of a scanned (checkpointed) block, which scan keeps without a tag;
@@ -73,6 +75,8 @@ def saved_residuals(f: Callable[..., Any], *args: Any) -> list[Residual]:
             if root in invars
             else "constant"
             if root in constvars
+            else "parameter copy"
+            if _parameter_copy(jaxpr, root)
             else "computed"
         )
         kind = getattr(aval, "memory_space", None)
@@ -90,16 +94,66 @@ def saved_residuals(f: Callable[..., Any], *args: Any) -> list[Residual]:
     return out
 
 
-# Reshapes and slices of an input are views of memory that exists anyway (XLA lays them out as
-# bitcasts or reads them in place): a residual derived from a parameter only through these is
-# the parameter, not new memory.
-_VIEWS = ("reshape", "squeeze", "expand_dims", "slice")
+# Reshapes of an input are views of memory that exists anyway (XLA lays them out as bitcasts): a
+# residual derived from a parameter only through these is the parameter, not new memory.
+_VIEWS = ("reshape", "squeeze", "expand_dims")
+# A slice or a cast of a parameter the backward keeps is new memory: the compute-dtype copies of
+# the weights under mixed precision, and the head and tail slices of the stacked parameters when
+# nested segments do not divide the stack (issue 13, 5a/5e: measured, a 7-layer nested stack's
+# XLA:CPU plan holds 2.5 MB of temporaries more than full's, for 1.5 MB of parameters).
+_COPIES = ("slice", "convert_element_type", "copy", "copy_p", "dynamic_slice")
 
 
 def _alias_root(jaxpr: Any, var: Any) -> Any:
     for eqn in jaxpr.eqns:
         if var in eqn.outvars and eqn.primitive.name in _VIEWS:
             return _alias_root(jaxpr, eqn.invars[0])
+    return var
+
+
+def _parameter_copy(jaxpr: Any, var: Any, depth: int = 0) -> bool:
+    """``var`` is derived from an input of ``jaxpr`` through views, slices and casts only, at
+    least one of them a copy (followed through scan bodies: a scan that casts each layer's
+    weights returns a stacked copy)."""
+    if depth > 32:
+        return False
+    for eqn in jaxpr.eqns:
+        if var not in eqn.outvars:
+            continue
+        prim = eqn.primitive.name
+        if prim in _VIEWS:
+            return _parameter_copy(jaxpr, eqn.invars[0], depth + 1)
+        if prim in _COPIES:
+            source = eqn.invars[0]
+            return _alias_root(jaxpr, source) in jaxpr.invars or _parameter_copy(
+                jaxpr, source, depth + 1
+            )
+        sub = _sub_jaxpr(eqn)
+        if prim != "scan" or sub is None:
+            return False
+        index = eqn.outvars.index(var)
+        if index < eqn.params["num_carry"]:
+            return False
+        inner = sub.outvars[index]
+        # a stacked output: a copy when each iteration's value is a per-layer slice (an xs
+        # input) of a parameter, or a copy of one
+        if not (_parameter_copy(sub, inner, depth + 1) or _alias_root(sub, inner) in sub.invars):
+            return False
+        position = sub.invars.index(_root_through_copies(sub, inner))
+        n_fixed = eqn.params["num_consts"] + eqn.params["num_carry"]
+        if position < n_fixed:
+            return False
+        outer = eqn.invars[position]
+        return _alias_root(jaxpr, outer) in jaxpr.invars or _parameter_copy(
+            jaxpr, outer, depth + 1
+        )
+    return False
+
+
+def _root_through_copies(jaxpr: Any, var: Any) -> Any:
+    for eqn in jaxpr.eqns:
+        if var in eqn.outvars and eqn.primitive.name in _VIEWS + _COPIES:
+            return _root_through_copies(jaxpr, eqn.invars[0])
     return var
 
 
@@ -155,6 +209,9 @@ class ResidualSummary:
     activation_bytes_host: int  # computed residuals placed in host memory (offloaded)
     argument_bytes: int  # inputs/parameters the backward keeps anyway (not extra memory)
     n_residuals: int
+    # slices and compute-dtype casts of parameters the backward keeps: new memory, reported
+    # apart from activations (a bf16 step's weight copies are not activations)
+    parameter_copy_bytes: int = 0
 
 
 def bytes_by_name(residuals: Sequence[Residual]) -> dict[str, int]:
@@ -174,6 +231,7 @@ def summarize_residuals(residuals: Sequence[Residual]) -> ResidualSummary:
         activation_bytes_host=sum(r.nbytes for r in computed if r.memory_kind is not None),
         argument_bytes=sum(r.nbytes for r in residuals if r.origin == "argument"),
         n_residuals=len(residuals),
+        parameter_copy_bytes=sum(r.nbytes for r in residuals if r.origin == "parameter copy"),
     )
 
 

@@ -43,7 +43,7 @@ from jaxmem.train.job import JobConfig, config_conflicts, write_config
 from jaxmem.train.layout import CHECKPOINT_DIR, quarantine
 
 # From most to least device memory at a given size (FLOPs grow the other way).
-CHEAPER_POLICIES = ("none", "mlp", "selective", "dots", "offload", "full", "nested")
+CHEAPER_POLICIES = ("none", "mlp", "selective", "offload", "full", "nested")
 
 
 class RunFailed(RuntimeError):
