@@ -63,6 +63,7 @@ def _is_parameter(t: Any) -> bool:
     base = t._base if t._base is not None else t
     return base.is_leaf and base.requires_grad
 
+
 # The contiguous copies ``torch.einsum`` makes of q, k, v (heads layout) and of the context
 # (merging heads), in the order of the op stream (torch 2.13): autograd saves these copies
 # instead of the projection outputs, so they carry the projections' names in the listing.

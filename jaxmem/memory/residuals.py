@@ -144,9 +144,7 @@ def _parameter_copy(jaxpr: Any, var: Any, depth: int = 0) -> bool:
         if position < n_fixed:
             return False
         outer = eqn.invars[position]
-        return _alias_root(jaxpr, outer) in jaxpr.invars or _parameter_copy(
-            jaxpr, outer, depth + 1
-        )
+        return _alias_root(jaxpr, outer) in jaxpr.invars or _parameter_copy(jaxpr, outer, depth + 1)
     return False
 
 
