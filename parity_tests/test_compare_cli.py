@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from jaxmem import cli
+from jaxmem.compare.bench import PEERS
 from jaxmem.memory.records import RECORD_FIELDS
 from jaxmem.policy import POLICIES
 
@@ -184,12 +185,13 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
         assert key in meta, key
     assert meta["plan"]["depths"] == [2] and meta["base_config"]["n_layers"] == 2
     assert {(r["policy"], r["precision"]) for r in result["policy_precision"]} == {
-        (p, prec) for p in POLICIES for prec in ("fp32", "bf16")
+        (p, prec) for p in [*POLICIES, *PEERS] for prec in ("fp32", "bf16")
     }
     for r in result["policy_precision"]:
         assert r["jax_flops"] > 0 and r["torch_flops"] > 0 and r["torch_translation"]
         assert r["torch_is_stock"] == (r["policy"] != "offload")
-        has_lean = r["policy"] in ("selective", "mlp", "nested")
+        assert r.get("peer", False) == (r["policy"] in PEERS)
+        has_lean = r["policy"] in ("selective", "mlp", "nested", *PEERS)
         assert (r["torch_lean_flops"] is not None) == has_lean, r["policy"]
     assert [r["n_layers"] for r in result["depth"] if r["policy"] == "full"] == [2]
     timed = {r["policy"]: r for r in result["step_time"]}
@@ -206,6 +208,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
         assert (out / name).stat().st_size > 0, name
     text = (out / "sweep.md").read_text()
     assert "### step time" in text and "torch lean MiB" in text and "†" in text
+    assert "dominated by (JAX / torch)" in text and "`dots_with_no_batch_dims_saveable`" in text
     assert "JAX compiled temp: jit(grad)'s plan, XLA for the local backend" in text
 
 

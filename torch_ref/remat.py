@@ -24,7 +24,8 @@ model and its state dict do not change. Two translations, reported side by side:
 backward reads of what the policy stores (``jaxmem.policy.kept_tags``, what JAX's partial
 evaluation keeps), send offloaded names to host memory, and skip replaying a matmul whose
 product nothing the backward uses reads (out_proj / mlp_down when their residual add is kept,
-a ReLU MLP's first matmul when the activation is kept);
+a ReLU MLP's first matmul when the activation is kept, naive attention's q·kᵀ when the scores
+or probabilities are kept: stock replays it, ``mlp``'s one FLOP difference from JAX);
 ``nested`` checkpoints every segment (the last included) and every block inside it again, as
 JAX's two-level scan does.
 
@@ -125,12 +126,19 @@ class _OpNamer:
     def __init__(self, cfg: ModelConfig):
         self.ops = block_ops(cfg)
         self.counts: dict[str, int] = {}
+        self.last: tuple[str, int] = ("", -1)  # (kind, occurrence) of the op just named
 
     def __call__(self, func: Any) -> tuple[str, tuple[str, ...]]:
         kind = _op_kind(func)
         index = self.counts.get(kind, 0)
         self.counts[kind] = index + 1
+        self.last = (kind, index)
         return kind, self.ops.get((kind, index), ())
+
+
+# Naive attention's q·kᵀ: an untagged matmul (its tag, attn_scores, sits on the masked, scaled
+# result), the block's first bmm.
+QK_MATMUL = ("bmm", 0)
 
 
 def unread_by_backward(cfg: ModelConfig, policy: MemoryPolicy | None = None) -> frozenset[str]:
@@ -218,10 +226,17 @@ class _Decider:
         self.policy = policy
         self.unread = unread_by_backward(cfg, policy)
         self.skip = skippable_in_recompute(cfg, policy)
+        # q·kᵀ need not be replayed when the scores or probabilities come back from storage:
+        # nothing the backward uses reads its product (stock selective checkpointing replays it:
+        # its replay runs every op it does not cache)
+        kept = kept_tags(cfg, policy)
+        self.skip_qk = cfg.attention == "naive" and bool({"attn_scores", "attn_probs"} & kept)
         self.namers = {False: _OpNamer(cfg), True: _OpNamer(cfg)}
 
     def __call__(self, func: Any, recompute: bool) -> tuple[str, tuple[str, ...]]:
         kind, names = self.namers[recompute](func)
+        if recompute and self.skip_qk and self.namers[True].last == QK_MATMUL:
+            return "skip", names
         if self.policy.save_dots and kind == "linear":
             return "device", names or ("<linear>",)
         if recompute and kind == "linear" and names and names[0] in self.skip:
@@ -277,8 +292,9 @@ class _ReplayMode(TorchDispatchMode):
             # Autograd has already saved this matmul's inputs (all its backward needs); its
             # output is read by nothing the backward uses, so its FLOPs are not spent again.
             # (JAX's partial evaluation skips the same matmuls.)
-            mat1, mat2 = args[-2], args[-1]  # addmm(bias, mat1, mat2) / mm(mat1, mat2)
-            return torch.empty((mat1.shape[0], mat2.shape[1]), dtype=mat1.dtype, device=mat1.device)
+            mat1, mat2 = args[-2], args[-1]  # addmm(bias, mat1, mat2) / mm / bmm(mat1, mat2)
+            shape = (*mat1.shape[:-1], mat2.shape[-1])
+            return torch.empty(shape, dtype=mat1.dtype, device=mat1.device)
         stored_func, stored = self.storage[self.next]
         self.next += 1
         if stored_func is not func:

@@ -93,6 +93,44 @@ QUICK = SweepPlan(
 )
 
 
+# The frameworks' own policies, measured beside the presets as peers (issue 13: a preset that a
+# built-in beats on both bytes and FLOPs should not exist). One MemoryPolicy, translated by each
+# framework to its built-in: JAX's ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``,
+# PyTorch's stock selective checkpointing with ``MUST_SAVE`` for every ``mm``/``addmm``. (JAX's
+# ``everything_saveable`` / ``nothing_saveable`` are ``none`` / ``full``.)
+PEERS: dict[str, MemoryPolicy] = {
+    "built-in dots": MemoryPolicy(name="built-in dots", save_dots=True),
+}
+PEER_NOTE = (
+    "built-in dots = JAX `dots_with_no_batch_dims_saveable` / PyTorch selective checkpointing "
+    "saving every `mm`/`addmm` (the frameworks' own policies, peers of the presets)"
+)
+
+
+def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]], prefix: str) -> list[str]:
+    """The policies of ``rows`` (same precision) that keep no more bytes (device + host) and
+    execute no more FLOPs than ``row`` in framework ``prefix``, one of them strictly less: the
+    ones that make ``row`` a worse choice on both axes."""
+
+    def cost(r: dict[str, Any]) -> tuple[int, int] | None:
+        device = r.get(f"{prefix}_device_bytes")
+        if device is None:
+            return None
+        return device + r[f"{prefix}_host_bytes"], r[f"{prefix}_flops"]
+
+    mine = cost(row)
+    out = []
+    for other in rows:
+        theirs = cost(other)
+        if other is row or theirs is None or mine is None:
+            continue
+        if other["precision"] != row["precision"]:
+            continue
+        if theirs[0] <= mine[0] and theirs[1] <= mine[1] and theirs != mine:
+            out.append(other["policy"])
+    return out
+
+
 def has_lean(policy: MemoryPolicy) -> bool:
     """Whether torch_ref's lean extension runs something other than the stock translation (and
     stock exists): named policies without offload, and nested."""
@@ -336,6 +374,10 @@ def run_sweep(
             rows["policy_precision"].append(
                 memory_point(base, name, prec, b, s, compile_plan=False)
             )
+        for name, peer in PEERS.items():
+            progress(f"policy x precision: {name} {prec}")
+            row = memory_point(base, name, prec, b, s, compile_plan=False, policy=peer)
+            rows["policy_precision"].append(row | {"peer": True})
     for depth in plan.depths:
         for name in ("none", "selective", "full", "nested"):
             progress(f"depth: {name} {depth} layers")
@@ -415,21 +457,25 @@ def markdown(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str
         "torch = stock PyTorch (`checkpoint`, selective checkpointing, `checkpoint_sequential`); "
         "† = no stock API (name-based offload in eager PyTorch): torch_ref's extension. torch "
         "lean = torch_ref's extension (keeps what the backward reads, skips matmuls nothing "
-        "reads, two-level nested), shown where it differs from stock.",
+        "reads, two-level nested), shown where it differs from stock. "
+        f"{PEER_NOTE}. Dominated by = the rows that keep no more bytes at no more FLOPs "
+        "(one strictly less) in that framework (JAX / torch stock).",
         "",
         "| precision | policy | JAX MiB | torch MiB | torch lean MiB | JAX / torch bytes "
-        "| JAX GFLOP | torch GFLOP | torch lean GFLOP |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| JAX GFLOP | torch GFLOP | torch lean GFLOP | dominated by (JAX / torch) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows["policy_precision"]:
+    table = rows["policy_precision"]
+    for r in table:
         jb = r["jax_device_bytes"] + r["jax_host_bytes"]
         tb = r["torch_device_bytes"] + r["torch_host_bytes"]
         mark = "" if r["torch_is_stock"] else " †"
+        beaten = " / ".join(", ".join(dominated_by(r, table, fw)) or "-" for fw in ("jax", "torch"))
         lines.append(
             f"| {r['precision']} | {r['policy']} | {mib_cell(r, 'jax')} "
             f"| {mib_cell(r, 'torch')}{mark} "
             f"| {mib_cell(r, 'torch_lean')} | {jb / tb:.3f} | {r['jax_flops'] / 1e9:.3f} | "
-            f"{r['torch_flops'] / 1e9:.3f}{mark} | {gflop_cell(r, 'torch_lean')} |"
+            f"{r['torch_flops'] / 1e9:.3f}{mark} | {gflop_cell(r, 'torch_lean')} | {beaten} |"
         )
     lines += [
         "",
@@ -495,7 +541,7 @@ def plot(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out_dir: s
     plan = meta["plan"]
     where = f"{plan['preset']}, batch {plan['batch']} x seq {plan['seq_len']}"
     fp32 = [r for r in rows["policy_precision"] if r["precision"] == "fp32"]
-    names = [r["policy"] for r in fp32]
+    names = [r["policy"] for r in fp32]  # the presets, then the built-in peers
     xs = np.arange(len(names))
     fig, ax = plt.subplots(figsize=(9, 4))
     for fw, shift, label in SERIES:
@@ -552,11 +598,19 @@ def plot(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out_dir: s
         for i, r in enumerate(pts):
             over = 100 * (r[f"{fw}_flops"] / base - 1)
             x = r[f"{fw}_device_bytes"] / MIB
-            ax.scatter(x, over, marker=marker, color=color, label=label if i == 0 else None)
-            ax.annotate(r["policy"], (x, over), fontsize=7)
+            peer = r.get("peer", False)  # a built-in: hollow marker, name in brackets
+            ax.scatter(
+                x,
+                over,
+                marker="s" if peer else marker,
+                facecolors="none" if peer else color,
+                edgecolors=color,
+                label=label if i == 0 else None,
+            )
+            ax.annotate(f"[{r['policy']}]" if peer else r["policy"], (x, over), fontsize=7)
     ax.set_xlabel("device bytes kept (MiB)")
     ax.set_ylabel("extra matmul FLOPs vs none (%)")
-    ax.set_title(f"FLOP overhead vs memory ({where}, fp32)")
+    ax.set_title(f"FLOP overhead vs memory ({where}, fp32; [built-in] = peer)", fontsize=9)
     ax.legend()
     _save(fig, out_dir, "pareto.png")
 

@@ -98,7 +98,15 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
             inner = remat(layer_fn)
 
             def segment(x, seg_state):
-                return scan_layers(inner, x, seg_state)
+                # The last block runs outside the inner scan: replaying the segment for its
+                # blocks' inputs then stops before it (its output is read by nothing the
+                # backward needs, and partial evaluation drops it), as a non-reentrant PyTorch
+                # checkpoint stops early. Inside the scan it would be replayed once per segment.
+                n = jax.tree_util.tree_leaves(seg_state)[0].shape[0]
+                if n > 1:
+                    head = jax.tree_util.tree_map(lambda a: a[: n - 1], seg_state)
+                    x = scan_layers(inner, x, head)
+                return inner(x, _layer(seg_state, n - 1))
 
             segment = jax.checkpoint(segment, policy=ckpt_policy, prevent_cse=False)
             n_full = n_layers // k
