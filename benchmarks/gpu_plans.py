@@ -31,6 +31,7 @@ import jax
 from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.records import jax_record, plan_step
+from jaxmem.memory.remat import REMAT_REVISION
 from jaxmem.memory.targets import get_target
 from jaxmem.policy import POLICIES, nested_segment_size
 from jaxmem.precision import get_precision
@@ -110,11 +111,20 @@ def measure(
         for name in policies:
             start = time.perf_counter()
             rec = kept.get((preset, name))
-            if rec is None or rec["target"] != target.name or rec["precision"] != precision:
+            # a row measured under another definition of the policy (the presets changed in
+            # issue 13) or another translation of it is measured again, never reused
+            definition = f"{POLICIES[name]!r} remat revision {REMAT_REVISION}"
+            if (
+                rec is None
+                or rec["target"] != target.name
+                or rec["precision"] != precision
+                or rec.get("policy_definition") != definition
+            ):
                 rec = jax_record(
                     cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, target=target
                 )
                 rec["preset"] = preset
+                rec["policy_definition"] = definition
                 done["plans"].append(f"{preset} {name}")
             if "cpu" not in skip and "cpu_plan" not in rec:
                 rec["cpu_plan"] = plan_step(

@@ -26,6 +26,10 @@ from jaxmem.config import ConfigError
 from jaxmem.model import LayerFn, LayersFn, scan_layers
 from jaxmem.policy import HOST_MEMORY_KIND, MemoryPolicy, nested_segment_size
 
+# Bumped whenever a policy's translation changes what runs (benchmarks that keep measured rows
+# re-measure rows of an older revision). 2: nested's segment replay stops before its last block.
+REMAT_REVISION = 2
+
 
 def backend_memory_kinds(device: jax.Device | None = None) -> tuple[str, ...]:
     device = device or jax.devices()[0]
