@@ -283,6 +283,23 @@ def test_torch_runtime_peak_is_a_steady_step_with_the_optimizer_state():
     assert "second step" in rec["peak_source"]
 
 
+def test_records_with_accumulation_in_both_frameworks():
+    """Issue 13, 5(c): a step of 2 microbatches is measured in both frameworks (MemTracker once
+    raised NotImplementedError on the second microbatch's forward): the saved activations are
+    one microbatch's (half the batch: exactly half under full remat), the FLOPs the whole
+    step's (the same as without accumulation), and torch's runtime peak still holds the
+    parameters, AdamW's state, the accumulated gradients and a microbatch's activations."""
+    full, fp32, opt = POLICIES["full"], PRECISIONS["fp32"], OptimizerConfig()
+    for record in (jax_record, torch_record):
+        one, two = (record(CFG, full, fp32, opt, B, S, accum=k) for k in (1, 2))
+        assert two["accum"] == 2
+        assert two["flops"] == one["flops"]
+        assert 2 * two["analytic_activation_bytes"] == one["analytic_activation_bytes"]
+    t = torch_record(CFG, full, fp32, opt, B, S, accum=2)
+    held = t["params_bytes"] + t["opt_state_bytes"] + t["grads_bytes"]
+    assert t["peak_bytes"] >= held + t["saved_activation_bytes_device"]
+
+
 def test_bf16_weight_copies_are_counted_apart_from_activations_in_both_frameworks():
     """Issue 13, 5(e): a bf16 step keeps a bf16 copy of every matmul weight for the backward
     (JAX: the casts of the parameters; PyTorch: autocast's). Both accountings now report them

@@ -14,7 +14,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import torch_ref
-from jaxmem.config import ModelConfig, OptimizerConfig
+from jaxmem.config import ConfigError, ModelConfig, OptimizerConfig
 from jaxmem.figures import process_max_rss_bytes
 from jaxmem.memory import analytic
 from jaxmem.memory.records import lm_step_batch
@@ -36,6 +36,7 @@ def torch_record(
     *,
     translation: str = "stock",
     fake: bool = False,
+    accum: int = 1,
 ) -> dict[str, Any]:
     """Run one torch_ref training step under ``policy`` (``translation``: ``stock`` PyTorch or
     torch_ref's ``lean`` extension, see ``torch_ref.remat``) and measure it.
@@ -45,7 +46,13 @@ def torch_record(
     (GPT-2 1.5B, GPT-3 6.7B). Shapes, dtypes, what autograd and the policy keep and the FLOPs are
     the real step's; a runtime peak cannot exist and is None. The fake step runs as a CPU step
     (this PyTorch has no CUDA), so mixed precision follows CPU autocast's rules; torch_ref
-    upcasts norms, softmax and the loss itself, so the saved dtypes are those of a CUDA run."""
+    upcasts norms, softmax and the loss itself, so the saved dtypes are those of a CUDA run.
+
+    ``accum``: the step runs that many microbatches of the batch, each backward accumulating
+    into ``.grad`` (as a PyTorch user accumulates), then the optimizer; saved activations are one
+    microbatch's, FLOPs and the peak the whole step's."""
+    if batch % accum:
+        raise ConfigError(f"batch size {batch} is not divisible by accum {accum}")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = "cpu" if fake or not torch.cuda.is_available() else "cuda"
@@ -65,11 +72,28 @@ def torch_record(
             data = lm_step_batch(cfg, batch, seq_len, abstract=False)
             x = torch.from_numpy(np.array(data["inputs"])).long().to(device)
             y = torch.from_numpy(np.array(data["targets"])).long().to(device)
+        micro = batch // accum
+        xs, ys = x.split(micro), y.split(micro)
+
+        def microbatches(tracker: Any = None) -> tuple[Any, Any, int]:
+            """Forward + backward of every microbatch (gradients accumulate in ``.grad``): what
+            the first left for its backward, and the FLOPs of all."""
+            flops, first = 0, None
+            for i, (xi, yi) in enumerate(zip(xs, ys, strict=True)):
+                if tracker is not None and i:
+                    # MemTracker refuses a module run twice in one context (NotImplementedError,
+                    # "multiple iterative calls"); its per-module stats are cleared, the peak
+                    # over the whole step is kept
+                    tracker.reset_mod_stats()
+                live, hooks, f = measure_lm_step(model, runner, xi, yi, precision)
+                first = first or (live, hooks)
+                flops += f
+            return *first, flops
 
         if not fake:
             # one untracked step first: the measured step is then a steady one, holding the
             # optimizer state a first step has not created yet (issue 13, 5c)
-            measure_lm_step(model, runner, x, y, precision)
+            microbatches()
             opt.step()
             opt.zero_grad(set_to_none=True)
         tracker = None if fake else MemTracker()
@@ -78,7 +102,7 @@ def torch_record(
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with tracker or contextlib.nullcontext():
-            live, hooks, flops = measure_lm_step(model, runner, x, y, precision)
+            live, hooks, flops = microbatches(tracker)
             grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
             opt.step()
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -92,7 +116,7 @@ def torch_record(
     else:
         peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
         source = "runtime peak (torch MemTracker, CPU; a second step: AdamW state included)"
-    estimate = analytic.saved_activation_bytes(cfg, policy, batch, seq_len, precision)
+    estimate = analytic.saved_activation_bytes(cfg, policy, micro, seq_len, precision)
     how = " under FakeTensorMode (shapes only: no memory, no arithmetic)" if fake else ""
     return {
         "framework": framework_label(translation),
@@ -101,6 +125,7 @@ def torch_record(
         "precision": precision.name,
         "batch": batch,
         "seq_len": seq_len,
+        "accum": accum,
         "planned_from_shapes": fake,
         "params_bytes": params_bytes,
         "grads_bytes": grads_bytes,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmem.config import ConfigError, ModelConfig, OptimizerConfig
+from jaxmem.config import AccumConfig, ConfigError, ModelConfig, OptimizerConfig
 from jaxmem.data import lm_batch
 from jaxmem.figures import process_max_rss_bytes
 from jaxmem.memory import analytic
@@ -58,6 +58,9 @@ RECORD_FIELDS = (
     "peak_source",
     "saved_by_name",
     "saved_argument_bytes",
+    "saved_parameter_copy_bytes",
+    "analytic_source",
+    "accum",
 )
 
 
@@ -87,6 +90,7 @@ def plan_step(
     batch: int,
     seq_len: int,
     target: Target = LOCAL,
+    accum: int = 1,
 ) -> dict[str, Any]:
     """Only the compiled plan of the train step ``jax_record`` plans (from shapes; no residual
     accounting, no FLOPs): the compiler, the plan's bytes and its planned peak (arguments +
@@ -97,7 +101,9 @@ def plan_step(
     opt_state = jax.eval_shape(tx.init, params)
     data = lm_step_batch(cfg, batch, seq_len, abstract=True)
     loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
-    step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg)
+    step = make_train_step(
+        loss, tx, precision=precision, opt_cfg=opt_cfg, accum=_accum_config(accum, batch)
+    )
     compiled, compiler = _compile(
         step, (params, opt_state, init_loss_scale(precision), data), target
     )
@@ -107,6 +113,12 @@ def plan_step(
         "compiled_plan": plan,
         "planned_peak_bytes": peak_of_plan(plan),
     }
+
+
+def _accum_config(accum: int, batch: int) -> AccumConfig:
+    config = AccumConfig(steps=accum)
+    config.check_batch(batch)
+    return config
 
 
 def _state_offload(opt_state: Any, planned_peak: int, target: Target) -> dict[str, Any]:
@@ -137,9 +149,11 @@ def jax_record(
     *,
     abstract: bool = False,
     target: Target = LOCAL,
+    accum: int = 1,
 ) -> dict[str, Any]:
     """Measure one jaxmem training step (or plan it from shapes when ``abstract``; always from
-    shapes for a GPU target)."""
+    shapes for a GPU target). ``accum``: the step scans that many microbatches of the batch;
+    saved activations and FLOPs are then one microbatch's and the whole step's."""
     abstract = abstract or target.is_gpu
     state_offload = target.is_gpu and opt_cfg.state_memory == "pinned_host"
     if target.is_gpu and opt_cfg.params_memory == "pinned_host":
@@ -161,16 +175,19 @@ def jax_record(
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(opt_cfg)
     opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
+    accum_cfg = _accum_config(accum, batch)
     data = lm_step_batch(cfg, batch, seq_len, abstract)
+    # one microbatch (its shapes are what the accounting needs)
+    micro = data if accum == 1 else lm_step_batch(cfg, batch // accum, seq_len, abstract)
     loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
 
     def f(p, b):
         return loss(p, b)[0]
 
-    saved = saved_residuals(f, params, data)
+    saved = saved_residuals(f, params, micro)
     residuals = summarize_residuals(saved)
-    grads = jax.eval_shape(jax.grad(f), params, data)
-    step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg)
+    grads = jax.eval_shape(jax.grad(f), params, micro)
+    step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg, accum=accum_cfg)
     scale = init_loss_scale(precision)
     compiled, compiler = _compile(step, (params, opt_state, scale, data), target)
     plan = compiled_plan(compiled)
@@ -185,7 +202,7 @@ def jax_record(
     if peak is None:
         peak = planned_peak
         peak_source = f"compiled plan ({compiler}): arguments + outputs - aliased + temporaries"
-    estimate = analytic.saved_activation_bytes(cfg, policy, batch, seq_len, precision)
+    estimate = analytic.saved_activation_bytes(cfg, policy, batch // accum, seq_len, precision)
     return {
         "framework": "jax",
         "translation": "jaxmem.memory.remat (jax.checkpoint under lax.scan)",
@@ -193,6 +210,7 @@ def jax_record(
         "precision": precision.name,
         "batch": batch,
         "seq_len": seq_len,
+        "accum": accum,
         "planned_from_shapes": abstract,
         "params_bytes": tree_bytes(params),
         "grads_bytes": tree_bytes(grads),
@@ -207,7 +225,7 @@ def jax_record(
         "analytic_source": analytic.ANALYTIC_SOURCE,
         "compiled_temp_bytes": plan["temp_bytes"],
         "compiled_plan": plan,
-        "flops": grad_matmul_flops(f, params, data),
+        "flops": accum * grad_matmul_flops(f, params, micro),
         "flops_source": "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)",
         "model_flops": analytic.model_flops(cfg, batch, seq_len),
         "peak_bytes": peak,
