@@ -240,13 +240,24 @@ def memory_point(
 
 
 def step_times(
-    cfg: ModelConfig, policy_name: str, batch: int, seq_len: int, repeats: int
+    cfg: ModelConfig,
+    policy_name: str,
+    batch: int,
+    seq_len: int,
+    repeats: int,
+    precision_name: str = "fp32",
 ) -> dict[str, Any]:
-    """Median wall time of one fp32 fwd + bwd + AdamW step per framework under ``policy``
-    (PyTorch: the stock translation, or torch_ref's extension where stock has none)."""
+    """Median wall time of one fwd + bwd + AdamW step per framework under ``policy`` and
+    ``precision`` (fp32, bf16 or pure-bf16; PyTorch: the stock translation, or torch_ref's
+    extension where stock has none; mixed precision under ``torch.autocast``)."""
     policy, opt_cfg = POLICIES[policy_name], OptimizerConfig()
-    model = make_model(cfg)
-    torch_model = torch_model_from(model)
+    prec = PRECISIONS[precision_name]
+    if prec.loss_scale != "none":
+        raise ValueError(f"step_times does not time {precision_name} (loss scaling)")
+    reference = make_model(cfg)
+    model = make_model(cfg, prec)
+    nnx.update(model, nnx.state(reference, nnx.Param))
+    torch_model = torch_model_from(reference).to(TORCH_DTYPES[prec.param_dtype])
     runner = apply_memory_policy(torch_model.blocks, policy)
     inputs, targets = lm_batch(cfg, batch, seq_len)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -254,13 +265,17 @@ def step_times(
     opt_state = tx.init(params)
     jax_batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
     loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
-    step = make_train_step(loss, tx).lower(params, opt_state, None, jax_batch).compile()
+    step = make_train_step(loss, tx, precision=prec)
+    step = step.lower(params, opt_state, None, jax_batch).compile()
     torch_opt = make_torch_optimizer(torch_model, opt_cfg)
     x_t, y_t = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
+    autocast_dtype = TORCH_DTYPES[prec.compute_dtype]
 
     def torch_step() -> None:
         torch_opt.zero_grad(set_to_none=True)
-        loss_sum, n = cross_entropy_sum(torch_model(x_t), y_t)
+        with torch.autocast("cpu", dtype=autocast_dtype, enabled=prec.is_mixed):
+            logits = torch_model(x_t)
+        loss_sum, n = cross_entropy_sum(logits, y_t)
         (loss_sum / n).backward()
         torch_opt.step()
 
@@ -272,11 +287,29 @@ def step_times(
 
     return interleaved_medians({"jax": jax_step, "torch": torch_step}, repeats) | {
         "policy": policy_name,
+        "precision": precision_name,
         "torch_translation": runner.description,
         "torch_is_stock": runner.translation == "stock",
         "batch": batch,
         "seq_len": seq_len,
     }
+
+
+def dot_times(m: int, k: int, n: int, repeats: int) -> dict[str, Any]:
+    """Median wall time of one ``[m, k] × [k, n]`` matmul with fp32 results, fp32 and bf16
+    inputs, in each framework (interleaved): what a backend does with bf16 dots, apart from the
+    model (XLA:CPU has no bf16 GEMM on a CPU without bf16 instructions)."""
+    steps: dict[str, Callable[[], None]] = {}
+    dtypes = (("fp32", jnp.float32, torch.float32), ("bf16", jnp.bfloat16, torch.bfloat16))
+    for name, jdt, tdt in dtypes:
+        a, b = jnp.ones((m, k), jdt), jnp.ones((k, n), jdt)
+        f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+        f(a, b).block_until_ready()
+        ta, tb = torch.ones(m, k, dtype=tdt), torch.ones(k, n, dtype=tdt)
+        steps[f"jax {name}"] = lambda f=f, a=a, b=b: f(a, b).block_until_ready()
+        steps[f"torch {name}"] = lambda ta=ta, tb=tb: torch.mm(ta, tb)
+    out = interleaved_medians(steps, repeats)
+    return out | {"shape": (m, k, n), "flops": 2 * m * k * n}
 
 
 def interleaved_medians(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, Any]:
@@ -291,12 +324,10 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], repeats: int) -> d
             fn()
             times[label].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {
-        "repeats": repeats,
-        "median_s": med,
-        "all_s": times,
-        "jax_over_torch_time": med["jax"] / med["torch"],
-    }
+    out = {"repeats": repeats, "median_s": med, "all_s": times}
+    if "jax" in med and "torch" in med:
+        out["jax_over_torch_time"] = med["jax"] / med["torch"]
+    return out
 
 
 def usable_cores() -> int:

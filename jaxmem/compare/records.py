@@ -112,10 +112,10 @@ def torch_record(
         peak, source = None, "none (fake tensors allocate nothing)"
     elif device == "cuda":
         peak = torch.cuda.max_memory_allocated()
-        source = "runtime peak (max_memory_allocated; a second step: AdamW state included)"
+        source = "runtime peak (max_memory_allocated; a second step: optimizer state included)"
     else:
         peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
-        source = "runtime peak (torch MemTracker, CPU; a second step: AdamW state included)"
+        source = "runtime peak (torch MemTracker, CPU; a second step: optimizer state included)"
     estimate = analytic.saved_activation_bytes(cfg, policy, micro, seq_len, precision)
     how = " under FakeTensorMode (shapes only: no memory, no arithmetic)" if fake else ""
     return {
