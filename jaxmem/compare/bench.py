@@ -176,6 +176,7 @@ def memory_point(
     compile_plan: bool = True,
     policy: MemoryPolicy | None = None,
     target: Target = LOCAL,
+    lean: bool = True,
 ) -> dict[str, Any]:
     """Saved bytes and FLOPs of one training step in both frameworks (same weights and batch):
     JAX, stock PyTorch (``torch_*``; torch_ref's extension where stock has no API, as
@@ -229,31 +230,32 @@ def memory_point(
             torch_lean_host_bytes=None,
             torch_lean_flops=None,
         )
-        if has_lean(policy):
-            lean = torch_point(reference, policy, precision_name, inputs, targets, "lean")
+        if lean and has_lean(policy):
+            extension = torch_point(reference, policy, precision_name, inputs, targets, "lean")
             row.update(
-                torch_lean_device_bytes=lean["device_bytes"],
-                torch_lean_host_bytes=lean["host_bytes"],
-                torch_lean_flops=lean["flops"],
+                torch_lean_device_bytes=extension["device_bytes"],
+                torch_lean_host_bytes=extension["host_bytes"],
+                torch_lean_flops=extension["flops"],
             )
     return row
 
 
-def step_times(
+def step_fns(
     cfg: ModelConfig,
     policy_name: str,
     batch: int,
     seq_len: int,
-    repeats: int,
     precision_name: str = "fp32",
-) -> dict[str, Any]:
-    """Median wall time of one fwd + bwd + AdamW step per framework under ``policy`` and
-    ``precision`` (fp32, bf16 or pure-bf16; PyTorch: the stock translation, or torch_ref's
-    extension where stock has none; mixed precision under ``torch.autocast``)."""
-    policy, opt_cfg = POLICIES[policy_name], OptimizerConfig()
+    policy: MemoryPolicy | None = None,
+) -> tuple[dict[str, Callable[[], None]], dict[str, Any]]:
+    """One fwd + bwd + AdamW step per framework under ``policy`` and ``precision`` (fp32, bf16
+    or pure-bf16; PyTorch: the stock translation, or torch_ref's extension where stock has none;
+    mixed precision under ``torch.autocast``), compiled and ready: ``({"jax": f, "torch": g},
+    what ran)``. ``policy``: a policy that is not a preset, reported as ``policy_name``."""
+    policy, opt_cfg = policy or POLICIES[policy_name], OptimizerConfig()
     prec = PRECISIONS[precision_name]
     if prec.loss_scale != "none":
-        raise ValueError(f"step_times does not time {precision_name} (loss scaling)")
+        raise ValueError(f"step_fns does not time {precision_name} (loss scaling)")
     reference = make_model(cfg)
     model = make_model(cfg, prec)
     nnx.update(model, nnx.state(reference, nnx.Param))
@@ -285,7 +287,7 @@ def step_times(
         state[0], state[1], _, metrics = step(state[0], state[1], None, jax_batch)
         jax.block_until_ready(metrics["loss"])
 
-    return interleaved_medians({"jax": jax_step, "torch": torch_step}, repeats) | {
+    return {"jax": jax_step, "torch": torch_step}, {
         "policy": policy_name,
         "precision": precision_name,
         "torch_translation": runner.description,
@@ -293,6 +295,20 @@ def step_times(
         "batch": batch,
         "seq_len": seq_len,
     }
+
+
+def step_times(
+    cfg: ModelConfig,
+    policy_name: str,
+    batch: int,
+    seq_len: int,
+    repeats: int,
+    precision_name: str = "fp32",
+    policy: MemoryPolicy | None = None,
+) -> dict[str, Any]:
+    """Median wall time of one step per framework (``step_fns``), the two interleaved."""
+    fns, what = step_fns(cfg, policy_name, batch, seq_len, precision_name, policy)
+    return interleaved_medians(fns, repeats) | what
 
 
 def dot_times(m: int, k: int, n: int, repeats: int) -> dict[str, Any]:
