@@ -104,7 +104,7 @@ def saved_activation_bytes(
     - no remat: every tag the backward reads;
     - remat: the block input plus the tags the policy saves (device) or offloads (host) that the
       backward reads or recomputes a read tag from (``kept_tags``; stored probabilities are the
-      fp32 softmax output only, see ``_remat_kept_bytes``): ``dots`` stores the four
+      fp32 softmax output only, see ``_remat_kept_bytes``): ``selective`` stores the six
       projections (q/k/v, attn_out, mlp_up, mlp_down) and keeps q, k, v, mlp_up and attn_out
       (the source of attn_residual);
     - ``save_dots`` (custom policies: every matmul without batch dimensions): q, k, v and
