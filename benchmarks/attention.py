@@ -264,6 +264,30 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def refresh_naive(out: str, gpu_plans_json: str) -> None:
+    stem = os.path.join(out, "attention")
+    with open(stem + ".json") as f:
+        result = json.load(f)
+    with open(gpu_plans_json) as f:
+        measured = json.load(f)
+    naive = {r["policy"]: r for r in measured["rows"] if r["preset"] == "gpt2-124m"}
+    for row in result["gpu"]:
+        if row["attention"] == "naive":
+            r = naive[row["policy"]]
+            row |= {
+                "saved_device": r["saved_activation_bytes_device"],
+                "saved_host": r["saved_activation_bytes_host"],
+                "temp": r["compiled_temp_bytes"],
+                "plan_host": r["plan_host_bytes"],
+                "planned_peak": r["planned_peak_bytes"],
+                "flops": r["flops"],
+                "source": f"{gpu_plans_json} (measured {measured['meta']['date']})",
+            }
+    write_json_atomic(stem + ".json", result)
+    write_atomic(stem + ".md", to_markdown(result))
+    print(f"rewrote {stem}.json and .md with the naive rows of {gpu_plans_json}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/attention")
@@ -271,7 +295,16 @@ def main() -> None:
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
     parser.add_argument("--skip-gpu", action="store_true", help="no H100 rows")
     parser.add_argument("--gpu-plans", default="benchmarks/results/gpu_plans/h100_bf16.json")
+    parser.add_argument(
+        "--refresh-naive",
+        action="store_true",
+        help="measure nothing: re-read the naive H100 rows from --gpu-plans (a newer run of "
+        "gpu_plans.py) into the last results, keeping every row this script measured",
+    )
     args = parser.parse_args()
+    if args.refresh_naive:
+        refresh_naive(args.out, args.gpu_plans)
+        return
     import torch
 
     torch.set_num_threads(1)  # shapes only: nothing to parallelise

@@ -106,7 +106,6 @@ def measure(
     if os.path.exists(partial):
         with open(partial) as f:
             kept |= {(r["preset"], r["policy"]): r for r in json.load(f)}
-    rows = []
     done: dict[str, list[str]] = {"plans": [], "cpu": [], "torch": [], "batch": []}
     for preset in presets:
         cfg = get_preset(preset)
@@ -155,7 +154,6 @@ def measure(
                 )
                 done["batch"].append(f"{preset} {name}")
             rec["seconds"] = round(rec.get("seconds", 0) + time.perf_counter() - start, 1)
-            rows.append(rec)
             kept[(preset, name)] = rec
             write_json_atomic(partial, list(kept.values()))
             found = rec.get("largest_batch")
@@ -165,7 +163,14 @@ def measure(
                 + f" ({rec['seconds']} s in all)",
                 flush=True,
             )
-    return rows, done
+    # every row: those this run measured and those it kept from earlier runs (a run over some
+    # models or policies must not drop the others from the results)
+    order = {p: i for i, p in enumerate(SHAPES)}
+    names = list(POLICIES)
+    everything = sorted(
+        kept.values(), key=lambda r: (order.get(r["preset"], 99), names.index(r["policy"]))
+    )
+    return everything, done
 
 
 def nested_vs_full(target_name: str, precision: str, base: str, depths: list[int]) -> list:
