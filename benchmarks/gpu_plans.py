@@ -339,6 +339,7 @@ def main() -> None:
     parser.add_argument("--depth-base", default="gpt2-1.5b")
     parser.add_argument("--depths", default="12,24,36,48,72")
     parser.add_argument("--out", default="benchmarks/results/gpu_plans")
+    parser.add_argument("--note", default=None, help="a line recorded with this run's pass")
     args = parser.parse_args()
     presets, policies = args.presets.split(","), args.policies.split(",")
     skip = {x for x in args.skip.split(",") if x}
@@ -381,6 +382,7 @@ def main() -> None:
                 "measured": {k: v for k, v in done.items() if v}
                 | ({"depth": args.depths} if "depth" not in skip else {}),
             }
+            | ({"note": args.note} if args.note else {})
         ],
         "target": {
             "name": target.name,
