@@ -139,7 +139,10 @@ def _parameter_copy(jaxpr: Any, var: Any, depth: int = 0) -> bool:
         # input) of a parameter, or a copy of one
         if not (_parameter_copy(sub, inner, depth + 1) or _alias_root(sub, inner) in sub.invars):
             return False
-        position = sub.invars.index(_root_through_copies(sub, inner))
+        root = _root_through_copies(sub, inner)
+        if root not in sub.invars:  # e.g. the stacked output of a scan nested in this one
+            return False
+        position = sub.invars.index(root)
         n_fixed = eqn.params["num_consts"] + eqn.params["num_carry"]
         if position < n_fixed:
             return False
