@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import json
 import os
 import platform
 import time
@@ -206,7 +207,7 @@ def main() -> None:
     result = {"sweep": [], "combined": []}
     if os.path.exists(path):  # a part not measured in this run keeps its last measurement
         with open(path) as f:
-            result |= {k: v for k, v in __import__("json").load(f).items() if k != "meta"}
+            result |= {k: v for k, v in json.load(f).items() if k != "meta"}
     if "sweep" in parts:
         result["sweep"] = sweep()
     if "combined" in parts:

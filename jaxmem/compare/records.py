@@ -14,7 +14,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import torch_ref
-from jaxmem.config import ConfigError, ModelConfig, OptimizerConfig
+from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig
 from jaxmem.figures import process_max_rss_bytes
 from jaxmem.memory import analytic
 from jaxmem.memory.records import lm_step_batch
@@ -51,8 +51,7 @@ def torch_record(
     ``accum``: the step runs that many microbatches of the batch, each backward accumulating
     into ``.grad`` (as a PyTorch user accumulates), then the optimizer; saved activations are one
     microbatch's, FLOPs and the peak the whole step's."""
-    if batch % accum:
-        raise ConfigError(f"batch size {batch} is not divisible by accum {accum}")
+    AccumConfig(steps=accum).check_batch(batch)  # the same check and message as jax_record
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = "cpu" if fake or not torch.cuda.is_available() else "cuda"
