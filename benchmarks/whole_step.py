@@ -7,6 +7,9 @@ activations alone.
   AdamW: JAX's planned peak from the step's compiled plan (XLA:CPU, and the same step compiled
   for an H100 without one), PyTorch's runtime peak (torch MemTracker on CPU, a steady second
   step: AdamW's state exists).
+- ``unrolled``: the sweep's H100 plans again with the blocks unrolled (``MemoryPolicy.unroll``;
+  ``nested`` always scans), added to the sweep's rows.
+- ``gpt2_unrolled``: gpt2-124m (bf16, 8 × 1024) planned for an H100, scanned and unrolled.
 - ``combined``: the seeds' "combine everything" claim: the baseline (fp32, no remat, AdamW, one
   microbatch) against every combination of policy × precision × optimizer × accumulation at
   batch 16 × 256, per framework; the leanest, its reduction and what it still holds.
@@ -14,7 +17,7 @@ activations alone.
 Each figure says what it is; the two frameworks' peaks are different kinds of figure (a compiled
 plan vs a runtime high-water mark) and are labelled so, never mixed in one column.
 
-    python benchmarks/whole_step.py [--parts sweep,combined]
+    python benchmarks/whole_step.py [--parts sweep,unrolled,gpt2_unrolled,combined]
 """
 
 from __future__ import annotations
@@ -109,6 +112,88 @@ def sweep() -> list[dict]:
     return rows
 
 
+def unrolled(rows: list[dict]) -> None:
+    """Add the H100 plan of the same step with the blocks unrolled to each sweep row."""
+    cfg = get_preset(PRESET)
+    target = get_target("h100")
+    for r in rows:
+        policy = POLICIES[r["policy"]]
+        if policy.nested:
+            r["jax_h100_unrolled_plan_peak_bytes"] = None  # nested scans its segments
+            continue
+        start = time.perf_counter()
+        plan = plan_step(
+            cfg,
+            policy.replace(unroll=True),
+            PRECISIONS[r["precision"]],
+            OptimizerConfig(name=r["optimizer"]),
+            r["batch"],
+            r["seq_len"],
+            target,
+            accum=r["accum"],
+        )
+        r["jax_h100_unrolled_plan_peak_bytes"] = plan["planned_peak_bytes"]
+        print(
+            f"unrolled {r['precision']} {r['policy']}: {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+
+
+GPT2_SHAPE = ("gpt2-124m", "bf16", 8, 1024)
+GPT2_POLICIES = ("none", "full", "selective", "mlp", "offload")
+
+
+def gpt2_unrolled() -> list[dict]:
+    """gpt2-124m (bf16, 8 × 1024, AdamW) compiled for an H100, scanned and unrolled: does
+    unrolling pay at a GPU size? Compile seconds are wall time on this machine (noisy)."""
+    preset, precision, batch, seq = GPT2_SHAPE
+    cfg, target = get_preset(preset), get_target("h100")
+    rows = []
+    for name in GPT2_POLICIES:
+        row = {"preset": preset, "precision": precision, "batch": batch, "seq_len": seq}
+        row["policy"] = name
+        for stack, unroll in (("scanned", False), ("unrolled", True)):
+            start = time.perf_counter()
+            plan = plan_step(
+                cfg,
+                POLICIES[name].replace(unroll=unroll),
+                PRECISIONS[precision],
+                OptimizerConfig(),
+                batch,
+                seq,
+                target,
+            )
+            row[f"{stack}_plan_peak_bytes"] = plan["planned_peak_bytes"]
+            row[f"{stack}_compile_seconds"] = round(time.perf_counter() - start, 1)
+            row["compiler"] = plan["compiler"]
+        print(f"gpt2 {name}: {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def gpt2_markdown(rows: list[dict]) -> list[str]:
+    preset, precision, batch, seq = GPT2_SHAPE
+    lines = [
+        "",
+        f"### Scanned vs unrolled at a GPU size ({preset}, {precision}, {batch} × {seq}, AdamW)",
+        "",
+        f"The train step's compiled plan for an H100 without one ({rows[0]['compiler']}), "
+        "scanned and with the blocks unrolled; compile seconds: wall time on this machine "
+        "(2 busy cores), for the ratio only.",
+        "",
+        "| policy | scanned GB | unrolled GB | unrolled / scanned | compile s scanned "
+        "| compile s unrolled |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        a, b = r["scanned_plan_peak_bytes"], r["unrolled_plan_peak_bytes"]
+        lines.append(
+            f"| {r['policy']} | {a / 1e9:.2f} | {b / 1e9:.2f} | {b / a:.3f} "
+            f"| {r['scanned_compile_seconds']} | {r['unrolled_compile_seconds']} |"
+        )
+    return lines
+
+
 def combined() -> list[dict]:
     rows = [point(*BASELINE, COMBINED_SHAPE, h100=False) | {"baseline": True}]
     for combo in itertools.product(*COMBINED_AXES.values()):
@@ -131,19 +216,30 @@ def sweep_markdown(rows: list[dict]) -> list[str]:
         "temporaries), XLA:CPU and compiled for an H100 without one; torch peak = runtime peak "
         "(torch MemTracker, CPU, a steady second step). Different kinds of figure: compare them "
         "as what each framework's user would be told. XLA:CPU erases host offload and MemTracker "
-        "counts host memory too (a CPU-only run), so `offload` saves nothing in either column.",
+        "counts host memory too (a CPU-only run), so `offload` saves nothing in either column. "
+        "H100 unrolled: the same step with the blocks unrolled (`--unroll`: XLA frees each "
+        "block's residuals after its backward instead of holding the scan's stacked buffers; "
+        "`nested` always scans; XLA:CPU drops remat when unrolled, so no XLA:CPU column). "
+        "Best H100 / torch: the smaller H100 plan over the torch peak.",
         "",
-        "| precision | policy | JAX plan MiB (XLA:CPU) | JAX plan MiB (H100) | torch peak MiB "
-        "(runtime, CPU) | JAX XLA:CPU / torch | grads JAX / torch MiB | saved JAX / torch MiB "
-        "| weight copies JAX / torch MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| precision | policy | JAX plan MiB (XLA:CPU) | JAX plan MiB (H100) | JAX plan MiB "
+        "(H100, unrolled) | torch peak MiB (runtime, CPU) | JAX XLA:CPU / torch | best H100 / "
+        "torch | grads JAX / torch MiB | saved JAX / torch MiB | weight copies JAX / torch MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         j, t = r["jax"], r["torch"]
+        h100 = [
+            b
+            for b in (r.get("jax_h100_plan_peak_bytes"), r.get("jax_h100_unrolled_plan_peak_bytes"))
+            if b is not None
+        ]
+        best = f"{min(h100) / r['torch_peak_bytes']:.3f}" if h100 else "-"
         lines.append(
             f"| {r['precision']} | {r['policy']} | {_m(r['jax_plan_peak_bytes'])} "
-            f"| {_m(r.get('jax_h100_plan_peak_bytes'))} | {_m(r['torch_peak_bytes'])} "
-            f"| {r['jax_plan_peak_bytes'] / r['torch_peak_bytes']:.3f} "
+            f"| {_m(r.get('jax_h100_plan_peak_bytes'))} "
+            f"| {_m(r.get('jax_h100_unrolled_plan_peak_bytes'))} | {_m(r['torch_peak_bytes'])} "
+            f"| {r['jax_plan_peak_bytes'] / r['torch_peak_bytes']:.3f} | {best} "
             f"| {_m(j['grads_bytes'])} / {_m(t['grads_bytes'])} "
             f"| {_m(j['saved_activation_bytes'])} / {_m(t['saved_activation_bytes'])} "
             f"| {_m(j['parameter_copy_bytes'])} / {_m(t['parameter_copy_bytes'])} |"
@@ -196,24 +292,34 @@ def combined_markdown(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="sweep,combined")
+    parser.add_argument("--parts", default="sweep,unrolled,gpt2_unrolled,combined")
     parser.add_argument("--out", default="benchmarks/results/whole_step")
     args = parser.parse_args()
-    parts = args.parts.split(",")
+    parts = [p for p in args.parts.split(",") if p]  # "": rewrite the Markdown only
     threads = set_threads()
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "whole_step.json")
-    result = {"sweep": [], "combined": []}
+    result = {"sweep": [], "combined": [], "gpt2_unrolled": []}
+    measured: dict[str, str] = {}  # part -> when it was last measured
     if os.path.exists(path):  # a part not measured in this run keeps its last measurement
         with open(path) as f:
-            result |= {k: v for k, v in json.load(f).items() if k != "meta"}
+            last = json.load(f)
+        result |= {k: v for k, v in last.items() if k != "meta"}
+        old = last["meta"]
+        measured = old.get("measured") or dict.fromkeys(old["parts_measured"], old["date"])
     if "sweep" in parts:
         result["sweep"] = sweep()
+    if "unrolled" in parts:
+        unrolled(result["sweep"])
+    if "gpt2_unrolled" in parts:
+        result["gpt2_unrolled"] = gpt2_unrolled()
     if "combined" in parts:
         result["combined"] = combined()
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": now,
+        "measured": measured | dict.fromkeys(parts, now),
         "host": f"{platform.node()} ({os.cpu_count()} CPUs)",
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
         "threads": threads,
@@ -224,11 +330,15 @@ def main() -> None:
     lines = [
         f"Whole-step memory, jaxmem vs torch_ref; {meta['host']}, {meta['date']} (jax "
         f"{meta['versions']['jax']}, torch {meta['versions']['torch']}). "
-        "`python benchmarks/whole_step.py`.",
+        "`python benchmarks/whole_step.py`; parts measured: "
+        + ", ".join(f"{part} {when}" for part, when in sorted(meta["measured"].items()))
+        + ".",
         "",
     ]
     if result["sweep"]:
         lines += sweep_markdown(result["sweep"])
+    if result["gpt2_unrolled"]:
+        lines += gpt2_markdown(result["gpt2_unrolled"])
     if result["combined"]:
         lines += combined_markdown(result["combined"])
     write_atomic(os.path.join(args.out, "whole_step.md"), "\n".join(lines) + "\n")

@@ -227,6 +227,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "policy": ("memory", "policy"),
     "save": ("memory", "save"),
     "offload": ("memory", "offload"),
+    "unroll": ("memory", "unroll"),
     "n_layers": ("model", "n_layers"),
     "d_model": ("model", "d_model"),
     "n_heads": ("model", "n_heads"),
@@ -464,7 +465,17 @@ def cmd_memory(args: argparse.Namespace) -> int:
             "F.scaled_dot_product_attention): no [B, H, S, S] tensor is kept or materialised"
         )
     policies = _names(args.policies, list(POLICIES), "policies")
-    if args.frameworks is None and not torch_available():
+    if args.unroll:
+        if "nested" in policies:
+            raise UsageError(
+                "--unroll cannot apply to nested (it runs its segments under scan: that is how "
+                "it keeps about √L block inputs); drop nested from --policies or drop --unroll"
+            )
+        if args.target in (None, "cpu"):
+            notes.append(
+                "--unroll on XLA:CPU: its compiler drops remat in an unrolled stack, so the "
+                "plan shows no policy's savings (only none's); plan for a GPU --target"
+            )
         frameworks = ["jax"]
         notes.append(f"PyTorch is not installed: JAX only ({TORCH_EXTRA} adds the torch rows)")
     else:
@@ -528,6 +539,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     records = []
     for name in policies:
         policy = get_policy(name)
+        if args.unroll:  # torch_ref ignores it: its blocks always run one by one
+            policy = policy.replace(unroll=True)
         for fw in frameworks:
             how = ""
             if planning and fw != "jax":
@@ -944,6 +957,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the JAX plan for: cpu (the local backend, default), h100, a100-40gb, "
         "a100-80gb (XLA:CUDA without a GPU; needs jaxmem[gpu-plan]) or a .txtpb target file",
     )
+    p.add_argument(
+        "--unroll",
+        action="store_true",
+        help="JAX: plan the blocks unrolled instead of under one scan (torch_ref runs its blocks "
+        "one by one anyway); XLA:CPU drops remat when unrolled, a GPU --target keeps it",
+    )
     p.add_argument("--json", metavar="OUT.json", help="write the records as a JSON list")
     p.set_defaults(func=cmd_memory)
 
@@ -1106,6 +1125,14 @@ def _train_parser(sub) -> None:
     )
     a("--save", default=None, help="custom policy: tags kept in device memory, comma-separated")
     a("--offload", default=None, help="custom policy: tags sent to host memory, comma-separated")
+    a(
+        "--unroll",
+        action="store_const",
+        const=True,
+        default=None,
+        help="JAX: run the blocks unrolled instead of under one scan (frees each block's "
+        "residuals after its backward; slower to compile; XLA:CPU drops remat when unrolled)",
+    )
     a("--precision", default=None, help=f"one of {', '.join(PRECISIONS)} (default fp32)")
     a("--accum", type=_positive_int, default=None, help="microbatches per step (default 1)")
     a("--accum-mode", default=None, help="scan or multisteps (default scan)")

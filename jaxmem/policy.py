@@ -169,6 +169,13 @@ class MemoryPolicy:
       layers: which layers the policy applies to.
       use_reentrant: PyTorch only: ``torch.utils.checkpoint``'s mode (chosen explicitly, never
         left to its default).
+      unroll: JAX only: run the blocks as an unrolled loop instead of one ``lax.scan`` (MaxText's
+        ``scan_layers=False``). A scan holds each residual as one stacked ``[L, ...]`` buffer
+        until the whole backward has run, beside the stacked gradients; unrolled, XLA frees a
+        block's residuals once its backward has run, as PyTorch's autograd does. It compiles
+        slower, and XLA:CPU drops remat in an unrolled stack (a GPU compiler keeps it): see
+        ``jaxmem.memory.remat``. A layer selection always runs unrolled. PyTorch always runs
+        its blocks one by one, so torch_ref ignores it.
     """
 
     name: str = "custom"
@@ -179,6 +186,7 @@ class MemoryPolicy:
     nested: bool = False
     layers: LayerSelection = LayerSelection()
     use_reentrant: bool = False
+    unroll: bool = False
 
     def __post_init__(self) -> None:
         for field in ("save", "offload"):
@@ -211,6 +219,12 @@ class MemoryPolicy:
             isinstance(self.use_reentrant, bool),
             f"use_reentrant={self.use_reentrant!r} must be True or False",
         )
+        require(isinstance(self.unroll, bool), f"unroll={self.unroll!r} must be True or False")
+        require(
+            not (self.nested and self.unroll),
+            "nested runs its segments under scan (that is how it keeps √L block inputs): it "
+            "takes no unroll",
+        )
 
     @classmethod
     def custom(
@@ -220,6 +234,7 @@ class MemoryPolicy:
         layers: LayerSelection = LayerSelection(),
         name: str = "custom",
         use_reentrant: bool = False,
+        unroll: bool = False,
     ) -> MemoryPolicy:
         """Per-name choices; names not mentioned are recomputed.
 
@@ -234,6 +249,7 @@ class MemoryPolicy:
             offload=tuple(n for n in CHECKPOINT_NAMES if choices.get(n) == "offload"),
             layers=layers,
             use_reentrant=use_reentrant,
+            unroll=unroll,
         )
 
     def replace(self, **changes: Any) -> MemoryPolicy:
@@ -268,9 +284,12 @@ POLICIES: dict[str, MemoryPolicy] = {
 def is_preset(policy: MemoryPolicy) -> bool:
     """``policy`` is a preset of ``POLICIES`` (with any layer selection and checkpoint mode)."""
     preset = POLICIES.get(policy.name)
-    return preset is not None and policy.replace(layers=LayerSelection(), use_reentrant=False) == (
-        preset
-    )
+    return preset is not None and _as_preset(policy) == preset
+
+
+def _as_preset(policy: MemoryPolicy) -> MemoryPolicy:
+    """``policy`` without the settings a preset may carry (layers, checkpoint mode, unroll)."""
+    return policy.replace(layers=LayerSelection(), use_reentrant=False, unroll=False)
 
 
 def check_policy(cfg: ModelConfig, policy: MemoryPolicy) -> None:
@@ -342,10 +361,9 @@ def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
     it exactly."""
     layers = {key: getattr(policy.layers, attr) for key, attr in LAYER_FIELDS.items()}
     layers = {k: (list(v) if isinstance(v, tuple) else v) for k, v in layers.items()}
-    preset = POLICIES.get(policy.name)
-    as_preset = policy.replace(layers=LayerSelection(), use_reentrant=False)
-    if preset is not None and as_preset == preset:
-        return {"policy": policy.name, **layers, "use_reentrant": policy.use_reentrant}
+    modes = {"use_reentrant": policy.use_reentrant, "unroll": policy.unroll}
+    if is_preset(policy):
+        return {"policy": policy.name, **layers, **modes}
     require(
         not (policy.save_dots or policy.nested) and policy.remat,
         f"policy {policy.name!r} (save_dots/nested/no remat, not a preset) cannot be written to a "
@@ -356,14 +374,14 @@ def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
         "save": list(policy.save),
         "offload": list(policy.offload),
         **layers,
-        "use_reentrant": policy.use_reentrant,
+        **modes,
     }
 
 
 def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
     """A ``MemoryPolicy`` from a ``[memory]`` section (see ``policy_to_dict``); bad names, a tag
     both saved and offloaded and bad layer selections raise ``ConfigError``."""
-    known = {"policy", "save", "offload", "use_reentrant", *LAYER_FIELDS}
+    known = {"policy", "save", "offload", "use_reentrant", "unroll", *LAYER_FIELDS}
     unknown = sorted(set(section) - known)
     require(not unknown, f"unknown setting(s) {unknown} in [memory]; valid: {', '.join(known)}")
     name = section.get("policy", "none")
@@ -380,16 +398,13 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
         value = section.get(key)
         layers[attr] = tuple(value) if isinstance(value, list) else value
     selection = LayerSelection(**layers)
-    use_reentrant = section.get("use_reentrant", False)
+    modes = {
+        "use_reentrant": section.get("use_reentrant", False),
+        "unroll": section.get("unroll", False),
+    }
     if name == "custom":
-        return MemoryPolicy(
-            name="custom",
-            save=save,
-            offload=offload,
-            layers=selection,
-            use_reentrant=use_reentrant,
-        )
-    return get_policy(MERGED.get(name, name)).replace(layers=selection, use_reentrant=use_reentrant)
+        return MemoryPolicy(name="custom", save=save, offload=offload, layers=selection, **modes)
+    return get_policy(MERGED.get(name, name)).replace(layers=selection, **modes)
 
 
 # ------------------------------------------------------------------------- the block's backward

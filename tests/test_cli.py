@@ -54,6 +54,7 @@ def test_memory_command_plans_a_large_preset_from_shapes(tmp_path):
         (["memory", "--frameworks", "jax", "--precision", "fp8"], "unknown precision 'fp8'"),
         (["memory", "--frameworks", "jax", "--seq-len", "100"], "--seq-len 100 exceeds"),
         (["seed-example", "--policy", "most"], "unknown memory policy 'most'"),
+        (["memory", "--unroll", "--policies", "full,nested"], "--unroll cannot apply to nested"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
@@ -90,6 +91,15 @@ def test_memory_without_pytorch_reports_jax_alone(monkeypatch, capsys):
     assert cli.main(["memory", "--policies", "full", "--batch-size", "2", "--seq-len", "16"]) == 0
     out = capsys.readouterr().out
     assert "PyTorch is not installed: JAX only" in out and "jaxmem.memory.remat" in out
+
+
+def test_memory_unroll_says_how_the_stack_ran(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "torch_available", lambda: False)
+    args = ["memory", "--policies", "none", "--batch-size", "2", "--seq-len", "16", "--unroll"]
+    assert cli.main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "jax.checkpoint per block, stack unrolled" in out
+    assert "--unroll on XLA:CPU" in out
 
 
 def test_presets_command_lists_every_preset(capsys):

@@ -99,10 +99,12 @@ def test_bad_optimizer_values_are_named(kwargs, fragment):
         *POLICIES.values(),
         POLICIES["full"].replace(layers=LayerSelection(every=2), use_reentrant=True),
         POLICIES["selective"].replace(layers=LayerSelection(layers=(0, 2))),
+        POLICIES["none"].replace(unroll=True),
+        MemoryPolicy.custom({"mlp_up": "device"}, unroll=True),
         MemoryPolicy.custom({"mlp_up": "device", "norm1_out": "offload"}),
         MemoryPolicy.custom({"attn_out": "offload"}, layers=LayerSelection(first=1)),
     ],
-    ids=lambda p: f"{p.name}-{p.layers}",
+    ids=lambda p: f"{p.name}-{p.layers}{'-unrolled' if p.unroll else ''}",
 )
 def test_memory_policies_round_trip_through_the_run_config(policy):
     """Names at the file boundary only: a run config's [memory] section reads back to the very

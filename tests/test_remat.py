@@ -16,7 +16,7 @@ from jaxmem.data import lm_batch
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import check_backend, layers_fn
 from jaxmem.memory.residuals import saved_residuals, summarize_residuals
-from jaxmem.model import CHECKPOINT_NAMES, Decoder
+from jaxmem.model import CHECKPOINT_NAMES, Decoder, make_model
 from jaxmem.policy import (
     POLICIES,
     LayerSelection,
@@ -26,6 +26,7 @@ from jaxmem.policy import (
     nested_segment_size,
     policy_from_dict,
 )
+from jaxmem.precision import PRECISIONS
 from jaxmem.train.step import lm_loss_fn
 
 CFG = PRESETS["tiny"].replace(n_layers=4)
@@ -220,6 +221,55 @@ def test_layer_selection_checkpoints_only_the_chosen_layers(setup):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol.rtol, atol=tol.atol)
 
 
+@pytest.mark.parametrize("name", ["none", "selective", "offload"])
+def test_an_unrolled_stack_computes_and_keeps_what_the_scan_does(setup, name):
+    """``unroll`` changes how XLA can free residuals, not what is computed or kept: the same
+    loss, gradients, saved bytes (device and host) and matmul FLOPs as the scanned stack."""
+    graphdef, params, batch = setup
+    scanned, unrolled = (
+        scalar_loss(graphdef, POLICIES[name].replace(unroll=u)) for u in (False, True)
+    )
+    tol = tolerance("float32", "remat_vs_none")
+    (loss0, g0), (loss1, g1) = (jax.value_and_grad(f)(params, batch) for f in (scanned, unrolled))
+    np.testing.assert_allclose(float(loss1), float(loss0), rtol=tol.rtol, atol=tol.atol)
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol.rtol, atol=tol.atol)
+    s0, s1 = (summarize_residuals(saved_residuals(f, params, batch)) for f in (scanned, unrolled))
+    assert (s1.activation_bytes_device, s1.activation_bytes_host) == (
+        s0.activation_bytes_device,
+        s0.activation_bytes_host,
+    )
+    assert s1.parameter_copy_bytes == s0.parameter_copy_bytes == 0
+    assert grad_matmul_flops(unrolled, params, batch) == grad_matmul_flops(scanned, params, batch)
+
+
+def test_unrolled_blocks_keep_no_copy_of_their_weights_in_bf16():
+    """Each unrolled block slices and casts its weights inside its checkpoint, so under bf16
+    ``none`` the backward re-casts them rather than keeping a bf16 copy per block (the scanned
+    stack keeps one: 2 bytes per matmul weight); what stays is the head's, as under ``full``."""
+    model = make_model(CFG, PRECISIONS["bf16"])
+    graphdef, params = nnx.split(model, nnx.Param)
+    inputs, targets = lm_batch(CFG, 4, 32, seed=1)
+    batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    copies = {
+        (name, unroll): summarize_residuals(
+            saved_residuals(
+                scalar_loss(graphdef, POLICIES[name].replace(unroll=unroll)), params, batch
+            )
+        ).parameter_copy_bytes
+        for name in ("none", "full")
+        for unroll in (False, True)
+    }
+    blocks = params["blocks"]
+    matmul_weights = sum(
+        leaf.size
+        for path, leaf in jax.tree_util.tree_leaves_with_path(blocks)
+        if "kernel" in jax.tree_util.keystr(path)
+    )
+    assert copies["none", False] - copies["full", False] == 2 * matmul_weights
+    assert copies["none", True] == copies["full", True] == copies["full", False]
+
+
 @pytest.mark.parametrize(
     ("make", "fragment"),
     [
@@ -237,6 +287,7 @@ def test_layer_selection_checkpoints_only_the_chosen_layers(setup):
         ),
         (lambda: MemoryPolicy(nested=True, save=("mlp_up",)), "nested recomputes whole segments"),
         (lambda: MemoryPolicy(remat=False, save=("mlp_up",)), "remat=False keeps everything"),
+        (lambda: MemoryPolicy(nested=True, unroll=True), "nested runs its segments under scan"),
         (lambda: MemoryPolicy.custom({"mlp_up": "disk"}), "must each be one of"),
         (lambda: LayerSelection(every=2, first=1), "takes one of every/first/layers"),
         (

@@ -205,7 +205,9 @@ def jax_record(
     estimate = analytic.saved_activation_bytes(cfg, policy, batch // accum, seq_len, precision)
     return {
         "framework": "jax",
-        "translation": "jaxmem.memory.remat (jax.checkpoint under lax.scan)",
+        "translation": "jaxmem.memory.remat (jax.checkpoint per block, stack unrolled)"
+        if policy.unroll or not policy.layers.is_all
+        else "jaxmem.memory.remat (jax.checkpoint under lax.scan)",
         "policy": policy.name,
         "precision": precision.name,
         "batch": batch,
