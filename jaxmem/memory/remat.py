@@ -103,8 +103,8 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
     - ``unroll``: every block unrolled, each slicing its parameters out of the stack inside
       its own ``jax.checkpoint``, so the backward re-slices (and re-casts) them instead of
       keeping a copy per block; under ``none`` the checkpoint keeps every other output
-      (measured, H100 plans: gpt2-124m bf16 8 x 1024 `none` 14.05 -> 11.80 GB; keeping the
-      slices and casts, 15.21 GB).
+      (measured, H100 plans: gpt2-124m bf16 8 x 1024 `none` 14.73 GB scanned, 12.37 GB
+      unrolled; unrolled keeping the slices and casts, 15.95 GB).
     """
     check_backend(policy)
     selected = policy.layers.indices(n_layers)
