@@ -27,6 +27,7 @@ from jaxmem.config import (
     get_preset,
 )
 from jaxmem.files import write_json_atomic
+from jaxmem.parallel import parse_mesh
 from jaxmem.policy import CHECKPOINT_NAMES, POLICIES, get_policy
 from jaxmem.precision import PRECISIONS, get_precision
 from jaxmem.train.job import FRAMEWORKS
@@ -278,16 +279,43 @@ def resolve_job(args: argparse.Namespace):
             flags[key] = value
     if (args.save or args.offload) and args.policy is None:
         flags.setdefault("memory", {})["policy"] = "custom"
+    if args.mesh is not None:
+        parallel = parse_mesh(args.mesh)
+        flags["parallel"] = {"strategy": parallel.strategy, "devices": parallel.devices}
     layered = merge(layered, flags)
     for assignment in args.set or ():
         layered = merge(layered, parse_assignment(assignment))
     return JobConfig.from_dict(layered)
 
 
+def _ask_for_cpu_devices(args: argparse.Namespace) -> None:
+    """JAX fixes its CPU device count when its backends start, and reading a checkpoint starts
+    them: ask for a mesh's devices first, from --mesh or the run's config.yaml (resuming)."""
+    import yaml
+
+    from jaxmem.sharding import ensure_cpu_devices
+
+    devices = 1
+    if args.mesh is not None:
+        try:
+            devices = parse_mesh(args.mesh).devices
+        except ConfigError:
+            return  # resolve_job reports it
+    elif args.resume and args.out:
+        try:
+            with open(os.path.join(args.out, "config.yaml")) as f:
+                devices = int(((yaml.safe_load(f) or {}).get("parallel") or {}).get("devices", 1))
+        except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+            return  # no readable config: resolve_job reads the checkpoint's and says
+    if devices > 1:
+        ensure_cpu_devices(devices)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from jaxmem.data import DataError
     from jaxmem.train.layout import CheckpointError
 
+    _ask_for_cpu_devices(args)
     try:
         job = resolve_job(args)
     except (ConfigError, DataError, CheckpointError) as e:
@@ -323,6 +351,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         need_torch("jaxmem train --framework torch")
         from jaxmem.compare import torch_run as framework
     else:
+        if job.parallel.sharded:
+            from jaxmem.sharding import ensure_cpu_devices
+
+            ensure_cpu_devices(job.parallel.devices)  # before JAX starts its backends
         need_jax_backend()
         from jaxmem.train import run as framework
     from jaxmem.train.loop import RunFailed, RunInterrupted
@@ -1125,6 +1157,13 @@ def _train_parser(sub) -> None:
     )
     a("--save", default=None, help="custom policy: tags kept in device memory, comma-separated")
     a("--offload", default=None, help="custom policy: tags sent to host memory, comma-separated")
+    a(
+        "--mesh",
+        default=None,
+        help="data-parallel strategy over devices, STRATEGY=N: dp=4 (replicated), zero1=4 "
+        "(optimizer state sharded), fsdp=4 (parameters, gradients and state sharded); on a CPU "
+        "JAX is given N CPU devices",
+    )
     a(
         "--unroll",
         action="store_const",

@@ -18,6 +18,7 @@ repeats a run). ``JobConfig`` holds objects (``ModelConfig``, ``MemoryPolicy``, 
     [data]       # path (a text file, a directory of text, or nanoGPT .bin files; empty: the
                  # embedded Python-stdlib corpus), val_fraction
     [run]        # RunConfig fields (framework, steps, batch_size, seq_len, seed, ...)
+    [parallel]   # strategy (dp | zero1 | fsdp), devices (the command line: --mesh fsdp=4)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from jaxmem.config import (
     get_preset,
     require,
 )
+from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import (
     MemoryPolicy,
     check_policy,
@@ -154,6 +156,7 @@ SECTIONS: dict[str, type] = {
     "accum": AccumConfig,
     "data": DataConfig,
     "run": RunConfig,
+    "parallel": ParallelConfig,
 }
 # What a resumed run may change: how long to train and what is reported or written, not the
 # arithmetic of a step. Dotted paths of ``JobConfig.to_dict()`` (the one list: the resume check
@@ -182,6 +185,7 @@ class JobConfig:
     accum: AccumConfig = AccumConfig()
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         require(
@@ -217,6 +221,18 @@ class JobConfig:
             "them once per microbatch on the device)",
         )
         self.accum.check_batch(self.run.batch_size)
+        self.parallel.check_batch(self.run.batch_size, self.accum.steps)
+        if self.parallel.sharded:
+            require(
+                self.accum.mode == "scan",
+                f"--mesh {self.parallel.mesh_text()} runs scan accumulation; accum mode "
+                f"{self.accum.mode!r} is single-device only: use accum mode 'scan'",
+            )
+            require(
+                self.run.framework == "jax",
+                f"--mesh {self.parallel.mesh_text()} is jaxmem's (JAX) for now; torch_ref's "
+                "FSDP2 runs are not built yet: drop --mesh or use --framework jax",
+            )
         require(
             self.run.seq_len <= self.model.max_seq_len,
             f"seq_len={self.run.seq_len} exceeds the model's max_seq_len="
@@ -233,7 +249,7 @@ class JobConfig:
             return value
 
         out: dict[str, Any] = {"preset": self.preset, "precision": self.precision.name}
-        for section in ("model", "optimizer", "accum", "data", "run"):
+        for section in ("model", "optimizer", "accum", "data", "run", "parallel"):
             obj = getattr(self, section)
             out[section] = {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         out["memory"] = policy_to_dict(self.memory)

@@ -26,6 +26,7 @@ from jaxmem.memory.remat import backend_memory_kinds, check_backend, layers_fn
 from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.policy import HOST_MEMORY_KIND
+from jaxmem.sharding import ensure_cpu_devices, mesh, sharded_bytes, step_shardings
 from jaxmem.train.job import JobConfig
 from jaxmem.train.layout import CHECKPOINT_DIR
 from jaxmem.train.loop import (
@@ -53,6 +54,9 @@ from jaxmem.train.step import (
 
 def check_jax_backend(job: JobConfig) -> None:
     """Raise ``ConfigError`` for what this JAX backend cannot run."""
+    if job.parallel.sharded:
+        ensure_cpu_devices(job.parallel.devices)  # before anything starts JAX's backends
+        mesh(job.parallel)  # raises, naming the device count, if this process lacks them
     check_backend(job.memory)
     check_precision_backend(job.precision)
     for name in ("state_memory", "params_memory"):
@@ -76,9 +80,13 @@ def memory_figures(
     batch: dict[str, Any],
     plan: dict[str, int],
     accum_steps: int = 1,
+    shardings: Any = None,
+    mesh_text: str = "",
 ) -> list[Figure]:
     """The memory table of one training step. Every figure is measured, with its method.
-    Residuals are those of one microbatch (what the backward keeps at a time)."""
+    Residuals are those of one microbatch (what the backward keeps at a time). Over a mesh
+    (``shardings``): parameters and optimizer state also per device, from each leaf's shard
+    shape; residuals are the whole microbatch's (every device's rows); the plan is per device."""
     if accum_steps > 1:
         batch = jax.tree_util.tree_map(lambda a: a[: a.shape[0] // accum_steps], batch)
     grads_shape = jax.eval_shape(jax.grad(lambda p: loss_fn(p, batch)[0]), params)
@@ -95,6 +103,23 @@ def memory_figures(
         Figure("parameters the backward keeps (not extra)", summary.argument_bytes, vjp),
     ]
     source = f"compiled plan (XLA:{jax.devices()[0].platform.upper()} memory_analysis)"
+    if shardings is not None:
+        shard = f"shard shapes ({mesh_text})"
+        figures[0:0] = [
+            Figure("parameters, per device", sharded_bytes(params, shardings.params), shard),
+            Figure(
+                "optimizer state, per device",
+                sharded_bytes(opt_state, shardings.opt_state),
+                shard,
+            ),
+        ]
+        figures = [
+            Figure(f"{f.quantity} (whole batch, all devices)", f.nbytes, f.source)
+            if f.quantity.startswith(("saved activations", "parameters the backward"))
+            else f
+            for f in figures
+        ]
+        source = source[:-1] + f", per device, {mesh_text})"
     figures += [
         Figure("train step: arguments", plan["argument_bytes"], source),
         Figure("train step: outputs", plan["output_bytes"], source),
@@ -150,6 +175,18 @@ class JaxTrainer:
         self.graphdef, params = nnx.split(model, nnx.Param)
         del model  # params are donated to the step; keep no second reference
         tx = make_optimizer(job.optimizer)
+        self.shardings = None
+        if job.parallel.sharded:
+            # the same step over a mesh: parameters and optimizer state placed by the strategy
+            # (the state created sharded: jit(tx.init) would otherwise return it replicated)
+            self.shardings = step_shardings(
+                job.parallel,
+                params,
+                jax.eval_shape(tx.init, params),
+                state_memory=job.optimizer.state_memory,
+                params_memory=job.optimizer.params_memory,
+            )
+            params = jax.device_put(params, self.shardings.params)
         loss_fn = lm_loss_fn(self.graphdef, layers_fn=layers_fn(job.memory, cfg.n_layers))
         self.host_params = job.optimizer.params_memory != "device"
         # parameters kept in host memory are brought to the device inside the jitted evaluation
@@ -170,10 +207,18 @@ class JaxTrainer:
             else:
                 # optimizer state / parameters kept in host memory between steps enter the
                 # compiled step there (it moves them to the device for the update and back)
-                opt_state = place(tx.init(params), job.optimizer.state_memory)
-                params = place(params, job.optimizer.params_memory)
+                if self.shardings is not None:
+                    opt_state = jax.jit(tx.init, out_shardings=self.shardings.opt_state)(params)
+                else:
+                    opt_state = place(tx.init(params), job.optimizer.state_memory)
+                    params = place(params, job.optimizer.params_memory)
                 step_fn = make_train_step(
-                    loss_fn, tx, precision=job.precision, accum=job.accum, opt_cfg=job.optimizer
+                    loss_fn,
+                    tx,
+                    precision=job.precision,
+                    accum=job.accum,
+                    opt_cfg=job.optimizer,
+                    shardings=self.shardings,
                 )
                 self._step = step_fn.lower(params, opt_state, self.loss_scale, first).compile()
         except Exception as e:
@@ -189,7 +234,15 @@ class JaxTrainer:
         plan = residuals.compiled_plan(self._step)
         self.planned_bytes = residuals.planned_peak(plan)
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state))
-        self._figures = memory_figures(loss_fn, *shapes, first, plan, job.accum.steps)
+        self._figures = memory_figures(
+            loss_fn,
+            *shapes,
+            first,
+            plan,
+            job.accum.steps,
+            self.shardings,
+            job.parallel.mesh_text(),
+        )
         if target is not None and target.is_gpu:
             console.print(f"planning the same step for {target.description} (no GPU needed)...")
             self._figures += target_plan_figures(
@@ -205,12 +258,17 @@ class JaxTrainer:
             )
 
     def describe(self) -> str:
+        where = ""
+        if self.shardings is not None:
+            where = f" per device, {self.job.parallel.mesh_text()}"
         return (
-            f"compiled in {self.compile_s:.1f} s, step plans {format_bytes(self.planned_bytes)} "
-            "(compiled plan)"
+            f"compiled in {self.compile_s:.1f} s, step plans {format_bytes(self.planned_bytes)}"
+            f"{where} (compiled plan)"
         )
 
     def transfer(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if self.shardings is not None:
+            return jax.device_put(batch, self.shardings.batch)  # each device its rows
         return jax.device_put(batch)
 
     def restore(self, step: int) -> None:

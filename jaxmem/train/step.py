@@ -103,10 +103,13 @@ def summed_grads(
     accum_steps: int = 1,
     accum_dtype: Any = jnp.float32,
     scale: jax.Array | None = None,
+    micro_sharding: Any = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
     """``(d(scale * Σ loss_sum)/dθ, Σ loss_sum, Σ n_tokens)`` over ``accum_steps`` microbatches.
 
     Nothing is divided here: the caller divides once by the total token count (and the scale).
+    ``micro_sharding``: where the ``[k, B/k, ...]`` microbatch stack lives (data parallel: each
+    microbatch split over the devices, not whole microbatches per device).
     """
 
     def scaled_sum(p, b):
@@ -126,9 +129,10 @@ def summed_grads(
 
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), params)
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, loss_sum, n_tokens), _ = jax.lax.scan(
-        body, init, _split_microbatches(batch, accum_steps)
-    )
+    micro = _split_microbatches(batch, accum_steps)
+    if micro_sharding is not None:
+        micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
+    (grads, loss_sum, n_tokens), _ = jax.lax.scan(body, init, micro)
     return grads, loss_sum, n_tokens
 
 
@@ -143,9 +147,14 @@ def memory_sharding(kind: str, device: jax.Device | None = None) -> SingleDevice
     return SingleDeviceSharding(device or jax.devices()[0], memory_kind=kind)
 
 
-def place(tree: Any, kind: str) -> Any:
-    """Put every array of ``tree`` in memory kind ``kind`` (``device`` or ``pinned_host``)."""
-    return jax.device_put(tree, memory_sharding(kind))
+def place(tree: Any, kind: str, shardings: Any = None) -> Any:
+    """Put every array of ``tree`` in memory kind ``kind`` (``device`` or ``pinned_host``): on
+    the first device, or where ``shardings`` (a matching tree) puts each leaf."""
+    if shardings is None:
+        return jax.device_put(tree, memory_sharding(kind))
+    return jax.device_put(
+        tree, jax.tree_util.tree_map(lambda s: s.with_memory_kind(kind), shardings)
+    )
 
 
 def make_train_step(
@@ -155,6 +164,7 @@ def make_train_step(
     precision: Precision = FP32,
     accum: AccumConfig = NO_ACCUM,
     opt_cfg: OptimizerConfig | None = None,
+    shardings: Any = None,
 ) -> Callable[..., tuple]:
     """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, loss_scale,
     metrics)``, donating params and optimizer state. ``loss_scale`` is a ``DynamicLossScale``
@@ -164,15 +174,21 @@ def make_train_step(
     With ``opt_cfg.state_memory == "pinned_host"`` the optimizer state enters and leaves the step
     in host memory and is brought to the device only for the update (likewise the parameters
     with ``params_memory``).
+
+    ``shardings`` (``jaxmem.sharding.StepShardings``): the step runs over its mesh, inputs and
+    outputs placed by it (the updated parameters and state leave sharded as they came in).
     """
     if accum.mode != "scan":
         raise ValueError("make_train_step runs scan accumulation; use make_multisteps_step")
     state_kind = opt_cfg.state_memory if opt_cfg else "device"
     params_kind = opt_cfg.params_memory if opt_cfg else "device"
 
+    p_sh = shardings.params if shardings is not None else None
+    o_sh = shardings.opt_state if shardings is not None else None
+
     def step(params, opt_state, loss_scale, batch):
-        params = place(params, "device") if params_kind != "device" else params
-        opt_state = place(opt_state, "device") if state_kind != "device" else opt_state
+        params = place(params, "device", p_sh) if params_kind != "device" else params
+        opt_state = place(opt_state, "device", o_sh) if state_kind != "device" else opt_state
         # GradScaler scales the *mean* loss; the batch's valid-token count is known before the
         # forward, so each microbatch's summed loss is weighted by scale / n_total (fp16
         # overflow then happens at the same scales as in PyTorch).
@@ -184,6 +200,7 @@ def make_train_step(
             accum_steps=accum.steps,
             accum_dtype=jnp.dtype(precision.accum_dtype),
             scale=factor,
+            micro_sharding=shardings.micro() if shardings is not None else None,
         )
         divisor = n_tokens if loss_scale is None else loss_scale.scale
         grads = jax.tree_util.tree_map(lambda g: (g / divisor).astype(g.dtype), grads)
@@ -196,9 +213,9 @@ def make_train_step(
             new_opt_state = jax.tree_util.tree_map(keep, new_opt_state, opt_state)
             loss_scale = loss_scale.update(finite)
         if params_kind != "device":
-            new_params = place(new_params, params_kind)
+            new_params = place(new_params, params_kind, p_sh)
         if state_kind != "device":
-            new_opt_state = place(new_opt_state, state_kind)
+            new_opt_state = place(new_opt_state, state_kind, o_sh)
         metrics = {
             "loss": loss_sum / n_tokens,
             "n_tokens": n_tokens,
@@ -207,7 +224,15 @@ def make_train_step(
         }
         return new_params, new_opt_state, loss_scale, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    if shardings is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    rep = shardings.replicated
+    return jax.jit(
+        step,
+        donate_argnums=(0, 1),
+        in_shardings=(p_sh, o_sh, rep, shardings.batch),
+        out_shardings=(p_sh, o_sh, rep, rep),
+    )
 
 
 def make_multisteps_step(

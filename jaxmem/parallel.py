@@ -1,0 +1,96 @@
+"""Data-parallel strategies as data, like memory policies (``jaxmem.policy``): what each device
+holds when a step runs on N devices. Pure data (no JAX, no PyTorch); ``jaxmem.sharding`` turns a
+``ParallelConfig`` into JAX shardings, applied to the step from outside (the model never
+changes).
+
+- ``dp``: every device holds the parameters, gradients and optimizer state; the batch is split
+  and gradients are all-reduced (PyTorch DDP; FSDP2 with ``NO_SHARD``-like replication).
+- ``zero1``: as ``dp`` but the optimizer state is sharded (ZeRO stage 1): each device updates
+  its shard and the new parameters are all-gathered.
+- ``fsdp``: parameters, gradients and optimizer state sharded (ZeRO stage 3, PyTorch FSDP2's
+  ``fully_shard``): each scanned block's weights are all-gathered for its forward and backward
+  and its gradients reduce-scattered.
+
+On the command line a strategy and its device count are one mesh axis: ``--mesh fsdp=4``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxmem.config import ConfigError, require
+
+STRATEGIES: dict[str, str] = {
+    "dp": "parameters, gradients and optimizer state replicated; gradients all-reduced",
+    "zero1": "optimizer state sharded (ZeRO-1); parameters and gradients replicated",
+    "fsdp": "parameters, gradients and optimizer state sharded (ZeRO-3, FSDP)",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How a step is spread over devices.
+
+    Attributes:
+      strategy: one of ``STRATEGIES``.
+      devices: how many devices the data-parallel mesh axis spans (1: a single device, no
+        sharding at all, whatever the strategy).
+    """
+
+    strategy: str = "dp"
+    devices: int = 1
+
+    def __post_init__(self) -> None:
+        require(
+            self.strategy in STRATEGIES,
+            f"parallel strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}",
+        )
+        require(
+            isinstance(self.devices, int)
+            and not isinstance(self.devices, bool)
+            and self.devices > 0,
+            f"parallel devices={self.devices!r} must be a positive integer",
+        )
+
+    @property
+    def sharded(self) -> bool:
+        """Runs on more than one device."""
+        return self.devices > 1
+
+    @property
+    def shards_params(self) -> bool:
+        return self.sharded and self.strategy == "fsdp"
+
+    @property
+    def shards_opt_state(self) -> bool:
+        return self.sharded and self.strategy in ("zero1", "fsdp")
+
+    def mesh_text(self) -> str:
+        return f"{self.strategy}={self.devices}"
+
+    def check_batch(self, batch_size: int, accum_steps: int = 1) -> None:
+        """Every microbatch must split evenly over the devices."""
+        micro = batch_size // accum_steps
+        require(
+            micro % self.devices == 0,
+            f"microbatch size {micro} (batch {batch_size} / accum {accum_steps}) does not split "
+            f"over --mesh {self.mesh_text()}: use a batch size that is a multiple of "
+            f"{self.devices * accum_steps}",
+        )
+
+
+def parse_mesh(text: str) -> ParallelConfig:
+    """``"fsdp=4"`` -> ``ParallelConfig(strategy="fsdp", devices=4)``; one axis (data-parallel
+    strategies only, for now)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if len(parts) != 1 or "=" not in parts[0]:
+        raise ConfigError(
+            f"--mesh {text!r} must be one STRATEGY=DEVICES axis, e.g. fsdp=4 (strategies: "
+            f"{', '.join(STRATEGIES)})"
+        )
+    name, _, count = parts[0].partition("=")
+    try:
+        devices = int(count)
+    except ValueError:
+        raise ConfigError(f"--mesh {text!r}: {count!r} is not a device count") from None
+    return ParallelConfig(strategy=name.strip(), devices=devices)
