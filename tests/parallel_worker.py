@@ -1,0 +1,87 @@
+"""Run by ``tests/test_parallel.py`` in a subprocess: JAX fixes its CPU device count when its
+backends start, so the N-device runs need a process of their own. Trains ``tiny`` for a few
+AdamW steps on one device and under each strategy over ``DEVICES`` CPU devices, from the same
+weights and batches, and prints JSON: per case and strategy, the losses and the per-device
+bytes of parameters and optimizer state actually resident on the first device.
+
+    python tests/parallel_worker.py '[{"policy": "full", "precision": "fp32", ...}]'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+DEVICES = 4
+jax.config.update("jax_num_cpu_devices", DEVICES)
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig  # noqa: E402
+from jaxmem.data import lm_batch  # noqa: E402
+from jaxmem.memory.remat import layers_fn  # noqa: E402
+from jaxmem.model import make_model  # noqa: E402
+from jaxmem.parallel import STRATEGIES, ParallelConfig  # noqa: E402
+from jaxmem.policy import get_policy  # noqa: E402
+from jaxmem.precision import PRECISIONS  # noqa: E402
+from jaxmem.sharding import per_device_bytes, step_shardings  # noqa: E402
+from jaxmem.train.scaling import init_loss_scale  # noqa: E402
+from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step, place  # noqa: E402
+
+CFG = PRESETS["tiny"]
+BATCH, SEQ = 8, 32
+
+
+def run(case: dict, parallel: ParallelConfig) -> dict:
+    precision = PRECISIONS[case["precision"]]
+    opt_cfg = OptimizerConfig(state_memory=case.get("state_memory", "device"))
+    accum = AccumConfig(steps=case.get("accum", 1))
+    g, params = nnx.split(make_model(CFG, precision, seed=0), nnx.Param)
+    tx = make_optimizer(opt_cfg)
+    loss = lm_loss_fn(g, layers_fn=layers_fn(get_policy(case["policy"]), CFG.n_layers))
+    sh = None
+    if parallel.sharded:
+        sh = step_shardings(
+            parallel, params, jax.eval_shape(tx.init, params), state_memory=opt_cfg.state_memory
+        )
+        params = jax.device_put(params, sh.params)
+        opt_state = jax.jit(tx.init, out_shardings=sh.opt_state)(params)
+    else:
+        opt_state = place(tx.init(params), opt_cfg.state_memory)
+    step = make_train_step(
+        loss, tx, precision=precision, accum=accum, opt_cfg=opt_cfg, shardings=sh
+    )
+    scale = init_loss_scale(precision)
+    losses = []
+    for i in range(case["steps"]):
+        x, y = lm_batch(CFG, BATCH, SEQ, seed=100 + i)
+        batch = {"inputs": jnp.asarray(x), "targets": jnp.asarray(y)}
+        if sh is not None:
+            batch = jax.device_put(batch, sh.batch)
+        params, opt_state, scale, metrics = step(params, opt_state, scale, batch)
+        losses.append(float(metrics["loss"]))
+    return {
+        "losses": losses,
+        "params_bytes": per_device_bytes(params),
+        "opt_state_bytes": per_device_bytes(opt_state),
+        "opt_state_memory_kinds": sorted(
+            {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(opt_state)}
+        ),
+    }
+
+
+def main() -> None:
+    out = []
+    for case in json.loads(sys.argv[1]):
+        row = {"case": case, "one_device": run(case, ParallelConfig())}
+        for strategy in case.get("strategies", STRATEGIES):
+            row[strategy] = run(case, ParallelConfig(strategy=strategy, devices=DEVICES))
+        out.append(row)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
