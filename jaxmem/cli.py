@@ -497,6 +497,27 @@ def cmd_memory(args: argparse.Namespace) -> int:
             "F.scaled_dot_product_attention): no [B, H, S, S] tensor is kept or materialised"
         )
     policies = _names(args.policies, list(POLICIES), "policies")
+    parallel = None
+    if args.mesh is not None:
+        try:
+            parallel = parse_mesh(args.mesh)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+        if args.frameworks is None:
+            args.frameworks = "jax"
+            notes.append(
+                f"--mesh {parallel.mesh_text()}: JAX only (torch_ref's FSDP2 rows are not built "
+                "yet); every figure is per device"
+            )
+        elif args.frameworks != "jax":
+            raise UsageError(
+                f"--mesh {parallel.mesh_text()} plans jaxmem's sharded step; torch_ref's FSDP2 "
+                "rows are not built yet: use --frameworks jax"
+            )
+        if args.target in (None, "cpu") and parallel.sharded:
+            from jaxmem.sharding import ensure_cpu_devices
+
+            ensure_cpu_devices(parallel.devices)  # before JAX starts its backends
     if args.unroll:
         if "nested" in policies:
             raise UsageError(
@@ -548,6 +569,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
             f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
             f"use at most {cfg.max_seq_len}"
         )
+    planning = planning or (parallel is not None and parallel.sharded)  # always from shapes
     _check_writable_json(args.json)
     if "jax" in frameworks:
         need_jax_backend()
@@ -594,6 +616,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                     seq_len,
                     abstract=planning,
                     target=target,
+                    parallel=parallel,
                 )
             else:
                 from jaxmem.compare.bench import has_lean
@@ -633,6 +656,8 @@ def _print_memory_table(console, records, preset, batch, seq_len, planning, targ
     kind = "planned from shapes" if planning else "measured"
     if target.is_gpu:
         kind += f", plans compiled for {target.description}"
+    if records[0].get("mesh"):
+        kind += f", per device of {records[0]['mesh']}"
     table = Table(
         title=f"memory of one training step: {preset}, batch {batch} x seq {seq_len} "
         f"({kind}, {records[0]['precision']})"
@@ -988,6 +1013,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="compile the JAX plan for: cpu (the local backend, default), h100, a100-40gb, "
         "a100-80gb (XLA:CUDA without a GPU; needs jaxmem[gpu-plan]) or a .txtpb target file",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="plan the step sharded over devices, STRATEGY=N (dp, zero1, fsdp; e.g. fsdp=8): "
+        "per-device records, on N CPU devices or one host of N GPUs of --target",
     )
     p.add_argument(
         "--unroll",

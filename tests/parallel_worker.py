@@ -27,7 +27,7 @@ from jaxmem.model import make_model  # noqa: E402
 from jaxmem.parallel import STRATEGIES, ParallelConfig  # noqa: E402
 from jaxmem.policy import get_policy  # noqa: E402
 from jaxmem.precision import PRECISIONS  # noqa: E402
-from jaxmem.sharding import per_device_bytes, step_shardings  # noqa: E402
+from jaxmem.sharding import parallel_loss, per_device_bytes, step_shardings  # noqa: E402
 from jaxmem.train.scaling import init_loss_scale  # noqa: E402
 from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step, place  # noqa: E402
 
@@ -41,12 +41,14 @@ def run(case: dict, parallel: ParallelConfig) -> dict:
     accum = AccumConfig(steps=case.get("accum", 1))
     g, params = nnx.split(make_model(CFG, precision, seed=0), nnx.Param)
     tx = make_optimizer(opt_cfg)
-    loss = lm_loss_fn(g, layers_fn=layers_fn(get_policy(case["policy"]), CFG.n_layers))
+    layers = layers_fn(get_policy(case["policy"]), CFG.n_layers)
+    loss = lm_loss_fn(g, layers_fn=layers)
     sh = None
     if parallel.sharded:
         sh = step_shardings(
             parallel, params, jax.eval_shape(tx.init, params), state_memory=opt_cfg.state_memory
         )
+        loss = parallel_loss(lambda lf: lm_loss_fn(g, layers_fn=lf), layers, parallel, sh.mesh)
         params = jax.device_put(params, sh.params)
         opt_state = jax.jit(tx.init, out_shardings=sh.opt_state)(params)
     else:

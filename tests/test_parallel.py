@@ -105,6 +105,30 @@ def test_train_with_a_mesh_resumes_bit_identically(tmp_path):
     assert len(losses(tmp_path / "whole")) == 6
 
 
+def test_memory_command_plans_per_device_records(tmp_path):
+    """``jaxmem memory --mesh``: one process of N CPU devices; the records are per device."""
+    args = ["--preset", "tiny", "--policies", "full", "--batch-size", "8", "--seq-len", "32"]
+    for mesh in ("dp=1", f"fsdp={N}"):
+        cmd = [sys.executable, "-m", "jaxmem.cli", "memory", *args, "--mesh", mesh]
+        proc = subprocess.run(
+            [*cmd, "--json", str(tmp_path / f"{mesh}.json")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (one,) = json.loads((tmp_path / "dp=1.json").read_text())
+    (rec,) = json.loads((tmp_path / f"fsdp={N}.json").read_text())
+    assert rec["per_device"] is True and rec["mesh"] == f"fsdp={N}" and not one["per_device"]
+    for key in ("params_bytes", "grads_bytes", "opt_state_bytes"):
+        assert rec[key] == pytest.approx(one[key] / N, rel=0.05), key
+    # each device runs its rows of the batch: a quarter of the activations and FLOPs
+    assert rec["saved_activation_bytes_device"] < one["saved_activation_bytes_device"] / 2
+    assert rec["flops"] == one["flops"] // N
+    assert rec["planned_peak_bytes"] < one["planned_peak_bytes"]
+    assert "per device of fsdp=4" in rec["compiler"]
+
+
 @pytest.mark.parametrize(
     ("make", "fragment"),
     [

@@ -70,6 +70,36 @@ def _sharding(config_text: str) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+@functools.cache
+def _devices(config_text: str, n: int) -> tuple[Any, ...]:
+    from jax.experimental import topologies
+
+    with quiet_native_stderr():
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=config_text, topology=f"1x1x{n}"
+        )
+    return tuple(topo.devices)
+
+
+def target_devices(target: Target, n: int) -> list[Any]:
+    """``n`` devices of the target (one host of ``n`` GPUs, as an 8-GPU node), to build a mesh
+    for a sharded plan; nothing needs to exist."""
+    assert target.is_gpu and target.config_text is not None, target
+    require_gpu_plan(target)
+    _sharding(target.config_text)  # the same check that the plugin started, with its message
+    return list(_devices(target.config_text, n))
+
+
+def compile_placed(jitted: Any, args: tuple) -> Any:
+    """``jitted`` compiled from ``args`` already placed on a target's devices (shape structs
+    with shardings, e.g. over ``target_devices``)."""
+    import warnings
+
+    with warnings.catch_warnings(), quiet_native_stderr():
+        warnings.filterwarnings("ignore", "Error reading persistent compilation cache entry")
+        return jitted.lower(*args).compile()
+
+
 def target_sharding(target: Target) -> NamedSharding:
     """A replicated sharding over the target's one device (slices x hosts x devices = 1x1x1)."""
     assert target.is_gpu and target.config_text is not None, target

@@ -36,8 +36,10 @@ from jaxmem.memory.residuals import (
 )
 from jaxmem.memory.targets import LOCAL, Target
 from jaxmem.model import make_model
+from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
+from jaxmem.sharding import mesh, parallel_loss, sharded_bytes, step_shardings
 from jaxmem.train.scaling import init_loss_scale
 from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step, tree_bytes
 
@@ -80,6 +82,69 @@ def _compile(step: Any, args: tuple, target: Target) -> tuple[Any, str]:
 
         return compile_for(step, args, target), target.compiler()
     return step.lower(*args).compile(), f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
+
+
+def _compile_sharded(
+    parallel: ParallelConfig,
+    make_loss: Any,
+    layers: Any,
+    tx: Any,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    accum_cfg: AccumConfig,
+    args: tuple,
+    target: Target,
+) -> tuple[Any, Any, str]:
+    """The train step over a mesh of ``parallel.devices`` devices (this backend's, or a GPU
+    target's without any GPU), compiled from shapes: ``(shardings, compiled, compiler)``."""
+    params, opt_state, scale, data = args
+    devices = None
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import target_devices
+
+        devices = target_devices(target, parallel.devices)
+    m = mesh(parallel, devices)
+    loss = parallel_loss(make_loss, layers, parallel, m)
+    shardings = step_shardings(
+        parallel,
+        params,
+        opt_state,
+        state_memory=opt_cfg.state_memory,
+        params_memory=opt_cfg.params_memory,
+        m=m,
+    )
+    step = make_train_step(
+        loss, tx, precision=precision, opt_cfg=opt_cfg, accum=accum_cfg, shardings=shardings
+    )
+
+    def placed(tree: Any, where: Any) -> Any:
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, where
+        )
+
+    rep = shardings.replicated
+    placed_args = (
+        placed(params, shardings.params),
+        placed(opt_state, shardings.opt_state),
+        None if scale is None else jax.tree_util.tree_map(lambda _: rep, scale),
+        jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.batch), data
+        ),
+    )
+    if scale is not None:
+        placed_args = (*placed_args[:2], placed(scale, placed_args[2]), placed_args[3])
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import compile_placed
+
+        compiled = compile_placed(step, placed_args)
+        compiler = f"{target.compiler()}, per device of {parallel.mesh_text()}"
+    else:
+        compiled = step.lower(*placed_args).compile()
+        compiler = (
+            f"XLA:{jax.devices()[0].platform.upper()} (local backend), per device of "
+            f"{parallel.mesh_text()}"
+        )
+    return shardings, compiled, compiler
 
 
 def plan_step(
@@ -150,11 +215,19 @@ def jax_record(
     abstract: bool = False,
     target: Target = LOCAL,
     accum: int = 1,
+    parallel: ParallelConfig | None = None,
 ) -> dict[str, Any]:
     """Measure one jaxmem training step (or plan it from shapes when ``abstract``; always from
     shapes for a GPU target). ``accum``: the step scans that many microbatches of the batch;
-    saved activations and FLOPs are then one microbatch's and the whole step's."""
-    abstract = abstract or target.is_gpu
+    saved activations and FLOPs are then one microbatch's and the whole step's.
+
+    ``parallel`` (more than one device): the step is planned over a mesh of that many devices
+    (this backend's, or one host of the GPU target's) and the record is **per device**:
+    parameters, gradients and optimizer state from their shard shapes, saved activations and
+    FLOPs of one device's rows of the batch (data parallel: batch / N), the compiled plan of one
+    device."""
+    sharded = parallel is not None and parallel.sharded
+    abstract = abstract or target.is_gpu or sharded
     state_offload = target.is_gpu and opt_cfg.state_memory == "pinned_host"
     if target.is_gpu and opt_cfg.params_memory == "pinned_host":
         # the step brings host-resident parameters to the device for its whole length: the
@@ -177,9 +250,17 @@ def jax_record(
     opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
     accum_cfg = _accum_config(accum, batch)
     data = lm_step_batch(cfg, batch, seq_len, abstract)
-    # one microbatch (its shapes are what the accounting needs)
-    micro = data if accum == 1 else lm_step_batch(cfg, batch // accum, seq_len, abstract)
-    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    n_dev = parallel.devices if sharded else 1
+    if sharded:
+        parallel.check_batch(batch, accum)
+    # one microbatch of one device (its shapes are what the accounting needs)
+    micro = (
+        data
+        if accum == 1 and n_dev == 1
+        else lm_step_batch(cfg, batch // accum // n_dev, seq_len, abstract)
+    )
+    layers = layers_fn(policy, cfg.n_layers)
+    loss = lm_loss_fn(graphdef, layers_fn=layers)
 
     def f(p, b):
         return loss(p, b)[0]
@@ -187,9 +268,23 @@ def jax_record(
     saved = saved_residuals(f, params, micro)
     residuals = summarize_residuals(saved)
     grads = jax.eval_shape(jax.grad(f), params, micro)
-    step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg, accum=accum_cfg)
     scale = init_loss_scale(precision)
-    compiled, compiler = _compile(step, (params, opt_state, scale, data), target)
+    shardings = None
+    if sharded:
+        shardings, compiled, compiler = _compile_sharded(
+            parallel,
+            lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
+            layers,
+            tx,
+            precision,
+            opt_cfg,
+            accum_cfg,
+            (params, opt_state, scale, data),
+            target,
+        )
+    else:
+        step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg, accum=accum_cfg)
+        compiled, compiler = _compile(step, (params, opt_state, scale, data), target)
     plan = compiled_plan(compiled)
     planned_peak = peak_of_plan(plan)
     peak, peak_source = None, None
@@ -202,7 +297,17 @@ def jax_record(
     if peak is None:
         peak = planned_peak
         peak_source = f"compiled plan ({compiler}): arguments + outputs - aliased + temporaries"
-    estimate = analytic.saved_activation_bytes(cfg, policy, batch // accum, seq_len, precision)
+    estimate = analytic.saved_activation_bytes(
+        cfg, policy, batch // accum // n_dev, seq_len, precision
+    )
+    sizes = {"params": tree_bytes(params), "grads": tree_bytes(grads), "opt": tree_bytes(opt_state)}
+    if shardings is not None:  # per device: each leaf's shard
+        grads_sharding = shardings.params  # zero1/dp: replicated like the parameters
+        sizes = {
+            "params": sharded_bytes(params, shardings.params),
+            "grads": sharded_bytes(grads, grads_sharding),
+            "opt": sharded_bytes(opt_state, shardings.opt_state),
+        }
     return {
         "framework": "jax",
         "translation": "jaxmem.memory.remat (jax.checkpoint per block, stack unrolled)"
@@ -214,9 +319,11 @@ def jax_record(
         "seq_len": seq_len,
         "accum": accum,
         "planned_from_shapes": abstract,
-        "params_bytes": tree_bytes(params),
-        "grads_bytes": tree_bytes(grads),
-        "opt_state_bytes": tree_bytes(opt_state),
+        "params_bytes": sizes["params"],
+        "grads_bytes": sizes["grads"],
+        "opt_state_bytes": sizes["opt"],
+        "mesh": parallel.mesh_text() if sharded else None,
+        "per_device": sharded,
         "saved_activation_bytes_device": residuals.activation_bytes_device,
         "saved_activation_bytes_host": residuals.activation_bytes_host,
         "saved_source": "residual accounting (jaxpr of jax.vjp; parameters excluded)",
@@ -227,9 +334,9 @@ def jax_record(
         "analytic_source": analytic.ANALYTIC_SOURCE,
         "compiled_temp_bytes": plan["temp_bytes"],
         "compiled_plan": plan,
-        "flops": accum * grad_matmul_flops(f, params, micro),
+        "flops": accum * grad_matmul_flops(f, params, micro),  # per device when sharded
         "flops_source": "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)",
-        "model_flops": analytic.model_flops(cfg, batch, seq_len),
+        "model_flops": analytic.model_flops(cfg, batch // n_dev, seq_len),
         "peak_bytes": peak,
         "peak_source": peak_source,
         "target": target.name,

@@ -26,7 +26,13 @@ from jaxmem.memory.remat import backend_memory_kinds, check_backend, layers_fn
 from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.policy import HOST_MEMORY_KIND
-from jaxmem.sharding import ensure_cpu_devices, mesh, sharded_bytes, step_shardings
+from jaxmem.sharding import (
+    ensure_cpu_devices,
+    mesh,
+    parallel_loss,
+    sharded_bytes,
+    step_shardings,
+)
 from jaxmem.train.job import JobConfig
 from jaxmem.train.layout import CHECKPOINT_DIR
 from jaxmem.train.loop import (
@@ -187,11 +193,22 @@ class JaxTrainer:
                 params_memory=job.optimizer.params_memory,
             )
             params = jax.device_put(params, self.shardings.params)
-        loss_fn = lm_loss_fn(self.graphdef, layers_fn=layers_fn(job.memory, cfg.n_layers))
+        layers = layers_fn(job.memory, cfg.n_layers)
+        plain_loss = lm_loss_fn(self.graphdef, layers_fn=layers)
+        loss_fn = plain_loss
+        where = None
+        if self.shardings is not None:
+            loss_fn = parallel_loss(
+                lambda lf: lm_loss_fn(self.graphdef, layers_fn=lf),
+                layers,
+                job.parallel,
+                self.shardings.mesh,
+            )
+            where = self.shardings.params
         self.host_params = job.optimizer.params_memory != "device"
         # parameters kept in host memory are brought to the device inside the jitted evaluation
         self._eval = jax.jit(
-            lambda p, b: loss_fn(place(p, "device") if self.host_params else p, b)[1]
+            lambda p, b: loss_fn(place(p, "device", where) if self.host_params else p, b)[1]
         )
         self.loss_scale = init_loss_scale(job.precision)
         first = self.transfer(train_batch(prepared.dataset, job)(1))
@@ -235,7 +252,7 @@ class JaxTrainer:
         self.planned_bytes = residuals.planned_peak(plan)
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state))
         self._figures = memory_figures(
-            loss_fn,
+            plain_loss,
             *shapes,
             first,
             plan,
