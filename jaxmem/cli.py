@@ -288,7 +288,7 @@ def resolve_job(args: argparse.Namespace):
     return JobConfig.from_dict(layered)
 
 
-def _ask_for_cpu_devices(args: argparse.Namespace) -> None:
+def _ask_for_cpu_devices(args: argparse.Namespace, processes: int = 1) -> None:
     """JAX fixes its CPU device count when its backends start, and reading a checkpoint starts
     them: ask for a mesh's devices first, from --mesh or the run's config.yaml (resuming)."""
     import yaml
@@ -308,14 +308,21 @@ def _ask_for_cpu_devices(args: argparse.Namespace) -> None:
         except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
             return  # no readable config: resolve_job reads the checkpoint's and says
     if devices > 1:
-        ensure_cpu_devices(devices)
+        ensure_cpu_devices(max(1, devices // processes))  # this process's share of the mesh
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from jaxmem.data import DataError
+    from jaxmem.distributed import initialize, process_group
     from jaxmem.train.layout import CheckpointError
 
-    _ask_for_cpu_devices(args)
+    try:
+        group = process_group(args.coordinator, args.num_processes, args.process_id)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    _ask_for_cpu_devices(args, group.num_processes)
+    if group.multi:
+        initialize(group)  # before anything starts JAX's backends (reading a checkpoint does)
     try:
         job = resolve_job(args)
     except (ConfigError, DataError, CheckpointError) as e:
@@ -359,12 +366,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         from jaxmem.train import run as framework
     from jaxmem.train.loop import RunFailed, RunInterrupted
 
+    if group.multi and job.run.framework != "jax":
+        raise UsageError(
+            "--num-processes > 1 runs JAX's multi-process runtime: use --framework jax"
+        )
     try:
-        prepared = framework.prepare(job, args.out, resume=args.resume)
-        if target is not None:
-            framework.run_training(prepared, target=target)
+        if group.multi:
+            from rich.console import Console
+
+            # process 0 owns the run directory and the console; the others train beside it
+            prepared = framework.prepare(job, args.out, resume=args.resume, primary=group.primary)
+            framework.run_training(prepared, console=Console(quiet=not group.primary))
         else:
-            framework.run_training(prepared)
+            prepared = framework.prepare(job, args.out, resume=args.resume)
+            if target is not None:
+                framework.run_training(prepared, target=target)
+            else:
+                framework.run_training(prepared)
     except (ConfigError, DataError, CheckpointError) as e:
         raise UsageError(str(e)) from None
     except RunFailed as e:
@@ -1194,6 +1212,25 @@ def _train_parser(sub) -> None:
         help="data-parallel strategy over devices, STRATEGY=N: dp=4 (replicated), zero1=4 "
         "(optimizer state sharded), fsdp=4 (parameters, gradients and state sharded); on a CPU "
         "JAX is given N CPU devices",
+    )
+    a(
+        "--coordinator",
+        default=None,
+        help="multi-process (JAX): HOST:PORT of process 0 (default $JAX_COORDINATOR_ADDRESS)",
+    )
+    a(
+        "--num-processes",
+        type=_positive_int,
+        default=None,
+        help="multi-process (JAX): how many processes run this job (default $JAX_NUM_PROCESSES "
+        "or 1); --mesh spans all their devices",
+    )
+    a(
+        "--process-id",
+        type=int,
+        default=None,
+        help="multi-process (JAX): this process's index, 0 owns the run directory (default "
+        "$JAX_PROCESS_ID or 0)",
     )
     a(
         "--unroll",

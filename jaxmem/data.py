@@ -427,14 +427,22 @@ def load_dataset(
 
 
 def batch_at(
-    tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int, what: str = "train"
+    tokens: np.ndarray,
+    step: int,
+    batch: int,
+    seq_len: int,
+    seed: int,
+    what: str = "train",
+    rows: slice | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(inputs [B, S], targets [B, S])`` int32 windows for one step; targets are inputs + 1.
 
     Offsets come from ``np.random.default_rng([seed, step])``, so the batch is a pure function of
     ``(tokens, seed, step, batch, seq_len)``: a run resumed at step ``k`` sees exactly the batches
     an uninterrupted run would, without replaying steps ``0..k-1`` of an iterator. ``what`` names
-    the split in the error message.
+    the split in the error message. ``rows``: only those rows of the batch (a process of a
+    multi-host run reads only its own; the offsets of every row are drawn, so its rows are the
+    ones the whole batch would have).
 
     Raises:
         DataError: ``tokens`` has fewer than ``seq_len + 2`` tokens.
@@ -452,6 +460,8 @@ def batch_at(
     rng = np.random.default_rng([seed, step])
     # Same offset range as random_windows: every window [s, s + seq_len] lies inside the data.
     starts = rng.integers(0, tokens.size - seq_len - 1, batch)
+    if rows is not None:
+        starts = starts[rows]
     # One fancy-index gather: on a memmap it reads only the pages the windows touch.
     windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
     return windows[:, :-1], windows[:, 1:]

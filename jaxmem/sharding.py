@@ -31,7 +31,9 @@ def ensure_cpu_devices(n: int) -> None:
     """Ask for ``n`` CPU devices before JAX starts its backends (a no-op for GPUs/TPUs, and
     when JAX already started: ``mesh`` then says what is missing)."""
     try:
-        if jax.config.jax_num_cpu_devices < n:
+        # a count already chosen (by the CLI, for this process's share of a multi-process
+        # mesh, or by the user) is kept
+        if jax.config.jax_num_cpu_devices < 1:
             jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:  # backends already initialised: the device count is fixed
         pass

@@ -1,6 +1,7 @@
 """Data-parallel strategies (``jaxmem.parallel``, ``jaxmem.sharding``) on 4 CPU devices: the
 same losses as one device for every strategy, each device holding 1/N of what the strategy
-shards, host-resident optimizer state staying on the host, and ``jaxmem train --mesh``
+shards, host-resident optimizer state staying on the host, ``jaxmem memory --mesh`` records
+per device, and ``jaxmem train --mesh`` over two processes training as one device does and
 resuming bit-identically. Multi-device runs need a process of their own (JAX fixes its CPU
 device count when it starts): ``tests/parallel_worker.py`` and the CLI, as subprocesses."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -81,28 +83,70 @@ def test_host_resident_optimizer_state_stays_on_the_host_when_sharded(runs):
     )
 
 
-def test_train_with_a_mesh_resumes_bit_identically(tmp_path):
-    """A 4-device fsdp run stopped at step 3 and resumed to 6 (its sharded checkpoint restored
-    onto the mesh) logs the same losses as the run that never stopped."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
-    def train(out, *extra):
-        cmd = [sys.executable, "-m", "jaxmem.cli", "train", "--out", str(out), *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
 
+def _train(out, *args, processes: int = 1) -> None:
+    """``jaxmem train --out OUT ARGS`` as one process, or as ``processes`` processes of one
+    run on JAX's multi-process runtime (each with its share of the mesh's CPU devices)."""
+    cmd = [sys.executable, "-m", "jaxmem.cli", "train", "--out", str(out), *args]
+    if processes == 1:
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    else:
+        group = ["--coordinator", f"localhost:{_free_port()}", "--num-processes", str(processes)]
+        procs = [
+            subprocess.Popen(
+                [*cmd, *group, "--process-id", str(i)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(processes)
+        ]
+    try:
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+
+
+def _losses(run) -> list[float]:
+    with open(run / "metrics.jsonl") as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_two_processes_train_as_one_and_resume_bit_identically(tmp_path):
+    """``--mesh fsdp=4`` over 2 processes of 2 CPU devices each (``jax.distributed``, gloo):
+    the same losses as one process of 4 devices (within the data-parallel tolerance: gloo adds
+    the partial sums in its own order); a run stopped at step 2 and resumed (each process
+    restoring its shards of the orbax checkpoint) logs exactly the uninterrupted run's losses;
+    only process 0 writes the run's files."""
     common = ["--preset", "tiny", "--mesh", f"fsdp={N}", "--batch-size", "8", "--seq-len", "32"]
-    common += ["--policy", "full", "--checkpoint-every", "3", "--eval-every", "3"]
-    common += ["--sample-tokens", "0"]
-    train(tmp_path / "whole", *common, "--steps", "6")
-    train(tmp_path / "split", *common, "--steps", "3")
-    train(tmp_path / "split", "--resume", "--steps", "6")
-
-    def losses(run):
-        with open(run / "metrics.jsonl") as f:
-            return [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
-
-    assert losses(tmp_path / "split") == losses(tmp_path / "whole")
-    assert len(losses(tmp_path / "whole")) == 6
+    common += ["--policy", "full", "--checkpoint-every", "2", "--eval-every", "2"]
+    common += ["--sample-tokens", "8"]
+    _train(tmp_path / "one", *common, "--steps", "4")
+    _train(tmp_path / "two", *common, "--steps", "4", processes=2)
+    _train(tmp_path / "split", *common, "--steps", "2", processes=2)
+    _train(tmp_path / "split", "--resume", "--steps", "4", processes=2)
+    one, two, split = (_losses(tmp_path / r) for r in ("one", "two", "split"))
+    assert len(one) == 4
+    np.testing.assert_allclose(two, one, **tolerance("float32", "data_parallel_loss").kwargs())
+    assert split == two
+    files = sorted(p.name for p in (tmp_path / "two").iterdir() if not p.name.startswith("."))
+    assert files == [
+        "checkpoints",
+        "config.yaml",
+        "loss.png",
+        "metrics.jsonl",
+        "sample.txt",
+        "summary.json",
+    ]
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["2", "4"]
 
 
 def test_memory_command_plans_per_device_records(tmp_path):

@@ -261,7 +261,7 @@ def compiled_plan(compiled: Any) -> dict[str, int]:
 
 def device_peak_bytes() -> int | None:
     """Peak bytes in use on the default device, or None where the backend does not say (CPU)."""
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()
     if not stats or "peak_bytes_in_use" not in stats:
         return None
     return int(stats["peak_bytes_in_use"])

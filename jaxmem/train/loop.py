@@ -59,6 +59,9 @@ class PreparedJob:
     resume_step: int | None  # the checkpoint to continue from (None: a new run)
     # newer checkpoints that do not verify, with why: moved aside when the run starts
     skipped: tuple[tuple[int, str], ...] = ()
+    # the process that owns the run directory's files and lock (process 0 of a multi-process
+    # run; the others train beside it and write only their part of each checkpoint)
+    primary: bool = True
 
 
 class Trainer(Protocol):
@@ -108,12 +111,15 @@ def prepare_job(
     *,
     resume: bool = False,
     check_backend: Callable[[JobConfig], None] = lambda job: None,
+    primary: bool = True,
 ) -> PreparedJob:
     """Check everything about ``job`` that can be checked before training; write nothing.
-    ``check_backend`` raises ``ConfigError`` for what the framework's backend cannot run."""
+    ``check_backend`` raises ``ConfigError`` for what the framework's backend cannot run.
+    A non-``primary`` process of a multi-process run skips the checks that belong to the
+    directory's owner (lock, emptiness, writability): process 0 makes them."""
     check_backend(job)
     require(not (resume and out_dir is None), "--resume needs --out, the directory of the run")
-    resume_step, skipped = _check_run_dir(job, out_dir, resume)
+    resume_step, skipped = _check_run_dir(job, out_dir, resume, primary)
     dataset = data_lib.load_dataset(
         job.data.path, val_fraction=job.data.val_fraction, vocab_size=job.model.vocab_size
     )
@@ -125,7 +131,12 @@ def prepare_job(
                 f"of {dataset.source} has {tokens.size}; use a shorter --seq-len or more data"
             )
     return PreparedJob(
-        job=job, dataset=dataset, out_dir=out_dir, resume_step=resume_step, skipped=skipped
+        job=job,
+        dataset=dataset,
+        out_dir=out_dir,
+        resume_step=resume_step,
+        skipped=skipped,
+        primary=primary,
     )
 
 
@@ -151,16 +162,16 @@ def _check_in_use(out_dir: str) -> None:
 
 
 def _check_run_dir(
-    job: JobConfig, out_dir: str | None, resume: bool
+    job: JobConfig, out_dir: str | None, resume: bool, primary: bool = True
 ) -> tuple[int | None, tuple[tuple[int, str], ...]]:
     """The step to resume from (None: a new run) and the newer steps that do not verify."""
-    if out_dir is None:
+    if out_dir is None or (not primary and not resume):
         return None, ()
     require(
         not (os.path.exists(out_dir) and not os.path.isdir(out_dir)),
         f"--out {out_dir} is a file; give a directory",
     )
-    if os.path.isdir(out_dir):
+    if os.path.isdir(out_dir) and primary:
         _check_in_use(out_dir)
     if not resume:
         if os.path.isdir(out_dir) and not _holds_only_the_lock(out_dir):
@@ -352,12 +363,17 @@ def val_batches(dataset: data_lib.Dataset, job: JobConfig) -> list[dict[str, np.
     return out
 
 
-def train_batch(dataset: data_lib.Dataset, job: JobConfig) -> Callable[[int], dict]:
-    """Batch ``step`` of the run: a pure function of ``(seed, step)``."""
+def train_batch(
+    dataset: data_lib.Dataset, job: JobConfig, rows: slice | None = None
+) -> Callable[[int], dict]:
+    """Batch ``step`` of the run: a pure function of ``(seed, step)``; ``rows``: only those
+    rows (one process's share of a multi-process run)."""
     r = job.run
 
     def make(step: int) -> dict[str, np.ndarray]:
-        x, y = data_lib.batch_at(dataset.train, step, r.batch_size, r.seq_len, r.seed)
+        x, y = data_lib.batch_at(
+            dataset.train, step, r.batch_size, r.seq_len, r.seed, "train", rows
+        )
         return {"inputs": x, "targets": y}
 
     return make
@@ -513,21 +529,22 @@ def run_job(
     directory is locked first; checkpoints newer than the one resumed from that do not verify
     are moved to ``<run>/quarantine/`` (never deleted); ``make_trainer()`` then builds the
     framework's side (compiling, for JAX)."""
-    lock = RunLock(prepared.out_dir) if prepared.out_dir is not None else None
+    owns = prepared.out_dir is not None and prepared.primary
+    lock = RunLock(prepared.out_dir) if owns else None
     if lock is not None:
         lock.acquire()
         # Checked again under the lock: two runs may both have seen an empty directory.
         if prepared.resume_step is None and not _holds_only_the_lock(prepared.out_dir):
             lock.abandon()
             raise ConfigError(f"--out {prepared.out_dir} exists and is not empty; add --resume")
-    else:
+    elif prepared.out_dir is None:
         console.print(
             "[yellow]no --out: nothing of this run is kept (metrics, checkpoints, sample); "
             "pass --out DIR to keep it[/]"
         )
     try:
         with _StopRequests(console) as stop:
-            for step, reason in prepared.skipped:
+            for step, reason in prepared.skipped if prepared.primary else ():
                 where = quarantine(prepared.out_dir, step)
                 console.print(
                     f"[yellow]skipped checkpoint {step}: {reason}; moved it to {where}[/]"
@@ -570,7 +587,7 @@ def _train(
             )
         )
 
-    files = RunFiles(prepared.out_dir, job)
+    files = RunFiles(prepared.out_dir if prepared.primary else None, job)
     try:
         if prepared.resume_step is not None:
             trainer.restore(prepared.resume_step)
@@ -627,7 +644,7 @@ def _train(
     with (
         progress_bar(console) as progress,
         data_lib.Prefetcher(
-            train_batch(prepared.dataset, job),
+            train_batch(prepared.dataset, job, getattr(trainer, "local_rows", None)),
             start + 1,
             r.steps + 1,
             depth=r.prefetch,
@@ -693,7 +710,7 @@ def _train(
     wall = time.perf_counter() - t_start
     tokens_per_s = steps_done * tokens_per_step / wall
 
-    Console(file=console.file, width=max(console.width, 110)).print(
+    Console(file=console.file, width=max(console.width, 110), quiet=console.quiet).print(
         render_table(trainer.figures(), f"memory of one training step ({job.preset})")
     )
     sample = None
@@ -745,6 +762,6 @@ def _train(
         "(wall clock over the loop incl. validation and checkpoints, compile excluded)"
         + (f"; {skipped} fp16 overflow steps skipped" if skipped else "")
     )
-    if prepared.out_dir is not None:
+    if prepared.out_dir is not None and prepared.primary:
         console.print(f"wrote {prepared.out_dir}/: {', '.join(written)}, {CHECKPOINT_DIR}/")
     return summary

@@ -74,9 +74,22 @@ def check_jax_backend(job: JobConfig) -> None:
             )
 
 
-def prepare(job: JobConfig, out_dir: str | None, *, resume: bool = False) -> PreparedJob:
-    """Check everything about ``job`` that can be checked before training; write nothing."""
-    return prepare_job(job, out_dir, resume=resume, check_backend=check_jax_backend)
+def prepare(
+    job: JobConfig, out_dir: str | None, *, resume: bool = False, primary: bool = True
+) -> PreparedJob:
+    """Check everything about ``job`` that can be checked before training; write nothing
+    (``primary``: this process owns the run directory; see ``jaxmem.distributed``)."""
+    return prepare_job(
+        job, out_dir, resume=resume, check_backend=check_jax_backend, primary=primary
+    )
+
+
+def host_value(x: jax.Array) -> np.ndarray:
+    """A replicated result as numpy on this host (this process's copy: a multi-process array
+    is not fully addressable, so ``float(x)`` would refuse it)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(x.addressable_shards[0].data)
 
 
 def memory_figures(
@@ -182,6 +195,11 @@ class JaxTrainer:
         del model  # params are donated to the step; keep no second reference
         tx = make_optimizer(job.optimizer)
         self.shardings = None
+        self.processes = jax.process_count()
+        self.local_rows = None  # a multi-process run reads only this process's rows
+        if self.processes > 1:
+            rows = r.batch_size // self.processes
+            self.local_rows = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
         if job.parallel.sharded:
             # the same step over a mesh: parameters and optimizer state placed by the strategy
             # (the state created sharded: jit(tx.init) would otherwise return it replicated)
@@ -205,13 +223,14 @@ class JaxTrainer:
                 self.shardings.mesh,
             )
             where = self.shardings.params
+        self._where = where
         self.host_params = job.optimizer.params_memory != "device"
         # parameters kept in host memory are brought to the device inside the jitted evaluation
         self._eval = jax.jit(
             lambda p, b: loss_fn(place(p, "device", where) if self.host_params else p, b)[1]
         )
         self.loss_scale = init_loss_scale(job.precision)
-        first = self.transfer(train_batch(prepared.dataset, job)(1))
+        first = self.transfer(train_batch(prepared.dataset, job, self.local_rows)(1))
         t0 = time.perf_counter()
         console.print(
             f"compiling the train step ({cfg.n_params / 1e6:.2f} M params, policy "
@@ -265,7 +284,7 @@ class JaxTrainer:
             self._figures += target_plan_figures(
                 step_fn, (params, opt_state, self.loss_scale, first), target
             )
-        self._valid = [self.transfer(b) for b in val_batches(prepared.dataset, job)]
+        self._valid = [self.transfer(self._local(b)) for b in val_batches(prepared.dataset, job)]
         self.ckpt = None
         if prepared.out_dir is not None:
             from jaxmem.train.checkpoint import RunCheckpointer
@@ -284,9 +303,20 @@ class JaxTrainer:
         )
 
     def transfer(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if self.processes > 1:  # this process's rows of the global batch
+            assert self.shardings is not None
+            return {
+                k: jax.make_array_from_process_local_data(self.shardings.batch, v)
+                for k, v in batch.items()
+            }
         if self.shardings is not None:
             return jax.device_put(batch, self.shardings.batch)  # each device its rows
         return jax.device_put(batch)
+
+    def _local(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.local_rows is None:
+            return batch
+        return {k: v[self.local_rows] for k, v in batch.items()}
 
     def restore(self, step: int) -> None:
         assert self.ckpt is not None
@@ -304,16 +334,19 @@ class JaxTrainer:
         return metrics
 
     def fetch(self, metrics: dict[str, jax.Array]) -> dict[str, Any]:
-        out: dict[str, Any] = {"loss": float(metrics["loss"])}
+        out: dict[str, Any] = {"loss": float(host_value(metrics["loss"]))}
         if "grad_norm" in metrics:  # not seen by MultiSteps' caller
-            out["grad_norm"] = float(metrics["grad_norm"])
+            out["grad_norm"] = float(host_value(metrics["grad_norm"]))
         if self.loss_scale is not None:
-            out["skipped"] = not bool(metrics["grads_finite"])
+            out["skipped"] = not bool(host_value(metrics["grads_finite"]))
         return out
 
     def val_loss(self) -> float:
         sums = [self._eval(self.params, b) for b in self._valid]
-        return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
+        if self.processes == 1:
+            return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
+        total = sum(float(host_value(s)) for s, _ in sums)
+        return total / sum(float(host_value(n)) for _, n in sums)
 
     def save(self, step: int, extra: dict[str, Any]) -> None:
         assert self.ckpt is not None
@@ -337,9 +370,18 @@ class JaxTrainer:
         from jaxmem.model.generate import generate
 
         jax.block_until_ready(self.params)
+        params = place(self.params, "device", self._where) if self.host_params else self.params
+        if self.processes > 1:
+            # every process samples the same tokens from its own full copy (generation is a
+            # small, sequential program: not worth sharding)
+            from jax.experimental import multihost_utils
+
+            params = jax.tree.map(
+                jax.numpy.asarray, multihost_utils.process_allgather(params, tiled=True)
+            )
         return generate(
             self.graphdef,
-            place(self.params, "device") if self.host_params else self.params,
+            params,
             prompt,
             n_new,
             max_seq_len=self.job.model.max_seq_len,
