@@ -547,6 +547,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                 "--unroll on XLA:CPU: its compiler drops remat in an unrolled stack, so the "
                 "plan shows no policy's savings (only none's); plan for a GPU --target"
             )
+    if args.frameworks is None and not torch_available():
         frameworks = ["jax"]
         notes.append(f"PyTorch is not installed: JAX only ({TORCH_EXTRA} adds the torch rows)")
     else:

@@ -94,3 +94,20 @@ def parse_mesh(text: str) -> ParallelConfig:
     except ValueError:
         raise ConfigError(f"--mesh {text!r}: {count!r} is not a device count") from None
     return ParallelConfig(strategy=name.strip(), devices=devices)
+
+
+def shard_dim(shape: tuple[int, ...], n: int, stacked: bool = False) -> int | None:
+    """The dimension a sharded array is split on over ``n`` devices: its largest one divisible
+    by ``n`` (the later on a tie), never the stacked layer axis (dimension 0 of the blocks'
+    parameters: ``lax.scan`` takes one layer per iteration); None: it is replicated."""
+    first = 1 if stacked and len(shape) > 1 else 0
+    dims = [d for d in range(first, len(shape)) if shape[d] >= n and shape[d] % n == 0]
+    return max(dims, key=lambda d: (shape[d], d)) if dims else None
+
+
+def shard_elements(shape: tuple[int, ...], n: int, stacked: bool = False) -> int:
+    """Elements of one device's shard of a sharded array of ``shape`` over ``n`` devices."""
+    total = 1
+    for d in shape:
+        total *= d
+    return total // n if shard_dim(shape, n, stacked) is not None else total

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.config import ConfigError
-from jaxmem.parallel import ParallelConfig
+from jaxmem.parallel import ParallelConfig, shard_dim
 
 AXIS = "data"  # the mesh's one axis: every strategy here is data parallel
 
@@ -62,12 +62,10 @@ def _is_stacked(path: tuple) -> bool:
 
 
 def leaf_spec(path: tuple, shape: tuple[int, ...], n: int) -> P:
-    """Where one array lives on an ``n``-device axis when it is sharded (see the module doc)."""
-    first = 1 if _is_stacked(path) and len(shape) > 1 else 0
-    dims = [d for d in range(first, len(shape)) if shape[d] >= n and shape[d] % n == 0]
-    if not dims:
+    """Where one array lives on an ``n``-device axis when it is sharded (``shard_dim``)."""
+    best = shard_dim(shape, n, _is_stacked(path))
+    if best is None:
         return P()
-    best = max(dims, key=lambda d: (shape[d], d))
     return P(*(AXIS if d == best else None for d in range(len(shape))))
 
 

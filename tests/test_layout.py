@@ -19,6 +19,7 @@ TORCH_FAMILY = ("torch", "torch_ref")
 # jaxmem modules that import neither framework: the data both sides share
 PURE = (
     "jaxmem.config",
+    "jaxmem.parallel",
     "jaxmem.policy",
     "jaxmem.precision",
     "jaxmem.data",

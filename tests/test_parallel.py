@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,21 +18,26 @@ import numpy as np
 import pytest
 
 from jaxmem.compare.tolerances import tolerance
-from jaxmem.config import ConfigError
+from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
+from jaxmem.memory import analytic
+from jaxmem.memory.records import jax_record
 from jaxmem.parallel import ParallelConfig, parse_mesh
+from jaxmem.policy import get_policy
+from jaxmem.precision import PRECISIONS
 from jaxmem.train.job import JobConfig
 
 N = 4
+FP32 = PRECISIONS["fp32"]
 WORKER = os.path.join(os.path.dirname(__file__), "parallel_worker.py")
 CASES = [
-    {"policy": "full", "precision": "fp32", "steps": 10},
-    {"policy": "selective", "precision": "bf16", "accum": 2, "steps": 5, "strategies": ["fsdp"]},
+    {"policy": "full", "precision": "fp32", "accum": 2, "steps": 10},
     {
-        "policy": "none",
-        "precision": "fp32",
+        "policy": "selective",
+        "precision": "bf16",
+        "accum": 2,
         "state_memory": "pinned_host",
-        "steps": 2,
-        "strategies": ["zero1"],
+        "steps": 5,
+        "strategies": ["fsdp"],
     },
 ]
 DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
@@ -72,13 +78,19 @@ def test_each_device_holds_its_share(runs):
         assert got["opt_state_bytes"] == pytest.approx(
             one["opt_state_bytes"] * state_share, rel=0.05
         )
+        # the analytic model's sharded terms (ZeRO's accounting, what cannot be split kept
+        # whole) equal what each device holds; AdamW's step counter is the few bytes beyond
+        parallel = ParallelConfig(strategy=strategy, devices=N)
+        model = analytic.model_state_bytes(PRESETS["tiny"], OptimizerConfig(), FP32, parallel)
+        assert got["params_bytes"] == model["params"]
+        assert 0 <= got["opt_state_bytes"] - model["opt_state"] <= 16
 
 
 def test_host_resident_optimizer_state_stays_on_the_host_when_sharded(runs):
-    row = runs[2]
+    row = runs[1]
     assert row["one_device"]["opt_state_memory_kinds"] == ["pinned_host"]
-    assert row["zero1"]["opt_state_memory_kinds"] == ["pinned_host"]
-    assert row["zero1"]["opt_state_bytes"] == pytest.approx(
+    assert row["fsdp"]["opt_state_memory_kinds"] == ["pinned_host"]
+    assert row["fsdp"]["opt_state_bytes"] == pytest.approx(
         row["one_device"]["opt_state_bytes"] / N, rel=0.05
     )
 
@@ -131,12 +143,24 @@ def test_two_processes_train_as_one_and_resume_bit_identically(tmp_path):
     common += ["--sample-tokens", "8"]
     _train(tmp_path / "one", *common, "--steps", "4")
     _train(tmp_path / "two", *common, "--steps", "4", processes=2)
-    _train(tmp_path / "split", *common, "--steps", "2", processes=2)
-    _train(tmp_path / "split", "--resume", "--steps", "4", processes=2)
-    one, two, split = (_losses(tmp_path / r) for r in ("one", "two", "split"))
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(one) == 4
     np.testing.assert_allclose(two, one, **tolerance("float32", "data_parallel_loss").kwargs())
-    assert split == two
+    # "stopped" after step 2: a copy of the run without its step-4 checkpoint and the lines
+    # after step 2, as a run killed between the two checkpoints leaves it
+    split = tmp_path / "split"
+    shutil.copytree(tmp_path / "two", split)
+    shutil.rmtree(split / "checkpoints" / "4")
+    (split / "metrics.jsonl").write_text(
+        "".join(
+            line
+            for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines(keepends=True)
+            if json.loads(line)["step"] <= 2
+        )
+    )
+    (split / ".jaxmem.lock").unlink(missing_ok=True)
+    _train(split, "--resume", "--steps", "4", processes=2)
+    assert _losses(split) == two
     files = sorted(p.name for p in (tmp_path / "two").iterdir() if not p.name.startswith("."))
     assert files == [
         "checkpoints",
@@ -150,19 +174,17 @@ def test_two_processes_train_as_one_and_resume_bit_identically(tmp_path):
 
 
 def test_memory_command_plans_per_device_records(tmp_path):
-    """``jaxmem memory --mesh``: one process of N CPU devices; the records are per device."""
+    """``jaxmem memory --mesh``: one process of N CPU devices; the records are per device (the
+    one-device record is planned here, in this one-device process)."""
     args = ["--preset", "tiny", "--policies", "full", "--batch-size", "8", "--seq-len", "32"]
-    for mesh in ("dp=1", f"fsdp={N}"):
-        cmd = [sys.executable, "-m", "jaxmem.cli", "memory", *args, "--mesh", mesh]
-        proc = subprocess.run(
-            [*cmd, "--json", str(tmp_path / f"{mesh}.json")],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    (one,) = json.loads((tmp_path / "dp=1.json").read_text())
-    (rec,) = json.loads((tmp_path / f"fsdp={N}.json").read_text())
+    cmd = [sys.executable, "-m", "jaxmem.cli", "memory", *args, "--mesh", f"fsdp={N}"]
+    out = tmp_path / "m.json"
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rec,) = json.loads(out.read_text())
+    one = jax_record(
+        PRESETS["tiny"], get_policy("full"), FP32, OptimizerConfig(), 8, 32, abstract=True
+    )
     assert rec["per_device"] is True and rec["mesh"] == f"fsdp={N}" and not one["per_device"]
     for key in ("params_bytes", "grads_bytes", "opt_state_bytes"):
         assert rec[key] == pytest.approx(one[key] / N, rel=0.05), key

@@ -39,6 +39,7 @@ import dataclasses
 import math
 
 from jaxmem.config import ModelConfig, OptimizerConfig
+from jaxmem.parallel import ParallelConfig, shard_elements
 from jaxmem.policy import (
     CHECKPOINT_NAMES,
     MemoryPolicy,
@@ -181,25 +182,50 @@ def opt_state_bytes(cfg: ModelConfig, opt: OptimizerConfig, precision: Precision
     return total
 
 
-def _param_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+def model_state_bytes(
+    cfg: ModelConfig, opt: OptimizerConfig, precision: Precision, parallel: ParallelConfig
+) -> dict[str, int]:
+    """Per device: parameters, gradients and optimizer state under a data-parallel strategy.
+    ZeRO's accounting (Rajbhandari et al. 2020: with fp32 master weights and AdamW, 4 + 4 + 8 =
+    16 bytes per parameter, here in the run's dtypes), divided by N for what the strategy shards
+    (``zero1``: the optimizer state; ``fsdp``: all three) except the leaves with no dimension
+    divisible by N, which every device holds whole (``jaxmem.parallel.shard_dim``); dp divides
+    nothing. Adafactor's factors are counted whole when sharded (small; not divided here)."""
+    n = parallel.devices if parallel.sharded else 1
+    p = precision.param_bytes
+
+    def held(shard: bool) -> int:
+        total = 0
+        for shape, stacked in _param_shapes_stacked(cfg):
+            total += shard_elements(shape, n, stacked) if shard else math.prod(shape)
+        return total * p
+
+    params = held(parallel.shards_params)
+    moments = {"adamw": 2, "sgd": 1}.get(opt.name)
+    if moments is None:  # adafactor: factored, a small fraction of the parameters
+        state = opt_state_bytes(cfg, opt, precision)
+    else:
+        state = moments * held(parallel.shards_opt_state)
+    return {"params": params, "grads": params, "opt_state": state}
+
+
+def _param_shapes_stacked(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
+    """Every parameter's shape, with whether it is one of the blocks' stacked ``[L, ...]``
+    parameters (sharding never splits their layer axis)."""
     d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
-    shapes = [
-        (cfg.vocab_size, d),
-        (cfg.max_seq_len, d),
-        (L, d, 3 * d),
-        (L, d, d),
-        (L, d, f),
-        (L, f, d),
-        (L, d),
-        (L, d),
-    ]
+    outside = [(cfg.vocab_size, d), (cfg.max_seq_len, d)]
+    stacked = [(L, d, 3 * d), (L, d, d), (L, d, f), (L, f, d), (L, d), (L, d)]
     if cfg.bias:
-        shapes += [(L, 3 * d), (L, d), (L, f), (L, d), (L, d), (L, d)]
+        stacked += [(L, 3 * d), (L, d), (L, f), (L, d), (L, d), (L, d)]
     if cfg.final_norm:
-        shapes += [(d,)] + ([(d,)] if cfg.bias else [])
+        outside += [(d,)] + ([(d,)] if cfg.bias else [])
     if not cfg.tie_embeddings:
-        shapes.append((d, cfg.vocab_size))
-    return shapes
+        outside.append((d, cfg.vocab_size))
+    return [(s, False) for s in outside] + [(s, True) for s in stacked]
+
+
+def _param_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    return [shape for shape, _ in _param_shapes_stacked(cfg)]
 
 
 def korthikanti_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int) -> int:
