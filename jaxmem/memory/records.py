@@ -122,17 +122,17 @@ def _compile_sharded(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, where
         )
 
-    rep = shardings.replicated
+    def everywhere(tree: Any, sharding: Any) -> Any:
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+        )
+
     placed_args = (
         placed(params, shardings.params),
         placed(opt_state, shardings.opt_state),
-        None if scale is None else jax.tree_util.tree_map(lambda _: rep, scale),
-        jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.batch), data
-        ),
+        everywhere(scale, shardings.replicated),  # None (no loss scaling) stays None
+        everywhere(data, shardings.batch),
     )
-    if scale is not None:
-        placed_args = (*placed_args[:2], placed(scale, placed_args[2]), placed_args[3])
     if target.is_gpu:
         from jaxmem.memory.gpu_plan import compile_placed
 
