@@ -288,27 +288,37 @@ def resolve_job(args: argparse.Namespace):
     return JobConfig.from_dict(layered)
 
 
-def _ask_for_cpu_devices(args: argparse.Namespace, processes: int = 1) -> None:
+def _ask_for_cpu_devices(args: argparse.Namespace, processes: int = 1) -> int | None:
     """JAX fixes its CPU device count when its backends start, and reading a checkpoint starts
-    them: ask for a mesh's devices first, from --mesh or the run's config.yaml (resuming)."""
+    them: ask for a mesh's devices first, from --mesh or the run's config.yaml (resuming).
+    Returns the mesh's device count, or None when a config file may still set it."""
     import yaml
 
     from jaxmem.sharding import ensure_cpu_devices
 
-    devices = 1
+    devices = None if args.config else 1
     if args.mesh is not None:
         try:
             devices = parse_mesh(args.mesh).devices
         except ConfigError:
-            return  # resolve_job reports it
+            return None  # resolve_job reports it
     elif args.resume and args.out:
         try:
             with open(os.path.join(args.out, "config.yaml")) as f:
                 devices = int(((yaml.safe_load(f) or {}).get("parallel") or {}).get("devices", 1))
         except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
-            return  # no readable config: resolve_job reads the checkpoint's and says
-    if devices > 1:
+            return None  # no readable config: resolve_job reads the checkpoint's and says
+    if devices is not None and devices > 1:
         ensure_cpu_devices(max(1, devices // processes))  # this process's share of the mesh
+    return devices
+
+
+def _check_processes(devices: int, processes: int, mesh_text: str) -> None:
+    if processes > 1 and devices % processes:
+        raise UsageError(
+            f"--num-processes {processes} needs a --mesh spanning every process's devices (got "
+            f"{mesh_text}): e.g. --mesh fsdp={2 * processes}"
+        )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -320,7 +330,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         group = process_group(args.coordinator, args.num_processes, args.process_id)
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    _ask_for_cpu_devices(args, group.num_processes)
+    devices = _ask_for_cpu_devices(args, group.num_processes)
+    if devices is not None:  # before joining the other processes: a bad layout fails fast
+        _check_processes(devices, group.num_processes, args.mesh or f"{devices} device(s)")
     if group.multi:
         initialize(group)  # before anything starts JAX's backends (reading a checkpoint does)
     try:
@@ -358,10 +370,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         need_torch("jaxmem train --framework torch")
         from jaxmem.compare import torch_run as framework
     else:
-        if job.parallel.sharded:
+        if job.parallel.sharded:  # a mesh given in a --config file: ask before JAX starts
             from jaxmem.sharding import ensure_cpu_devices
 
-            ensure_cpu_devices(job.parallel.devices)  # before JAX starts its backends
+            ensure_cpu_devices(max(1, job.parallel.devices // group.num_processes))
         need_jax_backend()
         from jaxmem.train import run as framework
     from jaxmem.train.loop import RunFailed, RunInterrupted
@@ -370,6 +382,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(
             "--num-processes > 1 runs JAX's multi-process runtime: use --framework jax"
         )
+    _check_processes(job.parallel.devices, group.num_processes, job.parallel.mesh_text())
     try:
         if group.multi:
             from rich.console import Console

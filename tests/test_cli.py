@@ -55,6 +55,10 @@ def test_memory_command_plans_a_large_preset_from_shapes(tmp_path):
         (["memory", "--frameworks", "jax", "--seq-len", "100"], "--seq-len 100 exceeds"),
         (["seed-example", "--policy", "most"], "unknown memory policy 'most'"),
         (["memory", "--unroll", "--policies", "full,nested"], "--unroll cannot apply to nested"),
+        (
+            ["train", "--preset", "tiny", "--num-processes", "2", "--coordinator", "localhost:1"],
+            "--num-processes 2 needs a --mesh spanning every process's devices",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):

@@ -214,7 +214,7 @@ class JaxTrainer:
         layers = layers_fn(job.memory, cfg.n_layers)
         plain_loss = lm_loss_fn(self.graphdef, layers_fn=layers)
         loss_fn = plain_loss
-        where = None
+        self._where = None  # where host-resident parameters go on the device (None: device 0)
         if self.shardings is not None:
             loss_fn = parallel_loss(
                 lambda lf: lm_loss_fn(self.graphdef, layers_fn=lf),
@@ -222,12 +222,11 @@ class JaxTrainer:
                 job.parallel,
                 self.shardings.mesh,
             )
-            where = self.shardings.params
-        self._where = where
+            self._where = self.shardings.params
         self.host_params = job.optimizer.params_memory != "device"
         # parameters kept in host memory are brought to the device inside the jitted evaluation
         self._eval = jax.jit(
-            lambda p, b: loss_fn(place(p, "device", where) if self.host_params else p, b)[1]
+            lambda p, b: loss_fn(place(p, "device", self._where) if self.host_params else p, b)[1]
         )
         self.loss_scale = init_loss_scale(job.precision)
         first = self.transfer(train_batch(prepared.dataset, job, self.local_rows)(1))
