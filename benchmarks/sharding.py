@@ -10,10 +10,14 @@ count, from compiled plans, and which strategy × policy lets a model fit 8 × 8
   host of N H100s without any GPU.
 - ``fit``: gpt2-1.5b and gpt3-6.7b on 8 H100s (bf16, AdamW, 1 row of 1024 tokens per device),
   every strategy × {none, full, selective}: the planned peak per device against 80 GB.
+- ``torch``: the ``cpu`` part's shapes in torch_ref, run (not planned): N torchrun processes
+  (gloo) of ``python -m torch_ref.mesh_memory``, DDP for ``dp`` and FSDP2 for ``zero1`` (its
+  ZeRO-2-like mode) and ``fsdp``; each rank's shards counted and its runtime peak from
+  PyTorch's trackers (FSDPMemTracker, MemTracker for DDP) on a steady second step.
 
 Writes ``benchmarks/results/sharding/{sharding.json,sharding.md,per_device_vs_n.png}``.
 
-    python benchmarks/sharding.py [--parts cpu,h100,fit]
+    python benchmarks/sharding.py [--parts cpu,h100,fit,torch]
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import datetime
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 from jaxmem.backend import contain_cuda_plugin
@@ -94,6 +101,56 @@ def scaling(part: str) -> list[dict]:
     return rows
 
 
+def torch_scaling() -> list[dict]:
+    """The ``cpu`` part's shapes, run by torch_ref over N torchrun processes (one per device)."""
+    spec = PARTS["cpu"]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    rows = []
+    for policy in ("full", "selective"):
+        for strategy in STRATEGIES:
+            for n in NS:
+                start = time.perf_counter()
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = os.path.join(tmp, "ranks.json")
+                    args = ["--preset", spec["preset"], "--policy", policy, "--precision"]
+                    args += [spec["precision"], "--batch-size", str(spec["rows"] * n)]
+                    args += ["--seq-len", str(spec["seq"]), "--json", out]
+                    if n == 1:
+                        cmd = [sys.executable, "-m", "torch_ref.mesh_memory", *args]
+                    else:
+                        cmd = [torchrun, "--standalone", f"--nproc_per_node={n}"]
+                        cmd += ["-m", "torch_ref.mesh_memory", *args, "--mesh", f"{strategy}={n}"]
+                    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                    if proc.returncode:
+                        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+                    with open(out) as f:
+                        ranks = json.load(f)
+                rank0 = ranks[0]
+                rows.append(
+                    {
+                        "part": "torch",
+                        "policy": policy,
+                        "strategy": strategy,
+                        "devices": n,
+                        "what_ran": rank0["strategy"],
+                        "params_bytes": rank0["params_bytes"],
+                        "grads_bytes": rank0["grads_bytes"],
+                        "opt_state_bytes": rank0["opt_state_bytes"],
+                        "peak_bytes": max(r["peak_bytes"] for r in ranks),
+                        "state_source": rank0["state_source"],
+                        "peak_source": rank0["peak_source"] + "; the largest rank's",
+                    }
+                )
+                print(
+                    f"torch {policy} {strategy}={n}: runtime peak "
+                    f"{rows[-1]['peak_bytes'] / MIB:,.1f} MiB per rank "
+                    f"({time.perf_counter() - start:.0f} s)",
+                    flush=True,
+                )
+    return rows
+
+
 def fit() -> list[dict]:
     target = get_target("h100")
     rows = []
@@ -119,6 +176,15 @@ def fit() -> list[dict]:
                     flush=True,
                 )
     return rows
+
+
+def _one_device(rows: list[dict], row: dict) -> dict:
+    """The N = 1 row of ``row``'s policy and strategy."""
+    return next(
+        b
+        for b in rows
+        if (b["policy"], b["strategy"], b["devices"]) == (row["policy"], row["strategy"], 1)
+    )
 
 
 def markdown(result: dict) -> str:
@@ -148,19 +214,47 @@ def markdown(result: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            base = next(
-                b
-                for b in rows
-                if b["policy"] == r["policy"]
-                and b["strategy"] == r["strategy"]
-                and b["devices"] == 1
-            )
+            base = _one_device(rows, r)
             lines.append(
                 f"| {r['policy']} | {r['strategy']} | {r['devices']} "
                 f"| {r['params_bytes'] / scale:,.2f} | {r['grads_bytes'] / scale:,.2f} "
                 f"| {r['opt_state_bytes'] / scale:,.2f} | {r['saved_bytes'] / scale:,.2f} "
                 f"| {r['temp_bytes'] / scale:,.2f} | {r['planned_peak_bytes'] / scale:,.2f} "
                 f"| {r['planned_peak_bytes'] / base['planned_peak_bytes']:.3f} |"
+            )
+    rows = [r for r in result["rows"] if r["part"] == "torch"]
+    if rows:
+        spec = PARTS["cpu"]
+        jax_rows = {
+            (r["policy"], r["strategy"], r["devices"]): r
+            for r in result["rows"]
+            if r["part"] == "cpu"
+        }
+        lines += [
+            "",
+            f"## torch_ref beside jaxmem: {spec['preset']}, {spec['precision']}, AdamW, "
+            f"{spec['rows']} × {spec['seq']} tokens per device, N CPU processes (torchrun, gloo)",
+            "",
+            "torch_ref's figures are *run*: each rank's shards counted after a steady second step, "
+            "its peak from PyTorch's trackers (FSDPMemTracker for FSDP2, MemTracker for DDP; the "
+            "largest rank's). jaxmem's peak is the XLA:CPU plan of the table above. Two kinds of "
+            "figure, two columns. torch `dp` = DDP; torch `zero1` = FSDP2 "
+            "`reshard_after_forward=False` (ZeRO-2-like: its gradients and, between steps, its "
+            "parameters are sharded too); torch `fsdp` = FSDP2 `fully_shard`.",
+            "",
+            "| policy | strategy | N | torch params MiB | torch grads MiB | torch optimizer MiB "
+            "| torch runtime peak MiB | torch peak / N=1 | jaxmem planned peak MiB |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            base = _one_device(rows, r)
+            j = jax_rows.get((r["policy"], r["strategy"], r["devices"]))
+            lines.append(
+                f"| {r['policy']} | {r['strategy']} | {r['devices']} "
+                f"| {r['params_bytes'] / MIB:,.2f} | {r['grads_bytes'] / MIB:,.2f} "
+                f"| {r['opt_state_bytes'] / MIB:,.2f} | {r['peak_bytes'] / MIB:,.2f} "
+                f"| {r['peak_bytes'] / base['peak_bytes']:.3f} "
+                f"| {'-' if j is None else format(j['planned_peak_bytes'] / MIB, ',.2f')} |"
             )
     rows = [r for r in result["rows"] if r["part"] == "fit"]
     if rows:
@@ -189,24 +283,28 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [p for p in ("cpu", "h100") if any(r["part"] == p for r in result["rows"])]
+    parts = [p for p in ("cpu", "torch", "h100") if any(r["part"] == p for r in result["rows"])]
     fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.5), squeeze=False)
     for ax, part in zip(axes[0], parts, strict=True):
-        unit, scale = ("MiB", MIB) if part == "cpu" else ("GB", GB)
+        unit, scale = ("GB", GB) if part == "h100" else ("MiB", MIB)
         for strategy, color in zip(STRATEGIES, ("C0", "C1", "C2"), strict=True):
             for policy, style in (("full", "-"), ("selective", "--")):
                 pts = sorted(
-                    (r["devices"], r["planned_peak_bytes"] / scale)
+                    (r["devices"], r.get("planned_peak_bytes", r.get("peak_bytes")) / scale)
                     for r in result["rows"]
                     if r["part"] == part and r["strategy"] == strategy and r["policy"] == policy
                 )
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, style, color=color, marker="o", label=f"{strategy}, {policy}")
-        spec = PARTS[part]
+        spec = PARTS["cpu" if part == "torch" else part]
         ax.set_xscale("log", base=2)
         ax.set_xlabel("devices N")
-        ax.set_ylabel(f"planned peak per device, {unit}")
-        ax.set_title(f"{spec['preset']} {spec['precision']} ({spec['target']} plan)")
+        if part == "torch":  # another kind of figure: its own panel
+            ax.set_ylabel(f"torch_ref runtime peak per rank, {unit}")
+            ax.set_title(f"{spec['preset']} {spec['precision']} (torch_ref run, CPU trackers)")
+        else:
+            ax.set_ylabel(f"jaxmem planned peak per device, {unit}")
+            ax.set_title(f"{spec['preset']} {spec['precision']} ({spec['target']} plan)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Per-device memory of the sharded train step vs N (fixed rows per device)")
@@ -216,7 +314,7 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="cpu,h100,fit")
+    parser.add_argument("--parts", default="cpu,h100,fit,torch")
     parser.add_argument("--out", default="benchmarks/results/sharding")
     args = parser.parse_args()
     parts = [p for p in args.parts.split(",") if p]
@@ -229,7 +327,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = list(old)
     for part in parts:
-        rows += fit() if part == "fit" else scaling(part)
+        rows += fit() if part == "fit" else torch_scaling() if part == "torch" else scaling(part)
     result = {
         "meta": {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

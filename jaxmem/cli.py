@@ -366,9 +366,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             require_gpu_plan(target)
         except ConfigError as e:
             raise UsageError(str(e)) from None
+    primary = group.primary
     if job.run.framework == "torch":
         need_torch("jaxmem train --framework torch")
         from jaxmem.compare import torch_run as framework
+
+        try:  # one torchrun process per device of the mesh
+            primary = framework.launch_for(job).primary
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     else:
         if job.parallel.sharded:  # a mesh given in a --config file: ask before JAX starts
             from jaxmem.sharding import ensure_cpu_devices
@@ -384,12 +390,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     _check_processes(job.parallel.devices, group.num_processes, job.parallel.mesh_text())
     try:
-        if group.multi:
+        if group.multi or job.parallel.sharded and job.run.framework == "torch":
             from rich.console import Console
 
             # process 0 owns the run directory and the console; the others train beside it
-            prepared = framework.prepare(job, args.out, resume=args.resume, primary=group.primary)
-            framework.run_training(prepared, console=Console(quiet=not group.primary))
+            prepared = framework.prepare(job, args.out, resume=args.resume, primary=primary)
+            framework.run_training(prepared, console=Console(quiet=not primary))
         else:
             prepared = framework.prepare(job, args.out, resume=args.resume)
             if target is not None:
@@ -537,13 +543,15 @@ def cmd_memory(args: argparse.Namespace) -> int:
         if args.frameworks is None:
             args.frameworks = "jax"
             notes.append(
-                f"--mesh {parallel.mesh_text()}: JAX only (torch_ref's FSDP2 rows are not built "
-                "yet); every figure is per device"
+                f"--mesh {parallel.mesh_text()}: JAX plans, every figure per device; torch_ref's "
+                "per-rank figures come from running the step: "
+                + _torch_mesh_memory_command(parallel)
             )
         elif args.frameworks != "jax":
             raise UsageError(
-                f"--mesh {parallel.mesh_text()} plans jaxmem's sharded step; torch_ref's FSDP2 "
-                "rows are not built yet: use --frameworks jax"
+                f"--mesh {parallel.mesh_text()} plans jaxmem's sharded step in this process; "
+                "torch_ref's per-rank figures need one process per device: use --frameworks jax "
+                "here and run " + _torch_mesh_memory_command(parallel)
             )
         if args.target in (None, "cpu") and parallel.sharded:
             from jaxmem.sharding import ensure_cpu_devices
@@ -677,6 +685,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
         write_json_atomic(args.json, records)
         console.print(f"wrote {len(records)} records to {args.json}")
     return 0
+
+
+def _torch_mesh_memory_command(parallel) -> str:
+    return (
+        f"torchrun --standalone --nproc_per_node={parallel.devices} -m torch_ref.mesh_memory "
+        f"--mesh {parallel.mesh_text()} --preset P --policy POLICY --json OUT.json"
+    )
 
 
 def _print_memory_table(console, records, preset, batch, seq_len, planning, target) -> None:

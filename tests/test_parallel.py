@@ -212,11 +212,11 @@ def test_memory_command_plans_per_device_records(tmp_path):
             lambda: JobConfig.from_dict(
                 {
                     "preset": "tiny",
-                    "run": {"framework": "torch"},
+                    "accum": {"steps": 2, "mode": "multisteps"},
                     "parallel": {"strategy": "fsdp", "devices": 2},
                 }
             ),
-            "torch_ref's FSDP2 runs are not built yet",
+            "accum mode 'multisteps' is single-device only: use accum mode 'scan'",
         ),
     ],
 )

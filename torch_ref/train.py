@@ -131,9 +131,12 @@ def accumulate_grads(
     precision: Precision,
     accum_steps: int = 1,
     scaler: torch.amp.GradScaler | None = None,
+    divisor: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward over ``accum_steps`` microbatches, leaving the batch's mean-loss gradient in
     ``.grad`` (scaled by ``scaler`` if given). Returns ``(loss_sum, n_tokens)`` of the batch.
+    ``divisor`` maps the batch's valid-token count to what each summed loss is divided by (one
+    rank of a data-parallel run: ``torch_ref.distributed.local_token_divisor``).
 
     The seeds' loop divides each microbatch loss by ``accum_steps`` — a mean of means, wrong
     whenever microbatches hold different numbers of valid tokens. Here every microbatch's summed
@@ -144,6 +147,7 @@ def accumulate_grads(
     n_total = (
         mask.float().sum() if mask is not None else torch.tensor(float(batch["targets"].numel()))
     )
+    divide_by = n_total if divisor is None else divisor(n_total)
     device = batch["inputs"].device.type
     loss_sum_total = None  # summed on the device, in the loss's dtype
     for micro in split_microbatches(batch, accum_steps):
@@ -152,7 +156,7 @@ def accumulate_grads(
         ):
             logits = model(micro["inputs"])
         loss_sum, _ = cross_entropy_sum(logits, micro["targets"], micro.get("mask"))
-        loss = loss_sum / n_total
+        loss = loss_sum / divide_by
         (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum = loss_sum.detach()
         loss_sum_total = loss_sum if loss_sum_total is None else loss_sum_total + loss_sum

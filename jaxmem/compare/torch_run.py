@@ -7,6 +7,12 @@ translation; name-based offload through torch_ref's extension, as ``describe`` s
 and accumulation, and the same step loop and run files as a JAX run
 (``jaxmem.train.loop.run_job``), so both loss curves land on one plot (``jaxmem plot A B``).
 Checkpoints: ``torch_ref.checkpoint.TorchCheckpointer``.
+
+Over a mesh (``--mesh fsdp=N``) the job runs as N torchrun processes, one per device
+(``torch_ref.distributed``: DDP for ``dp``, FSDP2 for ``zero1``/``fsdp``): each rank trains on its
+rows of every batch, rank 0 owns the run directory and the console, and checkpoints hold the
+full state dicts gathered on rank 0 (``torch.distributed.checkpoint.state_dict``), restored by
+broadcasting them from rank 0.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import numpy as np
 import torch
 from rich.console import Console
 
+import torch_ref.distributed as tdist
 from jaxmem.compare.parity import torch_model_from
+from jaxmem.config import ConfigError
 from jaxmem.figures import Figure, format_bytes, rss_figure
 from jaxmem.model import make_model
 from jaxmem.train.job import JobConfig
@@ -34,10 +42,30 @@ from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer, make
 def check_torch_backend(job: JobConfig) -> None:
     """Raise ``ConfigError`` for what torch_ref cannot express (e.g. q/k/v split choices)."""
     validate_for_torch(job.memory, cfg=job.model)
+    kept = {job.optimizer.state_memory, job.optimizer.params_memory} - {"device"}
+    if kept:
+        raise ConfigError(
+            f"optimizer state/params in {', '.join(sorted(kept))}: torch_ref's training job keeps "
+            "them on the device (torch_ref.train.HybridDeviceOptimizer is compared in the parity "
+            "suite, not wired into the job): use --framework jax or drop --state-memory/"
+            "--params-memory"
+        )
 
 
-def prepare(job: JobConfig, out_dir: str | None, *, resume: bool = False) -> PreparedJob:
-    return prepare_job(job, out_dir, resume=resume, check_backend=check_torch_backend)
+def launch_for(job: JobConfig) -> tdist.Launch:
+    """This process's place among torchrun's, checked against the job's mesh (one process per
+    device); raises ``ConfigError`` naming the torchrun command that runs the job."""
+    launch = tdist.from_environment()
+    tdist.check_launch(job.parallel, launch, "jaxmem train --framework torch ...")
+    return launch
+
+
+def prepare(
+    job: JobConfig, out_dir: str | None, *, resume: bool = False, primary: bool = True
+) -> PreparedJob:
+    return prepare_job(
+        job, out_dir, resume=resume, check_backend=check_torch_backend, primary=primary
+    )
 
 
 class TorchTrainer:
@@ -51,14 +79,26 @@ class TorchTrainer:
     def __init__(self, prepared: PreparedJob):
         job = self.job = prepared.job
         cfg, r = job.model, job.run
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.platform = self.device
+        self.parallel = job.parallel
+        self.launch = launch_for(job)
+        tdist.initialize(self.launch)
+        self.device = self.launch.device
+        self.platform = self.device.split(":")[0]
+        # a data-parallel rank reads only its rows of every batch (jaxmem.train.loop)
+        self.local_rows = self.launch.rows(r.batch_size)
         torch.manual_seed(r.seed)
         model = torch_model_from(make_model(cfg, seed=r.seed))  # jaxmem's initial weights
-        self.model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
-        self.runner = apply_memory_policy(self.model.blocks, job.memory)
-        self.opt = make_optimizer(self.model, job.optimizer)
-        self.scaler = make_scaler(job.precision, self.device)
+        model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
+        self.runner = apply_memory_policy(model.blocks, job.memory)
+        self.model = tdist.shard(model, self.parallel, self.launch)  # after the policy
+        self.opt = make_optimizer(self.model, job.optimizer)  # over the shards, if sharded
+        self.scaler = make_scaler(job.precision, self.device.split(":")[0])
+        if self.scaler is not None and self.parallel.shards_opt_state:
+            # FSDP2's gradients are shards: ranks must agree on whether a step overflowed
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device.split(":")[0])
+        self.divisor = tdist.token_divisor(self.parallel, self.launch)
         self.ckpt = None
         if prepared.out_dir is not None:
             self.ckpt = TorchCheckpointer(
@@ -67,7 +107,13 @@ class TorchTrainer:
         self._valid = [self.transfer(b) for b in val_batches(prepared.dataset, job)]
 
     def describe(self) -> str:
-        return f"memory policy {self.runner.description}"
+        text = f"memory policy {self.runner.description}"
+        if self.parallel.sharded:
+            text += (
+                f"; --mesh {self.parallel.mesh_text()} over {self.launch.world_size} torchrun "
+                f"processes: {tdist.DESCRIPTION[self.parallel.strategy]}"
+            )
+        return text
 
     def transfer(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         # pinned host memory + non_blocking: the seeds' DataLoader(pin_memory=True) advice
@@ -80,6 +126,14 @@ class TorchTrainer:
 
     def restore(self, step: int) -> None:
         assert self.ckpt is not None
+        if self.parallel.sharded:
+            # rank 0 reads and verifies the checkpoint and broadcasts it; each rank keeps its
+            # shards (and the GradScaler's few numbers)
+            state = self.ckpt.load(step) if self.launch.primary else {}
+            tdist.load_full_state(self.model, self.opt, state)
+            if self.scaler is not None:
+                self.scaler.load_state_dict(tdist.broadcast_object(state.get("scaler")))
+            return
         state = self.ckpt.load(step)
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
@@ -94,12 +148,12 @@ class TorchTrainer:
             precision=self.job.precision,
             accum_steps=self.job.accum.steps,
             scaler=self.scaler,
+            divisor=self.divisor,
         )
+        loss_sum, n = tdist.all_sum(loss_sum), tdist.all_sum(n)  # the whole batch's
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
-        grad_norm = torch.linalg.vector_norm(
-            torch.stack([p.grad.float().norm() for p in self.model.parameters()])
-        )
+        grad_norm = tdist.grad_norm(self.model.parameters())
         if self.scaler is not None:
             self.scaler.step(self.opt)  # skips the update when a gradient is inf/nan
             self.scaler.update()
@@ -133,10 +187,15 @@ class TorchTrainer:
 
     def save(self, step: int, extra: dict[str, Any]) -> None:
         assert self.ckpt is not None
-        state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+        if self.parallel.sharded:  # gathered whole on rank 0 (a collective), written there
+            state = tdist.full_state(self.model, self.opt)
+        else:
+            state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
-        self.ckpt.save(step, state, self.job.to_dict(), extra)
+        if self.launch.primary:
+            self.ckpt.save(step, state, self.job.to_dict(), extra)
+        tdist.barrier()  # no rank runs ahead of a checkpoint being written
 
     def memory_label(self) -> str:
         if self.device == "cuda":
@@ -144,7 +203,9 @@ class TorchTrainer:
         return ""
 
     def sample(self, prompt: np.ndarray, n_new: int, temperature: float, seed: int) -> np.ndarray:
-        return generate(self.model, prompt, n_new, temperature=temperature, seed=seed)
+        # every rank samples the same tokens (same seed): FSDP2's forward is a collective
+        model = tdist.unwrap(self.model)
+        return generate(model, prompt, n_new, temperature=temperature, seed=seed)
 
     def figures(self) -> list[Figure]:
         def nbytes(tensors: Any) -> int:
@@ -153,9 +214,13 @@ class TorchTrainer:
         state = [
             t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
         ]
+        source = "counted (tensors)"
+        if self.parallel.sharded:
+            nbytes = tdist.local_bytes
+            source = f"counted (this rank's shards, {self.parallel.mesh_text()})"
         out = [
-            Figure("parameters", nbytes(self.model.parameters()), "counted (tensors)"),
-            Figure("optimizer state", nbytes(state), "counted (tensors)"),
+            Figure("parameters", nbytes(self.model.parameters()), source),
+            Figure("optimizer state", nbytes(state), source),
         ]
         if self.device == "cuda":
             peak = torch.cuda.max_memory_allocated()
@@ -168,4 +233,7 @@ class TorchTrainer:
 
 def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
     """Train ``prepared.job`` with torch_ref; returns the run summary."""
-    return run_job(prepared, lambda: TorchTrainer(prepared), console or Console())
+    try:
+        return run_job(prepared, lambda: TorchTrainer(prepared), console or Console())
+    finally:
+        tdist.shutdown()

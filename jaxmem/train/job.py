@@ -228,11 +228,6 @@ class JobConfig:
                 f"--mesh {self.parallel.mesh_text()} runs scan accumulation; accum mode "
                 f"{self.accum.mode!r} is single-device only: use accum mode 'scan'",
             )
-            require(
-                self.run.framework == "jax",
-                f"--mesh {self.parallel.mesh_text()} is jaxmem's (JAX) for now; torch_ref's "
-                "FSDP2 runs are not built yet: drop --mesh or use --framework jax",
-            )
         require(
             self.run.seq_len <= self.model.max_seq_len,
             f"seq_len={self.run.seq_len} exceeds the model's max_seq_len="

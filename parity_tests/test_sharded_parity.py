@@ -1,0 +1,156 @@
+"""torch_ref over several processes (``torch_ref.distributed``: DDP, FSDP2) against one device and
+against jaxmem's sharded step: torchrun launches with gloo, as subprocesses with timeouts.
+
+- every strategy trains as one device does (within the data-parallel tolerance), and each rank
+  holds its share of parameters, gradients and optimizer state;
+- ``jaxmem train --framework torch --mesh fsdp=2`` under torchrun logs the losses of ``jaxmem
+  train --mesh fsdp=2`` (JAX) over 10 steps, resumes bit-identically from its rank-0 checkpoint,
+  and only rank 0 writes the run's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxmem.compare.tolerances import tolerance
+
+N = 2
+HERE = os.path.dirname(__file__)
+BIN = os.path.dirname(sys.executable)
+TIMEOUT = 300
+
+
+def _env() -> dict[str, str]:
+    # one thread per rank: two ranks on a 2-core machine, no oversubscription
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={N}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def strategies():
+    proc = torchrun(os.path.join(HERE, "torch_parallel_worker.py"))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_torch_strategy_trains_as_one_device(strategies):
+    tol = tolerance("float32", "data_parallel_loss")
+    for strategy in ("dp", "zero1", "fsdp"):
+        np.testing.assert_allclose(
+            strategies[strategy]["losses"], strategies["one_device"], **tol.kwargs()
+        )
+
+
+def test_each_rank_holds_its_share(strategies):
+    """FSDP2 (``fsdp``, and ``zero1``'s ZeRO-2-like mode) keeps 1/N of the parameters,
+    gradients and AdamW state per rank between steps (dimension 0 padded to N: within 5 %); DDP
+    replicates them and holds more at its peak than one device (its gradient buckets)."""
+    one = strategies["one_device_record"]
+    for strategy, share in (("dp", 1), ("zero1", 1 / N), ("fsdp", 1 / N)):
+        ranks = strategies[strategy]["ranks"]
+        assert [r["rank"] for r in ranks] == list(range(N))
+        for r in ranks:
+            for key in ("params_bytes", "grads_bytes", "opt_state_bytes"):
+                assert r[key] == pytest.approx(one[key] * share, rel=0.05), (strategy, key)
+            assert f"per rank of {strategy}={N}" in r["peak_source"]
+    dp_peak = strategies["dp"]["ranks"][0]["peak_bytes"]
+    assert dp_peak > one["peak_bytes"]
+    assert strategies["fsdp"]["ranks"][0]["peak_bytes"] < one["peak_bytes"]
+
+
+def _jaxmem(*args: str) -> list[str]:
+    return [os.path.join(BIN, "jaxmem"), *args]
+
+
+def _metrics(run) -> list[dict]:
+    with open(run / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_fsdp2_trains_as_jax_fsdp_and_resumes_bit_identically(tmp_path):
+    common = ["--preset", "tiny", "--mesh", f"fsdp={N}", "--batch-size", "8", "--seq-len", "32"]
+    common += ["--policy", "full", "--steps", "10", "--checkpoint-every", "5"]
+    common += ["--eval-every", "5", "--sample-tokens", "8"]
+    jax_run, torch_run = tmp_path / "jax", tmp_path / "torch"
+    proc = subprocess.run(
+        _jaxmem("train", *common, "--out", str(jax_run)),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = torchrun(
+        "--no-python", *_jaxmem("train", "--framework", "torch", *common, "--out", str(torch_run))
+    )
+    assert out.stdout.count("jaxmem train (torch)") == 1  # rank 0's console only
+    j, t = _metrics(jax_run), _metrics(torch_run)
+    assert [r["step"] for r in t] == list(range(1, 11))
+    np.testing.assert_allclose(
+        [r["loss"] for r in t],
+        [r["loss"] for r in j],
+        **tolerance("float32", "adamw_loss").kwargs(),
+    )
+    files = sorted(p.name for p in torch_run.iterdir() if not p.name.startswith("."))
+    assert files == [
+        "checkpoints",
+        "config.yaml",
+        "loss.png",
+        "metrics.jsonl",
+        "sample.txt",
+        "summary.json",
+    ]
+    assert sorted(p.name for p in (torch_run / "checkpoints").iterdir()) == ["10", "5"]
+    # killed between the two checkpoints: the run without checkpoint 10 and the lines after 5
+    split = tmp_path / "split"
+    shutil.copytree(torch_run, split)
+    shutil.rmtree(split / "checkpoints" / "10")
+    (split / ".jaxmem.lock").unlink(missing_ok=True)
+    (split / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in t if r["step"] <= 5))
+    torchrun("--no-python", *_jaxmem("train", "--out", str(split), "--resume", "--steps", "10"))
+    resumed = _metrics(split)
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in t
+    ]
+
+
+@pytest.mark.parametrize(
+    ("world", "fragment"),
+    [
+        (1, "runs one process per device: launch it with torchrun --standalone --nproc_per_node=4"),
+        (2, "torchrun started 2 processes but the run's mesh is fsdp=4 (4 device(s))"),
+    ],
+)
+def test_a_torch_mesh_without_its_processes_is_refused_naming_the_launch(world, fragment):
+    from jaxmem.config import ConfigError
+    from jaxmem.parallel import ParallelConfig
+    from torch_ref.distributed import Launch, check_launch
+
+    with pytest.raises(ConfigError) as exc:
+        check_launch(ParallelConfig(strategy="fsdp", devices=4), Launch(world_size=world), "x")
+    assert fragment in str(exc.value)
+
+
+def test_torch_mesh_outside_torchrun_exits_2_before_writing(tmp_path, capsys, monkeypatch):
+    from jaxmem import cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--framework", "torch", "--mesh", "fsdp=2", "--out", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--nproc_per_node=2 --no-python jaxmem train --framework torch" in err
+    assert not out.exists()

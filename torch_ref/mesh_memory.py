@@ -1,0 +1,155 @@
+"""Per-rank memory of one torch_ref training step over a data-parallel mesh (DDP or FSDP2,
+``torch_ref.distributed``), measured at run time: the PyTorch column beside
+``jaxmem memory --mesh`` (compiled plans, per device).
+
+Run under torchrun, one process per device::
+
+    torchrun --standalone --nproc_per_node=2 -m torch_ref.mesh_memory \\
+        --preset small --policy full --mesh fsdp=2 --batch-size 8 --seq-len 128 --json out.json
+
+Each rank runs one untracked step (so the measured one holds AdamW's state), then one step under
+PyTorch's tracker: ``FSDPMemTracker`` for FSDP2 (``zero1``, ``fsdp``), ``MemTracker`` for DDP
+(``dp``), with the optimizer's state tracked. Rank 0 writes one record per rank: this rank's
+parameter, gradient and optimizer-state bytes (its shards), and the tracker's peak (on CUDA:
+``max_memory_allocated``). DDP's gradient buckets are communication buffers the trackers see as
+tensors of the process; FSDP2's all-gathered parameters appear while a block runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import torch_ref
+import torch_ref.distributed as tdist
+from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig
+from jaxmem.parallel import ParallelConfig, parse_mesh
+from jaxmem.policy import MemoryPolicy, get_policy
+from jaxmem.precision import PRECISIONS, Precision
+from torch_ref.remat import apply_memory_policy
+from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer
+
+
+def measure(
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    batch: int,
+    seq_len: int,
+    parallel: ParallelConfig,
+    launch: tdist.Launch,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """This rank's record of one steady training step of the global ``batch`` (its rows)."""
+    parallel.check_batch(batch)
+    tdist.initialize(launch)
+    device = launch.device
+    torch.manual_seed(seed)
+    model = torch_ref.Decoder(cfg).to(device, TORCH_DTYPES[precision.param_dtype])
+    runner = apply_memory_policy(model.blocks, policy)
+    model = tdist.shard(model, parallel, launch)
+    opt = make_optimizer(model, opt_cfg)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
+    rows = launch.rows(batch) or slice(None)
+    data = {"inputs": tokens[rows, :-1].to(device), "targets": tokens[rows, 1:].to(device)}
+    divisor = tdist.token_divisor(parallel, launch)
+
+    def step() -> int:
+        """One training step; returns this rank's gradient bytes before the update."""
+        opt.zero_grad(set_to_none=True)
+        accumulate_grads(model, data, precision=precision, divisor=divisor)
+        grads = tdist.local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        opt.step()
+        return grads
+
+    step()  # AdamW's state exists from here on
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        tracker, kind = None, "max_memory_allocated"
+    elif parallel.sharded and parallel.strategy in tdist.RESHARD_AFTER_FORWARD:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker, kind = FSDPMemTracker(model, opt), "torch FSDPMemTracker"
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker, kind = MemTracker(), "torch MemTracker"
+        tracker.track_external(model, opt)
+    with tracker or contextlib.nullcontext():
+        grads = step()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    how = f"per rank of {parallel.mesh_text()}" if parallel.sharded else "one process"
+    return {
+        "framework": "torch",
+        "rank": launch.rank,
+        "mesh": parallel.mesh_text() if parallel.sharded else None,
+        "strategy": tdist.DESCRIPTION[parallel.strategy] if parallel.sharded else "one device",
+        "policy": policy.name,
+        "translation": runner.description,
+        "precision": precision.name,
+        "batch": batch,
+        "seq_len": seq_len,
+        "params_bytes": tdist.local_bytes(model.parameters()),
+        "grads_bytes": grads,
+        "opt_state_bytes": tdist.local_bytes(state),
+        "state_source": f"counted (this rank's tensors, {how}; after the step)",
+        "peak_bytes": peak,
+        "peak_source": f"runtime peak ({kind}, {device.split(':')[0]}; a second step: "
+        f"optimizer state included; {how})",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m torch_ref.mesh_memory", description=__doc__)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--policy", default="none")
+    p.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
+    p.add_argument("--mesh", default=None, help="STRATEGY=N (default: one process, no mesh)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--json", required=True, help="where rank 0 writes the per-rank records")
+    args = p.parse_args(argv)
+    launch = tdist.from_environment()
+    try:
+        parallel = parse_mesh(args.mesh) if args.mesh else ParallelConfig()
+        tdist.check_launch(parallel, launch, "python -m torch_ref.mesh_memory ...")
+        policy = get_policy(args.policy)
+    except ConfigError as e:
+        print(f"torch_ref.mesh_memory: error: {e}", file=sys.stderr)
+        return 2
+    rec = measure(
+        PRESETS[args.preset],
+        policy,
+        PRECISIONS[args.precision],
+        OptimizerConfig(),
+        args.batch_size,
+        args.seq_len,
+        parallel,
+        launch,
+    )
+    records = [rec]
+    if dist.is_initialized():
+        records = [None] * launch.world_size
+        dist.all_gather_object(records, rec)
+    if launch.primary:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    tdist.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
