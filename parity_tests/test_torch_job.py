@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from jaxmem import cli
 from jaxmem.compare.tolerances import tolerance
@@ -32,6 +33,19 @@ def test_torch_framework_trains_the_same_job_to_the_same_losses(tmp_path):
     # both curves on one plot
     assert cli.main(["plot", str(jax_run), str(torch_run), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_host_resident_optimizer_state_is_refused_not_ignored_by_torch(tmp_path, capsys):
+    """torch_ref's job keeps optimizer state on the device; asking for pinned_host exits 2 in
+    one line before anything is written (it used to train with the state on the device)."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        train(
+            "--framework", "torch", "--set", "optimizer.state_memory=pinned_host", "--out", str(out)
+        )
+    assert exc.value.code == 2
+    assert "torch_ref's training job keeps them on the device" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_torch_run_resumes_from_its_checkpoint(tmp_path):

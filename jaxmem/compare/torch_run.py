@@ -47,8 +47,8 @@ def check_torch_backend(job: JobConfig) -> None:
         raise ConfigError(
             f"optimizer state/params in {', '.join(sorted(kept))}: torch_ref's training job keeps "
             "them on the device (torch_ref.train.HybridDeviceOptimizer is compared in the parity "
-            "suite, not wired into the job): use --framework jax or drop --state-memory/"
-            "--params-memory"
+            "suite, not wired into the job): use --framework jax or set optimizer.state_memory "
+            "and optimizer.params_memory to device"
         )
 
 
