@@ -13,6 +13,7 @@ import argparse
 import importlib
 import math
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -543,16 +544,22 @@ def cmd_memory(args: argparse.Namespace) -> int:
         if args.frameworks is None:
             args.frameworks = "jax"
             notes.append(
-                f"--mesh {parallel.mesh_text()}: JAX plans, every figure per device; torch_ref's "
-                "per-rank figures come from running the step: "
-                + _torch_mesh_memory_command(parallel)
+                f"--mesh {parallel.mesh_text()}: JAX plans, every figure per device; add "
+                f"--frameworks jax,torch for torch_ref's per-rank figures (its step run on "
+                f"{parallel.devices} torchrun CPU processes)"
             )
-        elif args.frameworks != "jax":
+        elif "torch-lean" in args.frameworks.split(","):
             raise UsageError(
-                f"--mesh {parallel.mesh_text()} plans jaxmem's sharded step in this process; "
-                "torch_ref's per-rank figures need one process per device: use --frameworks jax "
-                "here and run " + _torch_mesh_memory_command(parallel)
+                f"--mesh {parallel.mesh_text()}: torch_ref's per-rank runs are stock PyTorch "
+                "(DDP, FSDP2): use --frameworks jax,torch"
             )
+        elif "torch" in args.frameworks.split(",") and parallel.sharded:
+            if args.preset_name in PLANNING_ONLY or args.target not in (None, "cpu"):
+                raise UsageError(
+                    f"--mesh {parallel.mesh_text()} --frameworks torch runs torch_ref's step on "
+                    f"{parallel.devices} CPU processes of this machine: use a preset it holds "
+                    "(tiny, small) without --target, or --frameworks jax to plan"
+                )
         if args.target in (None, "cpu") and parallel.sharded:
             from jaxmem.sharding import ensure_cpu_devices
 
@@ -630,12 +637,35 @@ def cmd_memory(args: argparse.Namespace) -> int:
     console = Console()
     for note in notes:
         console.print(f"[yellow]{note}[/]")
-    records = []
+    records, rank_records = [], []
     for name in policies:
         policy = get_policy(name)
         if args.unroll:  # torch_ref ignores it: its blocks always run one by one
             policy = policy.replace(unroll=True)
         for fw in frameworks:
+            if fw == "torch" and parallel is not None and parallel.sharded:
+                from jaxmem.compare.records import torch_rank_records
+
+                console.print(
+                    f"measuring torch {name} (running the step on {parallel.devices} torchrun "
+                    "CPU processes)...",
+                    style="dim",
+                )
+                try:
+                    rank_records += torch_rank_records(
+                        args.preset_name,
+                        name,
+                        parallel,
+                        precision=precision.name,
+                        optimizer=opt_cfg.name,
+                        attention=cfg.attention,
+                        batch=args.batch_size,
+                        seq_len=seq_len,
+                    )
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    print(f"jaxmem memory: torch_ref's per-rank run failed: {e}", file=sys.stderr)
+                    return EXIT_RUN_FAILED
+                continue
             how = ""
             if planning and fw != "jax":
                 how = " (running the step on fake tensors: shapes only)"
@@ -678,19 +708,50 @@ def cmd_memory(args: argparse.Namespace) -> int:
             rec["preset"] = args.preset_name
             rec["attention"] = cfg.attention
             records.append(rec)
-    _print_memory_table(
-        console, records, args.preset_name, args.batch_size, seq_len, planning, target
-    )
+    if records:
+        _print_memory_table(
+            console, records, args.preset_name, args.batch_size, seq_len, planning, target
+        )
+    if rank_records:
+        _print_rank_table(console, rank_records, args.preset_name, args.batch_size, seq_len)
     if args.json:
-        write_json_atomic(args.json, records)
-        console.print(f"wrote {len(records)} records to {args.json}")
+        write_json_atomic(args.json, records + rank_records)
+        console.print(f"wrote {len(records) + len(rank_records)} records to {args.json}")
     return 0
 
 
-def _torch_mesh_memory_command(parallel) -> str:
-    return (
-        f"torchrun --standalone --nproc_per_node={parallel.devices} -m torch_ref.mesh_memory "
-        f"--mesh {parallel.mesh_text()} --preset P --policy POLICY --json OUT.json"
+def _print_rank_table(console, records, preset, batch, seq_len) -> None:
+    """torch_ref's per-rank records of a run over a mesh (``torch_ref.mesh_memory``): another
+    kind of figure than the JAX plans above, so another table."""
+    from rich.table import Table
+
+    from jaxmem.figures import format_bytes
+
+    first = records[0]
+    table = Table(
+        title=f"torch_ref per rank: {preset}, batch {batch} x seq {seq_len} ({first['mesh']}, "
+        f"run on CPU processes, {first['precision']})"
+    )
+    columns = ("framework", "policy", "rank", "params", "grads", "opt state", "runtime peak")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("framework", "policy") else "right")
+    for r in records:
+        table.add_row(
+            r["framework"],
+            r["policy"],
+            str(r["rank"]),
+            *(
+                format_bytes(r[k])
+                for k in ("params_bytes", "grads_bytes", "opt_state_bytes", "peak_bytes")
+            ),
+        )
+    console.print(table)
+    console.print(f"  what ran: {first['strategy']}")
+    for source in sorted({(r["state_source"], r["peak_source"]) for r in records}):
+        console.print(f"  params, grads, opt state = {source[0]}; runtime peak = {source[1]}")
+    console.print(
+        "  a runtime peak of torch_ref's step, not a compiled plan: compare each framework "
+        "against its own one-device figure"
     )
 
 

@@ -154,3 +154,39 @@ def test_torch_mesh_outside_torchrun_exits_2_before_writing(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert "--nproc_per_node=2 --no-python jaxmem train --framework torch" in err
     assert not out.exists()
+
+
+def test_memory_command_reports_torch_ranks(tmp_path):
+    """``jaxmem memory --mesh fsdp=2 --frameworks torch``: torch_ref's step run on 2 torchrun
+    processes, one record per rank, each holding half the parameters and AdamW state of the
+    analytic model's ZeRO-3 terms (jaxmem's sharding, exact for JAX; within 5 % here: FSDP2
+    pads dimension 0 where jaxmem splits a leaf's largest divisible dimension)."""
+    from jaxmem.config import PRESETS, OptimizerConfig
+    from jaxmem.memory.analytic import model_state_bytes
+    from jaxmem.parallel import ParallelConfig
+    from jaxmem.precision import PRECISIONS
+
+    out = tmp_path / "m.json"
+    args = ["memory", "--preset", "tiny", "--policies", "full", "--batch-size", "8"]
+    args += ["--seq-len", "32", "--mesh", f"fsdp={N}", "--frameworks", "torch"]
+    proc = subprocess.run(
+        _jaxmem(*args, "--json", str(out)),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torch_ref per rank" in proc.stdout
+    ranks = json.loads(out.read_text())
+    assert [(r["framework"], r["rank"]) for r in ranks] == [("torch", i) for i in range(N)]
+    model = model_state_bytes(
+        PRESETS["tiny"],
+        OptimizerConfig(),
+        PRECISIONS["fp32"],
+        ParallelConfig(strategy="fsdp", devices=N),
+    )
+    for r in ranks:
+        assert r["mesh"] == f"fsdp={N}" and "FSDPMemTracker" in r["peak_source"]
+        assert r["params_bytes"] == pytest.approx(model["params"], rel=0.05)
+        assert r["opt_state_bytes"] == pytest.approx(model["opt_state"], rel=0.05)

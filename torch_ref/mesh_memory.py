@@ -99,6 +99,8 @@ def measure(
         "strategy": tdist.DESCRIPTION[parallel.strategy] if parallel.sharded else "one device",
         "policy": policy.name,
         "translation": runner.description,
+        "optimizer": opt_cfg.name,
+        "attention": cfg.attention,
         "precision": precision.name,
         "batch": batch,
         "seq_len": seq_len,
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--policy", default="none")
     p.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd", "adafactor"))
+    p.add_argument("--attention", default=None, choices=("naive", "fused"))
     p.add_argument("--mesh", default=None, help="STRATEGY=N (default: one process, no mesh)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=32)
@@ -130,11 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"torch_ref.mesh_memory: error: {e}", file=sys.stderr)
         return 2
+    cfg = PRESETS[args.preset]
+    if args.attention is not None:
+        cfg = cfg.replace(attention=args.attention)
     rec = measure(
-        PRESETS[args.preset],
+        cfg,
         policy,
         PRECISIONS[args.precision],
-        OptimizerConfig(),
+        OptimizerConfig(name=args.optimizer),
         args.batch_size,
         args.seq_len,
         parallel,

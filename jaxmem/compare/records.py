@@ -7,6 +7,11 @@ translation of the policy it ran (``translation``: stock PyTorch, or torch_ref's
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -18,6 +23,7 @@ from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig
 from jaxmem.figures import process_max_rss_bytes
 from jaxmem.memory import analytic
 from jaxmem.memory.records import lm_step_batch
+from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
 from torch_ref.memory import measure_lm_step
@@ -208,3 +214,34 @@ def name_differences(
         if jax_c.get(n, 0) != torch_c.get(n, 0)
     ]
     return sorted(rows, key=lambda r: -abs(r["jax_bytes"] - r["torch_bytes"]))
+
+
+def torch_rank_records(
+    preset: str,
+    policy: str,
+    parallel: ParallelConfig,
+    *,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    attention: str = "naive",
+    batch: int = 8,
+    seq_len: int = 32,
+    timeout: float = 600,
+) -> list[dict[str, Any]]:
+    """Launch ``parallel.devices`` torchrun processes of ``torch_ref.mesh_memory`` (gloo on
+    CPU: one thread each) and return their records, rank by rank. Raises ``RuntimeError`` with
+    torchrun's last words if a rank fails."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ranks.json")
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={parallel.devices}"]
+        cmd += ["-m", "torch_ref.mesh_memory", "--preset", preset, "--policy", policy]
+        cmd += ["--precision", precision, "--optimizer", optimizer, "--attention", attention]
+        cmd += ["--batch-size", str(batch), "--seq-len", str(seq_len), "--json", out]
+        cmd += ["--mesh", parallel.mesh_text()]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
