@@ -279,7 +279,11 @@ class AccumConfig:
     """Gradient accumulation over ``steps`` microbatches of one batch.
 
     - ``scan``: one jitted step scans the microbatches, sums loss sums, valid-token counts and
-      gradients, and divides once.
+      gradients, and divides once. With ``inplace`` (the default) the block stack's gradient is
+      added into the running sum block by block as the backward produces it, as PyTorch adds
+      into ``.grad`` (``jaxmem.memory.remat.accumulating_layers_fn``), so no microbatch's
+      stack gradient is held beside the sum; ``inplace=False`` adds each microbatch's whole
+      gradient to the sum (the scan carry). Unrolled stacks always use the carry.
     - ``multisteps``: ``optax.MultiSteps`` (summing, ``use_grad_mean=False``) called once per
       microbatch; each microbatch's gradient is divided by the whole batch's valid-token count,
       so the sum is the big batch's mean gradient.
@@ -287,10 +291,15 @@ class AccumConfig:
 
     steps: int = 1
     mode: str = "scan"
+    inplace: bool = True
 
     def __post_init__(self) -> None:
         _require_positive_int("accum steps", self.steps)
         require(self.mode in ACCUM_MODES, f"accum mode={self.mode!r} is not one of {ACCUM_MODES}")
+        require(
+            isinstance(self.inplace, bool),
+            f"accum inplace={self.inplace!r} must be true or false",
+        )
 
     def check_batch(self, batch_size: int) -> None:
         require(

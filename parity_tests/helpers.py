@@ -11,12 +11,12 @@ from flax import nnx
 
 import torch_ref
 from jaxmem.compare.weights import load_torch_state_dict, to_torch_state_dict
-from jaxmem.config import ModelConfig
+from jaxmem.config import AccumConfig, ModelConfig
 from jaxmem.memory.remat import layers_fn
 from jaxmem.model import Decoder, make_model
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
-from jaxmem.train.step import lm_loss_fn, summed_grads
+from jaxmem.train.step import lm_loss_fn, stack_accumulating_loss, summed_grads
 from torch_ref.remat import apply_memory_policy
 from torch_ref.train import TORCH_DTYPES, accumulate_grads
 
@@ -53,11 +53,21 @@ def jax_grads(
     model = make_model(cfg, precision)
     load_torch_state_dict(model, to_torch_state_dict(reference))
     graphdef, params = nnx.split(model, nnx.Param)
-    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+
+    def make(lf):
+        return lm_loss_fn(graphdef, layers_fn=lf)
+
+    # the train step's default: the stack's gradient accumulated in place where it can be
+    into = stack_accumulating_loss(make, policy, cfg.n_layers, AccumConfig(steps=accum_steps))
     jbatch = {k: jnp.asarray(v) for k, v in batch.items()}
     grads, loss_sum, n = jax.jit(
         lambda p, b: summed_grads(
-            loss, p, b, accum_steps=accum_steps, accum_dtype=jnp.dtype(precision.accum_dtype)
+            make(layers_fn(policy, cfg.n_layers)),
+            p,
+            b,
+            accum_steps=accum_steps,
+            accum_dtype=jnp.dtype(precision.accum_dtype),
+            loss_into=into,
         )
     )(params, jbatch)
     grads = jax.tree_util.tree_map(lambda g: g / n, grads)

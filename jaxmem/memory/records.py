@@ -41,7 +41,13 @@ from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
 from jaxmem.sharding import mesh, parallel_loss, sharded_bytes, step_shardings
 from jaxmem.train.scaling import init_loss_scale
-from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step, tree_bytes
+from jaxmem.train.step import (
+    lm_loss_fn,
+    make_optimizer,
+    make_train_step,
+    stack_accumulating_loss,
+    tree_bytes,
+)
 
 RECORD_FIELDS = (
     "framework",
@@ -87,7 +93,8 @@ def _compile(step: Any, args: tuple, target: Target) -> tuple[Any, str]:
 def _compile_sharded(
     parallel: ParallelConfig,
     make_loss: Any,
-    layers: Any,
+    policy: MemoryPolicy,
+    n_layers: int,
     tx: Any,
     precision: Precision,
     opt_cfg: OptimizerConfig,
@@ -104,7 +111,10 @@ def _compile_sharded(
 
         devices = target_devices(target, parallel.devices)
     m = mesh(parallel, devices)
-    loss = parallel_loss(make_loss, layers, parallel, m)
+    loss = parallel_loss(make_loss, layers_fn(policy, n_layers), parallel, m)
+    loss_into = stack_accumulating_loss(
+        lambda lf: parallel_loss(make_loss, lf, parallel, m), policy, n_layers, accum_cfg
+    )
     shardings = step_shardings(
         parallel,
         params,
@@ -114,7 +124,13 @@ def _compile_sharded(
         m=m,
     )
     step = make_train_step(
-        loss, tx, precision=precision, opt_cfg=opt_cfg, accum=accum_cfg, shardings=shardings
+        loss,
+        tx,
+        precision=precision,
+        opt_cfg=opt_cfg,
+        accum=accum_cfg,
+        shardings=shardings,
+        loss_into=loss_into,
     )
 
     def placed(tree: Any, where: Any) -> Any:
@@ -165,9 +181,8 @@ def plan_step(
     tx = make_optimizer(opt_cfg)
     opt_state = jax.eval_shape(tx.init, params)
     data = lm_step_batch(cfg, batch, seq_len, abstract=True)
-    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
-    step = make_train_step(
-        loss, tx, precision=precision, opt_cfg=opt_cfg, accum=_accum_config(accum, batch)
+    step = _one_device_step(
+        graphdef, policy, cfg.n_layers, tx, precision, opt_cfg, _accum_config(accum, batch)
     )
     compiled, compiler = _compile(
         step, (params, opt_state, init_loss_scale(precision), data), target
@@ -178,6 +193,30 @@ def plan_step(
         "compiled_plan": plan,
         "planned_peak_bytes": peak_of_plan(plan),
     }
+
+
+def _one_device_step(
+    graphdef: Any,
+    policy: MemoryPolicy,
+    n_layers: int,
+    tx: Any,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    accum: AccumConfig,
+) -> Any:
+    """The jitted train step on one device (accumulating the stack's gradient in place)."""
+
+    def make_loss(lf: Any) -> Any:
+        return lm_loss_fn(graphdef, layers_fn=lf)
+
+    return make_train_step(
+        make_loss(layers_fn(policy, n_layers)),
+        tx,
+        precision=precision,
+        opt_cfg=opt_cfg,
+        accum=accum,
+        loss_into=stack_accumulating_loss(make_loss, policy, n_layers, accum),
+    )
 
 
 def _accum_config(accum: int, batch: int) -> AccumConfig:
@@ -274,7 +313,8 @@ def jax_record(
         shardings, compiled, compiler = _compile_sharded(
             parallel,
             lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
-            layers,
+            policy,
+            cfg.n_layers,
             tx,
             precision,
             opt_cfg,
@@ -283,7 +323,7 @@ def jax_record(
             target,
         )
     else:
-        step = make_train_step(loss, tx, precision=precision, opt_cfg=opt_cfg, accum=accum_cfg)
+        step = _one_device_step(graphdef, policy, cfg.n_layers, tx, precision, opt_cfg, accum_cfg)
         compiled, compiler = _compile(step, (params, opt_state, scale, data), target)
     plan = compiled_plan(compiled)
     planned_peak = peak_of_plan(plan)

@@ -20,9 +20,11 @@ How each policy runs in JAX:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxmem.config import ConfigError
 from jaxmem.model import LayerFn, LayersFn, scan_layers
@@ -91,6 +93,30 @@ def _keep_all_but_parameter_copies(prim: Any, *_: Any, **__: Any) -> bool:
     return prim.name not in _PARAMETER_COPY_PRIMITIVES
 
 
+def _nested_segment(layer_fn: LayerFn, ckpt_policy: Any) -> LayerFn:
+    """``nested``'s segment: ``(x, state of n blocks) -> x``, checkpointed, each block inside
+    checkpointed again."""
+    inner = jax.checkpoint(layer_fn, policy=ckpt_policy, prevent_cse=False)
+
+    def segment(x: jax.Array, seg_state: Any) -> jax.Array:
+        # From 3 blocks on, the last block runs outside the inner scan: replaying the
+        # segment for its blocks' inputs then stops before it (partial evaluation drops
+        # an output nothing the backward needs reads), as a non-reentrant PyTorch
+        # checkpoint stops early; inside the scan it would be replayed once more per
+        # segment. Slicing it off costs a copy of one segment's parameters in the
+        # backward, which the smaller replay pays for from 3 blocks on, not at 2
+        # (measured, XLA:CPU, small fp32 8 x 128: 4 layers +15 MiB temp, 9 layers -4.5
+        # MiB; gpt2-124m bf16 8 x 1024 on the H100 plan: +0.12 GB at batch 8, equal at
+        # batch 64, 5.7 % fewer FLOPs).
+        n = jax.tree_util.tree_leaves(seg_state)[0].shape[0]
+        if n < PEEL_FROM:
+            return scan_layers(inner, x, seg_state)
+        head = jax.tree_util.tree_map(lambda a: a[: n - 1], seg_state)
+        return inner(scan_layers(inner, x, head), _layer(seg_state, n - 1))
+
+    return jax.checkpoint(segment, policy=ckpt_policy, prevent_cse=False)
+
+
 def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
     """How the block stack runs under ``policy`` (pass as ``model(tokens, layers_fn=...)``).
 
@@ -123,25 +149,7 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
         k = nested_segment_size(n_layers)
 
         def run_nested(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
-            inner = remat(layer_fn)
-
-            def segment(x, seg_state):
-                # From 3 blocks on, the last block runs outside the inner scan: replaying the
-                # segment for its blocks' inputs then stops before it (partial evaluation drops
-                # an output nothing the backward needs reads), as a non-reentrant PyTorch
-                # checkpoint stops early; inside the scan it would be replayed once more per
-                # segment. Slicing it off costs a copy of one segment's parameters in the
-                # backward, which the smaller replay pays for from 3 blocks on, not at 2
-                # (measured, XLA:CPU, small fp32 8 x 128: 4 layers +15 MiB temp, 9 layers -4.5
-                # MiB; gpt2-124m bf16 8 x 1024 on the H100 plan: +0.12 GB at batch 8, equal at
-                # batch 64, 5.7 % fewer FLOPs).
-                n = jax.tree_util.tree_leaves(seg_state)[0].shape[0]
-                if n < PEEL_FROM:
-                    return scan_layers(inner, x, seg_state)
-                head = jax.tree_util.tree_map(lambda a: a[: n - 1], seg_state)
-                return inner(scan_layers(inner, x, head), _layer(seg_state, n - 1))
-
-            segment = jax.checkpoint(segment, policy=ckpt_policy, prevent_cse=False)
+            segment = _nested_segment(layer_fn, ckpt_policy)
             n_full = n_layers // k
             if n_full:
                 # [L, ...] -> [L/k, k, ...] is a reshape (no copy) of the resident parameters; the
@@ -180,3 +188,127 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
         return x
 
     return run_unrolled
+
+
+# ------------------------------------------------ gradient accumulation into one buffer, in place
+# With accumulation, ``jax.grad`` of a microbatch returns its whole gradient and the scan over
+# microbatches then adds it to the running sum: two gradient-sized buffers live at once (the
+# sum and this microbatch's gradient). PyTorch adds each parameter's gradient into ``.grad`` as
+# the backward produces it. No JAX or optax API does that (``optax.MultiSteps`` adds whole
+# gradients too), so it is written here: the block stack gets a custom VJP whose backward runs
+# the blocks' pullbacks in reverse and adds each block's weight gradient into its slice of the
+# running sum, which the backward's scan carries (a loop state XLA updates in place). The
+# stack's gradient then never exists on its own. Policies are unchanged: each block's pullback
+# comes from ``jax.vjp`` of the same checkpointed body, so it keeps and recomputes what the
+# policy says.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """A run of the stack: ``count`` scan iterations of ``body`` over ``group`` consecutive
+    blocks each, from block ``start`` (``grouped``: ``body`` takes the group's state with its
+    leading block axis; else one block's state)."""
+
+    body: LayerFn
+    start: int
+    count: int
+    group: int = 1
+    grouped: bool = False
+
+    def state(self, stacked: Any) -> Any:
+        stop = self.start + self.count * self.group
+
+        def cut(a: jax.Array) -> jax.Array:
+            a = a if (self.start, stop) == (0, a.shape[0]) else a[self.start : stop]
+            return a.reshape(self.count, self.group, *a.shape[1:]) if self.grouped else a
+
+        return jax.tree_util.tree_map(cut, stacked)
+
+
+def accumulates_in_place(policy: MemoryPolicy, n_layers: int) -> bool:
+    """Whether ``accumulating_layers_fn`` can run ``policy``: the scanned stacks (one policy on
+    every block, ``none`` included, and ``nested``). An unrolled stack (``unroll``, a layer
+    subset) slices each block's parameters inside its own checkpoint, which a per-block
+    pullback taking the block's slice cannot reproduce."""
+    if policy.unroll:
+        return False
+    if not policy.remat or policy.nested:
+        return True
+    return len(policy.layers.indices(n_layers)) == n_layers
+
+
+def _units(policy: MemoryPolicy, n_layers: int, layer_fn: LayerFn) -> list[_Unit]:
+    if not policy.remat:
+        return [_Unit(layer_fn, 0, n_layers)]
+    ckpt_policy = jax_checkpoint_policy(policy)
+    if not policy.nested:
+        return [_Unit(jax.checkpoint(layer_fn, policy=ckpt_policy, prevent_cse=False), 0, n_layers)]
+    k = nested_segment_size(n_layers)
+    segment = _nested_segment(layer_fn, ckpt_policy)
+    n_full, rest = divmod(n_layers, k)
+    units = [_Unit(segment, 0, n_full, k, grouped=True)] if n_full else []
+    if rest:
+        units.append(_Unit(segment, n_full * k, 1, rest, grouped=True))
+    return units
+
+
+def accumulating_layers_fn(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
+    """A ``layers_fn`` running the stack as ``layers_fn(policy, n_layers)`` does, whose gradient
+    is added into ``acc`` (the stacked blocks' running gradient sum, shaped like their
+    parameters, in the accumulation dtype) instead of being returned.
+
+    Differentiate the loss with respect to ``acc``: its cotangent is ``acc`` plus this
+    microbatch's stack gradient (the stacked parameters' own cotangent is zero). Only for
+    policies ``accumulates_in_place`` accepts.
+    """
+    if not accumulates_in_place(policy, n_layers):
+        raise ValueError(
+            f"policy {policy.name!r} runs an unrolled stack; accumulate with the scan carry "
+            "(AccumConfig(inplace=False))"
+        )
+    check_backend(policy)
+
+    def run(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
+        units = _units(policy, n_layers, layer_fn)
+
+        @jax.custom_vjp
+        def stack(x, stacked, acc):
+            for u in units:
+                x = scan_layers(u.body, x, u.state(stacked))
+            return x
+
+        def fwd(x, stacked, acc):
+            pullbacks = []
+            for u in units:
+                # each block's pullback (its residuals: what the policy keeps) stacked by scan
+                x, pb = jax.lax.scan(lambda x, w, f=u.body: jax.vjp(f, x, w), x, u.state(stacked))
+                pullbacks.append(pb)
+            return x, (pullbacks, acc)
+
+        def bwd(res, ct):
+            pullbacks, acc = res
+            for u, pb in reversed(list(zip(units, pullbacks, strict=True))):
+
+                def body(carry, item, u=u):
+                    ct, acc = carry
+                    pullback, j = item
+                    ct, d_state = pullback(ct)
+                    first = u.start + j * u.group
+
+                    def add(a: jax.Array, d: jax.Array) -> jax.Array:
+                        d = d.reshape(u.group, *a.shape[1:]).astype(a.dtype)
+                        at = (first,) + (0,) * (a.ndim - 1)
+                        old = jax.lax.dynamic_slice(a, at, d.shape)
+                        return jax.lax.dynamic_update_slice(a, old + d, at)
+
+                    return (ct, jax.tree_util.tree_map(add, acc, d_state)), None
+
+                (ct, acc), _ = jax.lax.scan(
+                    body, (ct, acc), (pb, jnp.arange(u.count)), reverse=True
+                )
+            return ct, None, acc
+
+        stack.defvjp(fwd, bwd)
+        return stack(x, stacked, acc)
+
+    return run

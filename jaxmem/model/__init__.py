@@ -3,6 +3,7 @@ memory-lean elementwise ops it uses (``ops``), losses outside the model (``loss`
 (``generate``)."""
 
 from jaxmem.model.decoder import (
+    STACK_PATH,
     Block,
     BlockStack,
     Decoder,
@@ -21,6 +22,7 @@ __all__ = [
     "Decoder",
     "LayerFn",
     "LayersFn",
+    "STACK_PATH",
     "causal_mask",
     "make_model",
     "scan_layers",

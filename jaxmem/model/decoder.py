@@ -28,6 +28,10 @@ from jaxmem.model.ops import wide
 from jaxmem.precision import Precision
 
 Array = jax.Array
+# Where the stacked block parameters sit in ``nnx.split(decoder, nnx.Param)[1]``: what a
+# ``layers_fn`` receives as ``stacked_state`` (gradient accumulation adds into this subtree).
+STACK_PATH: tuple[str, ...] = ("blocks", "layers")
+
 LayerFn = Callable[[Array, Any], Array]
 LayersFn = Callable[[LayerFn, Array, Any], Array]
 

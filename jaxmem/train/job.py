@@ -14,7 +14,7 @@ repeats a run). ``JobConfig`` holds objects (``ModelConfig``, ``MemoryPolicy``, 
     [memory]     # policy = "selective" (a preset), or policy = "custom" with save / offload
                  # tag lists; optionally layers_every / layers_first / layers, use_reentrant
     [optimizer]  # OptimizerConfig fields (name, lr, weight_decay, ...)
-    [accum]      # steps, mode ("scan" | "multisteps")
+    [accum]      # steps, mode ("scan" | "multisteps"), inplace (scan: add into the sum in place)
     [data]       # path (a text file, a directory of text, or nanoGPT .bin files; empty: the
                  # embedded Python-stdlib corpus), val_fraction
     [run]        # RunConfig fields (framework, steps, batch_size, seq_len, seed, ...)

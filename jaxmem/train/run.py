@@ -53,6 +53,7 @@ from jaxmem.train.step import (
     make_optimizer,
     make_train_step,
     place,
+    stack_accumulating_loss,
     tree_bytes,
     valid_tokens,
 )
@@ -215,14 +216,22 @@ class JaxTrainer:
         plain_loss = lm_loss_fn(self.graphdef, layers_fn=layers)
         loss_fn = plain_loss
         self._where = None  # where host-resident parameters go on the device (None: device 0)
+
+        def make_loss(lf: Any) -> Any:
+            return lm_loss_fn(self.graphdef, layers_fn=lf)
+
         if self.shardings is not None:
-            loss_fn = parallel_loss(
-                lambda lf: lm_loss_fn(self.graphdef, layers_fn=lf),
-                layers,
-                job.parallel,
-                self.shardings.mesh,
-            )
+            mesh_ = self.shardings.mesh
+            loss_fn = parallel_loss(make_loss, layers, job.parallel, mesh_)
             self._where = self.shardings.params
+            loss_into = stack_accumulating_loss(
+                lambda lf: parallel_loss(make_loss, lf, job.parallel, mesh_),
+                job.memory,
+                cfg.n_layers,
+                job.accum,
+            )
+        else:
+            loss_into = stack_accumulating_loss(make_loss, job.memory, cfg.n_layers, job.accum)
         self.host_params = job.optimizer.params_memory != "device"
         # parameters kept in host memory are brought to the device inside the jitted evaluation
         self._eval = jax.jit(
@@ -254,6 +263,7 @@ class JaxTrainer:
                     accum=job.accum,
                     opt_cfg=job.optimizer,
                     shardings=self.shardings,
+                    loss_into=loss_into,
                 )
                 self._step = step_fn.lower(params, opt_state, self.loss_scale, first).compile()
         except Exception as e:

@@ -21,7 +21,10 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jaxmem.config import AccumConfig, ConfigError, OptimizerConfig
+from jaxmem.memory.remat import accumulates_in_place, accumulating_layers_fn
+from jaxmem.model import STACK_PATH
 from jaxmem.model.loss import cross_entropy_sum
+from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.train.scaling import all_finite
 
@@ -104,36 +107,81 @@ def summed_grads(
     accum_dtype: Any = jnp.float32,
     scale: jax.Array | None = None,
     micro_sharding: Any = None,
+    loss_into: Callable[[Any], Callable[..., tuple]] | None = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
     """``(d(scale * Σ loss_sum)/dθ, Σ loss_sum, Σ n_tokens)`` over ``accum_steps`` microbatches.
 
     Nothing is divided here: the caller divides once by the total token count (and the scale).
     ``micro_sharding``: where the ``[k, B/k, ...]`` microbatch stack lives (data parallel: each
     microbatch split over the devices, not whole microbatches per device).
+    ``loss_into(acc)``: the same loss with its block stack adding its gradient into ``acc``
+    (the running sum at ``STACK_PATH``; ``stack_accumulating_loss``); given, the stack's
+    gradient is accumulated in place, else each microbatch's whole gradient is added.
     """
 
-    def scaled_sum(p, b):
-        loss_sum, n_tokens = loss_fn(p, b)[1]
+    def scaled(loss_sum, n_tokens):
         return (loss_sum if scale is None else loss_sum * scale), (loss_sum, n_tokens)
+
+    def scaled_sum(p, b):
+        return scaled(*loss_fn(p, b)[1])
 
     grad_fn = jax.grad(scaled_sum, has_aux=True)
     if accum_steps == 1:
         grads, (loss_sum, n_tokens) = grad_fn(params, batch)
         return grads, loss_sum, n_tokens
 
+    def add(a, x):
+        return a + x.astype(accum_dtype)
+
     def body(carry, micro):
         g_acc, s_acc, n_acc = carry
-        g, (s, n) = grad_fn(params, micro)
-        g_acc = jax.tree_util.tree_map(lambda a, x: a + x.astype(accum_dtype), g_acc, g)
+        if loss_into is None:
+            g, (s, n) = grad_fn(params, micro)
+            g_acc = jax.tree_util.tree_map(add, g_acc, g)
+        else:
+            # d/d(acc) of the stack is acc + this microbatch's stack gradient (added block by
+            # block in the backward); the stacked parameters' own gradient is zero (unused)
+            (g, stack), (s, n) = jax.grad(
+                lambda p, acc: scaled(*loss_into(acc)(p, micro)[1]), argnums=(0, 1), has_aux=True
+            )(params, _subtree(g_acc, STACK_PATH))
+            g_acc = _with_subtree(jax.tree_util.tree_map(add, g_acc, g), STACK_PATH, stack)
         return (g_acc, s_acc + s, n_acc + n), None
 
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    # float32 sums (float64 when x64 is on: a float64 model's loss sums are float64)
+    wide_float = jnp.result_type(float)
+    init = (zeros, jnp.zeros((), wide_float), jnp.zeros((), wide_float))
     micro = _split_microbatches(batch, accum_steps)
     if micro_sharding is not None:
         micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
     (grads, loss_sum, n_tokens), _ = jax.lax.scan(body, init, micro)
     return grads, loss_sum, n_tokens
+
+
+def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _with_subtree(tree: Any, path: tuple[str, ...], value: Any) -> Any:
+    """``tree`` (a fresh tree: it is updated) with its subtree at ``path`` replaced."""
+    _subtree(tree, path[:-1])[path[-1]] = value
+    return tree
+
+
+def stack_accumulating_loss(
+    make_loss: Callable[[Any], Callable[..., tuple]],
+    policy: MemoryPolicy,
+    n_layers: int,
+    accum: AccumConfig,
+) -> Callable[[Any], Callable[..., tuple]] | None:
+    """``summed_grads``'s ``loss_into`` for ``make_loss(layers_fn)`` under ``policy``: None
+    without accumulation, with ``accum.inplace`` off, or for an unrolled stack (which
+    accumulates with the scan carry)."""
+    if accum.steps == 1 or not accum.inplace or not accumulates_in_place(policy, n_layers):
+        return None
+    return lambda acc: make_loss(accumulating_layers_fn(policy, n_layers, acc))
 
 
 def valid_tokens(batch: dict[str, jax.Array]) -> jax.Array:
@@ -165,6 +213,7 @@ def make_train_step(
     accum: AccumConfig = NO_ACCUM,
     opt_cfg: OptimizerConfig | None = None,
     shardings: Any = None,
+    loss_into: Callable[[Any], Callable[..., tuple]] | None = None,
 ) -> Callable[..., tuple]:
     """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, loss_scale,
     metrics)``, donating params and optimizer state. ``loss_scale`` is a ``DynamicLossScale``
@@ -177,6 +226,9 @@ def make_train_step(
 
     ``shardings`` (``jaxmem.sharding.StepShardings``): the step runs over its mesh, inputs and
     outputs placed by it (the updated parameters and state leave sharded as they came in).
+
+    ``loss_into`` (``stack_accumulating_loss``): with accumulation, the block stack's gradient
+    is added into the running sum in place (see ``summed_grads``).
     """
     if accum.mode != "scan":
         raise ValueError("make_train_step runs scan accumulation; use make_multisteps_step")
@@ -201,6 +253,7 @@ def make_train_step(
             accum_dtype=jnp.dtype(precision.accum_dtype),
             scale=factor,
             micro_sharding=shardings.micro() if shardings is not None else None,
+            loss_into=loss_into,
         )
         divisor = n_tokens if loss_scale is None else loss_scale.scale
         grads = jax.tree_util.tree_map(lambda g: (g / divisor).astype(g.dtype), grads)
