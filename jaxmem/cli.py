@@ -133,6 +133,202 @@ def _check_writable_json(path: str | None, flag: str = "--json") -> None:
         raise UsageError(f"{flag} {path} is a directory; give a file name")
 
 
+# ------------------------------------------------------------------------------------------- plan
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} must be comma-separated positive integers") from None
+    if not values or any(v <= 0 for v in values):
+        raise UsageError(f"{flag} {text!r} must be comma-separated positive integers, e.g. 1,2,4")
+    return values
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    cfg: ModelConfig = args.preset
+    if args.preset_name == "seed":
+        raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
+    from jaxmem.memory.targets import get_target
+
+    try:
+        target = get_target(args.target)
+        parallel = parse_mesh(args.mesh) if args.mesh is not None else None
+        opt_cfg = OptimizerConfig(name=args.optimizer)
+        from jaxmem.memory.plan import PlanSpace, default_budget, parse_bytes
+
+        if args.budget is not None:
+            budget, budget_source = parse_bytes(args.budget), "--budget"
+        else:
+            budget, budget_source = default_budget(target)
+        space = PlanSpace(
+            policies=tuple(_names(args.policies, list(POLICIES), "policies")),
+            mix=tuple(p for p in ("none", "selective", "offload", "full") if p in args.policies)
+            if args.mix
+            else (),
+            accum=_int_list(args.accum, "--accum"),
+            state_memory=("device", "pinned_host") if args.state_offload else ("device",),
+            strategies=tuple(_names(args.strategies, ["dp", "zero1", "fsdp"], "strategies")),
+            precisions=tuple(_names(args.precisions, list(PRECISIONS), "precisions")),
+        )
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    devices = parallel.devices if parallel is not None else 1
+    seq_len = args.seq_len or cfg.max_seq_len
+    if seq_len > cfg.max_seq_len:
+        raise UsageError(
+            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
+            f"use at most {cfg.max_seq_len}"
+        )
+    if args.batch_size % devices:
+        raise UsageError(
+            f"--batch-size {args.batch_size} does not split over {devices} devices: give a "
+            f"multiple of {devices}"
+        )
+    if cfg.n_layers < 4:
+        raise UsageError(
+            f"--preset {args.preset_name} has {cfg.n_layers} layers: the memory model is fitted "
+            "at depths 2 and 4, so plan a model of at least 4"
+        )
+    _check_writable_json(args.json)
+    need_jax_backend()
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import require_gpu_plan
+
+        try:
+            require_gpu_plan(target)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+    elif devices > 1:
+        from jaxmem.sharding import ensure_cpu_devices
+
+        ensure_cpu_devices(devices)
+    from rich.console import Console
+    from rich.table import Table
+
+    from jaxmem.memory.plan import Problem, rates_for, search, smallest_plan
+
+    console = Console(width=max(Console().width, 150))  # the table's 8 columns, even in a pipe
+    problem = Problem(
+        cfg, args.batch_size, seq_len, target, budget, opt_cfg, devices, slack=args.slack
+    )
+    where = f"{devices} x {target.name}" if devices > 1 else target.name
+    console.print(
+        f"planning {args.preset_name}, batch {args.batch_size} x seq {seq_len}, {opt_cfg.name}, "
+        f"on {where}: budget {_mib(budget)} MiB per device ({budget_source})",
+        style="dim",
+    )
+    result = search(
+        problem,
+        space,
+        max_compiles=args.max_compiles,
+        progress=lambda text: console.print(text, style="dim"),
+    )
+    error = result.max_fit_error()
+    rates = rates_for(target)
+    if result.chosen is None:
+        smallest = smallest_plan(result)
+        found = (
+            f"the smallest plan found is {smallest.candidate.describe()} at "
+            f"{_mib(smallest.compiled)} MiB ({result.compiler})"
+            if smallest is not None
+            else "no candidate was compiled"
+        )
+        reached = sum(o.status != "not reached" for o in result.outcomes)
+        raise UsageError(
+            f"no configuration of the {reached} tried fits {_mib(budget)} MiB per device on "
+            f"{where}: {found}; raise --budget, add devices (--mesh fsdp=N) or allow more "
+            "(--accum, --precisions, --state-offload)"
+        )
+    shown = [o for o in result.outcomes if o.status != "not reached"][-args.top :]
+    table = Table(
+        title=f"jaxmem plan: {args.preset_name}, batch {args.batch_size} x {seq_len} on {where}, "
+        f"budget {_mib(budget)} MiB per device"
+    )
+    for col in (
+        "configuration",
+        "matmul TFLOP (jaxpr)",
+        "host GB (est.)",
+        "collective GB (est.)",
+        "est. step s",
+        "predicted MiB (fit)",
+        "compiled MiB (plan)",
+        "",
+    ):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for o in shown:
+        c = o.candidate
+        style = "bold green" if o is result.chosen else None
+        table.add_row(
+            c.describe(),
+            f"{c.flops / 1e12:,.3f}",
+            f"{c.host_bytes / 1e9:,.2f}",
+            f"{c.collective_bytes / 1e9:,.2f}",
+            f"{c.seconds:.4f}",
+            _mib(o.predicted),
+            _mib(o.compiled),
+            o.status,
+            style=style,
+        )
+    console.print(table)
+    chosen = result.chosen.candidate
+    skipped = sum(o.status == "over (predicted)" for o in result.outcomes)
+    console.print(
+        f"chosen: [bold]{chosen.describe()}[/]: {_mib(result.chosen.compiled)} MiB per device "
+        f"(compiled plan: {result.compiler}), {chosen.flops / 1e12:,.3f} TFLOP per device and "
+        f"step, est. {chosen.seconds:.4f} s"
+    )
+    console.print(
+        f"{len(result.outcomes)} candidates on the lattice; {result.candidate_compiles} compiled "
+        f"at depth {cfg.n_layers}, {skipped} skipped as predicted over the budget by more than "
+        f"{args.slack:.0%}; the memory model ({result.fit_compiles} compiles at depths 2 and 4) "
+        + (
+            f"erred by at most {error:.1%} on the compiled candidates"
+            if error is not None
+            else "was not checked (nothing predicted was compiled)"
+        )
+        + (
+            f" [yellow](more than --slack {args.slack:.0%}: a skipped candidate may fit)[/]"
+            if error is not None and error > args.slack
+            else ""
+        ),
+        style="dim",
+    )
+    console.print(
+        "cost: an estimate (matmul FLOPs from the gradient's jaxpr over the peak rate, bytes "
+        f"over the links): {rates.source}",
+        style="dim",
+    )
+    if args.json:
+        write_json_atomic(
+            args.json,
+            {
+                "preset": args.preset_name,
+                "batch": args.batch_size,
+                "seq_len": seq_len,
+                "target": target.name,
+                "devices": devices,
+                "budget_bytes": budget,
+                "budget_source": budget_source,
+                "compiler": result.compiler,
+                "chosen": result.chosen.as_dict(),
+                "candidates": [o.as_dict() for o in result.outcomes if o.status != "not reached"],
+                "lattice_size": len(result.outcomes),
+                "fit_compiles": result.fit_compiles,
+                "candidate_compiles": result.candidate_compiles,
+                "max_fit_error": error,
+                "cost_source": "estimate: " + rates.source,
+                "memory_source": "compiled plan (arguments + outputs - aliased + temporaries), "
+                "per device; predicted: affine fit in depth from compiles at depths 2 and 4",
+            },
+        )
+        console.print(f"wrote the plan to {args.json}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- presets
 def preset_use(name: str) -> str:
     """What a preset is for, in the words of the rules the commands apply."""
@@ -322,6 +518,69 @@ def _check_processes(devices: int, processes: int, mesh_text: str) -> None:
         )
 
 
+def _auto_policy(job, budget_text: str):
+    """``jaxmem plan`` on this machine's backend at ``budget_text``: the job with the chosen
+    policy and microbatch count (the run's config.yaml then records them)."""
+    import dataclasses
+
+    if job.run.framework != "jax":
+        raise UsageError("--policy auto plans jaxmem's step: use --framework jax")
+    if job.accum.mode != "scan":
+        raise UsageError("--policy auto plans the scanned accumulation: drop --accum-mode")
+    need_jax_backend()
+    from rich.console import Console
+
+    from jaxmem.memory.plan import PlanSpace, Problem, parse_bytes, search, smallest_plan
+    from jaxmem.memory.targets import LOCAL
+
+    try:
+        budget = parse_bytes(budget_text)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if job.model.n_layers < 4:
+        raise UsageError(
+            f"--policy auto fits its memory model at depths 2 and 4: the model has "
+            f"{job.model.n_layers} layers; choose a policy yourself"
+        )
+    n = job.parallel.devices
+    space = PlanSpace(
+        policies=("none", "selective", "mlp", "full", "nested"),
+        mix=("none", "selective", "full"),
+        accum=tuple(m for m in (1, 2, 4, 8) if job.run.batch_size % (m * n) == 0),
+        state_memory=("device",),
+        strategies=(job.parallel.strategy,),
+        precisions=(job.precision.name,),
+    )
+    problem = Problem(
+        job.model, job.run.batch_size, job.run.seq_len, LOCAL, budget, job.optimizer, n
+    )
+    console = Console()
+    console.print(f"--policy auto: planning on this backend under {budget_text} ...", style="dim")
+    result = search(problem, space)
+    if result.chosen is None:
+        smallest = smallest_plan(result)
+        found = (
+            f"{smallest.candidate.describe()} at {smallest.compiled / 2**20:,.1f} MiB"
+            if smallest is not None
+            else "nothing compiled"
+        )
+        raise UsageError(
+            f"--policy auto: no configuration fits --memory-budget {budget_text} on this "
+            f"backend; the smallest plan found is {found} ({result.compiler})"
+        )
+    chosen = result.chosen.candidate
+    console.print(
+        f"--policy auto chose {chosen.policy.name} with {chosen.accum} microbatch(es): "
+        f"{result.chosen.compiled / 2**20:,.1f} MiB planned ({result.compiler}), cheapest of "
+        f"{len(result.outcomes)} on the lattice by estimated cost; written to config.yaml",
+    )
+    return dataclasses.replace(
+        job,
+        memory=chosen.policy,
+        accum=dataclasses.replace(job.accum, steps=chosen.accum),
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from jaxmem.data import DataError
     from jaxmem.distributed import initialize, process_group
@@ -336,10 +595,29 @@ def cmd_train(args: argparse.Namespace) -> int:
         _check_processes(devices, group.num_processes, args.mesh or f"{devices} device(s)")
     if group.multi:
         initialize(group)  # before anything starts JAX's backends (reading a checkpoint does)
+    auto = args.policy == "auto"
+    if auto:
+        if args.memory_budget is None:
+            raise UsageError("--policy auto needs --memory-budget (e.g. 2GiB): the bytes to fit")
+        if args.resume:
+            raise UsageError(
+                "--policy auto chooses a policy when a run starts; --resume continues with the "
+                "one in the run's config.yaml: drop --policy auto"
+            )
+        if args.save or args.offload or args.accum is not None:
+            raise UsageError(
+                "--policy auto chooses the policy and the microbatch count itself: drop "
+                "--save/--offload/--accum (or choose them yourself without auto)"
+            )
+        args.policy = None
+    elif args.memory_budget is not None:
+        raise UsageError("--memory-budget goes with --policy auto")
     try:
         job = resolve_job(args)
     except (ConfigError, DataError, CheckpointError) as e:
         raise UsageError(str(e)) from None
+    if auto:
+        job = _auto_policy(job, args.memory_budget)
     target = None
     if args.target not in (None, "cpu"):
         from jaxmem.memory.targets import get_target
@@ -1226,6 +1504,81 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_seed_example)
 
     p = sub.add_parser(
+        "plan",
+        help="the cheapest training configuration that fits a memory budget, proved by "
+        "compiling it for the target",
+        description="Searches the stack's memory policy (presets, and the first k blocks under "
+        "one preset with the rest under another), the microbatch count, optimizer-state offload "
+        "(GPU targets), the data-parallel strategy (with --mesh) and, when allowed, the "
+        "precision; predicts each candidate's bytes from a few compiles, then compiles "
+        "candidates for --target in order of estimated cost until one fits --budget. Exit 2 "
+        "when nothing fits, naming the smallest plan found.",
+    )
+    p.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
+    p.add_argument(
+        "--target",
+        default="cpu",
+        help="cpu (the local backend, default), h100, a100-40gb, a100-80gb (deviceless; needs "
+        "jaxmem[gpu-plan]) or a .txtpb target file",
+    )
+    p.add_argument(
+        "--budget",
+        default=None,
+        help="bytes per device, e.g. 70GiB or 200MiB (default for a GPU target: 90%% of its "
+        "memory; required for cpu)",
+    )
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="global batch (default 8)")
+    p.add_argument(
+        "--seq-len", type=_positive_int, default=None, help="default the preset's max_seq_len"
+    )
+    p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="N devices as STRATEGY=N (e.g. fsdp=8): every strategy of --strategies is "
+        "searched over them (N CPU devices, or one host of N GPUs of --target)",
+    )
+    p.add_argument("--strategies", default="dp,zero1,fsdp", help="with --mesh (default all)")
+    p.add_argument(
+        "--policies",
+        default="none,selective,mlp,offload,full,nested",
+        help="presets searched (default all; offload only on GPU targets: XLA:CPU erases it)",
+    )
+    p.add_argument(
+        "--no-mix",
+        dest="mix",
+        action="store_false",
+        help="only whole-stack presets (default: also k blocks under one preset, the rest "
+        "under another)",
+    )
+    p.add_argument("--accum", default="1,2,4,8", help="microbatch counts (default 1,2,4,8)")
+    p.add_argument(
+        "--state-offload",
+        action="store_true",
+        help="also search optimizer state in pinned_host (GPU targets; counted as the plan "
+        "minus the state: a deviceless compile drops argument memory kinds)",
+    )
+    p.add_argument(
+        "--precisions",
+        default="fp32",
+        help=f"precisions the search may choose ({', '.join(PRECISIONS)}; default fp32 only: "
+        "precision changes the numbers, so only when you allow it)",
+    )
+    p.add_argument(
+        "--slack",
+        type=_positive_float,
+        default=0.20,
+        help="compile a candidate predicted over the budget by at most this fraction (default "
+        "0.20: the memory model's measured error on mixed stacks)",
+    )
+    p.add_argument(
+        "--max-compiles", type=_positive_int, default=40, help="candidates compiled at most"
+    )
+    p.add_argument("--top", type=_positive_int, default=15, help="rows shown (default 15)")
+    p.add_argument("--json", metavar="OUT.json", help="write the plan and its candidates")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
         "plot",
         help="loss curves of several runs (e.g. --framework jax and torch) on one plot",
     )
@@ -1292,7 +1645,13 @@ def _train_parser(sub) -> None:
     a(
         "--policy",
         default=None,
-        help=f"memory policy: {', '.join(POLICIES)}, or custom (default none)",
+        help=f"memory policy: {', '.join(POLICIES)}, custom, or auto (jaxmem plan on this "
+        "device under --memory-budget chooses the policy and --accum) (default none)",
+    )
+    a(
+        "--memory-budget",
+        default=None,
+        help="with --policy auto: bytes the step may plan per device, e.g. 2GiB",
     )
     a("--save", default=None, help="custom policy: tags kept in device memory, comma-separated")
     a("--offload", default=None, help="custom policy: tags sent to host memory, comma-separated")

@@ -176,6 +176,10 @@ class MemoryPolicy:
         slower, and XLA:CPU drops remat in an unrolled stack (a GPU compiler keeps it): see
         ``jaxmem.memory.remat``. A layer selection always runs unrolled. PyTorch always runs
         its blocks one by one, so torch_ref ignores it.
+      rest: the preset the layers ``layers`` leaves out run under (``layers=first=k``: the first
+        k blocks under this policy, the other L - k under ``rest``; ``jaxmem plan``'s mixed
+        stacks). JAX runs the two parts as consecutive scans, with one gradient buffer for the
+        whole stack. None: the left-out layers keep everything (no remat), the stack unrolled.
     """
 
     name: str = "custom"
@@ -187,6 +191,7 @@ class MemoryPolicy:
     layers: LayerSelection = LayerSelection()
     use_reentrant: bool = False
     unroll: bool = False
+    rest: str | None = None
 
     def __post_init__(self) -> None:
         for field in ("save", "offload"):
@@ -220,6 +225,19 @@ class MemoryPolicy:
             f"use_reentrant={self.use_reentrant!r} must be True or False",
         )
         require(isinstance(self.unroll, bool), f"unroll={self.unroll!r} must be True or False")
+        if self.rest is not None:
+            presets = [n for n in POLICIES_ORDER if n != "nested"]
+            require(
+                self.rest in presets,
+                f"rest={self.rest!r} must name a preset the other layers run under, one of "
+                f"{', '.join(presets)} (nested applies to a whole stack)",
+            )
+            require(
+                self.layers.first is not None,
+                f"rest={self.rest!r} needs layers first=k (the first k blocks under "
+                f"{self.name!r}, the others under {self.rest!r}); got {self.layers}",
+            )
+            require(not self.nested, "nested applies to the whole stack: it takes no rest policy")
         require(
             not (self.nested and self.unroll),
             "nested runs its segments under scan (that is how it keeps √L block inputs): it "
@@ -267,6 +285,7 @@ class MemoryPolicy:
         return bool(self.save or self.offload or self.save_dots)
 
 
+POLICIES_ORDER = ("none", "full", "selective", "mlp", "offload", "nested")
 POLICIES: dict[str, MemoryPolicy] = {
     "none": MemoryPolicy(name="none", remat=False),
     "full": MemoryPolicy(name="full"),
@@ -283,13 +302,44 @@ POLICIES: dict[str, MemoryPolicy] = {
 
 def is_preset(policy: MemoryPolicy) -> bool:
     """``policy`` is a preset of ``POLICIES`` (with any layer selection and checkpoint mode)."""
-    preset = POLICIES.get(policy.name)
+    preset = POLICIES.get(_base_name(policy))
     return preset is not None and _as_preset(policy) == preset
 
 
+def _base_name(policy: MemoryPolicy) -> str:
+    """The preset name of a mixed stack's first part (``full:3+none`` -> ``full``)."""
+    return policy.name.split(":", 1)[0] if policy.rest is not None else policy.name
+
+
 def _as_preset(policy: MemoryPolicy) -> MemoryPolicy:
-    """``policy`` without the settings a preset may carry (layers, checkpoint mode, unroll)."""
-    return policy.replace(layers=LayerSelection(), use_reentrant=False, unroll=False)
+    """``policy`` without the settings a preset may carry (layers, checkpoint mode, unroll,
+    the other layers' preset)."""
+    return policy.replace(
+        name=_base_name(policy),
+        layers=LayerSelection(),
+        use_reentrant=False,
+        unroll=False,
+        rest=None,
+    )
+
+
+def split_policy(policy: MemoryPolicy, n_layers: int) -> list[tuple[int, MemoryPolicy]]:
+    """A policy with ``rest`` as consecutive parts ``[(n_blocks, policy), ...]`` covering the
+    stack, each part's policy applying to all its blocks; one part for any other policy."""
+    if policy.rest is None:
+        return [(n_layers, policy)]
+    k = len(policy.layers.indices(n_layers))
+    head = policy.replace(name=_base_name(policy), layers=LayerSelection(), rest=None)
+    tail = POLICIES[policy.rest].replace(use_reentrant=policy.use_reentrant, unroll=policy.unroll)
+    return [(n, p) for n, p in ((k, head), (n_layers - k, tail)) if n]
+
+
+def mixed_policy(head: str, k: int, rest: str, *, unroll: bool = False) -> MemoryPolicy:
+    """The first ``k`` blocks under preset ``head``, the others under preset ``rest``
+    (named ``head:k+rest``)."""
+    return POLICIES[head].replace(
+        name=f"{head}:{k}+{rest}", layers=LayerSelection(first=k), rest=rest, unroll=unroll
+    )
 
 
 def check_policy(cfg: ModelConfig, policy: MemoryPolicy) -> None:
@@ -362,8 +412,10 @@ def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
     layers = {key: getattr(policy.layers, attr) for key, attr in LAYER_FIELDS.items()}
     layers = {k: (list(v) if isinstance(v, tuple) else v) for k, v in layers.items()}
     modes = {"use_reentrant": policy.use_reentrant, "unroll": policy.unroll}
+    if policy.rest is not None:
+        modes["rest"] = policy.rest
     if is_preset(policy):
-        return {"policy": policy.name, **layers, **modes}
+        return {"policy": _base_name(policy), **layers, **modes}
     require(
         not (policy.save_dots or policy.nested) and policy.remat,
         f"policy {policy.name!r} (save_dots/nested/no remat, not a preset) cannot be written to a "
@@ -381,7 +433,7 @@ def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
 def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
     """A ``MemoryPolicy`` from a ``[memory]`` section (see ``policy_to_dict``); bad names, a tag
     both saved and offloaded and bad layer selections raise ``ConfigError``."""
-    known = {"policy", "save", "offload", "use_reentrant", "unroll", *LAYER_FIELDS}
+    known = {"policy", "save", "offload", "use_reentrant", "unroll", "rest", *LAYER_FIELDS}
     unknown = sorted(set(section) - known)
     require(not unknown, f"unknown setting(s) {unknown} in [memory]; valid: {', '.join(known)}")
     name = section.get("policy", "none")
@@ -401,10 +453,14 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
     modes = {
         "use_reentrant": section.get("use_reentrant", False),
         "unroll": section.get("unroll", False),
+        "rest": section.get("rest"),
     }
     if name == "custom":
         return MemoryPolicy(name="custom", save=save, offload=offload, layers=selection, **modes)
-    return get_policy(MERGED.get(name, name)).replace(layers=selection, **modes)
+    preset = get_policy(MERGED.get(name, name))
+    if modes["rest"] is not None and selection.first is not None:
+        preset = preset.replace(name=f"{preset.name}:{selection.first}+{modes['rest']}")
+    return preset.replace(layers=selection, **modes)
 
 
 # ------------------------------------------------------------------------- the block's backward

@@ -43,6 +43,7 @@ from jaxmem.policy import (
     backward_reads,
     kept_tags,
     model_tags,
+    mixed_policy,
     nested_segment_size,
 )
 from jaxmem.precision import PRECISIONS
@@ -603,3 +604,24 @@ def test_seed_example_runs_under_every_policy_in_both_frameworks(name):
     losses_j = jax_seed.train(2, data=data, stack=jax_stack, policy=policy)
     tol = tolerance(F32, "adamw_loss")
     np.testing.assert_allclose(losses_j, losses_t, rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.parametrize("head,k,rest", [("selective", 1, "full"), ("full", 2, "none")])
+def test_mixed_stack_numerics_and_flops_in_both_frameworks(case64, head, k, rest):
+    """``jaxmem plan``'s mixed stacks (the first k blocks under one preset, the others under
+    another): the same gradients as no remat in both frameworks, and each framework's FLOPs
+    are k blocks of the one preset and L - k of the other, exactly."""
+    attention_agnostic(case64)
+    policy = mixed_policy(head, k, rest)
+    n = case64.cfg.n_layers
+    _, base_t, *_ = case64.torch(POLICIES["none"])
+    _, base_j, _ = case64.jax(POLICIES["none"])
+    _, grads_t, f_mix_t, *_ = case64.torch(policy)
+    _, grads_j, f_mix_j = case64.jax(policy)
+    assert_grads(grads_t, base_t, F64, "remat_vs_none")
+    assert_grads(grads_j, base_j, F64, "remat_vs_none")
+    assert_grads(grads_j, grads_t, F64, "grads")
+    for flops, run in ((f_mix_j, case64.jax), (f_mix_t, case64.torch)):
+        f_head, f_rest = (run(POLICIES[p])[2] for p in (head, rest))
+        # per-block FLOPs of each preset: uniform stacks differ by n blocks' difference
+        assert (flops - f_rest) * n == k * (f_head - f_rest)

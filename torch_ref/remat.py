@@ -67,6 +67,7 @@ from jaxmem.policy import (
     check_policy,
     kept_tags,
     nested_segment_size,
+    split_policy,
 )
 from torch_ref.model import BlockStack, run_layers
 
@@ -386,6 +387,19 @@ class PolicyLayers:
     under stock, what the dispatch modes kept under lean); ``translation`` says which ran."""
 
     def __init__(self, policy: MemoryPolicy, cfg: ModelConfig, translation: str = "stock"):
+        self.parts: list[tuple[int, PolicyLayers]] = []
+        if policy.rest is not None:
+            # a mixed stack: consecutive runs of blocks, each part under its own preset
+            for n, part in split_policy(policy, cfg.n_layers):
+                self.parts.append((n, PolicyLayers(part, cfg.replace(n_layers=n), translation)))
+            translations = {runner.translation for _, runner in self.parts}
+            self.policy, self.cfg, self.kept = policy, cfg, []
+            self.translation = "lean" if "lean" in translations else "stock"
+            self.description = "; ".join(
+                f"blocks {i}: {runner.description}" for i, (_, runner) in enumerate(self.parts)
+            )
+            self.selected = set(range(cfg.n_layers))
+            return
         validate_for_torch(policy, translation, cfg)
         self.policy, self.cfg = policy, cfg
         self.translation = resolve_translation(policy, translation)
@@ -419,6 +433,13 @@ class PolicyLayers:
 
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
         self.kept = []
+        if self.parts:
+            start = 0
+            for n, runner in self.parts:
+                x = runner(layers[start : start + n], x, mask)
+                self.kept += [dataclasses.replace(k, layer=k.layer + start) for k in runner.kept]
+                start += n
+            return x
         if not self.policy.remat:
             return run_layers(layers, x, mask)
         if self.policy.nested:

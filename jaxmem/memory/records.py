@@ -172,20 +172,23 @@ def plan_step(
     seq_len: int,
     target: Target = LOCAL,
     accum: int = 1,
+    parallel: ParallelConfig | None = None,
 ) -> dict[str, Any]:
     """Only the compiled plan of the train step ``jax_record`` plans (from shapes; no residual
     accounting, no FLOPs): the compiler, the plan's bytes and its planned peak (arguments +
-    outputs - aliased + temporaries). Cheap enough to search for the largest batch that fits."""
+    outputs - aliased + temporaries; per device over ``parallel``'s mesh). Cheap enough to
+    search for the largest batch that fits, or for ``jaxmem plan``'s candidates."""
     model = nnx.eval_shape(lambda: make_model(cfg, precision))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(opt_cfg)
     opt_state = jax.eval_shape(tx.init, params)
     data = lm_step_batch(cfg, batch, seq_len, abstract=True)
-    step = _one_device_step(
-        graphdef, policy, cfg.n_layers, tx, precision, opt_cfg, _accum_config(accum, batch)
-    )
-    compiled, compiler = _compile(
-        step, (params, opt_state, init_loss_scale(precision), data), target
+    accum_cfg = _accum_config(accum, batch)
+    args = (params, opt_state, init_loss_scale(precision), data)
+    if parallel is not None and parallel.sharded:
+        parallel.check_batch(batch, accum)
+    *_, compiled, compiler = _compile_step(
+        graphdef, cfg.n_layers, policy, tx, precision, opt_cfg, accum_cfg, args, target, parallel
     )
     plan = compiled_plan(compiled)
     return {
@@ -193,6 +196,40 @@ def plan_step(
         "compiled_plan": plan,
         "planned_peak_bytes": peak_of_plan(plan),
     }
+
+
+def _compile_step(
+    graphdef: Any,
+    n_layers: int,
+    policy: MemoryPolicy,
+    tx: Any,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    accum_cfg: AccumConfig,
+    args: tuple,
+    target: Target,
+    parallel: ParallelConfig | None,
+) -> tuple[Any, Any, Any, str]:
+    """The train step compiled from ``args`` for ``target``, on one device or over
+    ``parallel``'s mesh: ``(step, shardings, compiled, compiler)`` (``step``: the one-device
+    jitted step, None when sharded; ``shardings``: None on one device)."""
+    if parallel is not None and parallel.sharded:
+        shardings, compiled, compiler = _compile_sharded(
+            parallel,
+            lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
+            policy,
+            n_layers,
+            tx,
+            precision,
+            opt_cfg,
+            accum_cfg,
+            args,
+            target,
+        )
+        return None, shardings, compiled, compiler
+    step = _one_device_step(graphdef, policy, n_layers, tx, precision, opt_cfg, accum_cfg)
+    compiled, compiler = _compile(step, args, target)
+    return step, None, compiled, compiler
 
 
 def _one_device_step(
@@ -308,23 +345,18 @@ def jax_record(
     residuals = summarize_residuals(saved)
     grads = jax.eval_shape(jax.grad(f), params, micro)
     scale = init_loss_scale(precision)
-    shardings = None
-    if sharded:
-        shardings, compiled, compiler = _compile_sharded(
-            parallel,
-            lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
-            policy,
-            cfg.n_layers,
-            tx,
-            precision,
-            opt_cfg,
-            accum_cfg,
-            (params, opt_state, scale, data),
-            target,
-        )
-    else:
-        step = _one_device_step(graphdef, policy, cfg.n_layers, tx, precision, opt_cfg, accum_cfg)
-        compiled, compiler = _compile(step, (params, opt_state, scale, data), target)
+    step, shardings, compiled, compiler = _compile_step(
+        graphdef,
+        cfg.n_layers,
+        policy,
+        tx,
+        precision,
+        opt_cfg,
+        accum_cfg,
+        (params, opt_state, scale, data),
+        target,
+        parallel if sharded else None,
+    )
     plan = compiled_plan(compiled)
     planned_peak = peak_of_plan(plan)
     peak, peak_source = None, None

@@ -15,7 +15,10 @@ How each policy runs in JAX:
   checkpointed again (every segment, the last included);
 - a layer subset: the stack unrolled, remat only on the selected layers;
 - ``unroll``: every block unrolled (``none`` included), each slicing its parameters out of the
-  stack inside its own ``jax.checkpoint`` (see ``layers_fn``).
+  stack inside its own ``jax.checkpoint`` (see ``layers_fn``);
+- a mixed stack (``rest``: the first k blocks under one preset, the others under another):
+  consecutive scans under one custom VJP that writes both parts' gradients into one buffer
+  (``_own_gradient_stack``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ import jax.numpy as jnp
 
 from jaxmem.config import ConfigError
 from jaxmem.model import LayerFn, LayersFn, scan_layers
-from jaxmem.policy import HOST_MEMORY_KIND, MemoryPolicy, nested_segment_size
+from jaxmem.policy import (
+    HOST_MEMORY_KIND,
+    POLICIES,
+    MemoryPolicy,
+    nested_segment_size,
+    split_policy,
+)
 
 # Bumped whenever a policy's translation changes what runs (benchmarks that keep measured rows
 # re-measure rows of an older revision). 2: nested's segment replay stops before its last block.
@@ -43,11 +52,13 @@ def backend_memory_kinds(device: jax.Device | None = None) -> tuple[str, ...]:
 
 def check_backend(policy: MemoryPolicy, device: jax.Device | None = None) -> None:
     """Raise if the policy needs a memory kind the backend lacks (offload needs pinned_host)."""
-    if policy.offload:
+    rest = POLICIES[policy.rest] if policy.rest is not None else None
+    if policy.offload or (rest is not None and rest.offload):
         kinds = backend_memory_kinds(device)
         if HOST_MEMORY_KIND not in kinds:
             raise ConfigError(
-                f"policy {policy.name!r} offloads {list(policy.offload)} to {HOST_MEMORY_KIND}, "
+                f"policy {policy.name!r} offloads {list(policy.offload or rest.offload)} to "
+                f"{HOST_MEMORY_KIND}, "
                 f"but this backend only has memory kinds {list(kinds)}; use a policy without "
                 "offload (e.g. selective)"
             )
@@ -133,7 +144,13 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
       unrolled; unrolled keeping the slices and casts, 15.95 GB).
     """
     check_backend(policy)
+    if policy.rest is not None and not policy.unroll:
+        return _own_gradient_stack(policy, n_layers)
     selected = policy.layers.indices(n_layers)
+    rest_policy = None
+    if policy.rest is not None:  # unrolled mixed stack: the other layers under their preset
+        rest_policy = split_policy(policy, n_layers)[-1][1]
+        rest_policy = rest_policy if rest_policy.remat else None
     if not policy.remat:
         if not policy.unroll:
             return scan_layers
@@ -183,6 +200,8 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
 
             if i in selected:
                 x = remat(one_layer, in_scan=False)(x, stacked)
+            elif rest_policy is not None:
+                x = jax.checkpoint(one_layer, policy=jax_checkpoint_policy(rest_policy))(x, stacked)
             else:
                 x = jax.checkpoint(one_layer, policy=_keep_all_but_parameter_copies)(x, stacked)
         return x
@@ -224,6 +243,23 @@ class _Unit:
 
         return jax.tree_util.tree_map(cut, stacked)
 
+    def whole(self, stacked: Any) -> bool:
+        """The unit runs over the whole stack (its state is the stack itself, or a reshape)."""
+        n = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+        return (self.start, self.start + self.count * self.group) == (0, n)
+
+    def block(self, stacked: Any, j: jax.Array) -> Any:
+        """Iteration ``j``'s state, sliced from the stack (a transient one-iteration copy)."""
+        first = self.start + j * self.group
+
+        def cut(a: jax.Array) -> jax.Array:
+            if self.grouped:
+                at = (first,) + (0,) * (a.ndim - 1)
+                return jax.lax.dynamic_slice(a, at, (self.group, *a.shape[1:]))
+            return jax.lax.dynamic_index_in_dim(a, first, keepdims=False)
+
+        return jax.tree_util.tree_map(cut, stacked)
+
 
 def accumulates_in_place(policy: MemoryPolicy, n_layers: int) -> bool:
     """Whether ``accumulating_layers_fn`` can run ``policy``: the scanned stacks (one policy on
@@ -232,12 +268,18 @@ def accumulates_in_place(policy: MemoryPolicy, n_layers: int) -> bool:
     pullback taking the block's slice cannot reproduce."""
     if policy.unroll:
         return False
-    if not policy.remat or policy.nested:
+    if not policy.remat or policy.nested or policy.rest is not None:
         return True
     return len(policy.layers.indices(n_layers)) == n_layers
 
 
 def _units(policy: MemoryPolicy, n_layers: int, layer_fn: LayerFn) -> list[_Unit]:
+    if policy.rest is not None:
+        units, start = [], 0
+        for n, part in split_policy(policy, n_layers):
+            units += [dataclasses.replace(u, start=start) for u in _units(part, n, layer_fn)]
+            start += n
+        return units
     if not policy.remat:
         return [_Unit(layer_fn, 0, n_layers)]
     ckpt_policy = jax_checkpoint_policy(policy)
@@ -267,6 +309,24 @@ def accumulating_layers_fn(policy: MemoryPolicy, n_layers: int, acc: Any) -> Lay
             "(AccumConfig(inplace=False))"
         )
     check_backend(policy)
+    return _custom_stack(policy, n_layers, acc)
+
+
+def _own_gradient_stack(policy: MemoryPolicy, n_layers: int) -> LayersFn:
+    """A mixed stack (``rest``) without accumulation: its parts' scans under the custom VJP of
+    ``accumulating_layers_fn``, adding each block's gradient into a zero buffer that becomes
+    the stacked parameters' cotangent. Differentiating two scans over slices of the stack the
+    usual way would build each part's gradient and then concatenate them into one more
+    gradient-sized buffer (the cost ``nested_segment_size`` avoids for nested's tail)."""
+    return _custom_stack(policy, n_layers, None)
+
+
+def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
+    """The stack's units under one custom VJP: each block's pullback runs in reverse and adds
+    its weight gradient into its slice of a buffer carried by the backward's scans: ``acc``
+    (returned as ``acc``'s cotangent) or, with ``acc`` None, zeros (returned as the stacked
+    parameters' cotangent)."""
+    own = acc is None
 
     def run(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
         units = _units(policy, n_layers, layer_fn)
@@ -277,22 +337,60 @@ def accumulating_layers_fn(policy: MemoryPolicy, n_layers: int, acc: Any) -> Lay
                 x = scan_layers(u.body, x, u.state(stacked))
             return x
 
+        # Units over part of the stack (a mixed stack's parts, nested's shorter tail) slice the
+        # parameters per iteration instead of scanning over a sliced copy, and their pullbacks
+        # keep no copy of the weights: the leaves of a pullback that are the block's own weights
+        # are dropped from the stacked residuals and re-sliced from the stack in the backward
+        # (a sliced copy scanned over would stay alive as residuals: measured +23 MiB, one copy
+        # of the blocks' parameters, on an 8-layer `small` H100 plan). ``layouts`` records,
+        # while the forward is traced, where each pullback's weight leaves go.
+        layouts: list[dict[str, Any]] = [{} for _ in units]
+
         def fwd(x, stacked, acc):
             pullbacks = []
-            for u in units:
-                # each block's pullback (its residuals: what the policy keeps) stacked by scan
-                x, pb = jax.lax.scan(lambda x, w, f=u.body: jax.vjp(f, x, w), x, u.state(stacked))
-                pullbacks.append(pb)
-            return x, (pullbacks, acc)
+            for u, layout in zip(units, layouts, strict=True):
+                if u.whole(stacked):
+                    # each block's pullback (its residuals: what the policy keeps) stacked by
+                    # scan; JAX forwards the weights the pullbacks keep to the stack itself
+                    x, pb = jax.lax.scan(
+                        lambda x, w, f=u.body: jax.vjp(f, x, w), x, u.state(stacked)
+                    )
+                    pullbacks.append(pb)
+                    continue
+
+                def body(x, j, u=u, layout=layout):
+                    w = u.block(stacked, j)
+                    y, pb = jax.vjp(u.body, x, w)
+                    leaves, layout["tree"] = jax.tree_util.tree_flatten(pb)
+                    position = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(w))}
+                    layout["from_w"] = [position.get(id(leaf)) for leaf in leaves]
+                    return y, [leaf for leaf in leaves if id(leaf) not in position]
+
+                x, kept = jax.lax.scan(body, x, jnp.arange(u.count))
+                pullbacks.append(kept)
+            shapes = jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacked
+            )
+            return x, (pullbacks, stacked, shapes if own else acc)
 
         def bwd(res, ct):
-            pullbacks, acc = res
-            for u, pb in reversed(list(zip(units, pullbacks, strict=True))):
+            pullbacks, stacked, acc = res
+            if own:
+                acc = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), acc)
+            for u, pb, layout in reversed(list(zip(units, pullbacks, layouts, strict=True))):
+
+                def pullback_of(item, j, u=u, layout=layout):
+                    if u.whole(stacked):
+                        return item
+                    weights = jax.tree_util.tree_leaves(u.block(stacked, j))
+                    kept = iter(item)
+                    leaves = [next(kept) if i is None else weights[i] for i in layout["from_w"]]
+                    return jax.tree_util.tree_unflatten(layout["tree"], leaves)
 
                 def body(carry, item, u=u):
                     ct, acc = carry
-                    pullback, j = item
-                    ct, d_state = pullback(ct)
+                    kept, j = item
+                    ct, d_state = pullback_of(kept, j)(ct)
                     first = u.start + j * u.group
 
                     def add(a: jax.Array, d: jax.Array) -> jax.Array:
@@ -306,7 +404,7 @@ def accumulating_layers_fn(policy: MemoryPolicy, n_layers: int, acc: Any) -> Lay
                 (ct, acc), _ = jax.lax.scan(
                     body, (ct, acc), (pb, jnp.arange(u.count)), reverse=True
                 )
-            return ct, None, acc
+            return (ct, acc, None) if own else (ct, None, acc)
 
         stack.defvjp(fwd, bwd)
         return stack(x, stacked, acc)

@@ -1,0 +1,515 @@
+"""``jaxmem plan``: the cheapest training configuration that fits a memory budget, proved by
+compiling it for the target.
+
+The lattice (``PlanSpace``): the stack's memory policy — a preset, or the first k blocks under one
+preset and the other L - k under another (``jaxmem.policy.mixed_policy``: two consecutive scans;
+on identical blocks the order does not change the peak, measured: ``selective:2+full`` and
+``full:6+selective`` plan the same bytes on an 8-layer H100 plan) — × microbatch count × where the
+optimizer state lives × data-parallel strategy (with a mesh) × precision (only when the user
+allows it).
+
+Cost (``Candidate.seconds``, an **estimate**, never a measurement): executed matmul FLOPs per
+device (recompute included, counted from the gradient's jaxpr: exact and affine in the number of
+blocks under each policy) over the target's peak matmul rate, plus bytes over the host link
+(offloaded activations there and back; host-resident optimizer state in and out) and bytes of
+the strategy's collectives over the device interconnect (ring algorithms). Kernel efficiency at
+small microbatches is not modelled: among equal costs fewer microbatches come first.
+
+Method: the plan's bytes are predicted from a model fitted from a few compiles — each
+(preset, microbatches, strategy, precision) family compiled at two small depths, the planned
+peak affine in the depth, a mixed stack taking each part's per-block slope — then candidates
+are compiled at the real depth in cost order until one fits; a candidate whose prediction is
+over the budget by more than ``slack`` is not compiled (``over (predicted)``). The answer is
+the cheapest candidate on the lattice whose compiled plan fits, when no skipped candidate's
+prediction erred by more than ``slack`` (each compiled candidate's prediction error is
+reported, so that can be checked).
+
+What a deviceless compile cannot show is labelled, not guessed: optimizer state in
+``pinned_host`` on a GPU target is the plan with the state on the device minus the state's
+bytes (a deviceless compile drops argument memory kinds: ``records._state_offload``'s lower
+bound); XLA:CPU erases host placements, so the local backend's lattice has no host offload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from flax import nnx
+
+from jaxmem.config import ConfigError, ModelConfig, OptimizerConfig, require
+from jaxmem.memory import analytic
+from jaxmem.memory.flops import grad_matmul_flops
+from jaxmem.memory.records import lm_step_batch, plan_step
+from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.targets import Target
+from jaxmem.model import make_model
+from jaxmem.parallel import ParallelConfig
+from jaxmem.policy import POLICIES, MemoryPolicy, mixed_policy
+from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.train.step import lm_loss_fn
+
+GIB = 2**30
+USABLE_FRACTION = 0.9  # of a GPU's memory: the CUDA context, cuDNN/cuBLAS workspaces, fragmentation
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """A target's nominal speeds (datasheet figures, dense): the cost model's denominators."""
+
+    matmul_flops: dict[str, float]  # per second, by compute dtype
+    host_link: float  # bytes/s each way, device <-> host
+    interconnect: float  # bytes/s per device, device <-> device
+    source: str
+
+
+RATES: dict[str, Rates] = {
+    "h100": Rates(
+        {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},
+        64e9,
+        450e9,
+        "H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, fp32 matmuls as TF32 (XLA's default "
+        "precision on GPU) 494.5; PCIe Gen5 x16 64 GB/s; NVLink 4 450 GB/s each way",
+    ),
+    "a100-40gb": Rates(
+        {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+        32e9,
+        300e9,
+        "A100 SXM4 datasheet: 312 TFLOP/s bf16/fp16 dense, TF32 156; PCIe Gen4 x16 32 GB/s; "
+        "NVLink 3 300 GB/s each way",
+    ),
+}
+RATES["a100-80gb"] = RATES["a100-40gb"]
+# The local backend: nominal rates (the estimate then ranks by FLOPs, host and collective bytes
+# weighed as on an H100's links); its plans have no host offload to weigh.
+NOMINAL = Rates(
+    {"bfloat16": 1e12, "float16": 1e12, "float32": 1e12},
+    64e9,
+    450e9,
+    "nominal (the local backend has no datasheet: FLOPs at 1 TFLOP/s)",
+)
+
+
+def rates_for(target: Target) -> Rates:
+    return RATES.get(target.name, NOMINAL if not target.is_gpu else RATES["h100"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSpace:
+    """The lattice ``jaxmem plan`` searches."""
+
+    policies: tuple[str, ...] = ("none", "selective", "mlp", "offload", "full", "nested")
+    mix: tuple[str, ...] = ("none", "selective", "offload", "full")  # presets mixed in pairs
+    accum: tuple[int, ...] = (1, 2, 4, 8)
+    state_memory: tuple[str, ...] = ("device", "pinned_host")
+    strategies: tuple[str, ...] = ("dp", "zero1", "fsdp")
+    precisions: tuple[str, ...] = ("fp32",)
+
+    def __post_init__(self) -> None:
+        for field in ("policies", "mix"):
+            bad = [p for p in getattr(self, field) if p not in POLICIES]
+            require(not bad, f"plan {field} {bad} are not presets; valid: {', '.join(POLICIES)}")
+        require("nested" not in self.mix, "nested applies to a whole stack: it does not mix")
+        bad = [m for m in self.accum if not (isinstance(m, int) and m > 0)]
+        require(not bad and self.accum, f"plan microbatch counts {bad} must be positive integers")
+        bad = [p for p in self.precisions if p not in PRECISIONS]
+        require(not bad, f"plan precisions {bad} are not one of {', '.join(PRECISIONS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the lattice, with its estimated cost."""
+
+    policy: MemoryPolicy
+    accum: int
+    state_memory: str
+    strategy: str | None  # None: one device
+    precision: str
+    flops: int  # per device and step, recompute included (jaxpr count)
+    host_bytes: int  # per device and step over the host link (estimate: what offload moves)
+    collective_bytes: int  # per device and step over the interconnect (ring estimate)
+    seconds: float  # estimated step time (FLOPs / rate + bytes / bandwidths)
+
+    @property
+    def family(self) -> tuple:
+        return (self.accum, self.strategy, self.precision)
+
+    def describe(self) -> str:
+        parts = [self.policy.name, self.precision, f"accum {self.accum}"]
+        if self.state_memory != "device":
+            parts.append(f"state {self.state_memory}")
+        if self.strategy is not None:
+            parts.append(self.strategy)
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass
+class Problem:
+    """What is planned: the model, the step's shape, the target, the mesh and the budget."""
+
+    cfg: ModelConfig
+    batch: int
+    seq_len: int
+    target: Target
+    budget_bytes: int
+    opt_cfg: OptimizerConfig
+    devices: int = 1  # data-parallel devices (a mesh of one axis)
+    # skip a candidate predicted over the budget by more than this fraction: the memory model's
+    # measured error on mixed stacks (compare.tolerances "mixed_stack_prediction")
+    slack: float = 0.20
+    fit_depths: tuple[int, int] = (2, 4)
+
+
+# ---------------------------------------------------------------------------------- FLOPs
+def _flops_per_row(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int) -> int:
+    """Matmul FLOPs of one row's gradient (forward, recompute, backward) under ``policy``."""
+    model = nnx.eval_shape(lambda: make_model(cfg, precision))
+    graphdef, params = nnx.split(model, nnx.Param)
+    micro = lm_step_batch(cfg, 1, seq, abstract=True)
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    return grad_matmul_flops(lambda p, b: loss(p, b)[0], params, micro)
+
+
+class FlopModel:
+    """Per-row FLOPs of any stack: ``c + Σ_parts n_blocks · s_preset``, each preset's per-block
+    FLOPs ``s`` and the rest ``c`` from traces at depths 1 and 2 (matmul FLOPs are exactly
+    affine in the number of blocks under each policy; nested, √L segments, is traced at its
+    real depth)."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int):
+        self.cfg, self.seq_len = cfg, seq_len
+        self._fit: dict[tuple[str, str], tuple[int, int]] = {}
+        self._nested: dict[str, int] = {}
+
+    def _preset(self, name: str, precision: Precision) -> tuple[int, int]:
+        key = (name, precision.name)
+        if key not in self._fit:
+            f1, f2 = (
+                _flops_per_row(
+                    self.cfg.replace(n_layers=d), POLICIES[name], precision, self.seq_len
+                )
+                for d in (1, 2)
+            )
+            self._fit[key] = (f1 - (f2 - f1), f2 - f1)
+        return self._fit[key]
+
+    def per_row(self, policy: MemoryPolicy, precision: Precision) -> int:
+        if policy.nested:
+            if precision.name not in self._nested:
+                self._nested[precision.name] = _flops_per_row(
+                    self.cfg, policy, precision, self.seq_len
+                )
+            return self._nested[precision.name]
+        from jaxmem.policy import split_policy
+
+        total = None
+        for n, part in split_policy(policy, self.cfg.n_layers):
+            c, s = self._preset(_preset_name(part), precision)
+            total = (c if total is None else total) + n * s
+        return total
+
+
+def _preset_name(policy: MemoryPolicy) -> str:
+    return next(n for n, p in POLICIES.items() if p == policy.replace(name=n))
+
+
+# ---------------------------------------------------------------------------------- memory
+def _offloaded_bytes_per_row(cfg: ModelConfig, precision: Precision, seq: int) -> int:
+    """Bytes one row's block sends to host memory under ``offload`` (analytic, per block)."""
+    one = cfg.replace(n_layers=1)
+    return analytic.saved_activation_bytes(one, POLICIES["offload"], 1, seq, precision).host_bytes
+
+
+class MemoryModel:
+    """Planned peak bytes predicted from compiles: for each family (preset, microbatches,
+    strategy, precision), the plan at two small depths gives ``a + L · b``; a mixed stack is
+    ``max(a_A, a_B) + k · b_A + (L - k) · b_B``; nested is compiled at its real depth."""
+
+    def __init__(self, problem: Problem, compile_fn: Callable[..., int]):
+        self.problem, self.compile_fn = problem, compile_fn
+        self.fits: dict[tuple, tuple[float, float]] = {}
+        self.compiles = 0
+
+    def _family(self, name: str, cand: Candidate) -> tuple[float, float]:
+        key = (name, *cand.family)
+        if key not in self.fits:
+            d1, d2 = self.problem.fit_depths
+            p1, p2 = (
+                self.compile_fn(
+                    self.problem.cfg.replace(n_layers=d),
+                    POLICIES[name],
+                    cand.accum,
+                    cand.strategy,
+                    cand.precision,
+                )
+                for d in (d1, d2)
+            )
+            self.compiles += 2
+            b = (p2 - p1) / (d2 - d1)
+            self.fits[key] = (p1 - d1 * b, b)
+        return self.fits[key]
+
+    def predict(self, cand: Candidate) -> float | None:
+        """Predicted planned peak (device bytes); None for nested (compiled, not predicted)."""
+        from jaxmem.policy import split_policy
+
+        if cand.policy.nested:
+            return None
+        parts = split_policy(cand.policy, self.problem.cfg.n_layers)
+        fits = [(n, self._family(_preset_name(p), cand)) for n, p in parts]
+        peak = max(a for _, (a, _) in fits) + sum(n * b for n, (_, b) in fits)
+        return peak - state_host_bytes(self.problem, cand)
+
+
+def state_host_bytes(problem: Problem, cand: Candidate) -> int:
+    """Optimizer-state bytes per device a candidate keeps in host memory (from shapes)."""
+    if cand.state_memory == "device":
+        return 0
+    precision = PRECISIONS[cand.precision]
+    total = analytic.opt_state_bytes(problem.cfg, problem.opt_cfg, precision)
+    shards = problem.devices if cand.strategy in ("zero1", "fsdp") else 1
+    return total // shards
+
+
+# ---------------------------------------------------------------------------------- lattice
+def _stacks(space: PlanSpace, n_layers: int, host: bool) -> list[MemoryPolicy]:
+    usable = [p for p in space.policies if host or not POLICIES[p].offload]
+    stacks = [POLICIES[p] for p in usable]
+    mix = [p for p in space.mix if host or not POLICIES[p].offload]
+    for i, a in enumerate(mix):
+        for b in mix[i + 1 :]:
+            for k in range(1, n_layers):
+                stacks.append(mixed_policy(a, k, b))
+    return stacks
+
+
+def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -> list[Candidate]:
+    """Every candidate of the lattice with its cost, cheapest first (ties: fewer microbatches,
+    state on the device, then the stack's name)."""
+    cfg, target = problem.cfg, problem.target
+    rates = rates_for(target)
+    host = target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
+    n = problem.devices
+    strategies: Iterable[str | None] = space.strategies if n > 1 else (None,)
+    rows = problem.batch // n
+    out = []
+    for precision_name in space.precisions:
+        precision = PRECISIONS[precision_name]
+        param_bytes = analytic.param_bytes(cfg, precision)
+        state = analytic.opt_state_bytes(cfg, problem.opt_cfg, precision)
+        offload_row = _offloaded_bytes_per_row(cfg, precision, problem.seq_len)
+        rate = rates.matmul_flops.get(precision.compute_dtype, rates.matmul_flops["float32"])
+        for policy in _stacks(space, cfg.n_layers, host):
+            per_row = flops.per_row(policy, precision)
+            offloaded_blocks = _offloaded_blocks(policy, cfg.n_layers)
+            for accum in space.accum:
+                if problem.batch % (n * accum):
+                    continue
+                for strategy in strategies:
+                    ring = 2 * (n - 1) / n if n > 1 else 0.0
+                    if strategy in ("dp", "zero1"):  # all-reduce (or reduce-scatter + gather)
+                        collective = int(ring * param_bytes)
+                    elif strategy == "fsdp":  # gather twice, reduce-scatter, per microbatch
+                        collective = int(1.5 * ring * param_bytes * accum)
+                    else:
+                        collective = 0
+                    for place in space.state_memory if host else ("device",):
+                        shards = n if strategy in ("zero1", "fsdp") else 1
+                        moved = 2 * offload_row * rows * offloaded_blocks
+                        if place != "device":
+                            moved += 2 * state // shards
+                        f = per_row * rows
+                        seconds = (
+                            f / rate + moved / rates.host_link + collective / rates.interconnect
+                        )
+                        out.append(
+                            Candidate(
+                                policy,
+                                accum,
+                                place,
+                                strategy,
+                                precision_name,
+                                f,
+                                moved,
+                                collective,
+                                seconds,
+                            )
+                        )
+    order = {p: i for i, p in enumerate(("device", "pinned_host"))}
+    out.sort(key=lambda c: (c.seconds, c.accum, order[c.state_memory], c.policy.name))
+    return out
+
+
+def _offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:
+    from jaxmem.policy import split_policy
+
+    return sum(n for n, p in split_policy(policy, n_layers) if p.offload)
+
+
+# ---------------------------------------------------------------------------------- search
+@dataclasses.dataclass
+class Outcome:
+    candidate: Candidate
+    predicted: float | None = None
+    compiled: int | None = None  # planned peak per device, state adjustment applied
+    status: str = "not reached"  # chosen | over (compiled) | over (predicted) | not reached
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.candidate
+        return {
+            "configuration": c.describe(),
+            "policy": c.policy.name,
+            "accum": c.accum,
+            "state_memory": c.state_memory,
+            "strategy": c.strategy,
+            "precision": c.precision,
+            "flops": c.flops,
+            "host_bytes": c.host_bytes,
+            "collective_bytes": c.collective_bytes,
+            "estimated_seconds": c.seconds,
+            "predicted_bytes": None if self.predicted is None else int(self.predicted),
+            "compiled_bytes": self.compiled,
+            "status": self.status,
+        }
+
+
+@dataclasses.dataclass
+class PlanResult:
+    problem: Problem
+    outcomes: list[Outcome]
+    chosen: Outcome | None
+    compiler: str
+    fit_compiles: int
+    candidate_compiles: int
+
+    def smallest(self) -> Outcome | None:
+        done = [o for o in self.outcomes if o.compiled is not None]
+        return min(done, key=lambda o: o.compiled) if done else None
+
+    def max_fit_error(self) -> float | None:
+        errs = [
+            abs(o.predicted - o.compiled) / o.compiled
+            for o in self.outcomes
+            if o.predicted is not None and o.compiled
+        ]
+        return max(errs) if errs else None
+
+
+def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
+    precision_of = PRECISIONS
+
+    def compile_peak(
+        cfg: ModelConfig, policy: MemoryPolicy, accum: int, strategy: str | None, precision: str
+    ) -> tuple[int, str]:
+        parallel = None if strategy is None else ParallelConfig(strategy, problem.devices)
+        r = plan_step(
+            cfg,
+            policy,
+            precision_of[precision],
+            problem.opt_cfg,
+            problem.batch,
+            problem.seq_len,
+            target=problem.target,
+            accum=accum,
+            parallel=parallel,
+        )
+        return r["planned_peak_bytes"], r["compiler"]
+
+    return compile_peak
+
+
+def search(
+    problem: Problem,
+    space: PlanSpace = PlanSpace(),
+    *,
+    max_compiles: int = 40,
+    compile_peak: Callable[..., tuple[int, str]] | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> PlanResult:
+    """Walk the lattice in cost order, compiling candidates until one fits ``budget_bytes``."""
+    compile_peak = compile_peak or _compiler(problem)
+    compiler = ""
+
+    def peak_only(*args: Any) -> int:
+        nonlocal compiler
+        peak, compiler = compile_peak(*args)
+        return peak
+
+    flops = FlopModel(problem.cfg, problem.seq_len)
+    memory = MemoryModel(problem, peak_only)
+    outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
+    budget = problem.budget_bytes
+    chosen, compiled = None, 0
+    for o in outcomes:
+        c = o.candidate
+        o.predicted = memory.predict(c)
+        if o.predicted is not None and o.predicted > budget * (1 + problem.slack):
+            o.status = "over (predicted)"
+            continue
+        if compiled >= max_compiles:
+            o.status = "not reached"
+            break
+        progress(f"compiling {c.describe()}")
+        o.compiled = peak_only(
+            problem.cfg, c.policy, c.accum, c.strategy, c.precision
+        ) - state_host_bytes(problem, c)
+        compiled += 1
+        if o.compiled <= budget:
+            o.status, chosen = "chosen", o
+            break
+        o.status = "over (compiled)"
+    return PlanResult(problem, outcomes, chosen, compiler, memory.compiles, compiled)
+
+
+def smallest_plan(result: PlanResult) -> Outcome | None:
+    """When nothing fits: the candidate with the smallest compiled plan, compiling the one with
+    the smallest prediction if the search compiled none below it."""
+    smallest = result.smallest()
+    predicted = [o for o in result.outcomes if o.predicted is not None and o.compiled is None]
+    if predicted:
+        best = min(predicted, key=lambda o: o.predicted)
+        if smallest is None or best.predicted < smallest.compiled:
+            c = best.candidate
+            peak, _ = _compiler(result.problem)(
+                result.problem.cfg, c.policy, c.accum, c.strategy, c.precision
+            )
+            best.compiled = peak - state_host_bytes(result.problem, c)
+            best.status = "over (compiled)"
+            result.candidate_compiles += 1
+            smallest = result.smallest()
+    return smallest
+
+
+def default_budget(target: Target) -> tuple[int, str]:
+    """The target's memory times ``USABLE_FRACTION``; the local backend has no fixed budget."""
+    if target.device_memory_bytes is None:
+        raise ConfigError(
+            f"--target {target.name} has no fixed memory size: give --budget (e.g. 200MiB)"
+        )
+    budget = int(target.device_memory_bytes * USABLE_FRACTION)
+    return budget, (
+        f"{USABLE_FRACTION:.0%} of the {target.description}'s "
+        f"{target.device_memory_bytes / GIB:.1f} GiB (the rest: CUDA context, library "
+        "workspaces, fragmentation)"
+    )
+
+
+def parse_bytes(text: str) -> int:
+    """``70GiB``, ``200MiB``, ``1.5GB``, ``123456`` -> bytes; bad text raises ``ConfigError``."""
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+    units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper()
+    number = t.rstrip("KMGTIB")
+    unit = t[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"budget {text!r} is not a size: give a positive number with a unit, e.g. 70GiB, "
+            "512MiB or 1.5GB"
+        )
+    return int(value * units[unit])

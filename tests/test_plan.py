@@ -1,0 +1,277 @@
+"""``jaxmem plan``: the chosen configuration's compiled plan fits the budget and every cheaper
+candidate on the lattice compiles over it (optimal on the lattice); mixed stacks are what the
+lattice's FLOP and memory models say; an impossible budget is one line and exit 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxmem.cli import main
+from jaxmem.compare.tolerances import tolerance
+from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
+from jaxmem.memory.plan import (
+    FlopModel,
+    PlanSpace,
+    Problem,
+    _compiler,
+    enumerate_candidates,
+    parse_bytes,
+    search,
+)
+from jaxmem.memory.records import lm_step_batch, plan_step
+from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.targets import LOCAL
+from jaxmem.model import make_model
+from jaxmem.policy import (
+    POLICIES,
+    LayerSelection,
+    MemoryPolicy,
+    mixed_policy,
+    policy_from_dict,
+    policy_to_dict,
+)
+from jaxmem.precision import FP64, PRECISIONS
+from jaxmem.train.step import lm_loss_fn
+
+FP32 = PRECISIONS["fp32"]
+CFG = PRESETS["small"]  # 4 layers: d 512, 8 heads
+BATCH, SEQ = 8, 128
+MIB = 2**20
+SPACE = PlanSpace(
+    policies=("none", "selective", "full"), mix=("none", "selective", "full"), accum=(1,)
+)
+
+
+def _peak(policy: MemoryPolicy, accum: int = 1) -> int:
+    return plan_step(CFG, policy, FP32, OptimizerConfig(), BATCH, SEQ, accum=accum)[
+        "planned_peak_bytes"
+    ]
+
+
+@pytest.fixture(scope="module")
+def bounds():
+    return _peak(POLICIES["full"]), _peak(POLICIES["none"])
+
+
+def test_plan_is_optimal_on_the_lattice(bounds):
+    full, none = bounds
+    assert full < none
+    budget = (full + none) // 2
+    problem = Problem(CFG, BATCH, SEQ, LOCAL, budget, OptimizerConfig())
+    result = search(problem, SPACE)
+    assert result.chosen is not None
+    chosen = result.chosen
+    assert chosen.compiled <= budget
+    # the chosen plan is the one compiled: recompile it from scratch
+    assert _peak(chosen.candidate.policy) == chosen.compiled
+    # every cheaper candidate, compiled whether or not the search compiled it, is over
+    compile_peak = _compiler(problem)
+    cheaper = result.outcomes[: result.outcomes.index(chosen)]
+    assert cheaper, "the budget should rule out at least none"
+    for o in cheaper:
+        c = o.candidate
+        assert c.seconds <= chosen.candidate.seconds
+        peak, _ = compile_peak(CFG, c.policy, c.accum, c.strategy, c.precision)
+        assert peak > budget, f"{c.describe()} fits ({peak} <= {budget}) and costs less"
+        if o.compiled is not None:
+            assert o.compiled == peak
+    # the search compiled far fewer than the lattice holds
+    assert result.candidate_compiles < len(result.outcomes)
+
+
+def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
+    """Plans of one policy are affine in the number of blocks (up to buffer alignment), and a
+    mixed stack is predicted from its two parts' slopes: checked against its
+    compiled plan."""
+    peaks = {
+        d: plan_step(
+            dataclasses.replace(CFG, n_layers=d),
+            POLICIES["none"],
+            FP32,
+            OptimizerConfig(),
+            BATCH,
+            SEQ,
+        )["planned_peak_bytes"]
+        for d in (2, 3, 4)
+    }
+    np.testing.assert_allclose(
+        peaks[4] - peaks[3],
+        peaks[3] - peaks[2],
+        **tolerance("bytes", "plan_depth_increment").kwargs(),
+    )
+    problem = Problem(CFG, BATCH, SEQ, LOCAL, 10**12, OptimizerConfig())
+    candidates = enumerate_candidates(problem, SPACE, FlopModel(CFG, SEQ))
+    from jaxmem.memory.plan import MemoryModel
+
+    model = MemoryModel(problem, lambda *a: _compiler(problem)(*a)[0])
+    for name in ("none:2+full", "selective:1+full"):  # the best and the worst measured
+        mixed = next(c for c in candidates if c.policy.name == name)
+        predicted = model.predict(mixed)
+        compiled = _peak(mixed.policy)
+        assert bounds[0] < compiled < bounds[1]
+        np.testing.assert_allclose(
+            predicted, compiled, **tolerance("bytes", "mixed_stack_prediction").kwargs()
+        )
+
+
+def test_mixed_stack_flops_are_each_parts_blocks():
+    """The FLOP model (per-block FLOPs of each preset from depths 1 and 2) equals the count of
+    the mixed stack's own gradient jaxpr."""
+    from jaxmem.memory.plan import _flops_per_row
+
+    model = FlopModel(CFG, SEQ)
+    for policy in (mixed_policy("full", 1, "none"), mixed_policy("none", 3, "selective")):
+        assert model.per_row(policy, FP32) == _flops_per_row(CFG, policy, FP32, SEQ)
+
+
+def test_mixed_stack_gradients_equal_the_unmixed_ones_in_float64():
+    cfg = dataclasses.replace(PRESETS["tiny"], n_layers=5)
+    with jax.enable_x64(True):
+        graphdef, params = nnx.split(make_model(cfg, FP64, seed=0), nnx.Param)
+        data = lm_step_batch(cfg, 4, 16, abstract=False)
+
+        def grads(policy):
+            loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+            return jax.jit(jax.grad(lambda p: loss(p, data)[0]))(params)
+
+        reference = grads(POLICIES["none"])
+        for policy in (mixed_policy("full", 2, "none"), mixed_policy("selective", 4, "full")):
+            for run in (policy, policy.replace(unroll=True)):
+                got = grads(run)
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(reference), strict=True):
+                    np.testing.assert_allclose(
+                        np.asarray(a),
+                        np.asarray(b),
+                        **tolerance("float64", "remat_vs_none").kwargs(),
+                    )
+                assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(got))
+
+
+def test_mixed_policy_round_trips_and_bad_ones_are_refused():
+    policy = mixed_policy("selective", 3, "full")
+    assert policy_from_dict(policy_to_dict(policy)) == policy
+    with pytest.raises(ConfigError, match="rest='nested'"):
+        POLICIES["full"].replace(layers=LayerSelection(first=2), rest="nested")
+    with pytest.raises(ConfigError, match="needs layers first=k"):
+        POLICIES["full"].replace(rest="none")
+    with pytest.raises(ConfigError, match="rest='sometimes'"):
+        POLICIES["full"].replace(layers=LayerSelection(first=2), rest="sometimes")
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("70GiB", 70 * 2**30), ("512MiB", 512 * MIB), ("1.5GB", 1_500_000_000), ("4096", 4096)],
+)
+def test_budget_sizes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["70 apples", "-1GiB", "GiB", "0"])
+def test_bad_budget_is_refused(text):
+    with pytest.raises(ConfigError, match="is not a size"):
+        parse_bytes(text)
+
+
+def test_impossible_budget_names_the_smallest_plan_and_exits_2(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = [
+        "plan",
+        "--preset",
+        "small",
+        "--budget",
+        "20MiB",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "128",
+        "--accum",
+        "1",
+        "--no-mix",
+        "--policies",
+        "none,full",
+        "--json",
+        str(out),
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "fits 20.0 MiB" in err[0] and "the smallest plan found is full, fp32, accum 1" in err[0]
+    assert not out.exists()  # nothing half-written
+
+
+def test_plan_cli_writes_the_choice(tmp_path, bounds):
+    out = tmp_path / "plan.json"
+    budget = f"{(bounds[0] + bounds[1]) // 2}B"
+    assert (
+        main(
+            [
+                "plan",
+                "--preset",
+                "small",
+                "--budget",
+                budget,
+                "--batch-size",
+                "8",
+                "--seq-len",
+                "128",
+                "--accum",
+                "1",
+                "--policies",
+                "none,selective,full",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    plan = json.loads(out.read_text())
+    assert plan["chosen"]["compiled_bytes"] <= plan["budget_bytes"]
+    assert plan["chosen"]["status"] == "chosen"
+    assert all(c["status"] != "chosen" for c in plan["candidates"][:-1])
+
+
+def test_train_policy_auto_writes_the_chosen_configuration(tmp_path):
+    """``jaxmem train --policy auto --memory-budget X`` trains under what ``jaxmem plan``
+    chooses on this backend, and the run's config.yaml says what that was."""
+    import yaml
+
+    cfg = dataclasses.replace(PRESETS["tiny"], n_layers=4)
+    opt = OptimizerConfig()
+    full, none = (
+        plan_step(cfg, POLICIES[p], FP32, opt, 8, 32)["planned_peak_bytes"]
+        for p in ("full", "none")
+    )
+    budget = (full + none) // 2
+    space = PlanSpace(
+        policies=("none", "selective", "mlp", "full", "nested"),
+        mix=("none", "selective", "full"),
+        accum=(1, 2, 4, 8),
+        state_memory=("device",),
+        strategies=("dp",),
+    )
+    expected = search(Problem(cfg, 8, 32, LOCAL, budget, opt), space).chosen
+    assert expected is not None and expected.compiled <= budget
+    out = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--n-layers", "4", "--policy", "auto"]
+    args += ["--memory-budget", f"{budget}B", "--steps", "1", "--batch-size", "8"]
+    args += ["--seq-len", "32", "--sample-tokens", "0", "--out", str(out)]
+    assert main(args) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert policy_from_dict(saved["memory"]) == expected.candidate.policy
+    assert saved["accum"]["steps"] == expected.candidate.accum
+
+
+def test_train_policy_auto_needs_a_budget(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--preset", "tiny", "--policy", "auto", "--steps", "1"])
+    assert exit_info.value.code == 2
+    assert "--policy auto needs --memory-budget" in capsys.readouterr().err
