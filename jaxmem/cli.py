@@ -229,6 +229,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     error = result.max_fit_error()
     rates = rates_for(target)
+    if result.chosen is None and result.stopped:
+        raise UsageError(
+            f"the search stopped after --max-compiles {args.max_compiles} compiles with no "
+            f"candidate under {_mib(budget)} MiB per device; raise --max-compiles"
+        )
     if result.chosen is None:
         smallest = smallest_plan(result)
         found = (
@@ -276,6 +281,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console.print(table)
     chosen = result.chosen.candidate
     skipped = sum(o.status == "over (predicted)" for o in result.outcomes)
+    floored = sum(o.status.startswith("over (family floor") for o in result.outcomes)
     console.print(
         f"chosen: [bold]{chosen.describe()}[/]: {_mib(result.chosen.compiled)} MiB per device "
         f"(compiled plan: {result.compiler}), {chosen.flops / 1e12:,.3f} TFLOP per device and "
@@ -283,8 +289,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     console.print(
         f"{len(result.outcomes)} candidates on the lattice; {result.candidate_compiles} compiled "
-        f"at depth {cfg.n_layers}, {skipped} skipped as predicted over the budget by more than "
-        f"{args.slack:.0%}; the memory model ({result.fit_compiles} compiles at depths 2 and 4) "
+        f"at depth {cfg.n_layers}, {skipped} skipped as predicted over the budget (by more than "
+        f"{args.slack:.0%}, or than a calibrated pair's error), {floored} because their "
+        "family's leanest stack (full/offload) compiled over it; the memory model "
+        f"({result.fit_compiles} compiles at depths 2 and 4) "
         + (
             f"erred by at most {error:.1%} on the compiled candidates"
             if error is not None
@@ -297,6 +305,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ),
         style="dim",
     )
+    from jaxmem.memory.plan import torch_translation, train_flags
+
+    flags = " ".join(train_flags(chosen, devices))
+    console.print(f"run it: jaxmem train --preset {args.preset_name} {flags} ...")
+    console.print(f"PyTorch: {torch_translation(chosen, devices)}")
     console.print(
         "cost: an estimate (matmul FLOPs from the gradient's jaxpr over the peak rate, bytes "
         f"over the links): {rates.source}",
@@ -315,6 +328,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 "budget_source": budget_source,
                 "compiler": result.compiler,
                 "chosen": result.chosen.as_dict(),
+                "jax_train_flags": train_flags(chosen, devices),
+                "torch": torch_translation(chosen, devices),
                 "candidates": [o.as_dict() for o in result.outcomes if o.status != "not reached"],
                 "lattice_size": len(result.outcomes),
                 "fit_compiles": result.fit_compiles,

@@ -19,7 +19,10 @@ Method: the plan's bytes are predicted from a model fitted from a few compiles â
 (preset, microbatches, strategy, precision) family compiled at two small depths, the planned
 peak affine in the depth, a mixed stack taking each part's per-block slope â€” then candidates
 are compiled at the real depth in cost order until one fits; a candidate whose prediction is
-over the budget by more than ``slack`` is not compiled (``over (predicted)``). The answer is
+over the budget by more than ``slack`` is not compiled (``over (predicted)``). Each compile
+calibrates the predictions of candidates mixing the same presets in the same family (they err
+alike): those carry its error, and are compiled only within twice the error calibrated
+predictions of that pair still showed (at least 1 %, at most ``slack``). The answer is
 the cheapest candidate on the lattice whose compiled plan fits, when no skipped candidate's
 prediction erred by more than ``slack`` (each compiled candidate's prediction error is
 reported, so that can be checked).
@@ -230,6 +233,8 @@ class MemoryModel:
     def __init__(self, problem: Problem, compile_fn: Callable[..., int]):
         self.problem, self.compile_fn = problem, compile_fn
         self.fits: dict[tuple, tuple[float, float]] = {}
+        self.corrections: dict[tuple, float] = {}
+        self.residuals: dict[tuple, list[float]] = {}
         self.compiles = 0
 
     def _family(self, name: str, cand: Candidate) -> tuple[float, float]:
@@ -260,7 +265,42 @@ class MemoryModel:
         parts = split_policy(cand.policy, self.problem.cfg.n_layers)
         fits = [(n, self._family(_preset_name(p), cand)) for n, p in parts]
         peak = max(a for _, (a, _) in fits) + sum(n * b for n, (_, b) in fits)
-        return peak - state_host_bytes(self.problem, cand)
+        return (
+            peak
+            + self.corrections.get(self._pair(cand), 0.0)
+            - state_host_bytes(self.problem, cand)
+        )
+
+    def _pair(self, cand: Candidate) -> tuple:
+        """Candidates whose prediction errs alike: the same presets in the same family."""
+        from jaxmem.policy import split_policy
+
+        parts = split_policy(cand.policy, self.problem.cfg.n_layers)
+        return (
+            *sorted(_preset_name(p) for _, p in parts),
+            cand.accum,
+            cand.strategy,
+            cand.precision,
+        )
+
+    def observe(self, cand: Candidate, predicted: float | None, compiled: int) -> None:
+        """Calibrate: the next predictions of candidates that mix the same presets in the same
+        family carry the error this compile showed (mixed stacks of one pair err alike, by the
+        overlap of the two parts' working sets; measured)."""
+        if predicted is not None:
+            key = self._pair(cand)
+            if key in self.corrections:  # a calibrated prediction: how far it still erred
+                self.residuals.setdefault(key, []).append(abs(compiled - predicted) / compiled)
+            self.corrections[key] = self.corrections.get(key, 0.0) + compiled - predicted
+
+    def slack(self, cand: Candidate, default: float) -> float:
+        """How far over the budget a prediction may be and still be compiled: ``default``
+        until the candidate's pair is calibrated, then twice the largest error calibrated
+        predictions of that pair showed (at least 1 %)."""
+        errors = self.residuals.get(self._pair(cand))
+        if self._pair(cand) not in self.corrections:
+            return default
+        return min(default, max(0.01, 2 * max(errors))) if errors else min(default, 0.02)
 
 
 def state_host_bytes(problem: Problem, cand: Candidate) -> int:
@@ -348,6 +388,36 @@ def _offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:
     return sum(n for n, p in split_policy(policy, n_layers) if p.offload)
 
 
+def train_flags(cand: Candidate, devices: int) -> list[str]:
+    """``jaxmem train`` flags that run ``cand`` (both frameworks read them: ``--framework
+    torch`` translates the policy with ``torch_ref.remat``, the mesh with FSDP2/DDP)."""
+    from jaxmem.policy import _base_name
+
+    flags = ["--policy", _base_name(cand.policy)]
+    if cand.policy.rest is not None:
+        flags += ["--set", f"memory.layers_first={cand.policy.layers.first}"]
+        flags += ["--set", f"memory.rest={cand.policy.rest}"]
+    flags += ["--precision", cand.precision, "--accum", str(cand.accum)]
+    if cand.state_memory != "device":
+        flags += ["--set", f"optimizer.state_memory={cand.state_memory}"]
+    if cand.strategy is not None:
+        flags += ["--mesh", f"{cand.strategy}={devices}"]
+    return flags
+
+
+def torch_translation(cand: Candidate, devices: int) -> str:
+    """How torch_ref runs the same choice, or why it cannot."""
+    if cand.state_memory != "device":
+        return (
+            "not in torch_ref: optimizer-state offload is jaxmem's (FSDP2's CPUOffloadPolicy, "
+            "the stock peer, is not wired into torch_ref's job)"
+        )
+    flags = " ".join(["--framework", "torch", *train_flags(cand, devices)])
+    if cand.strategy is not None:
+        return f"torchrun --standalone --nproc_per_node={devices} --no-python jaxmem train {flags}"
+    return f"jaxmem train {flags}"
+
+
 # ---------------------------------------------------------------------------------- search
 @dataclasses.dataclass
 class Outcome:
@@ -383,6 +453,7 @@ class PlanResult:
     compiler: str
     fit_compiles: int
     candidate_compiles: int
+    stopped: bool = False  # the search hit max_compiles before a candidate fitted
 
     def smallest(self) -> Outcome | None:
         done = [o for o in self.outcomes if o.compiled is not None]
@@ -441,26 +512,52 @@ def search(
     memory = MemoryModel(problem, peak_only)
     outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
     budget = problem.budget_bytes
-    chosen, compiled = None, 0
+    at_depth: dict[tuple, int] = {}  # compiled at the real depth, per candidate program
+
+    def compile_candidate(c: Candidate, policy: MemoryPolicy) -> int:
+        key = (policy, c.accum, c.strategy, c.precision)
+        if key not in at_depth:
+            at_depth[key] = peak_only(problem.cfg, policy, c.accum, c.strategy, c.precision)
+        return at_depth[key] - state_host_bytes(problem, c)
+
+    # A family's floor: the leanest whole-stack presets it holds (full, and offload where host
+    # memory exists) keep only block inputs on the device, and every other stack but nested
+    # keeps more; when they compile over the budget, so does the rest of the family (nested
+    # aside), and none of it is compiled.
+    outs = {(o.candidate.policy, o.candidate.family, o.candidate.state_memory) for o in outcomes}
+    lean = [POLICIES[p] for p in ("full", "offload") if p in space.policies]
+    floors: dict[tuple, int] = {}
+    chosen, stopped = None, False
     for o in outcomes:
         c = o.candidate
         o.predicted = memory.predict(c)
-        if o.predicted is not None and o.predicted > budget * (1 + problem.slack):
+        if o.predicted is not None and o.predicted > budget * (1 + memory.slack(c, problem.slack)):
             o.status = "over (predicted)"
             continue
-        if compiled >= max_compiles:
-            o.status = "not reached"
+        family = (c.family, c.state_memory)
+        probes = [p for p in lean if (p, *family) in outs]
+        if not c.policy.nested and probes and c.policy not in probes:
+            if family not in floors:
+                if len(at_depth) + len(probes) > max_compiles:
+                    stopped = True
+                    break
+                progress(f"compiling the floor of {c.describe()}: {[p.name for p in probes]}")
+                floors[family] = min(compile_candidate(c, p) for p in probes)
+            if floors[family] > budget:
+                o.status = "over (family floor compiled over)"
+                continue
+        if len(at_depth) >= max_compiles:
+            stopped = True
             break
         progress(f"compiling {c.describe()}")
-        o.compiled = peak_only(
-            problem.cfg, c.policy, c.accum, c.strategy, c.precision
-        ) - state_host_bytes(problem, c)
-        compiled += 1
+        o.compiled = compile_candidate(c, c.policy)
+        memory.observe(c, o.predicted, o.compiled)
         if o.compiled <= budget:
             o.status, chosen = "chosen", o
             break
         o.status = "over (compiled)"
-    return PlanResult(problem, outcomes, chosen, compiler, memory.compiles, compiled)
+    compiled = len(at_depth)
+    return PlanResult(problem, outcomes, chosen, compiler, memory.compiles, compiled, stopped)
 
 
 def smallest_plan(result: PlanResult) -> Outcome | None:
