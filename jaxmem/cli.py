@@ -191,7 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if cfg.n_layers < 4:
         raise UsageError(
             f"--preset {args.preset_name} has {cfg.n_layers} layers: the memory model is fitted "
-            "at depths 2 and 4, so plan a model of at least 4"
+            "at two depths of at least 2 blocks, so plan a model of at least 4"
         )
     _check_writable_json(args.json)
     need_jax_backend()
@@ -292,7 +292,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"at depth {cfg.n_layers}, {skipped} skipped as predicted over the budget (by more than "
         f"{args.slack:.0%}, or than a calibrated pair's error), {floored} because their "
         "family's leanest stack (full/offload) compiled over it; the memory model "
-        f"({result.fit_compiles} compiles at depths 2 and 4) "
+        f"({result.fit_compiles} compiles at depths {problem.fit_depths[0]} and "
+        f"{problem.fit_depths[1]}) "
         + (
             f"erred by at most {error:.1%} on the compiled candidates"
             if error is not None
@@ -337,7 +338,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 "max_fit_error": error,
                 "cost_source": "estimate: " + rates.source,
                 "memory_source": "compiled plan (arguments + outputs - aliased + temporaries), "
-                "per device; predicted: affine fit in depth from compiles at depths 2 and 4",
+                "per device; predicted: affine fit in depth from compiles at depths "
+                f"{problem.fit_depths}",
             },
         )
         console.print(f"wrote the plan to {args.json}")
@@ -554,7 +556,7 @@ def _auto_policy(job, budget_text: str):
         raise UsageError(str(e)) from None
     if job.model.n_layers < 4:
         raise UsageError(
-            f"--policy auto fits its memory model at depths 2 and 4: the model has "
+            f"--policy auto fits its memory model at two depths of at least 2: the model has "
             f"{job.model.n_layers} layers; choose a policy yourself"
         )
     n = job.parallel.devices

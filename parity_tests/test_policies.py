@@ -42,8 +42,8 @@ from jaxmem.policy import (
     MemoryPolicy,
     backward_reads,
     kept_tags,
-    model_tags,
     mixed_policy,
+    model_tags,
     nested_segment_size,
 )
 from jaxmem.precision import PRECISIONS

@@ -102,23 +102,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(out, *args, processes: int = 1) -> None:
+def _launch(out, *args, processes: int = 1) -> list[subprocess.Popen]:
     """``jaxmem train --out OUT ARGS`` as one process, or as ``processes`` processes of one
     run on JAX's multi-process runtime (each with its share of the mesh's CPU devices)."""
     cmd = [sys.executable, "-m", "jaxmem.cli", "train", "--out", str(out), *args]
     if processes == 1:
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-    else:
-        group = ["--coordinator", f"localhost:{_free_port()}", "--num-processes", str(processes)]
-        procs = [
-            subprocess.Popen(
-                [*cmd, *group, "--process-id", str(i)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in range(processes)
-        ]
+        return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    group = ["--coordinator", f"localhost:{_free_port()}", "--num-processes", str(processes)]
+    return [
+        subprocess.Popen(
+            [*cmd, *group, "--process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+
+
+def _train(out, *args, processes: int = 1) -> None:
+    procs = _launch(out, *args, processes=processes)
     try:
         results = [p.communicate(timeout=300) for p in procs]
     finally:
@@ -227,3 +230,39 @@ def test_bad_meshes_are_refused_naming_the_value(make, fragment):
     with pytest.raises(ConfigError) as exc:
         make()
     assert fragment in str(exc.value)
+
+
+def test_two_processes_killed_with_sigkill_resume_bit_identically(tmp_path):
+    """Both processes of a 2-process fsdp run SIGKILLed once a checkpoint has been saved (the
+    OS ends them mid-step, wherever they are); --resume restores each process's shards from the
+    newest checkpoint that verifies and logs exactly what an uninterrupted run logs."""
+    import signal
+    import time
+
+    from jaxmem.train.layout import verify
+
+    shape = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--policy", "full"]
+    common = [*shape, "--mesh", f"fsdp={N}", "--checkpoint-every", "2", "--eval-every", "4"]
+    common += ["--sample-tokens", "0", "--steps", "8"]
+    _train(tmp_path / "whole", *common, processes=2)
+    run = tmp_path / "killed"
+    procs = _launch(run, *common, processes=2)
+    try:
+        deadline = time.time() + 300
+        saved: list[str] = []
+        while not saved and time.time() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.05)
+            ckpts = run / "checkpoints"
+            names = sorted(os.listdir(ckpts)) if ckpts.is_dir() else []
+            saved = [n for n in names if n.isdigit() and verify(str(ckpts / n)) is None]
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert saved, "no checkpoint was saved before the run ended"
+    assert all(p.returncode == -signal.SIGKILL for p in procs), "the run ended before the kill"
+    _train(run, "--resume", "--steps", "8", processes=2)
+    assert _losses(run) == _losses(tmp_path / "whole")

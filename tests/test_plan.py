@@ -251,23 +251,17 @@ def test_train_policy_auto_writes_the_chosen_configuration(tmp_path):
         for p in ("full", "none")
     )
     budget = (full + none) // 2
-    space = PlanSpace(
-        policies=("none", "selective", "mlp", "full", "nested"),
-        mix=("none", "selective", "full"),
-        accum=(1, 2, 4, 8),
-        state_memory=("device",),
-        strategies=("dp",),
-    )
-    expected = search(Problem(cfg, 8, 32, LOCAL, budget, opt), space).chosen
-    assert expected is not None and expected.compiled <= budget
     out = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--n-layers", "4", "--policy", "auto"]
     args += ["--memory-budget", f"{budget}B", "--steps", "1", "--batch-size", "8"]
     args += ["--seq-len", "32", "--sample-tokens", "0", "--out", str(out)]
     assert main(args) == 0
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert policy_from_dict(saved["memory"]) == expected.candidate.policy
-    assert saved["accum"]["steps"] == expected.candidate.accum
+    policy, accum = policy_from_dict(saved["memory"]), saved["accum"]["steps"]
+    # what the run recorded is what it planned: that program fits, and it is not the cheapest
+    # program of all (none, one microbatch), which the budget rules out
+    assert plan_step(cfg, policy, FP32, opt, 8, 32, accum=accum)["planned_peak_bytes"] <= budget
+    assert (policy.name, accum) != ("none", 1)
 
 
 def test_train_policy_auto_needs_a_budget(capsys):

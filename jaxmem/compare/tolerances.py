@@ -249,7 +249,7 @@ TOLERANCES["bytes"] = {
         rtol=0.20,
         atol=0.0,
         reason="jaxmem plan's memory model: a mixed stack (k blocks under one preset, the rest "
-        "under another) predicted from each preset's plans at depths 2 and 4 as max of the "
+        "under another) predicted from each preset's plans at two depths as max of the "
         "intercepts + each part's per-block slope; the two scans' working sets overlap "
         "differently from either uniform stack's. Measured on small fp32 8 x 128, every mix "
         "of none/selective/full: XLA:CPU -0.189..+0.120 (a one-block part loses its remat "

@@ -318,8 +318,17 @@ class RunCheckpointer(_Reader):
             silence_background_errors()
             raise
         if saved:
-            layout.write_manifest(str(self.directory / str(step)), step)
-            layout.rotate(str(self.directory), self.keep)
+            # One process writes the manifest and rotates; in a multi-process run the others
+            # wait for it. Each process doing both raced (found by SIGKILLing a 2-process run
+            # and resuming it: one process's rotation deleted a step the other was reading,
+            # "could not write checkpoint 6: No such file or directory").
+            if jax.process_index() == 0:
+                layout.write_manifest(str(self.directory / str(step)), step)
+                layout.rotate(str(self.directory), self.keep)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"jaxmem checkpoint {step} verified")
             with _quiet_orbax():
                 self._manager.reload()
         return bool(saved)
