@@ -140,6 +140,16 @@ def run_config(name: str, target) -> dict:
         strategies=("dp", "zero1", "fsdp"),
         precisions=(PRECISION,),
     )
+    if devices > 1:
+        # three strategies triple the families, and a sharded GPU-sized compile takes 20-35 s
+        # on this machine: the 8-device lattice keeps the presets the 1-device searches chose
+        # from (none, selective, full, their mixes) and 1 or 4 microbatches
+        space = dataclasses.replace(
+            space,
+            policies=("none", "selective", "full"),
+            mix=("none", "selective", "full"),
+            accum=(1, 4),
+        )
     cache: dict = {}
     rows_out = []
     base = None
