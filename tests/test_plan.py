@@ -269,3 +269,22 @@ def test_train_policy_auto_needs_a_budget(capsys):
         main(["train", "--preset", "tiny", "--policy", "auto", "--steps", "1"])
     assert exit_info.value.code == 2
     assert "--policy auto needs --memory-budget" in capsys.readouterr().err
+
+
+def test_residual_accounting_of_a_mixed_stack_counts_no_weights():
+    """The mixed stack's custom VJP keeps the stacked parameters to re-slice each block's
+    weights in the backward: residual accounting must see them as the parameters (arguments),
+    not as activations. A mixed stack with one preset everywhere keeps what that preset keeps,
+    and replacing selective blocks by full ones keeps less."""
+    from jaxmem.memory.records import jax_record
+
+    def saved(policy):
+        r = jax_record(CFG, policy, FP32, OptimizerConfig(), BATCH, SEQ, abstract=True)
+        return r["saved_activation_bytes_device"]
+
+    selective = saved(POLICIES["selective"])
+    everywhere = saved(mixed_policy("selective", CFG.n_layers, "full"))
+    np.testing.assert_allclose(
+        everywhere, selective, **tolerance("bytes", "mixed_stack_residuals").kwargs()
+    )
+    assert saved(mixed_policy("selective", 3, "full")) < selective

@@ -245,6 +245,14 @@ TOLERANCES["bytes"] = {
         "measured on small fp32 8 x 128 (XLA:CPU, none) 33,624,064 B from 2 to 3 blocks and "
         "33,636,288 from 3 to 4 (3.6e-4); the memory model jaxmem plan fits rests on it",
     ),
+    "mixed_stack_residuals": Tolerance(
+        rtol=0.01,
+        atol=0.0,
+        reason="a stack run through the mixed stack's custom VJP with one preset on every block "
+        "keeps what the scanned stack keeps, by residual accounting; measured on small fp32 "
+        "8 x 128, selective: 39.09 vs 39.05 MiB (+0.1 %: the scan's iteration indices and "
+        "carries); before the fix it counted the block weights once more (+12.1 MiB, +31 %)",
+    ),
     "mixed_stack_prediction": Tolerance(
         rtol=0.20,
         atol=0.0,

@@ -368,15 +368,12 @@ def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
 
                 x, kept = jax.lax.scan(body, x, jnp.arange(u.count))
                 pullbacks.append(kept)
-            shapes = jax.tree_util.tree_map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacked
-            )
-            return x, (pullbacks, stacked, shapes if own else acc)
+            return x, (pullbacks, stacked, None if own else acc)
 
         def bwd(res, ct):
             pullbacks, stacked, acc = res
-            if own:
-                acc = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), acc)
+            if own:  # the gradient buffer, zeros shaped like the stack (which is a residual)
+                acc = jax.tree_util.tree_map(jnp.zeros_like, stacked)
             for u, pb, layout in reversed(list(zip(units, pullbacks, layouts, strict=True))):
 
                 def pullback_of(item, j, u=u, layout=layout):
