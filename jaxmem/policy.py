@@ -302,11 +302,11 @@ POLICIES: dict[str, MemoryPolicy] = {
 
 def is_preset(policy: MemoryPolicy) -> bool:
     """``policy`` is a preset of ``POLICIES`` (with any layer selection and checkpoint mode)."""
-    preset = POLICIES.get(_base_name(policy))
+    preset = POLICIES.get(base_preset_name(policy))
     return preset is not None and _as_preset(policy) == preset
 
 
-def _base_name(policy: MemoryPolicy) -> str:
+def base_preset_name(policy: MemoryPolicy) -> str:
     """The preset name of a mixed stack's first part (``full:3+none`` -> ``full``)."""
     return policy.name.split(":", 1)[0] if policy.rest is not None else policy.name
 
@@ -315,7 +315,7 @@ def _as_preset(policy: MemoryPolicy) -> MemoryPolicy:
     """``policy`` without the settings a preset may carry (layers, checkpoint mode, unroll,
     the other layers' preset)."""
     return policy.replace(
-        name=_base_name(policy),
+        name=base_preset_name(policy),
         layers=LayerSelection(),
         use_reentrant=False,
         unroll=False,
@@ -329,7 +329,7 @@ def split_policy(policy: MemoryPolicy, n_layers: int) -> list[tuple[int, MemoryP
     if policy.rest is None:
         return [(n_layers, policy)]
     k = len(policy.layers.indices(n_layers))
-    head = policy.replace(name=_base_name(policy), layers=LayerSelection(), rest=None)
+    head = policy.replace(name=base_preset_name(policy), layers=LayerSelection(), rest=None)
     tail = POLICIES[policy.rest].replace(use_reentrant=policy.use_reentrant, unroll=policy.unroll)
     return [(n, p) for n, p in ((k, head), (n_layers - k, tail)) if n]
 
@@ -415,7 +415,7 @@ def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
     if policy.rest is not None:
         modes["rest"] = policy.rest
     if is_preset(policy):
-        return {"policy": _base_name(policy), **layers, **modes}
+        return {"policy": base_preset_name(policy), **layers, **modes}
     require(
         not (policy.save_dots or policy.nested) and policy.remat,
         f"policy {policy.name!r} (save_dots/nested/no remat, not a preset) cannot be written to a "

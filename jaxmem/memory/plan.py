@@ -50,7 +50,7 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.parallel import ParallelConfig
-from jaxmem.policy import POLICIES, MemoryPolicy, mixed_policy
+from jaxmem.policy import POLICIES, MemoryPolicy, base_preset_name, mixed_policy, split_policy
 from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.train.step import lm_loss_fn
 
@@ -214,8 +214,6 @@ class FlopModel:
                     self.cfg, policy, precision, self.seq_len
                 )
             return self._nested[precision.name]
-        from jaxmem.policy import split_policy
-
         total = None
         for n, part in split_policy(policy, self.cfg.n_layers):
             c, s = self._preset(_preset_name(part), precision)
@@ -267,8 +265,6 @@ class MemoryModel:
 
     def predict(self, cand: Candidate) -> float | None:
         """Predicted planned peak (device bytes); None for nested (compiled, not predicted)."""
-        from jaxmem.policy import split_policy
-
         if cand.policy.nested:
             return None
         parts = split_policy(cand.policy, self.problem.cfg.n_layers)
@@ -282,8 +278,6 @@ class MemoryModel:
 
     def _pair(self, cand: Candidate) -> tuple:
         """Candidates whose prediction errs alike: the same presets in the same family."""
-        from jaxmem.policy import split_policy
-
         parts = split_policy(cand.policy, self.problem.cfg.n_layers)
         return (
             *sorted(_preset_name(p) for _, p in parts),
@@ -392,17 +386,13 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
 
 
 def _offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:
-    from jaxmem.policy import split_policy
-
     return sum(n for n, p in split_policy(policy, n_layers) if p.offload)
 
 
 def train_flags(cand: Candidate, devices: int) -> list[str]:
     """``jaxmem train`` flags that run ``cand`` (both frameworks read them: ``--framework
     torch`` translates the policy with ``torch_ref.remat``, the mesh with FSDP2/DDP)."""
-    from jaxmem.policy import _base_name
-
-    flags = ["--policy", _base_name(cand.policy)]
+    flags = ["--policy", base_preset_name(cand.policy)]
     if cand.policy.rest is not None:
         flags += ["--set", f"memory.layers_first={cand.policy.layers.first}"]
         flags += ["--set", f"memory.rest={cand.policy.rest}"]
