@@ -117,7 +117,12 @@ def measure(
             # issue 13) or another translation of it is measured again; one measured under an
             # older accounting (issue 13: parameter copies apart from activations) is measured
             # again but keeps its largest batch, which the accounting does not touch.
-            definition = f"{POLICIES[name]!r} remat revision {REMAT_REVISION}"
+            # (the repr without MemoryPolicy's later fields at their defaults, ``unroll`` and
+            # ``rest``, which no preset sets, so rows measured before they existed still match)
+            policy_repr = (
+                repr(POLICIES[name]).replace(", unroll=False", "").replace(", rest=None", "")
+            )
+            definition = f"{policy_repr} remat revision {REMAT_REVISION}"
             same = (
                 rec is not None
                 and rec["target"] == target.name
