@@ -226,7 +226,7 @@ class MemoryPolicy:
         )
         require(isinstance(self.unroll, bool), f"unroll={self.unroll!r} must be True or False")
         if self.rest is not None:
-            presets = [n for n in POLICIES_ORDER if n != "nested"]
+            presets = [n for n in POLICIES if n != "nested"]
             require(
                 self.rest in presets,
                 f"rest={self.rest!r} must name a preset the other layers run under, one of "
@@ -285,7 +285,6 @@ class MemoryPolicy:
         return bool(self.save or self.offload or self.save_dots)
 
 
-POLICIES_ORDER = ("none", "full", "selective", "mlp", "offload", "nested")
 POLICIES: dict[str, MemoryPolicy] = {
     "none": MemoryPolicy(name="none", remat=False),
     "full": MemoryPolicy(name="full"),

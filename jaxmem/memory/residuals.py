@@ -56,13 +56,7 @@ def saved_residuals(f: Callable[..., Any], *args: Any) -> list[Residual]:
     jaxpr = closed.jaxpr
     n_res = len(jax.tree_util.tree_leaves(vjp_shape))
     outvars = jaxpr.outvars[len(jaxpr.outvars) - n_res :]
-    # A custom VJP's residual that is one of f's inputs (the stacked parameters the block stack's
-    # custom VJP keeps, jaxmem.memory.remat._custom_stack) reaches this jaxpr as a constant
-    # holding that very input: an argument, not new memory.
-    given = {id(a) for a in flat_args}
-    invars = set(jaxpr.invars) | {
-        v for v, c in zip(jaxpr.constvars, closed.consts, strict=True) if id(c) in given
-    }
+    invars = set(jaxpr.invars)
     constvars = set(jaxpr.constvars)
     seen: set[Any] = set()
     out: list[Residual] = []
