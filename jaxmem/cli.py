@@ -29,7 +29,7 @@ from jaxmem.config import (
 )
 from jaxmem.files import write_json_atomic
 from jaxmem.parallel import parse_mesh
-from jaxmem.policy import CHECKPOINT_NAMES, POLICIES, get_policy
+from jaxmem.policy import CHECKPOINT_NAMES, POLICIES, MemoryPolicy, get_policy
 from jaxmem.precision import PRECISIONS, get_precision
 from jaxmem.train.job import FRAMEWORKS
 
@@ -142,6 +142,12 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
     if not values or any(v <= 0 for v in values):
         raise UsageError(f"{flag} {text!r} must be comma-separated positive integers, e.g. 1,2,4")
     return values
+
+
+TARGET_HELP = (
+    "cpu (the local backend, default), h100, a100-40gb, a100-80gb (deviceless; needs "
+    "jaxmem[gpu-plan]) or a .txtpb target file"
+)
 
 
 def _mib(n: float | None) -> str:
@@ -355,6 +361,143 @@ def preset_use(name: str) -> str:
     if name in PLANNING_ONLY:
         return "memory plans it from shapes (torch_ref on fake tensors); train (a GPU's work)"
     return "train, memory, parity, bench"
+
+
+# ------------------------------------------------------------------------------------------- peak
+def _peak_policy(text: str, unroll: bool) -> MemoryPolicy:
+    """A preset name, or ``HEAD:K+REST`` (the first K blocks under HEAD, the rest under REST:
+    the names ``jaxmem plan`` prints)."""
+    import re
+
+    from jaxmem.policy import mixed_policy
+
+    try:
+        mixed = re.fullmatch(r"([a-z_]+):(\d+)\+([a-z_]+)", text)
+        if mixed:
+            return mixed_policy(mixed.group(1), int(mixed.group(2)), mixed.group(3), unroll=unroll)
+        return get_policy(text).replace(unroll=unroll) if unroll else get_policy(text)
+    except ConfigError as e:
+        raise UsageError(f"--policy {text!r}: {e}") from None
+
+
+def cmd_peak(args: argparse.Namespace) -> int:
+    cfg: ModelConfig = args.preset
+    if args.preset_name == "seed":
+        raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
+    from jaxmem.memory.targets import get_target
+
+    policy = _peak_policy(args.policy, args.unroll)
+    if args.unroll and policy.nested:
+        raise UsageError(
+            "--unroll cannot apply to nested (it runs its segments under scan); drop --unroll"
+        )
+    if args.attention is not None:
+        if args.attention not in ATTENTIONS:
+            raise UsageError(
+                f"--attention {args.attention!r} is not one of {', '.join(ATTENTIONS)}"
+            )
+        cfg = cfg.replace(attention=args.attention)
+    try:
+        target = get_target(args.target)
+        get_precision(args.precision)
+        opt_cfg = OptimizerConfig(name=args.optimizer)
+        from jaxmem.policy import check_policy
+
+        check_policy(cfg, policy)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    seq_len = args.seq_len or cfg.max_seq_len
+    if seq_len > cfg.max_seq_len:
+        raise UsageError(
+            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
+            f"use at most {cfg.max_seq_len}"
+        )
+    if args.batch_size % args.accum:
+        raise UsageError(
+            f"--batch-size {args.batch_size} does not split into --accum {args.accum} "
+            f"microbatches: give a multiple of {args.accum}"
+        )
+    _check_writable_json(args.json)
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import require_gpu_plan
+
+        try:
+            require_gpu_plan(target)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+    else:
+        need_jax_backend()
+    from rich.console import Console
+    from rich.table import Table
+
+    from jaxmem.memory.peak import KIND_HELP, KINDS, explain_peak
+
+    console = Console(width=max(Console().width, 140))
+    report = explain_peak(
+        cfg, policy, args.precision, opt_cfg, args.batch_size, seq_len, args.target, args.accum
+    )
+    stack = f"{policy.name}{' (unrolled)' if policy.unroll else ''}"
+    what = (
+        f"{args.preset_name}, batch {args.batch_size} x {seq_len}"
+        f"{f' in {args.accum} microbatches' if args.accum > 1 else ''}, {args.precision}, "
+        f"{stack}, {opt_cfg.name}"
+    )
+    console.print(f"jaxmem peak: {what}; compiled plan for {report.compiler}")
+    console.print(
+        f"planned peak {_mib(report.planned_peak_bytes)} MiB (memory_analysis: arguments + "
+        f"outputs - donated + temporaries); device arena {_mib(report.allocated_bytes)} MiB; "
+        f"live at the peak {_mib(report.live_bytes)} MiB (position {report.position} of "
+        f"{report.length} in the scheduled program, at {report.at_peak or '?'}); the rest, "
+        f"{_mib(report.allocated_bytes - report.live_bytes)} MiB, is what packing the buffers "
+        "into one arena costs"
+    )
+    kinds = Table(title="live at the peak, by kind (MiB)")
+    for col in ("kind", "MiB", "what"):
+        kinds.add_column(col, justify="right" if col == "MiB" else "left")
+    totals = report.by_kind()
+    for kind in KINDS:
+        kinds.add_row(kind, _mib(totals[kind]), KIND_HELP[kind])
+    console.print(kinds)
+    groups: dict[tuple[str, str, str], list] = {}
+    for v in report.values:
+        if v.kind != "argument":  # the table above has them, by kind
+            groups.setdefault((v.kind, v.op_name, v.shape), []).append(v)
+    ranked = sorted(groups.items(), key=lambda kv: -sum(v.bytes for v in kv[1]))
+    values = Table(
+        title=f"the {min(args.top, len(ranked))} largest groups of buffers live at the peak, "
+        "arguments aside (same JAX operation and shape; live: the positions the first is made "
+        "and the last is read)"
+    )
+    for col in ("MiB", "buffers", "kind", "shape", "live", "made by (JAX operation)"):
+        values.add_column(col, justify="right" if col in ("MiB", "buffers") else "left")
+    for (kind, op_name, shape), vs in ranked[: args.top]:
+        values.add_row(
+            _mib(sum(v.bytes for v in vs)),
+            str(len(vs)),
+            kind,
+            shape,
+            f"{min(v.start for v in vs)}-{max(v.end for v in vs)}",
+            op_name,
+        )
+    console.print(values)
+    if args.json:
+        write_json_atomic(
+            args.json,
+            {
+                "preset": args.preset_name,
+                "policy": policy.name,
+                "unroll": policy.unroll,
+                "precision": args.precision,
+                "optimizer": opt_cfg.name,
+                "batch": args.batch_size,
+                "seq_len": seq_len,
+                "accum": args.accum,
+                "target": target.name,
+                **report.to_dict(),
+            },
+        )
+        console.print(f"wrote {args.json}", style="dim")
+    return 0
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -1532,12 +1675,7 @@ def build_parser() -> argparse.ArgumentParser:
         "when nothing fits, naming the smallest plan found.",
     )
     p.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
-    p.add_argument(
-        "--target",
-        default="cpu",
-        help="cpu (the local backend, default), h100, a100-40gb, a100-80gb (deviceless; needs "
-        "jaxmem[gpu-plan]) or a .txtpb target file",
-    )
+    p.add_argument("--target", default="cpu", help=TARGET_HELP)
     p.add_argument(
         "--budget",
         default=None,
@@ -1594,6 +1732,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=_positive_int, default=15, help="rows shown (default 15)")
     p.add_argument("--json", metavar="OUT.json", help="write the plan and its candidates")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "peak",
+        help="what is live at the peak of a train step's compiled memory plan, and what made it",
+        description="Compiles one train step for --target (the local backend, or a GPU without "
+        "one) with XLA's buffer-assignment dump on, finds the position in the scheduled program "
+        "where the device memory its live buffers cover is largest, and lists those buffers "
+        "with the JAX operation that made each (forward activation kept for the backward, "
+        "recomputation, backward buffer, argument). A compiled plan's own figures, labelled so.",
+    )
+    p.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
+    p.add_argument(
+        "--policy",
+        default="none",
+        help=f"a preset ({', '.join(POLICIES)}) or HEAD:K+REST as `jaxmem plan` prints it",
+    )
+    p.add_argument("--unroll", action="store_true", help="the blocks unrolled, not scanned")
+    p.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
+    p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor")
+    p.add_argument("--attention", default=None, help="naive (default) or fused")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="default 8")
+    p.add_argument(
+        "--seq-len", type=_positive_int, default=None, help="default the preset's max_seq_len"
+    )
+    p.add_argument("--accum", type=_positive_int, default=1, help="microbatches (default 1)")
+    p.add_argument("--target", default="cpu", help=TARGET_HELP)
+    p.add_argument("--top", type=_positive_int, default=25, help="groups listed (default 25)")
+    p.add_argument("--json", metavar="OUT.json", help="write the report")
+    p.set_defaults(func=cmd_peak)
 
     p = sub.add_parser(
         "plot",
