@@ -23,7 +23,9 @@ BATCH, SEQ = 4, 32
 
 def _write_dump(directory, live_range: str, values: str, assignment: str, usage: str) -> None:
     stem = "module_0001.jit_step.sm_9.0a_gpu_after_optimizations"
+    module = "ENTRY %main (p: f32[25]) -> f32[50] {\n  %p = f32[25]{0} parameter(0)\n}\n"
     for suffix, text in (
+        (".txt", module),
         ("-live-range.txt", live_range),
         ("-buffer-assignment-values.txt", values),
         ("-buffer-assignment.txt", assignment),
@@ -33,8 +35,9 @@ def _write_dump(directory, live_range: str, values: str, assignment: str, usage:
 
 
 def test_parse_dump_counts_shared_buffers_once_reads_phis_and_drops_host_memory(tmp_path):
-    # p: a parameter; a: made at 1, updated in place by b at 2 (same bytes); w: a loop-carried
-    # phi; h: an offloaded value in host memory (colour 5), live at the peak but not on device.
+    # p: a parameter; a: made at 1, updated in place by b at 2 (same bytes); w: a loop's phi and
+    # q: its body's parameter (the carried state, in w's bytes, no op_name of its own); h: an
+    # offloaded value in host memory (colour 5), live at the peak but not on the device.
     live_range = """HloLiveRange (max 4)
   InstructionSequence:
     0:p
@@ -46,7 +49,8 @@ def test_parse_dump_counts_shared_buffers_once_reads_phis_and_drops_host_memory(
     p{}:0-4
     a{}:1-2
     b{}:2-4
-    w{}:1-3
+    w{}:2-3
+    q{}:1-3
     h{}:2-4
   Live ranges at 2 (peak):
     p{}: 100 bytes (cumulative: 100 bytes)
@@ -72,6 +76,10 @@ Used values:
  positions:
   w
  from instruction: %w = f32[10]{0} while(%a), metadata={op_name="jit(step)/while"}
+<5 q @0>
+ positions:
+  q
+ from instruction: %q = f32[10]{0} parameter(0)
 <4 h @0>
  positions:
   h
@@ -84,21 +92,28 @@ allocation 1: size 240, preallocated-temp:
  value: <1 a @0> (size=200,offset=0): f32[50]{0}
  value: <2 b @0> (size=200,offset=0): f32[50]{0}
  value: <3 w{} (phi) @0> (size=40,offset=200): f32[10]{0}
+ value: <5 q @0> (size=40,offset=200): f32[10]{0}
 allocation 2: size 4000, color 5, preallocated-temp:
- value: <4 h @0> (size=4000,offset=0): f32[1000]{0}
+ value: <5 q @0>
+ positions:
+  q
+ from instruction: %q = f32[10]{0} parameter(0)
+<4 h @0> (size=4000,offset=0): f32[1000]{0}
 """
     usage = "Memory Space: default (color=0)\nTotal bytes: 340 (0.00MiB)\n"
     _write_dump(tmp_path, live_range, values, assignment, usage)
     parsed = parse_dump(str(tmp_path))
-    # at 1 and 2 the device holds p (100) + one 200-byte buffer (a, then b in its place) + w (40)
+    # at 1 and 2 the device holds p (100) + one 200-byte buffer (a, then b in its place) + the
+    # loop state (40: q, then q and w)
     assert parsed["live_bytes"] == 340
     assert parsed["allocated_bytes"] == 340
     assert parsed["position"] == 1  # the first position reaching the peak
     by_name = {v.name: v for v in parsed["values"]}
-    assert set(by_name) == {"p{}", "a{}", "w{}"}  # b shares a's bytes; h is in host memory
+    assert set(by_name) == {"p{}", "a{}", "q{}"}  # b shares a's bytes; h is in host memory
     assert by_name["p{}"].kind == "argument" and by_name["p{}"].op_name == "p"
     assert by_name["a{}"].kind == "forward" and by_name["a{}"].shape == "f32[50]"
-    assert (by_name["w{}"].start, by_name["w{}"].end) == (1, 3)
+    assert by_name["q{}"].op_name == "jit(step)/while"  # the loop's, not an argument
+    assert by_name["q{}"].kind == "other" and (by_name["q{}"].start, by_name["q{}"].end) == (1, 3)
 
 
 @pytest.fixture(scope="module")

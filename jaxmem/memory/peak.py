@@ -141,6 +141,7 @@ def parse_dump(directory: str) -> dict[str, Any]:
     values_text = _one(directory, "-buffer-assignment-values.txt")
     assignment = _one(directory, "-buffer-assignment.txt")
     usage = _one(directory, "-memory-usage-report.txt")
+    module = _one(directory, ".txt")
 
     length = int(re.search(r"HloLiveRange \(max (\d+)\)", live_range).group(1)) + 1
     sequence = {int(i): n for i, n in re.findall(r"^    (\d+):(\S+)$", live_range, re.M)}
@@ -148,15 +149,19 @@ def parse_dump(directory: str) -> dict[str, Any]:
         n: (int(a), int(b)) for n, a, b in re.findall(r"^    (\S+):(\d+)-(\d+)$", live_range, re.M)
     }
 
-    op_names, parameters = {}, set()
+    op_names = {}
     for block in values_text.split("\n<")[1:]:
         instr = re.search(r"from instruction: %(\S+) = (.*)$", block, re.M)
         if instr is None:
             continue
         op = re.search(r'op_name="([^"]*)"', instr.group(2))
         op_names[instr.group(1)] = op.group(1) if op else ""
-        if re.search(r"\bparameter\(\d+\)", instr.group(2)):
-            parameters.add(instr.group(1))
+    # the step's own arguments: the entry computation's parameters (a loop body's parameters
+    # are its carried state)
+    entry = re.search(r"^ENTRY .*?^}", module, re.M | re.S)
+    parameters = set(
+        re.findall(r"^\s+%(\S+) = .*?\bparameter\(\d+\)", entry.group(0) if entry else "", re.M)
+    )
 
     placed: dict[str, tuple[int, int, int, str]] = {}  # name -> (allocation, offset, size, shape)
     allocation, on_host = -1, False
@@ -185,6 +190,27 @@ def parse_dump(directory: str) -> dict[str, Any]:
             spans.setdefault(a, []).append((offset, offset + size))
         return sum(_occupied(s) for s in spans.values())
 
+    sharing: dict[tuple[int, int, int], list[str]] = {}
+    for name, (a, offset, size, _) in placed.items():
+        sharing.setdefault((a, offset, size), []).append(name)
+
+    def op_of(name: str) -> str:
+        """The JAX operation that made ``name``; for a value without one (a loop body's
+        parameter: the loop's carried state), that of the nearest value in the same buffer
+        that has one (the loop itself, or what it was started from)."""
+        op = op_names.get(name.split("{")[0], "")
+        if op:
+            return op
+        a, offset, size, _ = placed[name]
+        start, end = ranges[name]
+        nearest = []
+        for other in sharing[(a, offset, size)]:
+            other_op = op_names.get(other.split("{")[0], "")
+            if other_op and other in ranges:
+                s, e = ranges[other]
+                nearest.append((max(s - end, start - e, 0), other_op))
+        return min(nearest)[1] if nearest else ""
+
     position = max(range(length), key=lambda t: used(live_at[t]))
     live = []
     covered: dict[int, list[tuple[int, int]]] = {}
@@ -198,7 +224,7 @@ def parse_dump(directory: str) -> dict[str, Any]:
             continue
         instr = name.split("{")[0]
         is_param = instr in parameters
-        op = _argument_path(name) if is_param else op_names.get(instr, "")
+        op = _argument_path(name) if is_param else op_of(name)
         live.append(
             LiveValue(
                 name=name,
