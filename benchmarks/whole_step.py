@@ -10,6 +10,9 @@ activations alone.
 - ``unrolled``: the sweep's H100 plans again with the blocks unrolled (``MemoryPolicy.unroll``;
   ``nested`` always scans), added to the sweep's rows.
 - ``gpt2_unrolled``: gpt2-124m (bf16, 8 × 1024) planned for an H100, scanned and unrolled.
+- ``exceptions``: for each sweep row whose better H100 plan is above torch_ref's peak, what is
+  live at that plan's peak (``jaxmem peak``: XLA's buffer assignment, by kind and by the JAX
+  operation that made each buffer), beside torch_ref's figures for the same row.
 - ``combined``: the seeds' "combine everything" claim: the baseline (fp32, no remat, AdamW, one
   microbatch) against every combination of policy × precision × optimizer × accumulation at
   batch 16 × 256, per framework; the leanest, its reduction and what it still holds.
@@ -17,7 +20,7 @@ activations alone.
 Each figure says what it is; the two frameworks' peaks are different kinds of figure (a compiled
 plan vs a runtime high-water mark) and are labelled so, never mixed in one column.
 
-    python benchmarks/whole_step.py [--parts sweep,unrolled,gpt2_unrolled,combined]
+    python benchmarks/whole_step.py [--parts sweep,unrolled,gpt2_unrolled,exceptions,combined]
 """
 
 from __future__ import annotations
@@ -194,6 +197,114 @@ def gpt2_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _best_h100(row: dict) -> tuple[int, bool]:
+    """The smaller of the row's H100 plans, and whether it is the unrolled one."""
+    scanned, unrolled_ = (
+        row.get("jax_h100_plan_peak_bytes"),
+        row.get("jax_h100_unrolled_plan_peak_bytes"),
+    )
+    if unrolled_ is not None and unrolled_ < scanned:
+        return unrolled_, True
+    return scanned, False
+
+
+def exceptions(rows: list[dict]) -> list[dict]:
+    """What is live at the peak of each sweep row's better H100 plan where it is above
+    torch_ref's runtime peak (``jaxmem.memory.peak``)."""
+    from jaxmem.memory.peak import explain_peak
+
+    cfg = get_preset(PRESET)
+    out = []
+    for r in rows:
+        best, unroll = _best_h100(r)
+        if best is None or best <= r["torch_peak_bytes"]:
+            continue
+        policy = POLICIES[r["policy"]].replace(unroll=unroll) if unroll else POLICIES[r["policy"]]
+        start = time.perf_counter()
+        report = explain_peak(
+            cfg,
+            policy,
+            r["precision"],
+            OptimizerConfig(name=r["optimizer"]),
+            r["batch"],
+            r["seq_len"],
+            "h100",
+            r["accum"],
+        )
+        groups: dict[tuple[str, str, str], int] = {}
+        for v in report.values:
+            if v.kind != "argument":
+                key = (v.kind, v.op_name, v.shape)
+                groups[key] = groups.get(key, 0) + v.bytes
+        top = sorted(groups.items(), key=lambda kv: -kv[1])[:12]
+        out.append(
+            {
+                "precision": r["precision"],
+                "policy": r["policy"],
+                "unrolled": unroll,
+                "compiler": report.compiler,
+                "planned_peak_bytes": report.planned_peak_bytes,
+                "allocated_bytes": report.allocated_bytes,
+                "live_bytes": report.live_bytes,
+                "position": report.position,
+                "length": report.length,
+                "at_peak": report.at_peak,
+                "by_kind_bytes": report.by_kind(),
+                "top_groups": [
+                    {"kind": k, "op_name": op, "shape": shape, "bytes": b}
+                    for (k, op, shape), b in top
+                ],
+                "torch_peak_bytes": r["torch_peak_bytes"],
+                "torch_saved_activation_bytes": r["torch"]["saved_activation_bytes"],
+                "jax_saved_activation_bytes": r["jax"]["saved_activation_bytes"],
+            }
+        )
+        print(f"exception {r['precision']} {r['policy']}: {time.perf_counter() - start:.0f} s")
+    return out
+
+
+def exceptions_markdown(rows: list[dict]) -> list[str]:
+    lines = [
+        "### Where JAX's better H100 plan is above torch_ref's peak: what its peak holds",
+        "",
+        "`jaxmem peak` on the row's better H100 plan (XLA's buffer assignment of the step "
+        "compiled for an H100 without one: the position in the scheduled program where the "
+        "live buffers cover the most device memory, each buffer attributed to the JAX operation "
+        "that made it). Live MiB by kind; packing = the arena minus what is live at its peak. "
+        "torch: runtime peak and saved activations (residual accounting) of the same row.",
+        "",
+        "| precision | policy | stack | JAX plan MiB | live at peak | arguments | forward (kept) "
+        "| recomputed | backward | other | packing | torch peak MiB | saved JAX / torch MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in rows:
+        k = e["by_kind_bytes"]
+        lines.append(
+            f"| {e['precision']} | {e['policy']} | {'unrolled' if e['unrolled'] else 'scanned'} "
+            f"| {_m(e['planned_peak_bytes'])} | {_m(e['live_bytes'])} | {_m(k['argument'])} "
+            f"| {_m(k['forward'])} | {_m(k['recomputed'])} | {_m(k['backward'])} "
+            f"| {_m(k['other'])} | {_m(e['allocated_bytes'] - e['live_bytes'])} "
+            f"| {_m(e['torch_peak_bytes'])} | {_m(e['jax_saved_activation_bytes'])} / "
+            f"{_m(e['torch_saved_activation_bytes'])} |"
+        )
+    for e in rows:
+        stack = "unrolled" if e["unrolled"] else "scanned"
+        lines += [
+            "",
+            f"{e['precision']} `{e['policy']}` ({stack}): peak at position {e['position']} of "
+            f"{e['length']} (`{e['at_peak']}`); largest groups of buffers live there, arguments "
+            "aside:",
+            "",
+            "| MiB | kind | shape | made by (JAX operation) |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {_m(g['bytes'])} | {g['kind']} | {g['shape']} | `{g['op_name']}` |"
+            for g in e["top_groups"]
+        ]
+    return lines + [""]
+
+
 def combined() -> list[dict]:
     rows = [point(*BASELINE, COMBINED_SHAPE, h100=False) | {"baseline": True}]
     for combo in itertools.product(*COMBINED_AXES.values()):
@@ -292,7 +403,7 @@ def combined_markdown(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="sweep,unrolled,gpt2_unrolled,combined")
+    parser.add_argument("--parts", default="sweep,unrolled,gpt2_unrolled,exceptions,combined")
     parser.add_argument("--out", default="benchmarks/results/whole_step")
     args = parser.parse_args()
     parts = [p for p in args.parts.split(",") if p]  # "": rewrite the Markdown only
@@ -300,7 +411,7 @@ def main() -> None:
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "whole_step.json")
-    result = {"sweep": [], "combined": [], "gpt2_unrolled": []}
+    result = {"sweep": [], "combined": [], "gpt2_unrolled": [], "exceptions": []}
     measured: dict[str, str] = {}  # part -> when it was last measured
     if os.path.exists(path):  # a part not measured in this run keeps its last measurement
         with open(path) as f:
@@ -314,6 +425,8 @@ def main() -> None:
         unrolled(result["sweep"])
     if "gpt2_unrolled" in parts:
         result["gpt2_unrolled"] = gpt2_unrolled()
+    if "exceptions" in parts:
+        result["exceptions"] = exceptions(result["sweep"])
     if "combined" in parts:
         result["combined"] = combined()
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -337,6 +450,8 @@ def main() -> None:
     ]
     if result["sweep"]:
         lines += sweep_markdown(result["sweep"])
+    if result["exceptions"]:
+        lines += exceptions_markdown(result["exceptions"])
     if result["gpt2_unrolled"]:
         lines += gpt2_markdown(result["gpt2_unrolled"])
     if result["combined"]:
