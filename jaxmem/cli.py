@@ -433,9 +433,13 @@ def cmd_peak(args: argparse.Namespace) -> int:
     from jaxmem.memory.peak import KIND_HELP, KINDS, explain_peak
 
     console = Console(width=max(Console().width, 140))
-    report = explain_peak(
-        cfg, policy, args.precision, opt_cfg, args.batch_size, seq_len, args.target, args.accum
-    )
+    try:
+        report = explain_peak(
+            cfg, policy, args.precision, opt_cfg, args.batch_size, seq_len, args.target, args.accum
+        )
+    except (RuntimeError, subprocess.TimeoutExpired) as e:  # the compile failed, or XLA's dump
+        print(f"jaxmem peak: {e}", file=sys.stderr)
+        return 1
     stack = f"{policy.name}{' (unrolled)' if policy.unroll else ''}"
     what = (
         f"{args.preset_name}, batch {args.batch_size} x {seq_len}"
