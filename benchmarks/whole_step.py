@@ -16,11 +16,16 @@ activations alone.
 - ``combined``: the seeds' "combine everything" claim: the baseline (fp32, no remat, AdamW, one
   microbatch) against every combination of policy × precision × optimizer × accumulation at
   batch 16 × 256, per framework; the leanest, its reduction and what it still holds.
+- ``combined_new``: ``combined`` for candidates the last run has no row for (the others kept).
+- ``combined_h100``: the same candidates' H100 plans (added to their rows).
+- ``combined_peaks``: what the leanest JAX combination holds at its plan's peak, on XLA:CPU and
+  on the H100 plan (``jaxmem peak``).
 
 Each figure says what it is; the two frameworks' peaks are different kinds of figure (a compiled
 plan vs a runtime high-water mark) and are labelled so, never mixed in one column.
 
-    python benchmarks/whole_step.py [--parts sweep,unrolled,gpt2_unrolled,exceptions,combined]
+    python benchmarks/whole_step.py [--parts sweep,unrolled,gpt2_unrolled,exceptions,combined,
+                                     combined_h100,combined_peaks]
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ COMBINED_AXES = {
     "policy": ("full", "nested"),
     "precision": ("fp32", "bf16", "pure-bf16"),
     "optimizer": ("adamw", "adafactor"),
-    "accum": (1, 8),
+    "accum": (1, 8, 16),
 }
 
 
@@ -115,27 +120,31 @@ def sweep() -> list[dict]:
     return rows
 
 
+def _h100_peak(row: dict, policy) -> int:
+    """The planned peak of ``row``'s step (its precision, optimizer, shape, accumulation) under
+    ``policy``, compiled for an H100 without one."""
+    plan = plan_step(
+        get_preset(PRESET),
+        policy,
+        PRECISIONS[row["precision"]],
+        OptimizerConfig(name=row["optimizer"]),
+        row["batch"],
+        row["seq_len"],
+        get_target("h100"),
+        accum=row["accum"],
+    )
+    return plan["planned_peak_bytes"]
+
+
 def unrolled(rows: list[dict]) -> None:
     """Add the H100 plan of the same step with the blocks unrolled to each sweep row."""
-    cfg = get_preset(PRESET)
-    target = get_target("h100")
     for r in rows:
         policy = POLICIES[r["policy"]]
         if policy.nested:
             r["jax_h100_unrolled_plan_peak_bytes"] = None  # nested scans its segments
             continue
         start = time.perf_counter()
-        plan = plan_step(
-            cfg,
-            policy.replace(unroll=True),
-            PRECISIONS[r["precision"]],
-            OptimizerConfig(name=r["optimizer"]),
-            r["batch"],
-            r["seq_len"],
-            target,
-            accum=r["accum"],
-        )
-        r["jax_h100_unrolled_plan_peak_bytes"] = plan["planned_peak_bytes"]
+        r["jax_h100_unrolled_plan_peak_bytes"] = _h100_peak(r, policy.replace(unroll=True))
         print(
             f"unrolled {r['precision']} {r['policy']}: {time.perf_counter() - start:.0f} s",
             flush=True,
@@ -197,6 +206,28 @@ def gpt2_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _peak_fields(report) -> dict:
+    """A ``jaxmem.memory.peak.PeakReport``'s figures, for the JSON."""
+    return {
+        "compiler": report.compiler,
+        "planned_peak_bytes": report.planned_peak_bytes,
+        "allocated_bytes": report.allocated_bytes,
+        "live_bytes": report.live_bytes,
+        "position": report.position,
+        "length": report.length,
+        "at_peak": report.at_peak,
+        "by_kind_bytes": report.by_kind(),
+    }
+
+
+def _kind_cells(e: dict) -> str:
+    """Live MiB by kind, then packing (arena - live), as Markdown cells."""
+    k = e["by_kind_bytes"]
+    cells = [k["argument"], k["forward"], k["recomputed"], k["backward"], k["other"]]
+    cells.append(e["allocated_bytes"] - e["live_bytes"])
+    return " | ".join(_m(c) for c in cells)
+
+
 def _best_h100(row: dict) -> tuple[int, bool]:
     """The smaller of the row's H100 plans, and whether it is the unrolled one."""
     scanned, unrolled_ = (
@@ -242,14 +273,7 @@ def exceptions(rows: list[dict]) -> list[dict]:
                 "precision": r["precision"],
                 "policy": r["policy"],
                 "unrolled": unroll,
-                "compiler": report.compiler,
-                "planned_peak_bytes": report.planned_peak_bytes,
-                "allocated_bytes": report.allocated_bytes,
-                "live_bytes": report.live_bytes,
-                "position": report.position,
-                "length": report.length,
-                "at_peak": report.at_peak,
-                "by_kind_bytes": report.by_kind(),
+                **_peak_fields(report),
                 "top_groups": [
                     {"kind": k, "op_name": op, "shape": shape, "bytes": b}
                     for (k, op, shape), b in top
@@ -278,12 +302,9 @@ def exceptions_markdown(rows: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in rows:
-        k = e["by_kind_bytes"]
         lines.append(
             f"| {e['precision']} | {e['policy']} | {'unrolled' if e['unrolled'] else 'scanned'} "
-            f"| {_m(e['planned_peak_bytes'])} | {_m(e['live_bytes'])} | {_m(k['argument'])} "
-            f"| {_m(k['forward'])} | {_m(k['recomputed'])} | {_m(k['backward'])} "
-            f"| {_m(k['other'])} | {_m(e['allocated_bytes'] - e['live_bytes'])} "
+            f"| {_m(e['planned_peak_bytes'])} | {_m(e['live_bytes'])} | {_kind_cells(e)} "
             f"| {_m(e['torch_peak_bytes'])} | {_m(e['jax_saved_activation_bytes'])} / "
             f"{_m(e['torch_saved_activation_bytes'])} |"
         )
@@ -305,13 +326,71 @@ def exceptions_markdown(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def combined() -> list[dict]:
-    rows = [point(*BASELINE, COMBINED_SHAPE, h100=False) | {"baseline": True}]
-    for combo in itertools.product(*COMBINED_AXES.values()):
+def combined(previous: list[dict], remeasure: bool) -> list[dict]:
+    """The baseline and every candidate; with ``remeasure`` off, rows of ``previous`` (the last
+    run's) for the same combination at the same shape are kept and only new ones measured."""
+    key = lambda r: (r["policy"], r["precision"], r["optimizer"], r["accum"])  # noqa: E731
+    kept = {
+        key(r): r
+        for r in previous
+        if not remeasure and (r["batch"], r["seq_len"]) == COMBINED_SHAPE
+    }
+    rows = []
+    for combo in [BASELINE, *itertools.product(*COMBINED_AXES.values())]:
+        if combo in kept:
+            rows.append(kept[combo])
+            continue
         start = time.perf_counter()
-        rows.append(point(*combo, COMBINED_SHAPE, h100=False))
+        row = point(*combo, COMBINED_SHAPE, h100=False)
+        rows.append(row | {"baseline": True} if combo == BASELINE else row)
         print(f"combined {combo}: {time.perf_counter() - start:.0f} s", flush=True)
     return rows
+
+
+def combined_h100(rows: list[dict], remeasure: bool) -> None:
+    """Add each combined candidate's H100 plan (the same step compiled for an H100 without
+    one) to its row (with ``remeasure`` off, only to rows without one)."""
+    for r in rows:
+        if not remeasure and r.get("jax_h100_plan_peak_bytes") is not None:
+            continue
+        start = time.perf_counter()
+        r["jax_h100_plan_peak_bytes"] = _h100_peak(r, POLICIES[r["policy"]])
+        print(
+            f"combined h100 {r['policy']} {r['precision']} {r['optimizer']} {r['accum']}: "
+            f"{time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+
+
+def combined_peaks(rows: list[dict]) -> list[dict]:
+    """What the leanest JAX combination holds at its plan's peak, on XLA:CPU and on the H100
+    plan (``jaxmem.memory.peak``): the remainder broken down by the compiler's own account."""
+    from jaxmem.memory.peak import explain_peak
+
+    cfg = get_preset(PRESET)
+    out = []
+    for target, key in (("cpu", "jax_plan_peak_bytes"), ("h100", "jax_h100_plan_peak_bytes")):
+        if any(r.get(key) is None for r in rows):
+            continue
+        lean = min(rows, key=lambda r, k=key: r[k])
+        report = explain_peak(
+            cfg,
+            POLICIES[lean["policy"]],
+            lean["precision"],
+            OptimizerConfig(name=lean["optimizer"]),
+            lean["batch"],
+            lean["seq_len"],
+            target,
+            lean["accum"],
+        )
+        out.append(
+            {
+                "target": target,
+                "combination": {k: lean[k] for k in ("policy", "precision", "optimizer", "accum")},
+                **_peak_fields(report),
+            }
+        )
+    return out
 
 
 def _m(n: int | None) -> str:
@@ -367,21 +446,26 @@ def combined_markdown(rows: list[dict]) -> list[str]:
         "",
         f"Baseline: {base['precision']}, `{base['policy']}`, {base['optimizer']}, one "
         "microbatch. Candidates: every policy × precision × optimizer × accumulation of "
-        f"{COMBINED_AXES}. JAX: the step's compiled plan (XLA:CPU); torch: runtime peak (torch "
-        "MemTracker, CPU, steady step).",
+        f"{COMBINED_AXES}. JAX: the step's compiled plan (XLA:CPU, and compiled for an H100 "
+        "without one: a separate row, never mixed with the CPU plan); torch: runtime peak "
+        "(torch MemTracker, CPU, steady step).",
         "",
         "| framework | baseline MiB | leanest MiB | reduction | leanest combination | params "
         "| optimizer state | gradients | saved activations (one microbatch) | rest (working "
         "buffers, copies) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for fw, key in (("jax", "jax_plan_peak_bytes"), ("torch", "torch_peak_bytes")):
+    figures = [("jax", "jax_plan_peak_bytes", "jax (XLA:CPU plan)")]
+    if all(r.get("jax_h100_plan_peak_bytes") is not None for r in rows):
+        figures.append(("jax", "jax_h100_plan_peak_bytes", "jax (H100 plan)"))
+    figures.append(("torch", "torch_peak_bytes", "torch (runtime peak)"))
+    for fw, key, label in figures:
         lean = min(rows, key=lambda r, k=key: r[k])
         parts = lean[fw]
         held = parts["params_bytes"] + parts["opt_state_bytes"] + parts["grads_bytes"]
         rest = lean[key] - held - parts["saved_activation_bytes"]
         lines.append(
-            f"| {fw} | {_m(base[key])} | {_m(lean[key])} | {base[key] / lean[key]:.1f}× "
+            f"| {label} | {_m(base[key])} | {_m(lean[key])} | {base[key] / lean[key]:.1f}× "
             f"| {lean['precision']}, `{lean['policy']}`, {lean['optimizer']}, accum "
             f"{lean['accum']} | {_m(parts['params_bytes'])} | {_m(parts['opt_state_bytes'])} "
             f"| {_m(parts['grads_bytes'])} | {_m(parts['saved_activation_bytes'])} "
@@ -389,14 +473,39 @@ def combined_markdown(rows: list[dict]) -> list[str]:
         )
     lines += [
         "",
-        "| policy | precision | optimizer | accum | JAX plan MiB (XLA:CPU) | torch peak MiB "
-        "(runtime, CPU) |",
-        "|---|---|---|---|---|---|",
+        "The components are residual accounting and shapes (saved activations of one "
+        "microbatch; JAX's gradients with accumulation are its one accumulation buffer); rest = "
+        "the peak minus them.",
+        "",
+        "| policy | precision | optimizer | accum | JAX plan MiB (XLA:CPU) | JAX plan MiB (H100) "
+        "| torch peak MiB (runtime, CPU) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: r["jax_plan_peak_bytes"]):
         lines.append(
             f"| {r['policy']} | {r['precision']} | {r['optimizer']} | {r['accum']} "
-            f"| {_m(r['jax_plan_peak_bytes'])} | {_m(r['torch_peak_bytes'])} |"
+            f"| {_m(r['jax_plan_peak_bytes'])} | {_m(r.get('jax_h100_plan_peak_bytes'))} "
+            f"| {_m(r['torch_peak_bytes'])} |"
+        )
+    return lines
+
+
+def combined_peaks_markdown(peaks: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "What the leanest JAX combination holds at its plan's peak (`jaxmem peak`: XLA's buffer "
+        "assignment; MiB live at the peak by kind; packing = arena − live):",
+        "",
+        "| plan | combination | planned MiB | arguments | forward (kept) | recomputed | backward "
+        "| other (accumulator, update, loss) | packing | peak at |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in peaks:
+        c = p["combination"]
+        lines.append(
+            f"| {p['compiler']} | {c['precision']}, `{c['policy']}`, {c['optimizer']}, accum "
+            f"{c['accum']} | {_m(p['planned_peak_bytes'])} | {_kind_cells(p)} "
+            f"| {p['position']} of {p['length']}: `{p['at_peak'] or '?'}` |"
         )
     return lines
 
@@ -411,7 +520,13 @@ def main() -> None:
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "whole_step.json")
-    result = {"sweep": [], "combined": [], "gpt2_unrolled": [], "exceptions": []}
+    result = {
+        "sweep": [],
+        "combined": [],
+        "gpt2_unrolled": [],
+        "exceptions": [],
+        "combined_peaks": [],
+    }
     measured: dict[str, str] = {}  # part -> when it was last measured
     if os.path.exists(path):  # a part not measured in this run keeps its last measurement
         with open(path) as f:
@@ -427,8 +542,12 @@ def main() -> None:
         result["gpt2_unrolled"] = gpt2_unrolled()
     if "exceptions" in parts:
         result["exceptions"] = exceptions(result["sweep"])
-    if "combined" in parts:
-        result["combined"] = combined()
+    if "combined" in parts or "combined_new" in parts:
+        result["combined"] = combined(result["combined"], remeasure="combined" in parts)
+    if "combined_h100" in parts:
+        combined_h100(result["combined"], remeasure="combined" in parts)
+    if "combined_peaks" in parts:
+        result["combined_peaks"] = combined_peaks(result["combined"])
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     meta = {
         "date": now,
@@ -456,6 +575,8 @@ def main() -> None:
         lines += gpt2_markdown(result["gpt2_unrolled"])
     if result["combined"]:
         lines += combined_markdown(result["combined"])
+    if result["combined_peaks"]:
+        lines += combined_peaks_markdown(result["combined_peaks"])
     write_atomic(os.path.join(args.out, "whole_step.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 

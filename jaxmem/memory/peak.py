@@ -244,7 +244,7 @@ def parse_dump(directory: str) -> dict[str, Any]:
         "live_bytes": sum(v.bytes for v in live),
         "position": position,
         "length": length,
-        "at_peak": op_names.get(at, at),
+        "at_peak": op_names.get(at) or at,
         "values": live,
     }
 
