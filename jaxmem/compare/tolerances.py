@@ -245,6 +245,13 @@ TOLERANCES["bytes"] = {
         "measured on small fp32 8 x 128 (XLA:CPU, none) 33,624,064 B from 2 to 3 blocks and "
         "33,636,288 from 3 to 4 (3.6e-4); the memory model jaxmem plan fits rests on it",
     ),
+    "peak_arena_vs_plan": Tolerance(
+        rtol=1e-3,
+        atol=0.0,
+        reason="XLA's memory-usage report of a step's device arena also counts its constants, "
+        "which memory_analysis() leaves out: measured on tiny fp32 4 x 32 `offload` for an "
+        "H100, 3,088,581 B vs 3,087,713 (868 B, 2.8e-4); host memory is in neither",
+    ),
     "mixed_stack_residuals": Tolerance(
         rtol=0.01,
         atol=0.0,
