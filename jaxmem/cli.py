@@ -417,6 +417,13 @@ def cmd_peak(args: argparse.Namespace) -> int:
             f"--batch-size {args.batch_size} does not split into --accum {args.accum} "
             f"microbatches: give a multiple of {args.accum}"
         )
+    parallel = None
+    if args.mesh is not None:
+        try:
+            parallel = parse_mesh(args.mesh)
+            parallel.check_batch(args.batch_size, args.accum)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     _check_writable_json(args.json)
     if target.is_gpu:
         from jaxmem.memory.gpu_plan import require_gpu_plan
@@ -435,7 +442,15 @@ def cmd_peak(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 140))
     try:
         report = explain_peak(
-            cfg, policy, args.precision, opt_cfg, args.batch_size, seq_len, args.target, args.accum
+            cfg,
+            policy,
+            args.precision,
+            opt_cfg,
+            args.batch_size,
+            seq_len,
+            args.target,
+            args.accum,
+            mesh=args.mesh,
         )
     except (RuntimeError, subprocess.TimeoutExpired) as e:  # the compile failed, or XLA's dump
         print(f"jaxmem peak: {e}", file=sys.stderr)
@@ -497,6 +512,7 @@ def cmd_peak(args: argparse.Namespace) -> int:
                 "seq_len": seq_len,
                 "accum": args.accum,
                 "target": target.name,
+                "mesh": parallel.mesh_text() if parallel is not None else None,
                 **report.to_dict(),
             },
         )
@@ -1762,6 +1778,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--accum", type=_positive_int, default=1, help="microbatches (default 1)")
     p.add_argument("--target", default="cpu", help=TARGET_HELP)
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="the step sharded over devices, STRATEGY=N (dp, zero1, fsdp; e.g. fsdp=8): what "
+        "one device holds at its peak (N CPU devices, or one host of N GPUs of --target)",
+    )
     p.add_argument("--top", type=_positive_int, default=25, help="groups listed (default 25)")
     p.add_argument("--json", metavar="OUT.json", help="write the report")
     p.set_defaults(func=cmd_peak)

@@ -112,7 +112,7 @@ allocation 2: size 4000, color 5, preallocated-temp:
     assert parsed["position"] == 1  # the first position reaching the peak
     by_name = {v.name: v for v in parsed["values"]}
     assert set(by_name) == {"p{}", "a{}", "q{}"}  # b shares a's bytes; h is in host memory
-    assert by_name["p{}"].kind == "argument" and by_name["p{}"].op_name == "p"
+    assert by_name["p{}"].kind == "argument" and by_name["p{}"].op_name == "params"
     assert by_name["a{}"].kind == "forward" and by_name["a{}"].shape == "f32[50]"
     assert by_name["q{}"].op_name == "jit(step)/while"  # the loop's, not an argument
     assert by_name["q{}"].kind == "other" and (by_name["q{}"].start, by_name["q{}"].end) == (1, 3)
@@ -134,7 +134,7 @@ def test_parameters_and_adam_moments_are_live_at_the_peak_with_their_bytes(repor
         args = [v for v in report.values if v.kind == "argument"]
         params = sum(v.bytes for v in args if v.op_name.startswith("params/"))
         moments = sum(
-            v.bytes for v in args if v.op_name.startswith(("opt_state_0/mu/", "opt_state_0/nu/"))
+            v.bytes for v in args if v.op_name.startswith(("opt_state/0/mu/", "opt_state/0/nu/"))
         )
         updated = report.by_kind()["other"]
         assert 0 <= TINY.n_params * 4 - params <= updated
@@ -154,6 +154,20 @@ def test_full_remat_keeps_fewer_forward_bytes_at_its_peak_than_none(reports):
     none, full = reports["none"].by_kind(), reports["full"].by_kind()
     assert full["forward"] < none["forward"]
     assert reports["full"].live_bytes < reports["none"].live_bytes
+
+
+def test_an_fsdp_plan_reports_one_device_s_share():
+    # fsdp=2 on two CPU devices: each holds about half of the parameters (leaves without a dim
+    # divisible by 2 stay whole), and the report is per device
+    report = explain_peak(
+        TINY, POLICIES["full"], "fp32", OptimizerConfig(), BATCH, SEQ, mesh="fsdp=2"
+    )
+    params = sum(
+        v.bytes for v in report.values if v.kind == "argument" and v.op_name.startswith("params/")
+    )
+    whole = TINY.n_params * 4
+    assert 0.45 * whole <= params <= 0.6 * whole
+    assert "per device of fsdp=2" in report.compiler
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -187,6 +201,7 @@ def test_peak_command_writes_a_labelled_report(tmp_path):
         (("--seq-len", "100000"), "100000"),
         (("--batch-size", "3", "--accum", "2"), "--accum 2"),
         (("--target", "tpu9"), "tpu9"),
+        (("--mesh", "fsdp=3"), "3"),
     ],
 )
 def test_peak_command_refuses_bad_input_in_one_line(tmp_path, args, named):

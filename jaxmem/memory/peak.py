@@ -111,9 +111,15 @@ def _kind(name: str, op_name: str, is_parameter: bool) -> str:
     return "other"
 
 
-def _argument_path(name: str) -> str:
-    """``opt_state_0__mu__wte____embedding___value.1`` -> ``opt_state_0/mu/wte/embedding/value``
-    (XLA's parameter names are JAX's argument paths with separators folded to underscores)."""
+def _argument_path(name: str, op_name: str) -> str:
+    """The step argument's path, e.g. ``opt_state/0/mu/wte/embedding/value``: from the
+    parameter's ``op_name`` (JAX writes the argument's path there, ``opt_state[0].mu['wte']...``)
+    or, without one, from its HLO name (the path with separators folded to underscores)."""
+    if op_name:
+        path = op_name.replace("\\'", "'")
+        path = re.sub(r"\['([^']*)'\]", r"/\1", path)
+        path = re.sub(r"\[(\d+)\]", r"/\1", path)
+        return path.replace(".", "/").strip("/")
     base = re.sub(r"\.\d+$", "", name.split("{")[0])
     return re.sub(r"_{2,}", "/", base).strip("/")
 
@@ -224,7 +230,7 @@ def parse_dump(directory: str) -> dict[str, Any]:
             continue
         instr = name.split("{")[0]
         is_param = instr in parameters
-        op = _argument_path(name) if is_param else op_of(name)
+        op = _argument_path(name, op_names.get(instr, "")) if is_param else op_of(name)
         live.append(
             LiveValue(
                 name=name,
@@ -259,9 +265,11 @@ def explain_peak(
     seq_len: int,
     target: str = "cpu",
     accum: int = 1,
+    mesh: str | None = None,
 ) -> PeakReport:
-    """Compile the train step ``records.plan_step`` plans (one device) for ``target`` in a child
-    process that dumps XLA's buffer assignment, and report what is live at its peak."""
+    """Compile the train step ``records.plan_step`` plans for ``target`` (one device, or per
+    device over ``mesh``, e.g. ``"fsdp=8"``) in a child process that dumps XLA's buffer
+    assignment, and report what is live at its peak."""
     spec = {
         "model": dataclasses.asdict(cfg),
         "policy": policy_to_dict(policy),
@@ -271,6 +279,7 @@ def explain_peak(
         "seq_len": seq_len,
         "target": target,
         "accum": accum,
+        "mesh": mesh,
     }
     with tempfile.TemporaryDirectory(prefix="jaxmem-peak-") as tmp:
         spec_file = os.path.join(tmp, "spec.json")
@@ -315,10 +324,16 @@ def _child(argv: Sequence[str]) -> None:
     contain_cuda_plugin()
     from jaxmem.memory.records import plan_step
     from jaxmem.memory.targets import get_target
+    from jaxmem.parallel import parse_mesh
     from jaxmem.precision import get_precision
 
     with open(argv[0]) as f:
         spec = json.load(f)
+    parallel = parse_mesh(spec["mesh"]) if spec.get("mesh") else None
+    if parallel is not None and spec["target"] == "cpu":
+        from jaxmem.sharding import ensure_cpu_devices
+
+        ensure_cpu_devices(parallel.devices)  # before JAX starts its CPU backend
     plan = plan_step(
         ModelConfig(**spec["model"]),
         policy_from_dict(spec["policy"]),
@@ -328,6 +343,7 @@ def _child(argv: Sequence[str]) -> None:
         spec["seq_len"],
         get_target(spec["target"]),
         accum=spec["accum"],
+        parallel=parallel,
     )
     print(
         json.dumps({"compiler": plan["compiler"], "planned_peak_bytes": plan["planned_peak_bytes"]})
