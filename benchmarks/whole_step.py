@@ -512,7 +512,10 @@ def combined_peaks_markdown(peaks: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="sweep,unrolled,gpt2_unrolled,exceptions,combined")
+    parser.add_argument(
+        "--parts",
+        default="sweep,unrolled,gpt2_unrolled,exceptions,combined,combined_h100,combined_peaks",
+    )
     parser.add_argument("--out", default="benchmarks/results/whole_step")
     args = parser.parse_args()
     parts = [p for p in args.parts.split(",") if p]  # "": rewrite the Markdown only
