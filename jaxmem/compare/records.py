@@ -26,10 +26,9 @@ from jaxmem.memory.records import lm_step_batch
 from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
-from torch_ref.loss import cross_entropy_sum
 from torch_ref.memory import measure_lm_step
 from torch_ref.remat import apply_memory_policy
-from torch_ref.train import TORCH_DTYPES
+from torch_ref.train import TORCH_DTYPES, accumulate_grads
 from torch_ref.train import make_optimizer as make_torch_optimizer
 
 
@@ -93,23 +92,24 @@ def torch_record(
             return *first, flops
 
         def plain_microbatches(tracker: Any) -> None:
-            """The same forwards and backwards with no accounting attached, for the peak: the
-            accounting's hooks keep tensors in reference cycles until Python's collector runs,
-            which moved MemTracker's peak with the collector's timing (`small` fp32 `full`:
-            109.1-115.4 MiB over runs; 123.4 with the collector off)."""
+            """The same microbatches through torch_ref's own training step (``accumulate_grads``:
+            each summed loss over the batch's token count) with no accounting attached, for the
+            peak: the accounting's hooks keep tensors in reference cycles until Python's
+            collector runs, which moved MemTracker's peak with the collector's timing (`small`
+            fp32 `full`: 109.1-115.4 MiB over runs; 123.4 with the collector off)."""
+            n_total = torch.tensor(float(y.numel()), device=y.device)
             for i, (xi, yi) in enumerate(zip(xs, ys, strict=True)):
                 if i:
                     # MemTracker refuses a module run twice in one context (NotImplementedError,
                     # "multiple iterative calls"); its per-module stats are cleared, the peak
                     # over the whole step is kept
                     tracker.reset_mod_stats()
-                with torch.autocast(
-                    device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
-                ):
-                    logits = model(xi)
-                loss_sum, n = cross_entropy_sum(logits, yi)
-                del logits
-                (loss_sum / n).backward()
+                accumulate_grads(
+                    model,
+                    {"inputs": xi, "targets": yi},
+                    precision=precision,
+                    divisor=lambda _: n_total,
+                )
 
         # the accounted step first, untracked; the measured step is then a steady one, holding
         # the optimizer state a first step has not created yet (issue 13, 5c)
