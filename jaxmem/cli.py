@@ -150,14 +150,29 @@ TARGET_HELP = (
 )
 
 
+def _need_lm(args: argparse.Namespace) -> None:
+    if args.preset_name == "seed":
+        raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
+
+
+def _seq_len(cfg: ModelConfig, requested: int | None, default: int) -> int:
+    """``--seq-len`` (or ``default``), refused in one line past the preset's position table."""
+    seq_len = requested or default
+    if seq_len > cfg.max_seq_len:
+        raise UsageError(
+            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
+            f"use at most {cfg.max_seq_len}"
+        )
+    return seq_len
+
+
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f}"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg: ModelConfig = args.preset
-    if args.preset_name == "seed":
-        raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
+    _need_lm(args)
     from jaxmem.memory.targets import get_target
 
     try:
@@ -183,12 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     devices = parallel.devices if parallel is not None else 1
-    seq_len = args.seq_len or cfg.max_seq_len
-    if seq_len > cfg.max_seq_len:
-        raise UsageError(
-            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
-            f"use at most {cfg.max_seq_len}"
-        )
+    seq_len = _seq_len(cfg, args.seq_len, cfg.max_seq_len)
     if args.batch_size % devices:
         raise UsageError(
             f"--batch-size {args.batch_size} does not split over {devices} devices: give a "
@@ -382,8 +392,7 @@ def _peak_policy(text: str, unroll: bool) -> MemoryPolicy:
 
 def cmd_peak(args: argparse.Namespace) -> int:
     cfg: ModelConfig = args.preset
-    if args.preset_name == "seed":
-        raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
+    _need_lm(args)
     from jaxmem.memory.targets import get_target
 
     policy = _peak_policy(args.policy, args.unroll)
@@ -406,12 +415,7 @@ def cmd_peak(args: argparse.Namespace) -> int:
         check_policy(cfg, policy)
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    seq_len = args.seq_len or cfg.max_seq_len
-    if seq_len > cfg.max_seq_len:
-        raise UsageError(
-            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
-            f"use at most {cfg.max_seq_len}"
-        )
+    seq_len = _seq_len(cfg, args.seq_len, cfg.max_seq_len)
     if args.batch_size % args.accum:
         raise UsageError(
             f"--batch-size {args.batch_size} does not split into --accum {args.accum} "
@@ -552,12 +556,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------- parity
 def cmd_parity(args: argparse.Namespace) -> int:
     cfg: ModelConfig = args.preset
-    seq_len = args.seq_len or min(cfg.max_seq_len, 32)
-    if seq_len > cfg.max_seq_len:
-        raise UsageError(
-            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
-            f"use at most {cfg.max_seq_len}"
-        )
+    seq_len = _seq_len(cfg, args.seq_len, min(cfg.max_seq_len, 32))
     if cfg.n_params > 50_000_000:
         raise UsageError(
             f"--preset {args.preset_name} has {cfg.n_params / 1e6:.0f} M parameters; parity "
@@ -1057,8 +1056,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
             f"--state-memory {opt_cfg.state_memory} is jaxmem's optimizer-state offload, which "
             "torch_ref does not implement: add --frameworks jax"
         )
-    if args.preset_name == "seed":
-        raise UsageError("--preset seed is a single block, not an LM; use tiny, small or gpt2-*")
+    _need_lm(args)
     from jaxmem.memory.targets import get_target
 
     try:
@@ -1068,12 +1066,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
     # planning: JAX compiles the step from shapes (for this backend or the GPU target) and
     # torch_ref runs it on fake tensors (shapes only; see jaxmem.compare.records.torch_record)
     planning = args.preset_name in PLANNING_ONLY or target.is_gpu
-    seq_len = args.seq_len or (cfg.max_seq_len if planning else min(64, cfg.max_seq_len))
-    if seq_len > cfg.max_seq_len:
-        raise UsageError(
-            f"--seq-len {seq_len} exceeds the preset's max_seq_len={cfg.max_seq_len}; "
-            f"use at most {cfg.max_seq_len}"
-        )
+    seq_len = _seq_len(
+        cfg, args.seq_len, (cfg.max_seq_len if planning else min(64, cfg.max_seq_len))
+    )
     planning = planning or (parallel is not None and parallel.sharded)  # always from shapes
     _check_writable_json(args.json)
     if "jax" in frameworks:
