@@ -349,7 +349,7 @@ def test_no_builtin_policy_beats_a_preset(precision):
 def test_torch_peak_is_the_plain_step_whatever_the_collector_does(policy):
     # The accounting's saved-tensor hooks used to run inside the tracked step and keep tensors
     # in reference cycles until Python's collector ran: the peak moved with the collector's
-    # timing (small fp32 `full`: 109.1-115.4 MiB; 123.4 with it off; the plain step: 73.0).
+    # timing (small fp32 `full`: 109.1-115.4 MiB; 123.4 with it off; the plain step: 74.0).
     import gc
 
     FP32 = PRECISIONS["fp32"]
