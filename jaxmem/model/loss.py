@@ -10,6 +10,38 @@ import jax.numpy as jnp
 from jaxmem.model.ops import wide
 
 
+# The per-token loss has its own VJP. Differentiated the usual way, log_softmax followed by a gather
+# has a backward that scatters the upstream gradient into a zero [B, S, V] buffer and then reads
+# the saved logits to form the softmax term: two vocabulary-sized fp32 buffers beside the logits
+# at the step's peak whenever the head is the largest thing the step makes (gpt2-124m, 8 x 1024:
+# one is 1.57 GB). Here the backward is one elementwise pass over the saved logits,
+# ``(softmax - onehot) * g``, which XLA writes into the logits' own buffer (their last use).
+# Neither jax.nn nor optax has a cross-entropy that does this (optax's differentiates
+# log_softmax the usual way).
+@jax.custom_vjp
+def token_nll(logits_bsv: jax.Array, targets_bs: jax.Array) -> jax.Array:
+    """Per-token negative log-likelihood ``logsumexp(logits) - logits[target]``, ``[B, S]``, in
+    the logits' dtype."""
+    return _token_nll_fwd(logits_bsv, targets_bs)[0]
+
+
+def _token_nll_fwd(logits_bsv: jax.Array, targets_bs: jax.Array):
+    lse_bs = jax.nn.logsumexp(logits_bsv, axis=-1)
+    picked_bs = jnp.take_along_axis(logits_bsv, targets_bs[..., None], axis=-1)[..., 0]
+    return lse_bs - picked_bs, (logits_bsv, lse_bs, targets_bs)
+
+
+def _token_nll_bwd(res, g_bs):
+    logits_bsv, lse_bs, targets_bs = res
+    vocab = jax.lax.broadcasted_iota(targets_bs.dtype, logits_bsv.shape, logits_bsv.ndim - 1)
+    probs = jnp.exp(logits_bsv - lse_bs[..., None])
+    d_bsv = jnp.where(vocab == targets_bs[..., None], probs - 1, probs) * g_bs[..., None]
+    return d_bsv.astype(logits_bsv.dtype), None
+
+
+token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)
+
+
 def cross_entropy_sum(
     logits_bsv: jax.Array, targets_bs: jax.Array, mask_bs: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -25,8 +57,7 @@ def cross_entropy_sum(
       ``(loss_sum, n_tokens)``, scalars; the mean loss is ``loss_sum / n_tokens``.
     """
     acc = wide(logits_bsv.dtype)
-    logp = jax.nn.log_softmax(logits_bsv.astype(acc), axis=-1)
-    nll_bs = -jnp.take_along_axis(logp, targets_bs[..., None], axis=-1)[..., 0]
+    nll_bs = token_nll(logits_bsv.astype(acc), targets_bs)
     if mask_bs is None:
         return nll_bs.sum(), jnp.asarray(nll_bs.size, acc)
     mask = mask_bs.astype(acc)
