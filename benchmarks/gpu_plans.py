@@ -35,6 +35,7 @@ from jaxmem.memory.remat import REMAT_REVISION
 from jaxmem.memory.targets import get_target
 from jaxmem.policy import POLICIES, nested_segment_size
 from jaxmem.precision import get_precision
+from jaxmem.train.step import STEP_REVISION
 
 # what the saved-activation columns count (rows of another accounting are measured again)
 ACCOUNTING = "parameter copies apart from activations (issue 13)"
@@ -122,7 +123,9 @@ def measure(
             policy_repr = (
                 repr(POLICIES[name]).replace(", unroll=False", "").replace(", rest=None", "")
             )
-            definition = f"{policy_repr} remat revision {REMAT_REVISION}"
+            definition = (
+                f"{policy_repr} remat revision {REMAT_REVISION} step revision {STEP_REVISION}"
+            )
             same = (
                 rec is not None
                 and rec["target"] == target.name

@@ -31,6 +31,10 @@ from jaxmem.train.scaling import all_finite
 DECAYED_LEAVES = ("kernel", "embedding")  # matrices; biases and norm scales are not decayed
 FP32 = PRECISIONS["fp32"]
 NO_ACCUM = AccumConfig()
+# Bumped whenever what the step runs changes outside a policy's translation (which has
+# ``remat.REMAT_REVISION``): benchmarks that keep measured rows re-measure older ones.
+# 2: the loss's own VJP (``jaxmem.model.loss.token_nll``).
+STEP_REVISION = 2
 
 
 def _param_name(path: tuple) -> str:
