@@ -122,8 +122,16 @@ def torch_scaling() -> list[dict]:
                         cmd += ["-m", "torch_ref.mesh_memory", *args, "--mesh", f"{strategy}={n}"]
                     env = {**os.environ, "OMP_NUM_THREADS": "1"}
                     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                    if proc.returncode:
+                    # Rank 0 writes the records after gathering every rank's, so a run that
+                    # wrote them measured everything; gloo's teardown on an oversubscribed CPU
+                    # sometimes aborts a rank after that (SIGABRT, "terminate called without
+                    # an active exception": 1 of about 20 runs here with torch_ref's barrier before
+                    # teardown, 3 of 8 without it). Such a run is kept and
+                    # marked; one that wrote nothing fails the benchmark.
+                    if proc.returncode and not os.path.exists(out):
                         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+                    if proc.returncode:
+                        print(f"  (exit {proc.returncode} after the records were written)")
                     with open(out) as f:
                         ranks = json.load(f)
                 rank0 = ranks[0]
@@ -140,6 +148,7 @@ def torch_scaling() -> list[dict]:
                         "peak_bytes": max(r["peak_bytes"] for r in ranks),
                         "state_source": rank0["state_source"],
                         "peak_source": rank0["peak_source"] + "; the largest rank's",
+                        "exit_after_records": proc.returncode,
                     }
                 )
                 print(
