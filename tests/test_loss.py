@@ -52,8 +52,8 @@ def test_the_gradient_of_large_logits_stays_finite_and_sums_to_zero_per_token(dt
         logits, targets, _ = _inputs(jnp.dtype(dtype), scale=1e4)  # exp() overflows unshifted
         g = np.asarray(jax.grad(lambda x: token_nll(x, targets).sum())(logits))
     assert g.dtype == np.dtype(dtype) and np.all(np.isfinite(g))
-    # softmax - onehot: the target's entry is the only negative one, and in float64 each
-    # token's row sums to 0 up to rounding
+    # softmax - onehot: the target's entry is softmax - 1 <= 0, and in float64 each token's
+    # row sums to 0 up to rounding
     assert np.all(np.take_along_axis(g, np.asarray(targets)[..., None], -1) <= 0)
     if dtype == "float64":
         np.testing.assert_allclose(g.sum(-1), 0.0, **tolerance("float64", "grads").kwargs())
