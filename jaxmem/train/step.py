@@ -266,8 +266,7 @@ def make_train_step(
         # 16 x 256 in 16 microbatches: 53.5 -> 41.3 MiB). Without, the gradient is the
         # backward's output, and reading it before the division makes XLA keep it whole
         # (gpt2-124m bf16 8 x 1024 unrolled `none`, H100 plan, before the loss VJP: 12.37 ->
-        # 12.87 GB), so there
-        # the norm reads the divided gradient.
+        # 12.87 GB), so there the norm reads the divided gradient.
         summed_norm = optax.tree.norm(grads) / divisor if accum.steps > 1 else None
         grads = jax.tree_util.tree_map(lambda g: (g / divisor).astype(g.dtype), grads)
         grad_norm = summed_norm if summed_norm is not None else optax.tree.norm(grads)
