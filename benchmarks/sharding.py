@@ -123,11 +123,11 @@ def torch_scaling() -> list[dict]:
                     env = {**os.environ, "OMP_NUM_THREADS": "1"}
                     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                     # Rank 0 writes the records after gathering every rank's, so a run that
-                    # wrote them measured everything. gloo's teardown on an oversubscribed CPU
-                    # sometimes aborts a rank after that (SIGABRT, "terminate called without
-                    # an active exception": 3 of 8 runs here; 1 of about 20 with the barrier
-                    # torch_ref now runs before teardown). Such a run is kept and marked; one
-                    # that wrote nothing fails the benchmark.
+                    # wrote them measured everything. The interpreter's teardown used to abort
+                    # a rank after that (gloo, SIGABRT: 3 of 8 runs here); the workers now end
+                    # without it (torch_ref.distributed.end_worker). A run that still exits
+                    # non-zero after its records is kept and marked; one that wrote nothing
+                    # fails the benchmark.
                     if proc.returncode and not os.path.exists(out):
                         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
                     if proc.returncode:

@@ -1946,10 +1946,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             parser.exit(EXIT_USAGE, f"jaxmem {args.command}: error: {e}\n")
     try:
-        return args.func(args)
+        code = args.func(args) or 0
     except UsageError as e:
+        _end_torch_worker(EXIT_USAGE, f"jaxmem {args.command}: error: {e}\n")
         parser.exit(EXIT_USAGE, f"jaxmem {args.command}: error: {e}\n")
-    return 0
+    _end_torch_worker(code)
+    return code
+
+
+def _end_torch_worker(code: int, message: str = "") -> None:
+    """A torch run that joined torchrun's process group ends here (``end_worker``: the
+    interpreter's teardown would free gloo's groups under its threads); others return."""
+    distributed = sys.modules.get("torch_ref.distributed")  # imported only by torch runs
+    if distributed is None or not distributed.joined():
+        return
+    sys.stderr.write(message)
+    distributed.end_worker(code)
 
 
 if __name__ == "__main__":

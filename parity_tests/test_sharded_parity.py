@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -190,3 +191,51 @@ def test_memory_command_reports_torch_ranks(tmp_path):
         assert r["mesh"] == f"fsdp={N}" and "FSDPMemTracker" in r["peak_source"]
         assert r["params_bytes"] == pytest.approx(model["params"], rel=0.05)
         assert r["opt_state_bytes"] == pytest.approx(model["opt_state"], rel=0.05)
+
+
+WORKER_END = """
+import sys
+import torch
+import torch_ref
+from torch_ref import distributed as tdist
+from jaxmem.config import PRESETS
+from jaxmem.parallel import ParallelConfig
+
+launch = tdist.from_environment()
+tdist.initialize(launch)
+model = tdist.shard(
+    torch_ref.Decoder(PRESETS["tiny"]), ParallelConfig(strategy="fsdp", devices=2), launch
+)
+model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+# torchrun sets PYTHONUNBUFFERED; a launcher that does not leaves stdout block-buffered
+sys.stdout = open(1, "w", buffering=8192, closefd=False)
+print(f"rank {launch.rank} done")  # still in the buffer: end_worker must flush it
+tdist.shutdown()
+tdist.end_worker(int(sys.argv[1]))
+raise SystemExit("end_worker returned in a worker that joined a group")
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_worker_that_joined_a_group_ends_with_its_code_and_its_output(tmp_path, code):
+    """``end_worker`` ends an FSDP2 rank (whose groups outlive ``destroy_process_group``)
+    without the interpreter's teardown, with the code it was given and its output flushed."""
+    from torch_ref import distributed as tdist
+
+    tdist.end_worker(5)  # this process joined no group: it returns
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_END)
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={N}"]
+    proc = subprocess.run(
+        [*cmd, str(script), str(code)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+    )
+    # both ranks write to one pipe: their lines may interleave
+    assert sorted(re.findall(r"rank \d done", proc.stdout)) == [f"rank {r} done" for r in range(N)]
+    if code == 0:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        assert proc.returncode != 0 and f"exitcode  : {code}" in proc.stderr, proc.stderr

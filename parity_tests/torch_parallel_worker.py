@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -81,8 +80,8 @@ def main() -> None:
     )
     if launch.primary:
         print(json.dumps(out))
-    sys.stdout.flush()
     tdist.shutdown()
+    tdist.end_worker(0)  # flushes stdout; skips the teardown that can abort gloo's threads
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ that keeps fewer activations shows fewer forward bytes at its peak."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -225,3 +226,22 @@ def test_an_offloading_h100_plan_counts_only_device_memory():
     )
     assert 0 < report.live_bytes <= report.allocated_bytes
     assert report.compiler.startswith("XLA:CUDA")
+
+
+def test_a_child_that_xla_ends_silently_is_reported_with_its_code_and_xla_flags(tmp_path):
+    # XLA ends a process natively on a flag it does not know, before the child prints: the
+    # error says how the child ended and which XLA_FLAGS it ran under, not an empty tail
+    out = tmp_path / "peak.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxmem.cli", "peak", "--preset", "tiny", "--target", "h100"]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "XLA_FLAGS": "--xla_no_such_flag_in_jaxmem_tests=true"},
+    )
+    assert proc.returncode == 1
+    assert "printed nothing" in proc.stderr and "--xla_no_such_flag_in_jaxmem_tests" in (
+        proc.stderr
+    ), proc.stderr
+    assert not out.exists()

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -101,6 +103,11 @@ def check_launch(parallel: ParallelConfig, launch: Launch, command: str) -> None
     )
 
 
+# whether this process joined a process group (it stays True after ``shutdown``): such a
+# process ends through ``end_worker``
+_joined = False
+
+
 def initialize(launch: Launch) -> None:
     """Join torchrun's process group (gloo on CPU, nccl on CUDA); a lone process does nothing."""
     if launch.world_size == 1 or dist.is_initialized():
@@ -108,6 +115,8 @@ def initialize(launch: Launch) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    global _joined
+    _joined = True
 
 
 def shard(model: nn.Module, parallel: ParallelConfig, launch: Launch) -> nn.Module:
@@ -229,9 +238,38 @@ def barrier() -> None:
 
 def shutdown() -> None:
     if dist.is_initialized():
-        # Every rank reaches teardown before any destroys its group: ranks tearing gloo down
-        # while a peer's last collective was in flight aborted with "terminate called without
-        # an active exception" after their results were written (torchrun on 2 cores, 4-8
-        # ranks: 3 of 8 runs; with the barrier, 1 of about 20).
+        # Every rank reaches teardown before any destroys its group (a rank tearing gloo down
+        # while a peer's last collective was in flight can abort); the group is then freed
+        # only when the process ends: see ``end_worker``.
         dist.barrier()
         dist.destroy_process_group()
+
+
+def joined() -> bool:
+    """Whether this process joined torchrun's process group (before or after ``shutdown``)."""
+    return _joined
+
+
+def end_worker(code: int) -> None:
+    """End a torchrun worker that joined a process group with ``code``, once its results are
+    written and ``shutdown`` has run, without the interpreter's teardown; a process that joined
+    none returns (it ends as usual).
+
+    Written by hand because torch has no call that frees a process group: FSDP2's device
+    meshes, the model's DTensors and their hooks keep gloo's groups alive past
+    ``destroy_process_group``, and the interpreter's teardown then frees them while gloo's
+    threads run, which aborts the process ("terminate called without an active exception",
+    no Python frame on the stack: 1 of 23 torchrun runs of 4 ranks on 2 cores, after the
+    records were written; pytorch/pytorch#179291 tried an atexit fix and was abandoned).
+    Output buffers and logging handlers are flushed first; files the run wrote were closed
+    by their ``with`` blocks.
+    """
+    if not _joined:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to keep
+            pass
+    os._exit(code)

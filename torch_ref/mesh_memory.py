@@ -159,4 +159,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    tdist.end_worker(code)  # a torchrun worker ends here, past its records
+    sys.exit(code)

@@ -24,6 +24,7 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -303,6 +304,13 @@ def explain_peak(
         )
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            if not tail:  # XLA ended the child natively before it printed (an unknown flag)
+                code = done.returncode
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                tail = [
+                    f"the child ended with {how} and printed nothing; XLA_FLAGS was "
+                    f"{env['XLA_FLAGS']!r} (XLA ends the process on a flag it does not know)"
+                ]
             raise RuntimeError("compiling the step failed:\n" + "\n".join(tail))
         result = json.loads(done.stdout.strip().splitlines()[-1])
         parsed = parse_dump(dump)
