@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 
 # lines the plugin's native code prints on a machine without a driver: information, not errors
@@ -51,34 +51,51 @@ def contain_cuda_plugin() -> None:
         import jax  # noqa: F401
 
 
+# The filter: reads the block's stderr to its end, drops the noise, writes the rest to the
+# terminal's stderr unless the block's last bytes are the drop trailer. A block that native code
+# ended (XLA exits on an unknown XLA_FLAGS entry) writes no trailer: its lines still come out.
+_TRAILER = b"\0jaxmem-quiet-stderr:"
+_FILTER = f"""
+import os, sys
+data = sys.stdin.buffer.read()
+body, sep, verdict = data.rpartition({_TRAILER!r})
+if not sep:
+    body, verdict = data, b"keep"
+if verdict != b"drop":
+    noise = [n.encode() for n in sys.argv[1:]]
+    kept = [line for line in body.splitlines(True) if not any(n in line for n in noise)]
+    os.write(2, b"".join(kept))
+"""
+
+
 @contextlib.contextmanager
 def quiet_native_stderr(*, drop_on_error: bool = False) -> Iterator[None]:
-    """Run a block with file descriptor 2 sent to a temporary file, then write back every line
-    but the plugin's known start-up noise (none at all when the block raises and
+    """Run a block with file descriptor 2 sent through a filter process that writes back every
+    line but the plugin's known start-up noise (none at all when the block raises and
     ``drop_on_error``: the caller reports the error in its own words). Written by hand: the
     lines come from C++ before absl logging is set up, so neither Python logging nor absl flags
-    reach them."""
+    reach them. A process, not a temporary file: native code that ends this process inside the
+    block (XLA on a flag it does not know) would take a temporary file's lines with it."""
     if not cuda_plugin_installed():
         yield
         return
-    with tempfile.TemporaryFile() as tmp:
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
-        failed = False
-        try:
-            yield
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            kept = [
-                line
-                for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
-                if not any(n in line for n in _NOISE)
-            ]
-            if kept and not (failed and drop_on_error):
-                os.write(2, "".join(kept).encode())
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    # -S: the standard library only, no site packages: starts in milliseconds
+    filt = subprocess.Popen([sys.executable, "-S", "-c", _FILTER, *_NOISE], stdin=read_end)
+    os.close(read_end)
+    saved = os.dup(2)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        sys.stderr.flush()
+        os.write(2, _TRAILER + (b"drop" if failed and drop_on_error else b"keep"))
+        os.dup2(saved, 2)  # closes the pipe's last write end: the filter reads to its end
+        os.close(saved)
+        filt.wait()

@@ -160,6 +160,58 @@ def test_the_plugin_is_quiet_on_a_machine_without_a_driver(tmp_path):
     assert proc.stderr == "a real error\n"
 
 
+QUIET_BLOCK = (
+    "import os, sys\nfrom jaxmem.backend import quiet_native_stderr\n"
+    "try:\n"
+    "    with quiet_native_stderr(drop_on_error=sys.argv[1] == 'drop'):\n"
+    "        os.write(2, b'I0 cudart_stub.cc:31] Could not find cuda drivers on your machine\\n')\n"
+    "        os.write(2, b'F0 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS\\n')\n"
+    "        if sys.argv[1] == 'exit':\n"
+    "            os._exit(1)  # as native code ends a process: no Python unwinding\n"
+    "        raise RuntimeError('said in the caller\\'s words')\n"
+    "except RuntimeError:\n"
+    "    pass\n"
+)
+
+
+@pytest.mark.parametrize(
+    "how, err",
+    [
+        ("exit", "F0 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS\n"),
+        ("keep", "F0 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS\n"),
+        ("drop", ""),
+    ],
+)
+def test_quiet_native_stderr_keeps_the_lines_of_a_block_native_code_ended(how, err):
+    """A block that ends the process without unwinding (XLA on an unknown XLA_FLAGS entry) still
+    shows what it printed, less the noise; a block that raises under ``drop_on_error`` shows
+    nothing (its caller words the error)."""
+    from jaxmem.backend import cuda_plugin_installed
+
+    if not cuda_plugin_installed():
+        pytest.skip("quiet_native_stderr filters only where JAX's CUDA plugin is installed")
+    proc = subprocess.run(
+        [sys.executable, "-c", QUIET_BLOCK, how], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == (1 if how == "exit" else 0)
+    assert proc.stderr == err
+
+
+def test_an_xla_flag_xla_does_not_know_is_named_on_stderr():
+    # XLA ends the process natively while the CLI starts JAX with its noise filtered: the line
+    # naming the flag reaches the terminal (it printed nothing, exit 1, before)
+    env = {**os.environ, "XLA_FLAGS": "--xla_no_such_flag_in_jaxmem_tests=true"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxmem.cli", "memory", "--preset", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode != 0
+    assert "--xla_no_such_flag_in_jaxmem_tests" in proc.stderr, proc.stderr
+
+
 def test_quiet_native_stderr_passes_everything_without_the_plugin(monkeypatch, capfd):
     import jaxmem.backend as backend
 

@@ -304,13 +304,11 @@ def explain_peak(
         )
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-            if not tail:  # XLA ended the child natively before it printed (an unknown flag)
+            if not tail:  # the child died without a word (the OOM killer's SIGKILL)
                 code = done.returncode
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                tail = [
-                    f"the child ended with {how} and printed nothing; XLA_FLAGS was "
-                    f"{env['XLA_FLAGS']!r} (XLA ends the process on a flag it does not know)"
-                ]
+                flags = env["XLA_FLAGS"]
+                tail = [f"the child ended with {how} and printed nothing (XLA_FLAGS {flags!r})"]
             raise RuntimeError("compiling the step failed:\n" + "\n".join(tail))
         result = json.loads(done.stdout.strip().splitlines()[-1])
         parsed = parse_dump(dump)
