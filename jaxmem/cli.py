@@ -1948,8 +1948,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = args.func(args) or 0
     except UsageError as e:
-        _end_torch_worker(EXIT_USAGE, f"jaxmem {args.command}: error: {e}\n")
-        parser.exit(EXIT_USAGE, f"jaxmem {args.command}: error: {e}\n")
+        message = f"jaxmem {args.command}: error: {e}\n"
+        _end_torch_worker(EXIT_USAGE, message)
+        parser.exit(EXIT_USAGE, message)
     _end_torch_worker(code)
     return code
 
