@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test parity lint clean check-jax-only
+.PHONY: demo test test-fast parity lint clean check-jax-only
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (or run: make PYTHON=python3 ...)"; exit 2; }
@@ -27,6 +27,12 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The inner loop (under 2 minutes on 2 cores): every module's quick tests, without those marked
+# slow, multiprocess or gpu (pyproject.toml lists the markers). `make test` runs everything and is
+# what CI runs.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not multiprocess and not gpu"
 
 parity: $(STAMP)
 	$(BIN)/jaxmem parity --preset tiny

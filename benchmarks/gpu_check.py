@@ -33,8 +33,8 @@ import jax
 from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.gpu_plan import capture_target_config
-from jaxmem.memory.records import jax_record
 from jaxmem.memory.targets import get_target
+from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import get_precision
 
@@ -42,7 +42,7 @@ GB = 1e9
 ON_DEVICE = """
 import json, sys
 from jaxmem.config import OptimizerConfig, get_preset
-from jaxmem.memory.records import jax_record
+from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import get_precision
 preset, policy, precision, batch, seq = sys.argv[1:6]

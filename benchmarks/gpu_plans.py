@@ -30,15 +30,15 @@ import jax
 
 from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.memory.records import jax_record, plan_step
 from jaxmem.memory.remat import REMAT_REVISION
 from jaxmem.memory.targets import get_target
+from jaxmem.planner.records import jax_record, plan_step
 from jaxmem.policy import POLICIES, nested_segment_size
 from jaxmem.precision import get_precision
-from jaxmem.train.step import STEP_REVISION
+from jaxmem.step.train_step import STEP_REVISION
 
 # what the saved-activation columns count (rows of another accounting are measured again)
-ACCOUNTING = "parameter copies apart from activations (issue 13)"
+ACCOUNTING = "parameter copies apart from activations"
 
 # batch x sequence as these models are trained (GPT-2: 1024 tokens; GPT-3: 2048)
 SHAPES = {
@@ -125,12 +125,11 @@ def measure(
         for name in policies:
             start = time.perf_counter()
             rec = kept.get((preset, name))
-            # A row measured under another definition of the policy (the presets changed in
-            # issue 13) or another translation of it is measured again; one measured under an
-            # older accounting (issue 13: parameter copies apart from activations) is measured
-            # again but keeps its largest batch, which the accounting does not touch.
-            # (the repr without MemoryPolicy's later fields at their defaults, ``unroll`` and
-            # ``rest``, which no preset sets, so rows measured before they existed still match)
+            # A row measured under another definition of the policy or another translation of
+            # it is measured again; one measured under another accounting (``ACCOUNTING``) is
+            # measured again but keeps its largest batch, which the accounting does not touch.
+            # (the repr leaves out MemoryPolicy's ``unroll`` and ``rest`` at their defaults,
+            # which no preset sets, so the rows whose definitions name neither still match)
             policy_repr = (
                 repr(POLICIES[name]).replace(", unroll=False", "").replace(", rest=None", "")
             )

@@ -29,7 +29,7 @@ from jaxmem.compare.bench import has_lean
 from jaxmem.compare.records import torch_record
 from jaxmem.config import ModelConfig, OptimizerConfig
 from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.memory.records import jax_record
+from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 
@@ -92,8 +92,8 @@ def main() -> None:
                         "flops_source": r["flops_source"],
                     }
                 )
-    # bf16 against fp32's none too (issue 13, 5e: against its own none a bf16 ratio hides that
-    # bf16 halves the baseline)
+    # bf16 against fp32's none too (against its own none a bf16 ratio hides that bf16 halves
+    # the baseline)
     fp32_none = {
         r["framework"]: r["saved_device_bytes"]
         for r in rows

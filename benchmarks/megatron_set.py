@@ -1,7 +1,7 @@
-"""Why ``selective`` no longer keeps Megatron's elementwise outputs (issue 13): the former set
-(projections + norms, activation and residual additions, the attention core recomputed) against
-today's ``selective`` (the projections only), on ``small`` (batch 8 × 128, fp32 and bf16): saved
-bytes and FLOPs (both frameworks) and step time (interleaved medians, both frameworks).
+"""Why ``selective`` does not keep Megatron's elementwise outputs: Megatron's set (projections +
+norms, activation and residual additions, the attention core recomputed) against ``selective``
+(the projections only), on ``small`` (batch 8 × 128, fp32 and bf16): saved bytes and FLOPs
+(both frameworks) and step time (interleaved medians, both frameworks).
 Writes ``benchmarks/results/megatron_set.{json,md}``.
 
     python benchmarks/megatron_set.py
@@ -24,7 +24,7 @@ from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.policy import CHECKPOINT_NAMES, POLICIES, MemoryPolicy
 
 MEGATRON = MemoryPolicy(
-    name="megatron (former selective)",
+    name="megatron",
     save=tuple(
         n
         for n in CHECKPOINT_NAMES
@@ -62,7 +62,7 @@ def main() -> None:
     os.makedirs("benchmarks/results", exist_ok=True)
     write_json_atomic("benchmarks/results/megatron_set.json", {"meta": meta, "rows": rows})
     lines = [
-        f"Former `selective` (Megatron's set) vs today's, `small` 8 × 128; {meta['device']}, "
+        f"Megatron's set vs `selective`, `small` 8 × 128; {meta['device']}, "
         f"{meta['date']}. Saved MiB: JAX residual accounting / torch live-tensor accounting "
         "(stock); GFLOP: matmul FLOPs executed; step: median ms of 15 fwd + bwd + AdamW steps, "
         "fp32, compile and warm-up excluded, the four steps (two policies × two frameworks) "

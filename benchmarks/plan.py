@@ -35,7 +35,8 @@ import jax
 from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory import analytic
-from jaxmem.memory.plan import (
+from jaxmem.memory.targets import get_target
+from jaxmem.planner.search import (
     GIB,
     USABLE_FRACTION,
     FlopModel,
@@ -46,7 +47,6 @@ from jaxmem.memory.plan import (
     rates_for,
     search,
 )
-from jaxmem.memory.targets import get_target
 from jaxmem.policy import POLICIES, MemoryPolicy, backward_reads, model_tags
 from jaxmem.precision import PRECISIONS
 
@@ -221,8 +221,8 @@ def run_torch_peer() -> dict:
     ``activation_memory_budget`` at the same saved-activation bytes."""
     from jaxmem.compare.records import torch_record
     from jaxmem.compare.torch_budget import budgeted_steps
-    from jaxmem.memory.records import jax_record, plan_step
     from jaxmem.memory.targets import LOCAL
+    from jaxmem.planner.records import jax_record, plan_step
 
     cfg, batch, seq, fp32, opt = get_preset("small"), 8, 128, PRECISIONS["fp32"], OptimizerConfig()
     ends = [

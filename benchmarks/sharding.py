@@ -1,5 +1,5 @@
 # ruff: noqa: E402  (JAX is configured before it starts, on purpose)
-"""Per-device memory of the sharded train step (issue 14): data-parallel strategies × device
+"""Per-device memory of the sharded train step: data-parallel strategies × device
 count, from compiled plans, and which strategy × policy lets a model fit 8 × 80 GB H100s.
 
 - ``cpu``: ``small`` (fp32, AdamW), 8 rows of 128 tokens per device, N = 1, 2, 4, 8 CPU
@@ -41,9 +41,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.memory.records import jax_record
 from jaxmem.memory.targets import LOCAL, get_target
 from jaxmem.parallel import STRATEGIES, ParallelConfig
+from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 
@@ -123,11 +123,11 @@ def torch_scaling() -> list[dict]:
                     env = {**os.environ, "OMP_NUM_THREADS": "1"}
                     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                     # Rank 0 writes the records after gathering every rank's, so a run that
-                    # wrote them measured everything. The interpreter's teardown used to abort
-                    # a rank after that (gloo, SIGABRT: 3 of 8 runs here); the workers now end
-                    # without it (torch_ref.distributed.end_worker). A run that still exits
-                    # non-zero after its records is kept and marked; one that wrote nothing
-                    # fails the benchmark.
+                    # wrote them measured everything. The interpreter's teardown can abort a
+                    # rank after that (gloo, SIGABRT: 3 of 8 runs here ended so), so the workers
+                    # end without it (torch_ref.distributed.end_worker). A run that exits
+                    # non-zero after its records all the same is kept and marked; one that wrote
+                    # nothing fails the benchmark.
                     if proc.returncode and not os.path.exists(out):
                         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
                     if proc.returncode:

@@ -1,5 +1,5 @@
 # ruff: noqa: E402  (JAX is imported after contain_cuda_plugin, on purpose)
-"""Whole-step memory, both frameworks side by side (issue 13): everything one training step holds
+"""Whole-step memory, both frameworks side by side: everything one training step holds
 (parameters, optimizer state, gradients, saved activations, working buffers), not the saved
 activations alone.
 
@@ -48,8 +48,8 @@ from jaxmem.compare.bench import set_threads
 from jaxmem.compare.records import torch_record
 from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.memory.records import jax_record, plan_step
 from jaxmem.memory.targets import get_target
+from jaxmem.planner.records import jax_record, plan_step
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 
@@ -207,7 +207,7 @@ def gpt2_markdown(rows: list[dict]) -> list[str]:
 
 
 def _peak_fields(report) -> dict:
-    """A ``jaxmem.memory.peak.PeakReport``'s figures, for the JSON."""
+    """A ``jaxmem.planner.peak.PeakReport``'s figures, for the JSON."""
     return {
         "compiler": report.compiler,
         "planned_peak_bytes": report.planned_peak_bytes,
@@ -241,8 +241,8 @@ def _best_h100(row: dict) -> tuple[int, bool]:
 
 def exceptions(rows: list[dict]) -> list[dict]:
     """What is live at the peak of each sweep row's better H100 plan where it is above
-    torch_ref's runtime peak (``jaxmem.memory.peak``)."""
-    from jaxmem.memory.peak import explain_peak
+    torch_ref's runtime peak (``jaxmem.planner.peak``)."""
+    from jaxmem.planner.peak import explain_peak
 
     cfg = get_preset(PRESET)
     out = []
@@ -364,8 +364,8 @@ def combined_h100(rows: list[dict], remeasure: bool) -> None:
 
 def combined_peaks(rows: list[dict]) -> list[dict]:
     """What the leanest JAX combination holds at its plan's peak, on XLA:CPU and on the H100
-    plan (``jaxmem.memory.peak``): the remainder broken down by the compiler's own account."""
-    from jaxmem.memory.peak import explain_peak
+    plan (``jaxmem.planner.peak``): the remainder broken down by the compiler's own account."""
+    from jaxmem.planner.peak import explain_peak
 
     cfg = get_preset(PRESET)
     out = []

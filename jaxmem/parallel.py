@@ -17,6 +17,7 @@ On the command line a strategy and its device count are one mesh axis: ``--mesh 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxmem.config import ConfigError, require
 
@@ -79,9 +80,26 @@ class ParallelConfig:
         )
 
 
+def max_local_devices() -> int:
+    """The most CPU devices (JAX) or processes (torchrun) one command starts on this machine:
+    4 per usable core, at least 8. Each costs threads and memory; thousands make the machine
+    unusable and measure nothing a GPU mesh would show."""
+    return max(8, 4 * len(os.sched_getaffinity(0)))
+
+
+def check_cpu_mesh(devices: int, what: str = "CPU devices") -> None:
+    """Refuse a mesh of more local CPU devices (or processes) than ``max_local_devices``."""
+    limit = max_local_devices()
+    require(
+        devices <= limit,
+        f"--mesh asks for {devices} {what} on this machine ({len(os.sched_getaffinity(0))} "
+        f"cores): use at most {limit}, or plan a GPU mesh from shapes with --target h100",
+    )
+
+
 def parse_mesh(text: str) -> ParallelConfig:
     """``"fsdp=4"`` -> ``ParallelConfig(strategy="fsdp", devices=4)``; one axis (data-parallel
-    strategies only, for now)."""
+    strategies only)."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if len(parts) != 1 or "=" not in parts[0]:
         raise ConfigError(

@@ -16,18 +16,19 @@ Presets (``POLICIES``):
   the projections (q/k/v, attention output, MLP up and down) so no projection is recomputed, and
   recompute the elementwise ops (norms, activation, residual additions), which cost no matmul
   FLOPs. The paper also keeps the elementwise outputs: more bytes at the same FLOPs and, measured,
-  no faster a step (README, "Choosing a policy"), so that set is not a preset (it was until
-  issue 13; ``MemoryPolicy.custom`` writes it). Kept by name rather than with JAX's
+  no faster a step (``benchmarks/results/megatron_set.md``), so that set is not a preset
+  (``MemoryPolicy.custom`` writes it). Kept by name rather than with JAX's
   ``dots_with_no_batch_dims_saveable`` (a benchmark peer row, ``MemoryPolicy(save_dots=True)``):
   the projections accumulate in fp32, so the built-in keeps their fp32 results under bf16; the
-  tags hold the compute-dtype values. Run configs that name the former ``dots`` preset (the same
-  tensors) load as ``selective``.
+  tags hold the compute-dtype values.
 - ``mlp``: keep the attention side, recompute the MLP (fewer FLOPs than ``selective`` only when
   seq > 2·d_model, at O(seq²) bytes).
 - ``offload``: ``selective`` with the projections it keeps sent to host memory (``pinned_host``)
   and the block input on the device: device memory close to ``full``'s at ``selective``'s FLOPs.
 - ``nested``: about √L segments: checkpoint every ``nested_segment_size(L)`` blocks and fully
   recompute inside.
+- ``HEAD:K+REST`` (``parse_policy``, e.g. ``none:2+selective``): the first K blocks under one
+  preset, the others under another (``mixed_policy``; what ``jaxmem plan`` searches).
 - ``MemoryPolicy.custom({...})``: a per-name choice of ``device`` / ``offload`` / ``recompute``,
   like MaxText's per-tensor remat config.
 
@@ -180,6 +181,15 @@ class MemoryPolicy:
         k blocks under this policy, the other L - k under ``rest``; ``jaxmem plan``'s mixed
         stacks). JAX runs the two parts as consecutive scans, with one gradient buffer for the
         whole stack. None: the left-out layers keep everything (no remat), the stack unrolled.
+
+    Why two switches that only one framework reads (``use_reentrant``, ``unroll``) live here
+    rather than in each framework's translation: a run's ``[memory]`` section records the whole
+    policy, and a resume refuses a config that changes it; both switches change what a step
+    keeps (``unroll``: when JAX frees residuals; ``use_reentrant``: which tensors PyTorch's
+    checkpoint saves and whether parameters get gradients through it), so they belong to the
+    recorded policy. Each translation reads its own and ignores the other's
+    (``jaxmem.memory.remat.layers_fn``, ``torch_ref.remat.apply_memory_policy``); the rest of
+    the policy means the same in both frameworks.
     """
 
     name: str = "custom"
@@ -366,19 +376,30 @@ def check_policy(cfg: ModelConfig, policy: MemoryPolicy) -> None:
             )
 
 
-# Presets merged into another that keeps the same tensors: run configs written before the merge
-# still load (resuming a run must not fail on a renamed preset); new commands are told the name.
-MERGED = {"dots": "selective"}
-
-
 def get_policy(name: str) -> MemoryPolicy:
     """The preset called ``name``; an unknown name raises ``ConfigError`` listing the valid ones."""
-    if name in MERGED:
-        raise ConfigError(
-            f"memory policy {name!r} is now {MERGED[name]!r} (it keeps the same tensors); "
-            f"use --policy {MERGED[name]}"
-        )
     return lookup(POLICIES, name, "memory policy")
+
+
+MIXED_NOTATION = "HEAD:K+REST"
+
+
+def parse_policy(text: str) -> MemoryPolicy:
+    """A policy as it is written on the command line, in config files and in ``jaxmem plan``'s
+    output: a preset name (``selective``), or ``HEAD:K+REST`` (``none:2+selective``: the first
+    K blocks under preset HEAD, the others under preset REST)."""
+    head, colon, tail = text.partition(":")
+    if not colon:
+        return get_policy(text)
+    k, plus, rest = tail.partition("+")
+    require(
+        bool(plus) and k.isdigit() and int(k) > 0,
+        f"policy {text!r} is neither a preset nor {MIXED_NOTATION} (e.g. none:2+selective: the "
+        "first 2 blocks under none, the rest under selective)",
+    )
+    for name in (head, rest):
+        get_policy(name)  # an unknown preset is named with the valid ones
+    return mixed_policy(head, int(k), rest)
 
 
 def nested_segment_size(n_layers: int) -> int:
@@ -456,7 +477,15 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
     }
     if name == "custom":
         return MemoryPolicy(name="custom", save=save, offload=offload, layers=selection, **modes)
-    preset = get_policy(MERGED.get(name, name))
+    if ":" in name:  # HEAD:K+REST, as the command line writes it
+        require(
+            selection.is_all and modes["rest"] is None,
+            f"memory policy={name!r} already says which layers run under which preset: drop "
+            "layers_every/layers_first/layers/rest",
+        )
+        mixed = parse_policy(name)
+        return mixed.replace(use_reentrant=modes["use_reentrant"], unroll=modes["unroll"])
+    preset = get_policy(name)
     if modes["rest"] is not None and selection.first is not None:
         preset = preset.replace(name=f"{preset.name}:{selection.first}+{modes['rest']}")
     return preset.replace(layers=selection, **modes)

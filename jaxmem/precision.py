@@ -2,13 +2,13 @@
 gradients are accumulated and the loss is computed, and whether the loss is dynamically scaled.
 
 Pure data (no JAX, no PyTorch): each framework maps the dtype names to its own dtypes
-(``jaxmem.train.step`` / ``torch_ref.train.TORCH_DTYPES``). Norms, softmax, logits and the loss
+(``jaxmem.step.train_step`` / ``torch_ref.train.TORCH_DTYPES``). Norms, softmax, logits and the loss
 always run in float32 or wider ("at least fp32"): the models enforce that, so ``output_dtype`` is
 float32, or float64 for the float64 exactness mode (``FP64``).
 
 Dynamic loss scaling (``loss_scale="dynamic"``) follows ``torch.amp.GradScaler`` exactly: initial
 scale 2**16; a step whose gradients contain inf/nan is skipped and halves the scale; after 2000
-consecutive finite steps the scale doubles (JAX: ``jaxmem.train.scaling.DynamicLossScale``).
+consecutive finite steps the scale doubles (JAX: ``jaxmem.step.scaling.DynamicLossScale``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A ``ParallelConfig`` (``jaxmem.parallel``, pure data) translated to JAX shardings, in one
 place: a one-axis device mesh, where each parameter, optimizer-state leaf and batch lives on
 it, and the checks that the process has the devices. The train step applies these from outside
-(``jaxmem.train.step.make_train_step(shardings=...)``); XLA's SPMD partitioner then inserts the
+(``jaxmem.step.train_step.make_train_step(shardings=...)``); XLA's SPMD partitioner then inserts the
 collectives (all-reduce for ``dp``, reduce-scatter + all-gather for ``zero1``/``fsdp``).
 
 Which dimension a leaf is sharded on: the largest one divisible by the device count, never the

@@ -16,7 +16,7 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.model import Decoder, make_model
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
-from jaxmem.train.step import lm_loss_fn, stack_accumulating_loss, summed_grads
+from jaxmem.step.train_step import lm_loss_fn, stack_accumulating_loss, summed_grads
 from torch_ref.remat import apply_memory_policy
 from torch_ref.train import TORCH_DTYPES, accumulate_grads
 

@@ -13,7 +13,7 @@ from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import to_torch_state_dict
 from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.model import Decoder
-from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step
+from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step
 from torch_ref.loss import cross_entropy_sum
 from torch_ref.train import make_optimizer as make_torch_optimizer
 
@@ -86,7 +86,7 @@ def test_adamw_twenty_steps_match():
 def test_decay_masks_select_the_same_parameters():
     cfg = PRESETS["tiny"]
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    from jaxmem.train.step import decay_mask
+    from jaxmem.step.train_step import decay_mask
 
     graphdef, params = nnx.split(model, nnx.Param)
     mask_sd = to_torch_state_dict(

@@ -11,7 +11,7 @@ import pytest
 
 from jaxmem import cli
 from jaxmem.compare.bench import PEERS
-from jaxmem.memory.records import RECORD_FIELDS
+from jaxmem.planner.records import RECORD_FIELDS
 from jaxmem.policy import POLICIES
 
 
@@ -21,6 +21,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_parity_command_writes_json_and_passes_in_float64_and_fp32(tmp_path):
     out = tmp_path / "parity.json"
     proc = run_cli("parity", "--preset", "tiny", "--json", str(out))
@@ -84,6 +85,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert message in err[-1]
 
 
+@pytest.mark.slow
 def test_memory_command_shows_stock_pytorch_and_the_extension_beside_jax(tmp_path):
     out = tmp_path / "m.json"
     policies = ("none", "full", "selective", "offload")
@@ -139,6 +141,7 @@ def test_memory_command_shows_stock_pytorch_and_the_extension_beside_jax(tmp_pat
     assert "torch selective: saved-tensor hooks see" in proc.stdout
 
 
+@pytest.mark.slow
 def test_memory_for_a_gpu_target_has_torch_rows_from_fake_tensors_at_gpt2_1_5b(tmp_path):
     """At a size this machine cannot hold, the torch column exists: torch_ref's step under
     FakeTensorMode, each row saying how it was obtained (JAX's H100 plan beside it is tested on
@@ -161,6 +164,7 @@ def test_memory_for_a_gpu_target_has_torch_rows_from_fake_tensors_at_gpt2_1_5b(t
     assert "plan columns are JAX's only" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_command_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "bench"
     proc = run_cli(
@@ -212,6 +216,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
     assert "JAX compiled temp: jit(grad)'s plan, XLA for the local backend" in text
 
 
+@pytest.mark.slow
 def test_bench_plans_for_a_gpu_target():
     """``bench --target h100``: the depth axis's jit(grad) plans are compiled for the H100
     without a GPU, offload's host bytes included (XLA:CPU's plan erases them); a bad target is

@@ -22,7 +22,7 @@ from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
 from jaxmem.policy import POLICIES
-from jaxmem.train.step import lm_loss_fn
+from jaxmem.step.train_step import lm_loss_fn
 from parity_tests.conftest import PARITY_CONFIGS
 from torch_ref.loss import cross_entropy_sum
 
@@ -37,6 +37,7 @@ RUNS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,causal,dtype",
     RUNS,

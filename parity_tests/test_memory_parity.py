@@ -21,13 +21,13 @@ from jaxmem.compare.records import torch_record
 from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
-from jaxmem.memory.records import jax_record
 from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.residuals import bytes_by_name, compiled_plan, saved_residuals
 from jaxmem.model import make_model
+from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
-from jaxmem.train.step import lm_loss_fn, make_optimizer, tree_bytes
+from jaxmem.step.train_step import lm_loss_fn, make_optimizer, tree_bytes
 
 CFG = PRESETS["tiny"].replace(n_layers=4)
 B, S = 4, 32
@@ -54,6 +54,7 @@ def test_jax_stack_bytes_equal_the_analytic_model(name, precision):
     assert stack == estimate.device_bytes + estimate.host_bytes
 
 
+@pytest.mark.slow
 def test_full_remat_keeps_exactly_the_block_inputs_in_both_frameworks():
     """Analytic minimum: one [B, S, D] block input per layer. JAX's scan keeps the L carries;
     torch keeps each checkpoint's input. Outside the stack both keep the embedding/head/loss
@@ -85,6 +86,7 @@ def test_torch_stack_bytes_track_the_analytic_model():
         assert estimate <= stack <= 1.6 * estimate, (name, stack, estimate)
 
 
+@pytest.mark.slow
 def test_policies_order_the_same_by_bytes_and_flops_in_both_frameworks():
     """JAX and torch_ref's lean extension order every policy the same way by bytes and by FLOPs;
     stock PyTorch too, but for nested: stock ``checkpoint_sequential`` leaves its last segment
@@ -154,6 +156,7 @@ def _temp_bytes(policy_name: str, n_layers: int) -> int:
     return compiled_plan(grad.lower(params, batch).compile())["temp_bytes"]
 
 
+@pytest.mark.slow
 def test_depth_scaling_of_compiled_plans():
     depths = (9, 16, 25)  # ⌈√L⌉ = 3, 4, 5
     none = [_temp_bytes("none", L) for L in depths]
@@ -212,6 +215,7 @@ def test_torch_saved_tensor_hooks_agree_with_live_accounting():
         assert hooks.argument_bytes > 0  # parameters and token ids: kept, reported apart
 
 
+@pytest.mark.slow
 def test_memory_report_lists_the_per_tensor_differences():
     """The listing names where the frameworks differ and nothing else: in fp32 without remat,
     every tagged tensor of the block is the same size in both except the norms, where
@@ -239,6 +243,7 @@ def test_memory_report_lists_the_per_tensor_differences():
     assert sum(torch_rec["saved_by_name"].values()) == torch_rec["saved_activation_bytes_device"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("precision", "translation"), [("bf16", "stock"), ("pure-bf16", "lean")])
 def test_torch_accounting_on_fake_tensors_equals_the_real_step(precision, translation):
     """The accounting that gives torch_ref's column at GPT-2 1.5B / GPT-3 6.7B shapes (its step
@@ -275,7 +280,7 @@ def test_torch_accounting_on_fake_tensors_equals_the_real_step(precision, transl
 def test_torch_runtime_peak_is_a_steady_step_with_the_optimizer_state():
     """The torch record's peak is measured on a second step: it holds the parameters, AdamW's
     two moments and the step's saved activations at once (a first step has no AdamW state yet,
-    and its peak was below that sum: small fp32 none 100 vs 124 MiB)."""
+    and its peak is below that sum: small fp32 none 100 vs 124 MiB)."""
     rec = torch_record(CFG, POLICIES["none"], PRECISIONS["fp32"], OptimizerConfig(), B, S)
     held = rec["params_bytes"] + rec["opt_state_bytes"] + rec["saved_activation_bytes_device"]
     assert rec["opt_state_bytes"] >= 2 * rec["params_bytes"]  # two moments (+ step counters)
@@ -283,12 +288,14 @@ def test_torch_runtime_peak_is_a_steady_step_with_the_optimizer_state():
     assert "second step" in rec["peak_source"]
 
 
+@pytest.mark.slow
 def test_records_with_accumulation_in_both_frameworks():
-    """Issue 13, 5(c): a step of 2 microbatches is measured in both frameworks (MemTracker once
-    raised NotImplementedError on the second microbatch's forward): the saved activations are
-    one microbatch's (half the batch: exactly half under full remat), the FLOPs the whole
-    step's (the same as without accumulation), and torch's runtime peak still holds the
-    parameters, AdamW's state, the accumulated gradients and a microbatch's activations."""
+    """A step of 2 microbatches is measured in both frameworks (MemTracker raises
+    NotImplementedError on a module run twice in one context unless its per-module stats are
+    reset between microbatches): the saved activations are one microbatch's (half the batch:
+    exactly half under full remat), the FLOPs the whole step's (the same as without
+    accumulation), and torch's runtime peak still holds the parameters, AdamW's state, the
+    accumulated gradients and a microbatch's activations."""
     full, fp32, opt = POLICIES["full"], PRECISIONS["fp32"], OptimizerConfig()
     for record in (jax_record, torch_record):
         one, two = (record(CFG, full, fp32, opt, B, S, accum=k) for k in (1, 2))
@@ -301,13 +308,13 @@ def test_records_with_accumulation_in_both_frameworks():
 
 
 def test_bf16_weight_copies_are_counted_apart_from_activations_in_both_frameworks():
-    """Issue 13, 5(e): a bf16 step keeps a bf16 copy of every matmul weight for the backward
-    (JAX: the casts of the parameters; PyTorch: autocast's). Both accountings now report them
-    apart from activations, and the copies are exactly the bf16 bytes of the matmul weights (the
-    four kernels of each block and the tied embedding table the head reads; torch_ref's head
-    keeps the table's bf16-rounded values widened to fp32, since a CPU bf16 matmul cannot return
-    fp32 logits: 4 bytes per element there); what remains of bf16 ``none`` is fewer activation
-    bytes than fp32 ``none``'s (it was more)."""
+    """A bf16 step keeps a bf16 copy of every matmul weight for the backward (JAX: the casts of
+    the parameters; PyTorch: autocast's). Both accountings report them apart from activations,
+    and the copies are exactly the bf16 bytes of the matmul weights (the four kernels of each
+    block and the tied embedding table the head reads; torch_ref's head keeps the table's
+    bf16-rounded values widened to fp32, since a CPU bf16 matmul cannot return fp32 logits: 4
+    bytes per element there); what remains of bf16 ``none`` is fewer activation
+    bytes than fp32 ``none``'s (with the copies counted in, it would be more)."""
     cfg = CFG
     point = {p: memory_point(cfg, "none", p, B, S, compile_plan=False) for p in ("fp32", "bf16")}
     d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
@@ -319,9 +326,10 @@ def test_bf16_weight_copies_are_counted_apart_from_activations_in_both_framework
         assert point["bf16"][f"{fw}_device_bytes"] < point["fp32"][f"{fw}_device_bytes"], fw
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_no_builtin_policy_beats_a_preset(precision):
-    """Issue 13: every preset is on the bytes × FLOPs front against the frameworks' own policies
+    """Every preset is on the bytes × FLOPs front against the frameworks' own policies
     (JAX's ``dots_with_no_batch_dims_saveable``, PyTorch selective checkpointing saving every
     ``mm``/``addmm``) and the other presets, in JAX and stock PyTorch; ``mlp`` alone is beaten
     at this shape (seq 32 < 2·d_model: recomputing the MLP's up projection costs more than the
@@ -345,10 +353,11 @@ def test_no_builtin_policy_beats_a_preset(precision):
         assert all("selective" in beaten[n] for n in expected), (fw, beaten)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_torch_peak_is_the_plain_step_whatever_the_collector_does(policy):
-    # The accounting's saved-tensor hooks used to run inside the tracked step and keep tensors
-    # in reference cycles until Python's collector ran: the peak moved with the collector's
+    # The accounting's saved-tensor hooks keep tensors in reference cycles until Python's
+    # collector runs: inside the tracked step they would move the peak with the collector's
     # timing (small fp32 `full`: 109.1-115.4 MiB; 123.4 with it off; the plain step: 74.0).
     import gc
 

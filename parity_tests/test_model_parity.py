@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 
@@ -43,6 +44,7 @@ def _torch_in(module_type, cfg, dtype):
     return module_type(cfg).to(getattr(torch, dtype))
 
 
+@pytest.mark.slow
 def test_single_block_output_and_grads(parity_case):
     _, cfg, batch, seq_len, dtype = parity_case
     x = np.random.default_rng(2).standard_normal((batch, seq_len, cfg.d_model)).astype(dtype)
@@ -93,6 +95,7 @@ def _decoder_pair(cfg, dtype):
         return model, torch_model_from(model)
 
 
+@pytest.mark.slow
 def test_decoder_logits_loss_and_every_gradient(parity_case):
     name, cfg, batch, seq_len, dtype = parity_case
     model, torch_model = _decoder_pair(cfg, dtype)
@@ -114,6 +117,7 @@ def test_decoder_logits_loss_and_every_gradient(parity_case):
     assert all(np.abs(g).max() > 1e-6 for g in grads_t.values())
 
 
+@pytest.mark.slow
 def test_parity_check_detects_a_wrong_weight(parity_case):
     """The comparison fails when one weight differs by 1e-3: the tolerances are not vacuous."""
     _, cfg, batch, seq_len, dtype = parity_case

@@ -47,8 +47,8 @@ from jaxmem.policy import (
     nested_segment_size,
 )
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.train_step import lm_loss_fn
 from jaxmem.train import seed_example as jax_seed
-from jaxmem.train.step import lm_loss_fn
 from torch_ref import seed_example as torch_seed
 from torch_ref.loss import cross_entropy_sum
 from torch_ref.memory import forward_live_bytes
@@ -67,7 +67,7 @@ F64, F32 = "float64", "float32"
 NAMED = ("selective", "mlp", "offload")
 CONFIGS = {
     "pre_causal": PRESETS["tiny"].replace(n_layers=4),
-    # the 3-layer post-norm ReLU stack where fp32 parity once depended on the rounding of one
+    # the 3-layer post-norm ReLU stack, where fp32 parity would depend on the rounding of one
     # pre-activation of 1.8e-7: its numerics are checked in float64
     "post_relu_bidirectional": PRESETS["tiny"].replace(
         n_layers=3, norm="post", activation="relu", causal=False, bias=False
@@ -170,6 +170,7 @@ def assert_loss(actual, expected, dtype, quantity):
 
 
 # ------------------------------------------------------------------------------------ numerics
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_policy_numerics_in_both_frameworks_and_both_translations(case64, name):
     policy = POLICIES[name]
@@ -218,6 +219,7 @@ def test_random_custom_policies_cover_every_choice():
     assert len(offloaded) >= 8, offloaded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", CUSTOM_SEEDS)
 def test_random_custom_policies_agree_across_frameworks(case64, seed):
     """Numerics (float64) and, against JAX's residuals, the tags the lean extension keeps with
@@ -592,6 +594,7 @@ def test_torch_translation_rejects_what_it_cannot_express():
         validate_for_torch(POLICIES["full"], "fast")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_seed_example_runs_under_every_policy_in_both_frameworks(name):
     policy = POLICIES[name]
@@ -606,6 +609,7 @@ def test_seed_example_runs_under_every_policy_in_both_frameworks(name):
     np.testing.assert_allclose(losses_j, losses_t, rtol=tol.rtol, atol=tol.atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head,k,rest", [("selective", 1, "full"), ("full", 2, "none")])
 def test_mixed_stack_numerics_and_flops_in_both_frameworks(case64, head, k, rest):
     """``jaxmem plan``'s mixed stacks (the first k blocks under one preset, the others under

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 
@@ -90,6 +91,7 @@ def jax_stack(state: dict[str, torch.Tensor]) -> BlockStack:
     return stack
 
 
+@pytest.mark.slow
 def test_seed_training_example_runs_the_same_in_both_frameworks():
     steps = 3
     data = seed_example_data(batch=8)  # the seed's shape with batch 8 (32 in the write-up)

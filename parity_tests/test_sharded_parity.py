@@ -46,6 +46,8 @@ def strategies():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_every_torch_strategy_trains_as_one_device(strategies):
     tol = tolerance("float32", "data_parallel_loss")
     for strategy in ("dp", "zero1", "fsdp"):
@@ -54,6 +56,8 @@ def test_every_torch_strategy_trains_as_one_device(strategies):
         )
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_each_rank_holds_its_share(strategies):
     """FSDP2 (``fsdp``, and ``zero1``'s ZeRO-2-like mode) keeps 1/N of the parameters,
     gradients and AdamW state per rank between steps (dimension 0 padded to N: within 5 %); DDP
@@ -80,6 +84,8 @@ def _metrics(run) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_fsdp2_trains_as_jax_fsdp_and_resumes_bit_identically(tmp_path):
     common = ["--preset", "tiny", "--mesh", f"fsdp={N}", "--batch-size", "8", "--seq-len", "32"]
     common += ["--policy", "full", "--steps", "10", "--checkpoint-every", "5"]
@@ -157,6 +163,8 @@ def test_torch_mesh_outside_torchrun_exits_2_before_writing(tmp_path, capsys, mo
     assert not out.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_memory_command_reports_torch_ranks(tmp_path):
     """``jaxmem memory --mesh fsdp=2 --frameworks torch``: torch_ref's step run on 2 torchrun
     processes, one record per rank, each holding half the parameters and AdamW state of the
@@ -216,6 +224,8 @@ raise SystemExit("end_worker returned in a worker that joined a group")
 """
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_worker_that_joined_a_group_ends_with_its_code_and_its_output(tmp_path, code):
     """``end_worker`` ends an FSDP2 rank (whose groups outlive ``destroy_process_group``)

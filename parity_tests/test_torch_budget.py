@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from flax import nnx
 
 from jaxmem.compare.torch_budget import budgeted_steps
 from jaxmem.config import PRESETS
 from jaxmem.memory.flops import grad_matmul_flops
-from jaxmem.memory.records import lm_step_batch
 from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
+from jaxmem.planner.records import lm_step_batch
 from jaxmem.policy import POLICIES
-from jaxmem.train.step import lm_loss_fn
+from jaxmem.step.train_step import lm_loss_fn
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2)
+
+pytestmark = pytest.mark.slow
 
 
 def test_budgeted_partitioner_bounds():

@@ -18,6 +18,7 @@ def test_non_finite_loss_stops_the_torch_run_and_keeps_the_last_good_checkpoint(
     check_non_finite_stop(tmp_path, capsys, "torch")
 
 
+@pytest.mark.slow
 def test_torch_framework_trains_the_same_job_to_the_same_losses(tmp_path):
     jax_run, torch_run = tmp_path / "jax", tmp_path / "torch"
     common = ["--steps", "12", "--checkpoint-every", "12", "--eval-every", "6"]
@@ -37,7 +38,7 @@ def test_torch_framework_trains_the_same_job_to_the_same_losses(tmp_path):
 
 def test_host_resident_optimizer_state_is_refused_not_ignored_by_torch(tmp_path, capsys):
     """torch_ref's job keeps optimizer state on the device; asking for pinned_host exits 2 in
-    one line before anything is written (it used to train with the state on the device)."""
+    one line before anything is written, rather than training with the state on the device."""
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
         train(

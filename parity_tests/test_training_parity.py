@@ -24,8 +24,8 @@ from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.model import make_model
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS, Precision
-from jaxmem.train.scaling import DynamicLossScale, init_loss_scale
-from jaxmem.train.step import (
+from jaxmem.step.scaling import DynamicLossScale, init_loss_scale
+from jaxmem.step.train_step import (
     lm_loss_fn,
     make_multisteps_step,
     make_optimizer,
@@ -102,6 +102,7 @@ MATRIX = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("policy", "precision", "accum"),
     MATRIX,
@@ -149,6 +150,7 @@ def test_mean_of_means_is_wrong_here(reference, batch, baselines):
     ).passed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["scan", "multisteps"])
 def test_accumulated_training_equals_big_batch_training(reference, mode):
     """Three optimizer steps with 4 microbatches equal three steps on the whole batch, in JAX
@@ -219,6 +221,7 @@ def test_dynamic_loss_scale_follows_grad_scaler():
     assert float(ours.scale) != 2.0**16  # it moved both ways
 
 
+@pytest.mark.slow
 def test_fp16_overflow_steps_are_skipped_and_training_recovers():
     """Start from an absurd loss scale: fp16 gradients overflow, those steps leave the weights
     untouched and halve the scale, then training proceeds (JAX and torch skip alike)."""
@@ -312,6 +315,7 @@ def test_sgd_momentum_matches_torch():
     assert_close_dicts(final_j, final_t, tolerance("float32", "sgd_weights"))
 
 
+@pytest.mark.slow
 def test_adafactor_trains_with_factored_state():
     cfg = OptimizerConfig(name="adafactor", lr=1e-2, weight_decay=0.0)
     # optax factors matrices whose dims are both >= 128: use d_model 128 so every one is.
@@ -333,6 +337,7 @@ def test_adafactor_trains_with_factored_state():
     assert isinstance(opt, torch.optim.Adafactor)
 
 
+@pytest.mark.slow
 def test_optimizer_state_in_host_memory_gives_the_same_weights():
     device_cfg = OptimizerConfig(lr=1e-3)
     host_cfg = OptimizerConfig(lr=1e-3, state_memory="pinned_host")
@@ -400,6 +405,7 @@ def test_pure_bf16_stores_half_the_parameter_bytes():
     assert optax is not None
 
 
+@pytest.mark.slow
 def test_parameters_and_state_in_host_memory_give_the_same_weights():
     final_dev, *_ = _train_both(OptimizerConfig(lr=1e-3), steps=3)
     host = OptimizerConfig(lr=1e-3, state_memory="pinned_host", params_memory="pinned_host")

@@ -28,8 +28,8 @@ from jaxmem.parallel import STRATEGIES, ParallelConfig  # noqa: E402
 from jaxmem.policy import get_policy  # noqa: E402
 from jaxmem.precision import PRECISIONS  # noqa: E402
 from jaxmem.sharding import parallel_loss, per_device_bytes, step_shardings  # noqa: E402
-from jaxmem.train.scaling import init_loss_scale  # noqa: E402
-from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step, place  # noqa: E402
+from jaxmem.step.scaling import init_loss_scale  # noqa: E402
+from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step, place  # noqa: E402
 
 CFG = PRESETS["tiny"]
 BATCH, SEQ = 8, 32

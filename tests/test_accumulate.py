@@ -14,14 +14,14 @@ import pytest
 from flax import nnx
 
 from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig
-from jaxmem.memory import records
 from jaxmem.memory.flops import jaxpr_matmul_flops
-from jaxmem.memory.records import lm_step_batch, plan_step
 from jaxmem.memory.remat import accumulating_layers_fn, layers_fn
 from jaxmem.model import STACK_PATH, make_model
+from jaxmem.planner import records
+from jaxmem.planner.records import lm_step_batch, plan_step
 from jaxmem.policy import POLICIES, LayerSelection
 from jaxmem.precision import FP64, PRECISIONS
-from jaxmem.train.step import lm_loss_fn, stack_accumulating_loss, summed_grads, tree_bytes
+from jaxmem.step.train_step import lm_loss_fn, stack_accumulating_loss, summed_grads, tree_bytes
 
 CFG5 = dataclasses.replace(PRESETS["tiny"], n_layers=5)  # nested: segments of 2 and a tail of 1
 
@@ -47,6 +47,7 @@ def _assert_same_bits(x, y):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "full", "selective", "nested", "offload"])
 def test_in_place_accumulation_gives_the_carry_sum_bit_for_bit(policy):
     """The same per-block weight gradients added to the same running sum in the same order:
@@ -82,6 +83,7 @@ def test_in_place_accumulation_executes_the_same_matmul_flops():
         assert jaxpr_matmul_flops(jax.make_jaxpr(g)(params, acc)) == plain, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "none"])
 def test_the_compiled_step_holds_one_stack_gradient_fewer(policy, monkeypatch):
     """XLA:CPU plan of the whole train step, small preset, 4 microbatches: the in-place step

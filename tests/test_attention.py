@@ -15,6 +15,7 @@ from flax import nnx
 from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.config import PRESETS, ConfigError
 from jaxmem.data import lm_batch
+from jaxmem.job import JobConfig
 from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
@@ -23,8 +24,7 @@ from jaxmem.model import Decoder
 from jaxmem.model.flash import flash_attention
 from jaxmem.policy import POLICIES, MemoryPolicy, backward_reads, check_policy, model_tags
 from jaxmem.precision import PRECISIONS
-from jaxmem.train.job import JobConfig
-from jaxmem.train.step import lm_loss_fn
+from jaxmem.step.train_step import lm_loss_fn
 
 # (sequence, key block): an odd sequence in four blocks, the last mostly padding; and one block
 SHAPES = [(13, 4), (16, 128)]
@@ -122,6 +122,7 @@ def model_loss_and_grads(cfg, dtype, policy=POLICIES["none"], seq_len=13):
     return float(value), flat
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_fused_decoder_equals_naive(dtype, causal):
@@ -136,6 +137,7 @@ def test_fused_decoder_equals_naive(dtype, causal):
     assert diff.passed, diff
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["selective", "offload"])
 def test_policies_under_fused_attention_equal_no_remat(name):
     """Recomputing the fused op (selective) and offloading around it; every preset, in float64

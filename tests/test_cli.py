@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from jaxmem import cli
+from jaxmem.cli import common
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -18,6 +19,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_memory_command_plans_a_large_preset_from_shapes(tmp_path):
     out = tmp_path / "plan.json"
     proc = run_cli(
@@ -48,11 +50,14 @@ def test_memory_command_plans_a_large_preset_from_shapes(tmp_path):
     ("args", "message"),
     [
         (["memory", "--preset", "huge"], "unknown preset 'huge'"),
-        (["memory", "--policies", "none,most"], "unknown policies ['most']"),
-        (["memory", "--attention", "flash"], "--attention 'flash' is not one of naive, fused"),
+        (["memory", "--policies", "none,most"], "unknown memory policy 'most'"),
+        (["memory", "--attention", "flash"], "attention='flash' is not one of ('naive', 'fused')"),
         (["memory", "--frameworks", "jax,tf"], "unknown frameworks ['tf']"),
         (["memory", "--frameworks", "jax", "--precision", "fp8"], "unknown precision 'fp8'"),
-        (["memory", "--frameworks", "jax", "--seq-len", "100"], "--seq-len 100 exceeds"),
+        (
+            ["memory", "--frameworks", "jax", "--seq-len", "100"],
+            "seq_len=100 exceeds the model's max_seq_len=64",
+        ),
         (["seed-example", "--policy", "most"], "unknown memory policy 'most'"),
         (["memory", "--unroll", "--policies", "full,nested"], "--unroll cannot apply to nested"),
         (
@@ -79,7 +84,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     ],
 )
 def test_commands_that_need_pytorch_say_which_extra_to_install(args, what, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "torch_available", lambda: False)
+    monkeypatch.setattr(common, "torch_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
         cli.main(args)
     assert exc.value.code == 2
@@ -91,14 +96,15 @@ def test_commands_that_need_pytorch_say_which_extra_to_install(args, what, monke
 
 
 def test_memory_without_pytorch_reports_jax_alone(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "torch_available", lambda: False)
+    monkeypatch.setattr(common, "torch_available", lambda: False)
     assert cli.main(["memory", "--policies", "full", "--batch-size", "2", "--seq-len", "16"]) == 0
     out = capsys.readouterr().out
     assert "PyTorch is not installed: JAX only" in out and "jaxmem.memory.remat" in out
 
 
+@pytest.mark.slow
 def test_memory_unroll_says_how_the_stack_ran(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "torch_available", lambda: False)
+    monkeypatch.setattr(common, "torch_available", lambda: False)
     args = ["memory", "--policies", "none", "--batch-size", "2", "--seq-len", "16", "--unroll"]
     assert cli.main(args) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines

@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 
 from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig, get_preset
+from jaxmem.job import JobConfig
 from jaxmem.model import Decoder
 from jaxmem.policy import POLICIES, LayerSelection, MemoryPolicy, policy_from_dict, policy_to_dict
 from jaxmem.precision import FP64, PRECISIONS
-from jaxmem.train.job import JobConfig
-from jaxmem.train.step import tree_bytes
+from jaxmem.step.train_step import tree_bytes
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

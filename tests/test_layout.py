@@ -1,6 +1,7 @@
-"""The architecture, checked: jaxmem's core imports no PyTorch, torch_ref imports no JAX, the
-comparison wing (``jaxmem.compare``) is the only code that imports both, jaxmem's pure modules
-import neither framework, and a JAX-only install (PyTorch unimportable) trains."""
+"""The architecture, checked: jaxmem's packages import downwards only (``PACKAGE_ORDER``),
+jaxmem's core imports no PyTorch, torch_ref imports no JAX, the comparison wing
+(``jaxmem.compare``) is the only code that imports both, jaxmem's pure modules import neither
+framework, and a JAX-only install (PyTorch unimportable) trains."""
 
 from __future__ import annotations
 
@@ -27,11 +28,30 @@ PURE = (
     "jaxmem.figures",
     "jaxmem.memory.analytic",
     "jaxmem.memory.targets",
-    "jaxmem.train.job",
+    "jaxmem.job",
     "jaxmem.train.loop",
     "jaxmem.train.layout",
     "jaxmem.compare.tolerances",
 )
+
+
+# jaxmem's packages from the bottom up. A module imports modules of its own package or of packages
+# below it, never above (lazy imports inside functions included): ``base`` is jaxmem's top-level
+# modules (config, policy, precision, parallel, data, files, figures, backend, sharding,
+# distributed, job); ``model`` the decoder; ``memory`` a policy's JAX translation and the
+# measurements that need no train step; ``step`` the jitted train step; ``train`` the job around
+# it; ``planner`` records, peaks and the search, which compile the step; ``compare`` the
+# PyTorch comparison wing; ``cli`` the command line.
+PACKAGE_ORDER = ("base", "model", "memory", "step", "train", "planner", "compare", "cli")
+
+
+def package_level(module: str) -> int:
+    """``module``'s place in ``PACKAGE_ORDER`` (a top-level module of jaxmem is ``base``)."""
+    parts = module.split(".")
+    assert parts[0] == "jaxmem", module
+    if len(parts) > 1 and parts[1] in PACKAGE_ORDER:
+        return PACKAGE_ORDER.index(parts[1])
+    return 0
 
 
 def modules(package: str) -> list[str]:
@@ -39,6 +59,7 @@ def modules(package: str) -> list[str]:
     return sorted(
         ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         for p in base.rglob("*.py")
+        if p.name != "__main__.py"  # `python -m` runs it: importing it runs the command
     )
 
 
@@ -60,6 +81,11 @@ def imported(module: str) -> set[str]:
                 if (ROOT / node.module.replace(".", "/") / f"{a.name}.py").exists()
             }
     return out
+
+
+def top_package(module: str) -> str:
+    """``jaxmem.cli.memory`` -> ``cli``."""
+    return PACKAGE_ORDER[package_level(module)]
 
 
 def top(name: str) -> str:
@@ -93,6 +119,21 @@ BLOCK_TORCH = textwrap.dedent(
 )
 
 
+def test_packages_import_only_their_own_level_or_below():
+    back_edges = sorted(
+        f"{m} ({PACKAGE_ORDER[package_level(m)]}) imports {i} ({PACKAGE_ORDER[package_level(i)]})"
+        for m in modules("jaxmem")
+        for i in imported(m)
+        if top(i) == "jaxmem" and i != "jaxmem" and package_level(i) > package_level(m)
+    )
+    assert not back_edges
+
+
+def test_every_jaxmem_package_has_a_place_in_the_order():
+    packages = {p.name for p in (ROOT / "jaxmem").iterdir() if (p / "__init__.py").exists()}
+    assert packages <= set(PACKAGE_ORDER), packages - set(PACKAGE_ORDER)
+
+
 def test_the_core_imports_no_pytorch_anywhere_in_its_source():
     core = [m for m in modules("jaxmem") if not m.startswith("jaxmem.compare")]
     offenders = {m: {i for i in imported(m) if top(i) in TORCH_FAMILY} for m in core}
@@ -101,18 +142,21 @@ def test_the_core_imports_no_pytorch_anywhere_in_its_source():
     assert not {
         m
         for m in core
-        if any(i.startswith("jaxmem.compare") for i in imported(m)) and m != "jaxmem.cli"
+        if any(i.startswith("jaxmem.compare") for i in imported(m)) and top_package(m) != "cli"
     }
 
 
-def test_the_cli_reaches_the_comparison_wing_only_lazily():
-    """The CLI imports jaxmem.compare inside the commands that compare, never at start."""
-    tree = ast.parse((ROOT / "jaxmem/cli.py").read_text())
-    at_start = {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module} | {
-        a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names
-    }
-    assert not {m for m in at_start if top(m) in (*TORCH_FAMILY, *JAX_FAMILY)}
-    assert not {m for m in at_start if m.startswith("jaxmem.compare")}
+def test_the_cli_reaches_the_frameworks_only_lazily():
+    """The CLI's modules import no framework and no jaxmem.compare at start, only inside the
+    commands that run them: `jaxmem --help` and a bad flag load neither JAX nor PyTorch."""
+    for path in sorted((ROOT / "jaxmem/cli").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        at_start = {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+        at_start |= {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        assert not {m for m in at_start if top(m) in (*TORCH_FAMILY, *JAX_FAMILY)}, path
+        assert not {m for m in at_start if m.startswith("jaxmem.compare")}, path
+    loaded = loaded_after("from jaxmem.cli import build_parser\nbuild_parser()")
+    assert not loaded & {*JAX_FAMILY, *TORCH_FAMILY}
 
 
 def test_torch_ref_imports_no_jax_and_only_jaxmems_pure_modules():
@@ -132,6 +176,7 @@ def test_pure_modules_import_no_framework_in_their_source():
         }, m
 
 
+@pytest.mark.slow
 def test_importing_the_core_loads_no_pytorch_and_torch_ref_loads_no_jax():
     core = [m for m in modules("jaxmem") if not m.startswith("jaxmem.compare")]
     loaded = loaded_after("\n".join(f"import {m}" for m in core))
@@ -142,6 +187,7 @@ def test_importing_the_core_loads_no_pytorch_and_torch_ref_loads_no_jax():
     assert not loaded & {*JAX_FAMILY, *TORCH_FAMILY}
 
 
+@pytest.mark.slow
 def test_a_jax_only_install_trains(tmp_path):
     """`pip install .` without the torch extra: `jaxmem train` works and loads no PyTorch;
     asking for PyTorch gives one line naming the extra (CI also checks a real fresh venv)."""

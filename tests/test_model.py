@@ -86,6 +86,7 @@ def test_sequence_longer_than_the_position_table_is_rejected(tiny):
         tiny(jnp.zeros((1, 65), jnp.int32))
 
 
+@pytest.mark.slow
 def test_layers_fn_hook_replaces_how_layers_run():
     """The same ops run unrolled instead of scanned: an exactness claim, so float64 (in fp32
     the two compiles may fuse and round differently: 1.5e-7 measured with XLA:CPU at LLVM -O0)."""

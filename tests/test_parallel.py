@@ -20,12 +20,12 @@ import pytest
 from jaxmem import cli
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
+from jaxmem.job import JobConfig
 from jaxmem.memory import analytic
-from jaxmem.memory.records import jax_record
 from jaxmem.parallel import ParallelConfig, parse_mesh
+from jaxmem.planner.records import jax_record
 from jaxmem.policy import get_policy
 from jaxmem.precision import PRECISIONS
-from jaxmem.train.job import JobConfig
 
 N = 4
 FP32 = PRECISIONS["fp32"]
@@ -53,6 +53,7 @@ def runs():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_every_strategy_trains_as_one_device(runs):
     seen = []
     for row in runs:
@@ -64,6 +65,7 @@ def test_every_strategy_trains_as_one_device(runs):
     assert {"dp", "zero1", "fsdp"} <= set(seen)
 
 
+@pytest.mark.slow
 def test_each_device_holds_its_share(runs):
     """fsdp: parameters and optimizer state within 5 % of 1/N per device (what cannot be split,
     a scalar step count, is replicated); zero1: the state only; dp: everything replicated."""
@@ -87,6 +89,7 @@ def test_each_device_holds_its_share(runs):
         assert 0 <= got["opt_state_bytes"] - model["opt_state"] <= 16
 
 
+@pytest.mark.slow
 def test_host_resident_optimizer_state_stays_on_the_host_when_sharded(runs):
     row = runs[1]
     assert row["one_device"]["opt_state_memory_kinds"] == ["pinned_host"]
@@ -136,6 +139,8 @@ def _losses(run) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_train_as_one_and_resume_bit_identically(tmp_path):
     """``--mesh fsdp=4`` over 2 processes of 2 CPU devices each (``jax.distributed``, gloo):
     the same losses as one device (within the data-parallel tolerance: the reduce-scatter adds
@@ -179,6 +184,7 @@ def test_two_processes_train_as_one_and_resume_bit_identically(tmp_path):
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["2", "4"]
 
 
+@pytest.mark.slow
 def test_memory_command_plans_per_device_records(tmp_path):
     """``jaxmem memory --mesh``: one process of N CPU devices; the records are per device (the
     one-device record is planned here, in this one-device process)."""
@@ -232,6 +238,8 @@ def test_bad_meshes_are_refused_naming_the_value(make, fragment):
     assert fragment in str(exc.value)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_killed_with_sigkill_resume_bit_identically(tmp_path):
     """Both processes of a 2-process fsdp run SIGKILLed once a checkpoint has been saved (the
     OS ends them mid-step, wherever they are); --resume restores each process's shards from the

@@ -17,7 +17,7 @@ import pytest
 
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import OptimizerConfig, get_preset
-from jaxmem.memory.peak import explain_peak, parse_dump
+from jaxmem.planner.peak import explain_peak, parse_dump
 from jaxmem.policy import POLICIES
 
 TINY = get_preset("tiny")
@@ -128,6 +128,7 @@ def reports():
     }
 
 
+@pytest.mark.slow
 def test_parameters_and_adam_moments_are_live_at_the_peak_with_their_bytes(reports):
     # A leaf whose gradient is ready early (the final norm's) may be updated in place before
     # the peak: its bytes are then the update's output ("other"), not the argument's.
@@ -143,6 +144,7 @@ def test_parameters_and_adam_moments_are_live_at_the_peak_with_their_bytes(repor
         assert params >= 0.99 * TINY.n_params * 4  # the blocks' and embeddings' weights
 
 
+@pytest.mark.slow
 def test_live_bytes_fit_in_the_arena_and_the_plan(reports):
     for report in reports.values():
         assert 0 < report.live_bytes <= report.allocated_bytes
@@ -151,12 +153,14 @@ def test_live_bytes_fit_in_the_arena_and_the_plan(reports):
         assert sum(report.by_kind().values()) == report.live_bytes
 
 
+@pytest.mark.slow
 def test_full_remat_keeps_fewer_forward_bytes_at_its_peak_than_none(reports):
     none, full = reports["none"].by_kind(), reports["full"].by_kind()
     assert full["forward"] < none["forward"]
     assert reports["full"].live_bytes < reports["none"].live_bytes
 
 
+@pytest.mark.slow
 def test_an_fsdp_plan_reports_one_device_s_share():
     # fsdp=2 on two CPU devices: each holds about half of the parameters (leaves without a dim
     # divisible by 2 stay whole), and the report is per device
@@ -180,6 +184,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_peak_command_writes_a_labelled_report(tmp_path):
     out = tmp_path / "peak.json"
     proc = run_cli(
@@ -200,7 +205,7 @@ def test_peak_command_writes_a_labelled_report(tmp_path):
         (("--policy", "bogus"), "bogus"),
         (("--policy", "nested", "--unroll"), "unroll"),
         (("--seq-len", "100000"), "100000"),
-        (("--batch-size", "3", "--accum", "2"), "--accum 2"),
+        (("--batch-size", "3", "--accum", "2"), "batch size 3 is not divisible by accum steps 2"),
         (("--target", "tpu9"), "tpu9"),
         (("--mesh", "fsdp=3"), "3"),
     ],
@@ -213,6 +218,7 @@ def test_peak_command_refuses_bad_input_in_one_line(tmp_path, args, named):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_an_offloading_h100_plan_counts_only_device_memory():
     # offload's residuals go to pinned_host (colour 5 in XLA's assignment): were they counted,
     # the live bytes would exceed the device arena, which equals the planned device peak
@@ -245,7 +251,7 @@ def test_a_flag_xla_does_not_know_is_named_and_nothing_is_written(tmp_path):
 
 
 def test_a_child_killed_without_a_word_is_reported_with_its_signal(monkeypatch):
-    import jaxmem.memory.peak as peak
+    import jaxmem.planner.peak as peak
 
     def killed(cmd, **kw):  # what subprocess.run returns for a child the OOM killer ended
         return subprocess.CompletedProcess(cmd, -9, stdout="", stderr="")

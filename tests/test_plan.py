@@ -16,7 +16,11 @@ from flax import nnx
 from jaxmem.cli import main
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
-from jaxmem.memory.plan import (
+from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.targets import LOCAL
+from jaxmem.model import make_model
+from jaxmem.planner.records import lm_step_batch, plan_step
+from jaxmem.planner.search import (
     FlopModel,
     PlanSpace,
     Problem,
@@ -25,10 +29,6 @@ from jaxmem.memory.plan import (
     parse_bytes,
     search,
 )
-from jaxmem.memory.records import lm_step_batch, plan_step
-from jaxmem.memory.remat import layers_fn
-from jaxmem.memory.targets import LOCAL
-from jaxmem.model import make_model
 from jaxmem.policy import (
     POLICIES,
     LayerSelection,
@@ -38,7 +38,7 @@ from jaxmem.policy import (
     policy_to_dict,
 )
 from jaxmem.precision import FP64, PRECISIONS
-from jaxmem.train.step import lm_loss_fn
+from jaxmem.step.train_step import lm_loss_fn
 
 FP32 = PRECISIONS["fp32"]
 CFG = PRESETS["small"]  # 4 layers: d 512, 8 heads
@@ -60,6 +60,7 @@ def bounds():
     return _peak(POLICIES["full"]), _peak(POLICIES["none"])
 
 
+@pytest.mark.slow
 def test_plan_is_optimal_on_the_lattice(bounds):
     full, none = bounds
     assert full < none
@@ -86,6 +87,7 @@ def test_plan_is_optimal_on_the_lattice(bounds):
     assert result.candidate_compiles < len(result.outcomes)
 
 
+@pytest.mark.slow
 def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
     """Plans of one policy are affine in the number of blocks (up to buffer alignment), and a
     mixed stack is predicted from its two parts' slopes: checked against its
@@ -108,7 +110,7 @@ def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
     )
     problem = Problem(CFG, BATCH, SEQ, LOCAL, 10**12, OptimizerConfig())
     candidates = enumerate_candidates(problem, SPACE, FlopModel(CFG, SEQ))
-    from jaxmem.memory.plan import MemoryModel
+    from jaxmem.planner.search import MemoryModel
 
     model = MemoryModel(problem, lambda *a: _compiler(problem)(*a)[0])
     for name in ("none:2+full", "selective:1+full"):  # the best and the worst measured
@@ -124,13 +126,14 @@ def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
 def test_mixed_stack_flops_are_each_parts_blocks():
     """The FLOP model (per-block FLOPs of each preset from depths 1 and 2) equals the count of
     the mixed stack's own gradient jaxpr."""
-    from jaxmem.memory.plan import _flops_per_row
+    from jaxmem.planner.search import _flops_per_row
 
     model = FlopModel(CFG, SEQ)
     for policy in (mixed_policy("full", 1, "none"), mixed_policy("none", 3, "selective")):
         assert model.per_row(policy, FP32) == _flops_per_row(CFG, policy, FP32, SEQ)
 
 
+@pytest.mark.slow
 def test_mixed_stack_gradients_equal_the_unmixed_ones_in_float64():
     cfg = dataclasses.replace(PRESETS["tiny"], n_layers=5)
     with jax.enable_x64(True):
@@ -179,6 +182,7 @@ def test_bad_budget_is_refused(text):
         parse_bytes(text)
 
 
+@pytest.mark.slow
 def test_impossible_budget_names_the_smallest_plan_and_exits_2(tmp_path, capsys):
     out = tmp_path / "plan.json"
     args = [
@@ -208,6 +212,7 @@ def test_impossible_budget_names_the_smallest_plan_and_exits_2(tmp_path, capsys)
     assert not out.exists()  # nothing half-written
 
 
+@pytest.mark.slow
 def test_plan_cli_writes_the_choice(tmp_path, bounds):
     out = tmp_path / "plan.json"
     budget = f"{(bounds[0] + bounds[1]) // 2}B"
@@ -239,6 +244,7 @@ def test_plan_cli_writes_the_choice(tmp_path, bounds):
     assert all(c["status"] != "chosen" for c in plan["candidates"][:-1])
 
 
+@pytest.mark.slow
 def test_train_policy_auto_writes_the_chosen_configuration(tmp_path):
     """``jaxmem train --policy auto --memory-budget X`` trains under what ``jaxmem plan``
     chooses on this backend, and the run's config.yaml says what that was."""
@@ -271,12 +277,13 @@ def test_train_policy_auto_needs_a_budget(capsys):
     assert "--policy auto needs --memory-budget" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_residual_accounting_of_a_mixed_stack_counts_no_weights():
     """The mixed stack's custom VJP keeps the stacked parameters to re-slice each block's
     weights in the backward: residual accounting must see them as the parameters (arguments),
     not as activations. A mixed stack with one preset everywhere keeps what that preset keeps,
     and replacing selective blocks by full ones keeps less."""
-    from jaxmem.memory.records import jax_record
+    from jaxmem.planner.records import jax_record
 
     def saved(policy):
         r = jax_record(CFG, policy, FP32, OptimizerConfig(), BATCH, SEQ, abstract=True)

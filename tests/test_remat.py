@@ -23,11 +23,14 @@ from jaxmem.policy import (
     MemoryPolicy,
     get_policy,
     kept_tags,
+    mixed_policy,
     nested_segment_size,
+    parse_policy,
     policy_from_dict,
+    policy_to_dict,
 )
 from jaxmem.precision import PRECISIONS
-from jaxmem.train.step import lm_loss_fn
+from jaxmem.step.train_step import lm_loss_fn
 
 CFG = PRESETS["tiny"].replace(n_layers=4)
 LAYER_INPUT = "<layer input>"
@@ -68,15 +71,31 @@ def test_presets_exist_and_unknown_names_are_listed():
     assert set(POLICIES) == {"none", "full", "selective", "mlp", "offload", "nested"}
     with pytest.raises(ConfigError, match="unknown memory policy 'most'; choose one of: none"):
         get_policy("most")
-    # the former dots preset (the same tensors as selective): a command is told the new name,
-    # a run config that names it still loads
-    with pytest.raises(ConfigError, match="'dots' is now 'selective'.*use --policy selective"):
-        get_policy("dots")
-    assert policy_from_dict({"policy": "dots", "layers_every": 2}) == POLICIES["selective"].replace(
-        layers=LayerSelection(every=2)
-    )
 
 
+def test_a_mixed_stack_is_written_one_way_everywhere():
+    """``HEAD:K+REST``: what `jaxmem plan` prints is what --policy and config files take."""
+    mixed = parse_policy("none:2+selective")
+    assert mixed == mixed_policy("none", 2, "selective")
+    assert mixed.name == "none:2+selective" and mixed.rest == "selective"
+    assert mixed.layers == LayerSelection(first=2)
+    assert parse_policy("full") == POLICIES["full"]
+    assert policy_from_dict({"policy": "none:2+selective"}) == mixed
+    assert policy_from_dict(policy_to_dict(mixed)) == mixed
+    for bad, message in [
+        ("none:two+full", "neither a preset nor HEAD:K\\+REST"),
+        ("none:2", "neither a preset nor HEAD:K\\+REST"),
+        ("none:0+full", "neither a preset nor HEAD:K\\+REST"),
+        ("most:2+full", "unknown memory policy 'most'"),
+        ("none:2+nested", "rest='nested' must name a preset"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_policy(bad)
+    with pytest.raises(ConfigError, match="already says which layers"):
+        policy_from_dict({"policy": "none:2+full", "layers_first": 3})
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_gradients_equal_the_no_remat_run(setup, name):
     graphdef, params, batch = setup
@@ -205,6 +224,7 @@ def test_flops_rise_and_saved_bytes_fall_in_order(setup):
     assert flops["full"] < flops["none"] * (1 + 1 / 3) + 1
 
 
+@pytest.mark.slow
 def test_layer_selection_checkpoints_only_the_chosen_layers(setup):
     graphdef, params, batch = setup
     policy = MemoryPolicy(name="two_of_four", layers=LayerSelection(layers=(0, 2)))
@@ -221,6 +241,7 @@ def test_layer_selection_checkpoints_only_the_chosen_layers(setup):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol.rtol, atol=tol.atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["none", "selective", "offload"])
 def test_an_unrolled_stack_computes_and_keeps_what_the_scan_does(setup, name):
     """``unroll`` changes how XLA can free residuals, not what is computed or kept: the same
@@ -330,13 +351,13 @@ def test_layer_selection_indices():
     assert LayerSelection().indices(3) == (0, 1, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_layers", [6, 7])
 def test_nested_parameter_slices_are_counted_as_copies(n_layers):
-    """Issue 13, 5(a): when no divisor of L is near √L (7 layers: segments of 3, 3 and 1),
-    nested slices the stacked parameters into a head and a tail that the backward keeps: new
-    memory (its XLA:CPU plan holds 2.5 MB of temporaries more than full's for a 1.5 MB model),
-    which the residual accounting once called views. Equal segments (6 layers: 2 × 3) slice
-    nothing."""
+    """When no divisor of L is near √L (7 layers: segments of 3, 3 and 1), nested slices the
+    stacked parameters into a head and a tail that the backward keeps: new memory (its XLA:CPU
+    plan holds 2.5 MB of temporaries more than full's for a 1.5 MB model), counted as parameter
+    copies, not views. Equal segments (6 layers: 2 × 3) slice nothing."""
     cfg = PRESETS["tiny"].replace(n_layers=n_layers)
     graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     tokens = jnp.zeros((2, 16), jnp.int32)

@@ -28,9 +28,11 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxmem import cli  # noqa: E402
+from jaxmem.cli import train as train_command  # noqa: E402
+from jaxmem.cli.presets import preset_use  # noqa: E402
 from jaxmem.compare.tolerances import tolerance  # noqa: E402
 from jaxmem.config import PRESETS, ConfigError  # noqa: E402
-from jaxmem.train.job import JobConfig, read_config_file, write_config  # noqa: E402
+from jaxmem.job import JobConfig, read_config_file, write_config  # noqa: E402
 
 TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0"]
 
@@ -54,6 +56,7 @@ def snapshot(path) -> dict[str, int]:
     }
 
 
+@pytest.mark.slow
 def test_tiny_run_lowers_the_loss_and_leaves_metrics_plot_config_sample_checkpoints(tmp_path):
     out = tmp_path / "run"
     code = cli.main(
@@ -126,7 +129,7 @@ def test_config_round_trips_through_yaml_toml_and_flags(tmp_path):
             "model.norm=post",
         ]
     )
-    resolved = cli.resolve_job(args)
+    resolved = train_command.resolve(args)
     assert resolved.run.steps == 9 and resolved.optimizer.b2 == 0.95
     assert resolved.model.norm == "post" and resolved.model.n_layers == 3
 
@@ -144,10 +147,8 @@ def test_a_preset_without_a_causal_mask_is_refused_for_what_it_is():
         JobConfig.from_dict({"preset": "seed"})
     with pytest.raises(ConfigError, match="no causal mask"):
         JobConfig.from_dict({"preset": "tiny", "model": {"causal": False}})
-    assert "not a language model to train" in cli.preset_use("seed")
-    assert cli.preset_use("gpt2-124m").startswith(
-        "memory plans it from shapes (torch_ref on fake tensors); train"
-    )
+    assert preset_use("seed") == "seed-example, parity"
+    assert preset_use("gpt2-124m") == "train*, memory, plan, peak"
 
 
 def _bin_with_wrong_dtype(tmp_path):
@@ -224,7 +225,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path
 
 def test_backend_without_pinned_host_or_fp16_is_refused(tmp_path, monkeypatch, capsys):
     import jaxmem.memory.remat as remat
-    import jaxmem.train.step as step
+    import jaxmem.step.train_step as step
 
     monkeypatch.setattr(remat, "backend_memory_kinds", lambda device=None: ("device",))
     with pytest.raises(SystemExit) as exc:
@@ -248,6 +249,7 @@ def test_backend_without_pinned_host_or_fp16_is_refused(tmp_path, monkeypatch, c
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_contradicting_config_and_changes_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     assert train("--steps", "4", "--checkpoint-every", "2", "--out", str(out)) == 0
@@ -287,6 +289,8 @@ def _train_cmd(out, *extra):
     ]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_run_killed_with_sigkill_resumes_to_the_same_losses_step_for_step(tmp_path):
     reference = tmp_path / "reference"
     subprocess.run(_train_cmd(reference), check=True, capture_output=True, timeout=300)
@@ -382,6 +386,7 @@ def test_prepare_writes_bin_files_that_train_reads(tmp_path, capsys):
     assert exc.value.code == 2
 
 
+@pytest.mark.slow
 def test_fp16_and_multisteps_runs_checkpoint_and_resume(tmp_path, capsys):
     fp16 = tmp_path / "fp16"
     common = ["--checkpoint-every", "2", "--out", str(fp16), "--precision", "fp16"]
@@ -411,6 +416,7 @@ def test_fp16_and_multisteps_runs_checkpoint_and_resume(tmp_path, capsys):
     assert "accum mode 'multisteps' has no loss scaling" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_optimizer_state_and_params_in_host_memory_train_and_resume_the_same(tmp_path):
     host, dev = tmp_path / "host", tmp_path / "device"
     placement = [

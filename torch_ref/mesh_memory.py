@@ -30,7 +30,7 @@ import torch_ref
 import torch_ref.distributed as tdist
 from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig
 from jaxmem.parallel import ParallelConfig, parse_mesh
-from jaxmem.policy import MemoryPolicy, get_policy
+from jaxmem.policy import MemoryPolicy, parse_policy
 from jaxmem.precision import PRECISIONS, Precision
 from torch_ref.remat import apply_memory_policy
 from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parallel = parse_mesh(args.mesh) if args.mesh else ParallelConfig()
         tdist.check_launch(parallel, launch, "python -m torch_ref.mesh_memory ...")
-        policy = get_policy(args.policy)
+        policy = parse_policy(args.policy)
     except ConfigError as e:
         print(f"torch_ref.mesh_memory: error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
-"""Optimizers and the training step, mirroring ``jaxmem.train.step`` in plain PyTorch: autocast +
-GradScaler for mixed precision, the seeds' accumulation loop corrected to normalise by the whole
-batch's valid-token count, and a CPU-offloading optimizer."""
+"""Optimizers and the training step, mirroring ``jaxmem.step.train_step`` in plain PyTorch:
+autocast + GradScaler for mixed precision, the seeds' accumulation loop corrected to normalise by
+the whole batch's valid-token count, and a CPU-offloading optimizer."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ TORCH_DTYPES = {
 
 def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
     """Decay matrices and embedding tables (ndim >= 2); not biases or LayerNorm weights —
-    the same split as ``jaxmem.train.step.decay_mask``."""
+    the same split as ``jaxmem.step.train_step.decay_mask``."""
     params = list(params)
     return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},

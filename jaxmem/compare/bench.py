@@ -45,7 +45,7 @@ from jaxmem.memory.targets import LOCAL, Target, get_target
 from jaxmem.model import make_model
 from jaxmem.policy import POLICIES, MemoryPolicy
 from jaxmem.precision import PRECISIONS
-from jaxmem.train.step import lm_loss_fn, make_optimizer, make_train_step
+from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step
 from torch_ref.loss import cross_entropy_sum
 from torch_ref.memory import measure_lm_step
 from torch_ref.remat import apply_memory_policy, resolve_translation
@@ -67,6 +67,7 @@ class SweepPlan:
     ``QUICK`` (tiny preset) in well under a minute, for tests and a first look."""
 
     preset: str = "small"
+    model: ModelConfig | None = None  # the preset's model with overrides (None: the preset's)
     batch: int = 8
     seq_len: int = 128
     depths: tuple[int, ...] = (2, 4, 8, 12)
@@ -93,8 +94,8 @@ QUICK = SweepPlan(
 )
 
 
-# The frameworks' own policies, measured beside the presets as peers (issue 13: a preset that a
-# built-in beats on both bytes and FLOPs should not exist). One MemoryPolicy, translated by each
+# The frameworks' own policies, measured beside the presets as peers (a preset that a built-in
+# beats on both bytes and FLOPs should not exist). One MemoryPolicy, translated by each
 # framework to its built-in: JAX's ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``,
 # PyTorch's stock selective checkpointing with ``MUST_SAVE`` for every ``mm``/``addmm``. (JAX's
 # ``everything_saveable`` / ``nothing_saveable`` are ``none`` / ``full``.)
@@ -406,7 +407,7 @@ def run_sweep(
     as ``set_threads`` left them; the load average is recorded before and after)."""
     load_before = load_average()
     target = get_target(plan.target)
-    base = get_preset(plan.preset)
+    base = plan.model or get_preset(plan.preset)
     b, s = plan.batch, plan.seq_len
     rows: dict[str, list[dict[str, Any]]] = {
         "policy_precision": [],

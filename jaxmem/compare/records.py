@@ -1,5 +1,5 @@
 """torch_ref's memory record of one training step, beside jaxmem's
-(``jaxmem.memory.records.jax_record``: the same categories), and where the two differ tensor by
+(``jaxmem.planner.records.jax_record``: the same categories), and where the two differ tensor by
 tensor. Every figure is measured as its ``*_source`` field says; a record names the PyTorch
 translation of the policy it ran (``translation``: stock PyTorch, or torch_ref's extension).
 """
@@ -22,8 +22,8 @@ import torch_ref
 from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig
 from jaxmem.figures import process_max_rss_bytes
 from jaxmem.memory import analytic
-from jaxmem.memory.records import lm_step_batch
 from jaxmem.parallel import ParallelConfig
+from jaxmem.planner.records import lm_step_batch
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
 from torch_ref.memory import measure_lm_step
@@ -112,7 +112,7 @@ def torch_record(
                 )
 
         # the accounted step first, untracked; the measured step is then a steady one, holding
-        # the optimizer state a first step has not created yet (issue 13, 5c)
+        # the optimizer state a first step has not created yet
         live, hooks, flops = microbatches()
         grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
         opt.step()

@@ -44,8 +44,8 @@ FLOAT64_TOLERANCE_NOTE = (
 # fp32 unit roundoff is 6e-8. XLA:CPU and PyTorch (oneDNN / ATen) sum matmuls, softmax and
 # LayerNorm reductions in different orders, so results differ by a few ulps of the largest
 # partial sums. Each bound below is about 10-30x what was measured on the tiny, seed and odd
-# configurations (see the issue notes), and ~1000x below what a real bug produces (a wrong mask,
-# transpose or scale changes values at the 1e-2 level).
+# configurations, and ~1000x below what a real bug produces (a wrong mask, transpose or scale
+# changes values at the 1e-2 level).
 TOLERANCES: dict[str, dict[str, Tolerance]] = {
     "float64": {
         "logits": Tolerance(
@@ -228,15 +228,15 @@ TOLERANCES["bytes"] = {
         rtol=0.10,
         atol=0.0,
         reason="a deviceless compile runs no autotuning, so GEMM workspaces and some fusion "
-        "choices may differ from the plan XLA compiles on the GPU; the issue bounds the "
-        "difference at 10 %. Not yet measured (this project has no GPU): GPU-only test",
+        "choices may differ from the plan XLA compiles on the GPU; the difference is "
+        "bounded at 10 %. Unmeasured where CI runs (no GPU): GPU-only test",
     ),
     "runtime_peak_vs_plan": Tolerance(
         rtol=0.10,
         atol=256 * 2**20,
         reason="the allocator's peak adds rounding to its size classes, the step's inputs "
         "transferred before it and what other executables left resident (the CUDA context "
-        "itself is not counted); 10 % + 256 MiB. Not yet measured on a GPU: GPU-only test",
+        "itself is not counted); 10 % + 256 MiB. Unmeasured where CI runs (no GPU): GPU-only test",
     ),
     "plan_depth_increment": Tolerance(
         rtol=1e-3,
@@ -258,7 +258,7 @@ TOLERANCES["bytes"] = {
         reason="a stack run through the mixed stack's custom VJP with one preset on every block "
         "keeps what the scanned stack keeps, by residual accounting; measured on small fp32 "
         "8 x 128, selective: 39.09 vs 39.05 MiB (+0.1 %: the scan's iteration indices and "
-        "carries); before the fix it counted the block weights once more (+12.1 MiB, +31 %)",
+        "carries); counting the block weights once more would add 12.1 MiB (+31 %)",
     ),
     "mixed_stack_prediction": Tolerance(
         rtol=0.20,

@@ -20,7 +20,7 @@ import torch
 
 import torch_ref
 from jaxmem.config import ModelConfig
-from jaxmem.memory.records import lm_step_batch
+from jaxmem.planner.records import lm_step_batch
 from torch_ref.loss import cross_entropy_sum
 from torch_ref.memory import saved_tensor_bytes
 

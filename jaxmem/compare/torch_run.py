@@ -28,10 +28,17 @@ import torch_ref.distributed as tdist
 from jaxmem.compare.parity import torch_model_from
 from jaxmem.config import ConfigError
 from jaxmem.figures import Figure, format_bytes, rss_figure
+from jaxmem.job import JobConfig
 from jaxmem.model import make_model
-from jaxmem.train.job import JobConfig
 from jaxmem.train.layout import CHECKPOINT_DIR
-from jaxmem.train.loop import PreparedJob, prepare_job, run_job, val_batches
+from jaxmem.train.loop import (
+    PreparedJob,
+    check_resident,
+    host_available_bytes,
+    prepare_job,
+    run_job,
+    val_batches,
+)
 from torch_ref.checkpoint import TorchCheckpointer
 from torch_ref.generate import generate
 from torch_ref.loss import cross_entropy_sum
@@ -50,6 +57,20 @@ def check_torch_backend(job: JobConfig) -> None:
             "suite, not wired into the job): use --framework jax or set optimizer.state_memory "
             "and optimizer.params_memory to device"
         )
+    _check_torch_resident(job)
+
+
+def _check_torch_resident(job: JobConfig) -> None:
+    """The model's state fits where torch_ref would hold it: each rank's GPU, or this host's
+    memory for the ranks it runs."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        check_resident(job, props.total_memory, f"a {props.name} holds", devices_here=1)
+    else:
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", job.parallel.devices))
+        check_resident(job, host_available_bytes(), "this host has available", here)
 
 
 def launch_for(job: JobConfig) -> tdist.Launch:

@@ -52,8 +52,8 @@ from jaxmem.precision import Precision
 FP32 = 4
 
 
-# What every analytic activation figure covers (issue 13, 6): the blocks. At gpt2-1.5b, batch 1 x
-# 1024, the head's fp32 log-probabilities alone are 196 MiB beside full's 300 MiB of block inputs.
+# What every analytic activation figure covers: the blocks. At gpt2-1.5b, batch 1 x 1024, the
+# head's fp32 log-probabilities alone are 196 MiB beside full's 300 MiB of block inputs.
 ANALYTIC_SOURCE = (
     "analytic model (jaxmem.memory.analytic): the block stack only; embeddings, final norm, "
     "LM head and loss excluded"

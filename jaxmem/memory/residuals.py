@@ -99,8 +99,8 @@ def saved_residuals(f: Callable[..., Any], *args: Any) -> list[Residual]:
 _VIEWS = ("reshape", "squeeze", "expand_dims")
 # A slice or a cast of a parameter the backward keeps is new memory: the compute-dtype copies of
 # the weights under mixed precision, and the head and tail slices of the stacked parameters when
-# nested segments do not divide the stack (issue 13, 5a/5e: measured, a 7-layer nested stack's
-# XLA:CPU plan holds 2.5 MB of temporaries more than full's, for 1.5 MB of parameters).
+# nested segments do not divide the stack (measured: a 7-layer nested stack's XLA:CPU plan holds
+# 2.5 MB of temporaries more than full's, for 1.5 MB of parameters).
 _COPIES = ("slice", "convert_element_type", "copy", "copy_p", "dynamic_slice")
 
 

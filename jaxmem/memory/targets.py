@@ -1,6 +1,6 @@
 """Compile targets for memory plans (pure: no JAX).
 
-``cpu`` is the local backend (XLA:CPU; today's plans). The GPU targets are XLA ``GpuTargetConfig``
+``cpu`` is the local backend (XLA:CPU; the default). The GPU targets are XLA ``GpuTargetConfig``
 text protos shipped in ``jaxmem/memory/target_configs/``: with JAX's CUDA plugin installed
 (``jaxmem[gpu-plan]``) XLA compiles the real GPU program for them on a machine without a GPU
 (``jaxmem.memory.gpu_plan``). A target can also be a ``.txtpb`` file captured on a real GPU

@@ -39,8 +39,8 @@ from jaxmem import data as data_lib
 from jaxmem.config import ConfigError, require
 from jaxmem.figures import Figure, format_bytes, render_table
 from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.train.job import JobConfig, config_conflicts, write_config
-from jaxmem.train.layout import CHECKPOINT_DIR, quarantine
+from jaxmem.job import JobConfig, config_conflicts, write_config
+from jaxmem.train.layout import CHECKPOINT_DIR, newest_verified, quarantine
 
 # From most to least device memory at a given size (FLOPs grow the other way).
 CHEAPER_POLICIES = ("none", "mlp", "selective", "offload", "full", "nested")
@@ -105,6 +105,45 @@ class Trainer(Protocol):
 
 
 # ------------------------------------------------------------------------------------- prepare
+def host_available_bytes() -> int | None:
+    """Memory this host can still give a process (``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_resident(
+    job: JobConfig, available: int | None, where: str, devices_here: int | None = None
+) -> None:
+    """Refuse a job whose parameters, gradients and optimizer state alone (analytic, per
+    device: ``jaxmem.memory.analytic.model_state_bytes``) exceed the memory ``where`` has:
+    no memory policy or precision of activations can make it fit, so training would only run
+    out of memory after compiling. ``available``: bytes for the ``devices_here`` devices of
+    the mesh this process or host drives (default all of them; a CPU mesh's devices share its
+    memory); None: unknown, not checked."""
+    from jaxmem.memory.analytic import model_state_bytes
+
+    if available is None:
+        return
+    state = model_state_bytes(job.model, job.optimizer, job.precision, job.parallel)
+    per_device = sum(state.values())
+    total = per_device * (devices_here or job.parallel.devices)
+    mesh = job.parallel.mesh_text()
+    per = f", {format_bytes(per_device)} per device of {mesh}" if job.parallel.sharded else ""
+    require(
+        total <= available,
+        f"{job.preset}'s parameters, gradients and {job.optimizer.name} state alone need "
+        f"{format_bytes(total)} (analytic, {job.precision.name}{per}), more than the "
+        f"{format_bytes(available)} {where}: no memory policy can make it fit; train it where "
+        f"it fits, or see its plan: jaxmem plan --preset {job.preset} --target h100",
+    )
+
+
 def prepare_job(
     job: JobConfig,
     out_dir: str | None,
@@ -292,6 +331,11 @@ def read_metrics(path: str) -> tuple[list[dict[str, Any]], int]:
     return records, partial
 
 
+def finite_losses(records: Sequence[dict[str, Any]]) -> int:
+    """How many of a run's step records hold a finite training loss."""
+    return sum(1 for r in records if isinstance(r.get("loss"), float) and math.isfinite(r["loss"]))
+
+
 def plot_losses(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str) -> None:
     """Train (and validation) loss against step for one or more runs, on one plot."""
     import matplotlib
@@ -305,13 +349,18 @@ def plot_losses(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str)
         train = [(r["step"], r["loss"]) for r in records if math.isfinite(r["loss"])]
         if train:
             ax.plot(*zip(*train, strict=True), color=color, lw=1, label=f"{label} train")
-        val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        val = [
+            (r["step"], r["val_loss"])
+            for r in records
+            if r.get("val_loss") is not None and math.isfinite(r["val_loss"])
+        ]
         if val:
             ax.plot(*zip(*val, strict=True), "o--", color=color, label=f"{label} validation")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title("training loss")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # a run with no finite loss draws nothing
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -454,7 +503,12 @@ class RunInterrupted(RuntimeError):
 
 class _StopRequests:
     """SIGINT and SIGTERM ask the loop to stop after the current step (torchtitan and the HF
-    Trainer checkpoint on a signal the same way); a second signal aborts at once."""
+    Trainer checkpoint on a signal the same way); a second signal aborts at once.
+
+    Python runs a signal's handler once however many times the signal arrived while the main
+    thread was busy in native code (a step, a save): two Ctrl-C 50 ms apart would read as one
+    and save. The C-level handler also writes one byte per delivery to the wakeup fd
+    (``signal.set_wakeup_fd``), so the handler counts deliveries there instead."""
 
     SIGNALS = ("SIGINT", "SIGTERM")
 
@@ -462,21 +516,45 @@ class _StopRequests:
         self.console = console
         self.signal: str | None = None
         self._old: dict[int, Any] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._old_wakeup = -1
 
     def __enter__(self) -> _StopRequests:
         import signal
         import threading
 
         if threading.current_thread() is threading.main_thread():
+            self._pipe = os.pipe()
+            for fd in self._pipe:
+                os.set_blocking(fd, False)
+            self._old_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
             for name in self.SIGNALS:
                 number = getattr(signal, name)
                 self._old[number] = signal.signal(number, self._handle)
         return self
 
+    def _deliveries(self) -> int:
+        """Stop signals delivered since the last call (at least the one being handled)."""
+        import signal
+
+        numbers = {int(getattr(signal, name)) for name in self.SIGNALS}
+        count = 0
+        while self._pipe is not None:
+            try:
+                data = os.read(self._pipe[0], 512)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            count += sum(1 for byte in data if byte in numbers)
+        return max(count, 1)
+
     def _handle(self, number: int, frame: Any) -> None:
         import signal
 
-        if self.signal is not None:  # the second one: abort without saving
+        deliveries = self._deliveries()
+        if self.signal is not None or deliveries > 1:  # the second one: abort without saving
+            self.signal = self.signal or signal.Signals(number).name
             signal.signal(number, signal.SIG_DFL)
             raise KeyboardInterrupt
         self.signal = signal.Signals(number).name
@@ -490,6 +568,20 @@ class _StopRequests:
 
         for number, handler in self._old.items():
             signal.signal(number, handler)
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_wakeup)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
+
+
+def _verified(out_dir: str) -> str:
+    """The newest checkpoint of a run that verifies, in words (for a message)."""
+    directory = os.path.join(out_dir, CHECKPOINT_DIR)
+    step = newest_verified(directory)[0] if os.path.isdir(directory) else None
+    if step is None:
+        return "none"
+    return f"step {step} in {directory} (continue with: jaxmem train --out {out_dir} --resume)"
 
 
 def disk_error(error: BaseException) -> OSError | None:
@@ -701,6 +793,13 @@ def _train(
                     )
         except (RunFailed, RunInterrupted):
             raise
+        except KeyboardInterrupt:
+            # a second signal, wherever it landed (a save it cut short is never verified)
+            good = _verified(prepared.out_dir) if saves else "none (no --out)"
+            raise RunInterrupted(
+                f"a second {stop.signal or 'signal'} aborted the run without saving; last "
+                f"verified checkpoint: {good}"
+            ) from None
         except Exception as e:
             if is_out_of_memory(e) or disk_error(e) is not None:
                 raise failed(e) from None

@@ -21,6 +21,7 @@ from rich.console import Console
 
 from jaxmem.config import ConfigError
 from jaxmem.figures import Figure, format_bytes, rss_figure
+from jaxmem.job import JobConfig
 from jaxmem.memory import residuals
 from jaxmem.memory.remat import backend_memory_kinds, check_backend, layers_fn
 from jaxmem.memory.targets import Target
@@ -33,20 +34,8 @@ from jaxmem.sharding import (
     sharded_bytes,
     step_shardings,
 )
-from jaxmem.train.job import JobConfig
-from jaxmem.train.layout import CHECKPOINT_DIR
-from jaxmem.train.loop import (
-    PreparedJob,
-    RunFailed,
-    is_out_of_memory,
-    out_of_memory_message,
-    prepare_job,
-    run_job,
-    train_batch,
-    val_batches,
-)
-from jaxmem.train.scaling import init_loss_scale
-from jaxmem.train.step import (
+from jaxmem.step.scaling import init_loss_scale
+from jaxmem.step.train_step import (
     check_precision_backend,
     lm_loss_fn,
     make_multisteps_step,
@@ -57,6 +46,19 @@ from jaxmem.train.step import (
     tree_bytes,
     valid_tokens,
 )
+from jaxmem.train.layout import CHECKPOINT_DIR
+from jaxmem.train.loop import (
+    PreparedJob,
+    RunFailed,
+    check_resident,
+    host_available_bytes,
+    is_out_of_memory,
+    out_of_memory_message,
+    prepare_job,
+    run_job,
+    train_batch,
+    val_batches,
+)
 
 
 def check_jax_backend(job: JobConfig) -> None:
@@ -66,6 +68,14 @@ def check_jax_backend(job: JobConfig) -> None:
         mesh(job.parallel)  # raises, naming the device count, if this process lacks them
     check_backend(job.memory)
     check_precision_backend(job.precision)
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    here = max(1, job.parallel.devices // jax.process_count())  # this process's devices
+    if stats and stats.get("bytes_limit"):
+        limit = stats["bytes_limit"] * here
+        check_resident(job, limit, f"{here} x {device.device_kind} hold", here)
+    else:
+        check_resident(job, host_available_bytes(), "this host has available", here)
     for name in ("state_memory", "params_memory"):
         kind = getattr(job.optimizer, name)
         if kind != "device" and kind not in backend_memory_kinds():

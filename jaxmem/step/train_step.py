@@ -26,7 +26,7 @@ from jaxmem.model import STACK_PATH
 from jaxmem.model.loss import cross_entropy_sum
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import PRECISIONS, Precision
-from jaxmem.train.scaling import all_finite
+from jaxmem.step.scaling import all_finite
 
 DECAYED_LEAVES = ("kernel", "embedding")  # matrices; biases and norm scales are not decayed
 FP32 = PRECISIONS["fp32"]
@@ -261,12 +261,12 @@ def make_train_step(
         )
         divisor = n_tokens if loss_scale is None else loss_scale.scale
         # With accumulation the norm reads the summed gradient (a buffer of its own, the
-        # accumulator), before the division the update reads: reading the divided one made
+        # accumulator), before the division the update reads: reading the divided one makes
         # XLA:CPU keep it whole beside the update's temporaries (small, fp32, full, Adafactor,
         # 16 x 256 in 16 microbatches: 53.5 -> 41.3 MiB). Without, the gradient is the
-        # backward's output, and reading it before the division makes XLA keep it whole
-        # (gpt2-124m bf16 8 x 1024 unrolled `none`, H100 plan, before the loss VJP: 12.37 ->
-        # 12.87 GB), so there the norm reads the divided gradient.
+        # backward's output and the norm reads the divided gradient; reading it before the
+        # division plans the same peak (`none`, scanned / unrolled: gpt2-124m bf16 8 x 1024 for
+        # an H100 13.30 / 10.53 GB, small fp32 16 x 256 on XLA:CPU 575 / 565 MB).
         summed_norm = optax.tree.norm(grads) / divisor if accum.steps > 1 else None
         grads = jax.tree_util.tree_map(lambda g: (g / divisor).astype(g.dtype), grads)
         grad_norm = summed_norm if summed_norm is not None else optax.tree.norm(grads)

@@ -14,7 +14,7 @@ The figure is the compiler's own (a compiled plan, for the target the step was c
 ``live_bytes`` is what the buffers live at the peak hold; ``allocated_bytes`` the plan's size,
 larger by what packing the buffers into one arena costs (fragmentation).
 
-``python -m jaxmem.memory.peak SPEC.json`` is the child (``jaxmem peak`` the command).
+``python -m jaxmem.planner.peak SPEC.json`` is the child (``jaxmem peak`` the command).
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def explain_peak(
         if target == "cpu":
             env.setdefault("JAX_PLATFORMS", "cpu")
         done = subprocess.run(
-            [sys.executable, "-m", "jaxmem.memory.peak", spec_file],
+            [sys.executable, "-m", "jaxmem.planner.peak", spec_file],
             env=env,
             capture_output=True,
             text=True,
@@ -328,9 +328,9 @@ def _child(argv: Sequence[str]) -> None:
     from jaxmem.backend import contain_cuda_plugin
 
     contain_cuda_plugin()
-    from jaxmem.memory.records import plan_step
     from jaxmem.memory.targets import get_target
     from jaxmem.parallel import parse_mesh
+    from jaxmem.planner.records import plan_step
     from jaxmem.precision import get_precision
 
     with open(argv[0]) as f:

@@ -43,16 +43,17 @@ from typing import Any
 from flax import nnx
 
 from jaxmem.config import ConfigError, ModelConfig, OptimizerConfig, require
+from jaxmem.job import JobConfig
 from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
-from jaxmem.memory.records import lm_step_batch, plan_step
 from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.parallel import ParallelConfig
-from jaxmem.policy import POLICIES, MemoryPolicy, base_preset_name, mixed_policy, split_policy
+from jaxmem.planner.records import lm_step_batch, plan_step
+from jaxmem.policy import POLICIES, MemoryPolicy, mixed_policy, split_policy
 from jaxmem.precision import PRECISIONS, Precision
-from jaxmem.train.step import lm_loss_fn
+from jaxmem.step.train_step import lm_loss_fn
 
 GIB = 2**30
 USABLE_FRACTION = 0.9  # of a GPU's memory: the CUDA context, cuDNN/cuBLAS workspaces, fragmentation
@@ -389,32 +390,18 @@ def _offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:
     return sum(n for n, p in split_policy(policy, n_layers) if p.offload)
 
 
-def train_flags(cand: Candidate, devices: int) -> list[str]:
-    """``jaxmem train`` flags that run ``cand`` (both frameworks read them: ``--framework
-    torch`` translates the policy with ``torch_ref.remat``, the mesh with FSDP2/DDP)."""
-    flags = ["--policy", base_preset_name(cand.policy)]
-    if cand.policy.rest is not None:
-        flags += ["--set", f"memory.layers_first={cand.policy.layers.first}"]
-        flags += ["--set", f"memory.rest={cand.policy.rest}"]
-    flags += ["--precision", cand.precision, "--accum", str(cand.accum)]
-    if cand.state_memory != "device":
-        flags += ["--set", f"optimizer.state_memory={cand.state_memory}"]
-    if cand.strategy is not None:
-        flags += ["--mesh", f"{cand.strategy}={devices}"]
-    return flags
-
-
-def torch_translation(cand: Candidate, devices: int) -> str:
-    """How torch_ref runs the same choice, or why it cannot."""
-    if cand.state_memory != "device":
-        return (
-            "not in torch_ref: optimizer-state offload is jaxmem's (FSDP2's CPUOffloadPolicy, "
-            "the stock peer, is not wired into torch_ref's job)"
-        )
-    flags = " ".join(["--framework", "torch", *train_flags(cand, devices)])
-    if cand.strategy is not None:
-        return f"torchrun --standalone --nproc_per_node={devices} --no-python jaxmem train {flags}"
-    return f"jaxmem train {flags}"
+def candidate_job(job: JobConfig, cand: Candidate, devices: int) -> JobConfig:
+    """``job`` with ``cand``'s choices applied: what ``jaxmem train`` runs for it."""
+    return dataclasses.replace(
+        job,
+        memory=cand.policy,
+        precision=PRECISIONS[cand.precision],
+        accum=dataclasses.replace(job.accum, steps=cand.accum),
+        optimizer=dataclasses.replace(job.optimizer, state_memory=cand.state_memory),
+        parallel=ParallelConfig()
+        if cand.strategy is None
+        else ParallelConfig(strategy=cand.strategy, devices=devices),
+    )
 
 
 # ---------------------------------------------------------------------------------- search

@@ -40,8 +40,8 @@ from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
 from jaxmem.sharding import mesh, parallel_loss, sharded_bytes, step_shardings
-from jaxmem.train.scaling import init_loss_scale
-from jaxmem.train.step import (
+from jaxmem.step.scaling import init_loss_scale
+from jaxmem.step.train_step import (
     lm_loss_fn,
     make_optimizer,
     make_train_step,

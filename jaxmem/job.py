@@ -1,18 +1,23 @@
-"""The configuration of a training job: one frozen object per concern, resolved in layers.
+"""The configuration of a training step and the job around it: one frozen object per concern,
+resolved in layers.
 
 Pure data (no JAX, no PyTorch): the same object drives jaxmem and torch_ref
-(``run.framework``). ``jaxmem train`` builds a ``JobConfig`` from, lowest priority first: the
-defaults, the model preset, a config file (TOML, YAML or JSON, the same sections as
-``JobConfig.to_dict()``), and the command line. The resolved config is written to the run
-directory as ``config.yaml`` and reads back to an equal object (``--config RUN/config.yaml``
-repeats a run). ``JobConfig`` holds objects (``ModelConfig``, ``MemoryPolicy``, ``Precision``,
-...); names exist only in files and on the command line. Sections::
+(``run.framework``), and every command that builds a step (``train``, ``memory``, ``plan``,
+``peak``, ``bench``) resolves it the same way (``resolve_job``), lowest priority first: the
+command's defaults, the model preset, a config file (TOML, YAML or JSON, the same sections as
+``JobConfig.to_dict()``), the command line's flags and ``--set section.key=value``. The rules
+across fields live in ``JobConfig``'s validation, so a library user gets the errors the
+command line prints. A run's resolved config is written to its directory as ``config.yaml`` and
+reads back to an equal object (``--config RUN/config.yaml`` repeats a run, or plans it).
+``JobConfig`` holds objects (``ModelConfig``, ``MemoryPolicy``, ``Precision``, ...); names exist
+only in files and on the command line. Sections::
 
     preset = "small"
     precision = "bf16"  # fp32 | bf16 | fp16 | pure-bf16
     [model]      # any ModelConfig field, overriding the preset's
-    [memory]     # policy = "selective" (a preset), or policy = "custom" with save / offload
-                 # tag lists; optionally layers_every / layers_first / layers, use_reentrant
+    [memory]     # policy = "selective" (a preset), "none:2+selective" (HEAD:K+REST), or
+                 # "custom" with save / offload tag lists; optionally layers_every /
+                 # layers_first / layers, unroll, use_reentrant
     [optimizer]  # OptimizerConfig fields (name, lr, weight_decay, ...)
     [accum]      # steps, mode ("scan" | "multisteps"), inplace (scan: add into the sum in place)
     [data]       # path (a text file, a directory of text, or nanoGPT .bin files; empty: the
@@ -28,7 +33,7 @@ import json
 import math
 import os
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jaxmem.config import (
@@ -190,9 +195,10 @@ class JobConfig:
     def __post_init__(self) -> None:
         require(
             self.model.causal,
-            f"preset {self.preset!r} has no causal mask (model.causal=False): a language model "
-            "trained on it would see the token it predicts; train a causal preset (tiny, small, "
-            "gpt2-*) or set model.causal=true (the seeds' layer runs in `jaxmem seed-example`)",
+            f"preset {self.preset!r} has no causal mask (model.causal=False): it is not a "
+            "language model (trained as one it would see the token it predicts); use a causal "
+            "preset (tiny, small, gpt2-*) or set model.causal=true (the seeds' layer runs in "
+            "`jaxmem seed-example`)",
         )
         require(
             isinstance(self.memory, MemoryPolicy),
@@ -250,10 +256,47 @@ class JobConfig:
         out["memory"] = policy_to_dict(self.memory)
         return out
 
+    def check_gpu_plan(self) -> None:
+        """Raise ``ConfigError`` unless this step can be compiled for a GPU target without the
+        GPU (``--target``): the scanned step with its state on the device, in jaxmem."""
+        require(
+            self.run.framework == "jax",
+            "a GPU --target plans jaxmem's compiled step; torch_ref has no compiled plan (see "
+            "its accounting with jaxmem memory --target)",
+        )
+        require(
+            self.accum.mode == "scan",
+            f"a GPU --target plans the scanned train step; accum mode {self.accum.mode!r} is "
+            "not planned: use accum mode 'scan' (--accum-mode scan)",
+        )
+        require(
+            self.optimizer.params_memory == "device",
+            "a GPU --target cannot plan parameters in pinned_host: a deviceless compile drops "
+            "host memory kinds on the step's arguments; keep optimizer.params_memory=device",
+        )
+
+    @property
+    def step_text(self) -> str:
+        """The step in words: preset, batch, precision, policy, optimizer (report headers)."""
+        micro = f" in {self.accum.steps} microbatches" if self.accum.steps > 1 else ""
+        stack = self.memory.name + (" (unrolled)" if self.memory.unroll else "")
+        mesh = f", {self.parallel.mesh_text()}" if self.parallel.sharded else ""
+        return (
+            f"{self.preset}, batch {self.run.batch_size} x {self.run.seq_len}{micro}, "
+            f"{self.precision.name}, {stack}, {self.optimizer.name}{mesh}"
+        )
+
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> JobConfig:
+    def from_dict(
+        cls,
+        raw: Mapping[str, Any],
+        *,
+        seq_len_default: Callable[[str, ModelConfig], int] | None = None,
+    ) -> JobConfig:
         """Build from nested data: the preset's model overlaid with the ``model`` section,
-        every other section onto its defaults. Unknown sections or keys raise ``ConfigError``."""
+        every other section onto its defaults. Unknown sections or keys raise ``ConfigError``.
+        Without ``run.seq_len`` the sequence is ``seq_len_default(preset, model)``, or 128,
+        capped at the model's ``max_seq_len``."""
         known = {"preset", "precision", "memory", *SECTIONS}
         unknown = sorted(set(raw) - known)
         require(not unknown, f"unknown config section(s) {unknown}; valid: {sorted(known)}")
@@ -274,13 +317,34 @@ class JobConfig:
                 sections[name] = _overlay(name, base, values)
         if "seq_len" not in (raw.get("run") or {}):
             # the default sequence length fits the model: 128 or its max_seq_len if shorter
-            run = sections["run"]
-            sections["run"] = dataclasses.replace(
-                run, seq_len=min(run.seq_len, sections["model"].max_seq_len)
-            )
+            run, model = sections["run"], sections["model"]
+            seq_len = seq_len_default(preset, model) if seq_len_default else run.seq_len
+            sections["run"] = dataclasses.replace(run, seq_len=min(seq_len, model.max_seq_len))
         name = raw.get("precision", "fp32")
         require(isinstance(name, str), f"precision={name!r} must be a precision name")
         return cls(preset=preset, precision=get_precision(name), **sections)
+
+
+def resolve_job(
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    saved: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
+    flags: Mapping[str, Any] | None = None,
+    assignments: Iterable[str] = (),
+    seq_len_default: Callable[[str, ModelConfig], int] | None = None,
+) -> JobConfig:
+    """The one way a step's configuration is built, lowest priority first: ``defaults`` (a
+    command's own, as nested data), ``saved`` (a checkpoint's config, when resuming), the
+    ``config_file``, ``flags`` (nested data, e.g. ``{"run": {"batch_size": 8}}``) and
+    ``assignments`` (``"section.key=value"``). Raises ``ConfigError`` naming the bad value."""
+    layered = merge(dict(defaults or {}), saved or {})
+    if config_file:
+        layered = merge(layered, read_config_file(config_file))
+    layered = merge(layered, flags or {})
+    for assignment in assignments:
+        layered = merge(layered, parse_assignment(assignment))
+    return JobConfig.from_dict(layered, seq_len_default=seq_len_default)
 
 
 def write_config(config: JobConfig, path: str) -> None:
@@ -318,14 +382,6 @@ def _same(a: Any, b: Any) -> bool:
 
 _MISSING = object()
 
-# Settings added after runs could have been saved, with the value that reproduces what those runs
-# did: a checkpoint whose config predates the setting resumes when the new config has this value
-# (and conflicts, naming the setting, when it has another).
-ADDED_LATER: dict[str, Any] = {
-    "model.attention": "naive",
-    "model.attention_block": 128,
-}
-
 
 def _show(value: Any) -> str:
     if value is _MISSING:
@@ -351,8 +407,6 @@ def config_conflicts(
         if any(path == a or path.startswith(a + ".") for a in allowed):
             continue
         before, after = flat_saved.get(path, _MISSING), flat_new.get(path, _MISSING)
-        if before is _MISSING and path in ADDED_LATER and _same(ADDED_LATER[path], after):
-            continue  # saved before the setting existed, and the run does what it did then
         if before is _MISSING or after is _MISSING or not _same(before, after):
             conflicts.append(f"{path}: checkpoint {_show(before)}, now {_show(after)}")
     return conflicts

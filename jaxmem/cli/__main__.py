@@ -1,0 +1,5 @@
+import sys
+
+from jaxmem.cli.app import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""``jaxmem``'s parser (one sub-command per module) and ``main``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import jaxmem.cli.bench as bench
+import jaxmem.cli.capture_target as capture_target
+import jaxmem.cli.memory as memory
+import jaxmem.cli.parity as parity
+import jaxmem.cli.peak as peak
+import jaxmem.cli.plan as plan
+import jaxmem.cli.plot as plot
+import jaxmem.cli.prepare as prepare
+import jaxmem.cli.presets as presets
+import jaxmem.cli.seed_example as seed_example
+import jaxmem.cli.train as train
+from jaxmem import __version__
+from jaxmem.cli.common import EXIT_USAGE, Parser, UsageError
+
+# in the order `jaxmem --help` lists them
+COMMANDS = (
+    train,
+    memory,
+    plan,
+    peak,
+    parity,
+    bench,
+    presets,
+    prepare,
+    plot,
+    capture_target,
+    seed_example,
+)
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="jaxmem",
+        description="Decide, prove and run the cheapest memory strategy for training a "
+        "transformer, in JAX (Flax NNX) and PyTorch.",
+    )
+    parser.add_argument("--version", action="version", version=f"jaxmem {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from jaxmem.backend import contain_cuda_plugin
+
+    contain_cuda_plugin()  # before JAX starts (it starts lazily, in the commands)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args) or 0
+    except UsageError as e:
+        message = f"jaxmem {args.command}: error: {e}\n"
+        _end_torch_worker(EXIT_USAGE, message)
+        parser.exit(EXIT_USAGE, message)
+    _end_torch_worker(code)
+    return code
+
+
+def _end_torch_worker(code: int, message: str = "") -> None:
+    """A torch run that joined torchrun's process group ends here (``end_worker``: the
+    interpreter's teardown would free gloo's groups under its threads); others return."""
+    distributed = sys.modules.get("torch_ref.distributed")  # imported only by torch runs
+    if distributed is None or not distributed.joined():
+        return
+    sys.stderr.write(message)
+    distributed.end_worker(code)

@@ -1,0 +1,157 @@
+"""What every command shares: exit codes, the one-line usage error, argument types, the checks
+for PyTorch, a JAX backend and an output path. Imports no JAX and no PyTorch at start."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import math
+import os
+from collections.abc import Iterator, Sequence
+
+from jaxmem.config import ConfigError
+
+EXIT_USAGE = 2
+EXIT_PARITY_FAILED = 1
+EXIT_RUN_FAILED = 1  # a training run stopped at run time (non-finite loss, out of memory, disk)
+EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM (128 + SIGINT), after saving the step
+TORCH_EXTRA = "pip install 'jaxmem[torch]'"
+
+
+class UsageError(Exception):
+    """Bad user input: reported as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (not the usage block) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+@contextlib.contextmanager
+def usage_errors(*types: type[Exception]) -> Iterator[None]:
+    """Report ``ConfigError`` (and ``types``) raised in the block as a usage error: one line
+    naming the value, exit code 2."""
+    try:
+        yield
+    except (ConfigError, *types) as e:
+        raise UsageError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- argument types
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed: use 0 .. {2**32 - 1}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{value} must be positive and finite")
+    return value
+
+
+def int_list(text: str, flag: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; anything else is a usage error naming ``flag``."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: give comma-separated positive integers") from None
+    if not values or min(values) <= 0:
+        raise UsageError(f"{flag} {text!r}: give comma-separated positive integers, e.g. 1,2,4")
+    return values
+
+
+def names(text: str, valid: Sequence[str], what: str) -> list[str]:
+    """Comma-separated names, each once, in the order given."""
+    given = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in given if n not in valid]
+    if bad or not given:
+        raise UsageError(f"unknown {what} {bad or [text]}; choose from: {', '.join(valid)}")
+    return given
+
+
+# ----------------------------------------------------------------------------------- checks
+def torch_available() -> bool:
+    """Whether PyTorch imports (only asked by the commands that compare with it)."""
+    try:
+        importlib.import_module("torch")
+    except ImportError:
+        return False
+    return True
+
+
+def need_torch(what: str) -> None:
+    """One line and exit 2 when a command that compares with PyTorch runs without it."""
+    if not torch_available():
+        raise UsageError(f"{what} needs PyTorch, which is not installed: {TORCH_EXTRA}")
+
+
+def need_jax_backend() -> None:
+    """One line and exit 2 when JAX cannot start the backend ``JAX_PLATFORMS`` asks for (it
+    raises a bare AssertionError or RuntimeError on first use)."""
+    import jax
+
+    from jaxmem.backend import quiet_native_stderr
+
+    try:
+        with quiet_native_stderr(drop_on_error=True):  # the plugin's traceback: said below
+            jax.devices()
+    except Exception as e:  # jax raises AssertionError / RuntimeError, varying by version
+        wanted = os.environ.get("JAX_PLATFORMS", "")
+        if any(p in wanted.lower() for p in ("cuda", "gpu")):
+            raise UsageError(
+                f"JAX has no CUDA backend here (JAX_PLATFORMS={wanted!r}): install "
+                "'jaxmem[cuda]' on a machine with an NVIDIA driver, or unset JAX_PLATFORMS"
+            ) from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UsageError(
+            f"JAX cannot start a backend for JAX_PLATFORMS={wanted!r} ({first}); unset it or "
+            "set it to cpu"
+        ) from None
+
+
+def check_writable(path: str | None, flag: str = "--json") -> None:
+    """The directory an output file goes to exists and is writable."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {path}: directory {parent} is not writable")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a directory; give a file name")
+
+
+def need_gpu_plan(target) -> None:
+    """A GPU target needs ``jaxmem[gpu-plan]`` (or a GPU); one line when it is missing."""
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import require_gpu_plan
+
+        with usage_errors():
+            require_gpu_plan(target)
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"

@@ -1,0 +1,281 @@
+"""The flags that describe a training step, declared once, and the one way every command turns
+them into a ``JobConfig`` (``jaxmem.job.resolve_job``: the command's defaults < the preset <
+``--config`` < flags < ``--set``).
+
+Each step flag names the setting it overrides (a dotted path of ``JobConfig.to_dict()``); a
+flag not given is ``None`` and leaves the layers below it alone. A command lists the flags it
+takes and its own defaults; its ``--help`` shows them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jaxmem.cli.common import positive_float, positive_int, seed, usage_errors
+from jaxmem.config import ATTENTIONS, MEMORY_KINDS, OPTIMIZERS, PRESETS, ModelConfig
+from jaxmem.policy import POLICIES
+from jaxmem.precision import PRECISIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One command-line flag: where its value goes in the job config, and its help."""
+
+    option: str
+    path: str | None  # dotted path in JobConfig.to_dict(); None: read by the command itself
+    help: str
+    type: Callable[[str], Any] | None = None
+    action: str | None = None
+    metavar: str | None = None
+
+
+TARGETS_HELP = (
+    "cpu (this machine's backend), h100, a100-40gb, a100-80gb (compiled without a GPU; needs "
+    "jaxmem[gpu-plan]) or a captured .txtpb target file"
+)
+
+FLAGS: dict[str, Flag] = {
+    f.option.lstrip("-").replace("-", "_"): f
+    for f in (
+        Flag("--preset", "preset", f"model preset: {', '.join(PRESETS)} (jaxmem presets)"),
+        Flag(
+            "--config",
+            None,
+            "TOML, YAML or JSON file of settings, sections as in a run's config.yaml",
+            metavar="FILE",
+        ),
+        Flag(
+            "--set",
+            None,
+            "any setting, e.g. --set model.norm=post --set optimizer.b2=0.95 (repeatable)",
+            action="append",
+            metavar="SECTION.KEY=VALUE",
+        ),
+        Flag("--n-layers", "model.n_layers", "the preset's layer count, overridden", positive_int),
+        Flag("--d-model", "model.d_model", "the preset's width, overridden", positive_int),
+        Flag("--n-heads", "model.n_heads", "the preset's heads, overridden", positive_int),
+        Flag("--d-ff", "model.d_ff", "the preset's MLP width, overridden", positive_int),
+        Flag(
+            "--attention",
+            "model.attention",
+            f"the attention core: {' or '.join(ATTENTIONS)} (FlashAttention's algorithm)",
+        ),
+        Flag(
+            "--policy",
+            "memory.policy",
+            f"memory policy: a preset ({', '.join(POLICIES)}), HEAD:K+REST (e.g. "
+            "none:2+selective: the first K blocks under HEAD, the rest under REST) or custom "
+            "(with --save/--offload)",
+        ),
+        Flag("--save", "memory.save", "custom policy: tags kept on the device, comma-separated"),
+        Flag("--offload", "memory.offload", "custom policy: tags sent to host, comma-separated"),
+        Flag(
+            "--unroll",
+            "memory.unroll",
+            "run the blocks unrolled instead of under one scan (JAX; frees each block's "
+            "residuals after its backward; compiles slower; XLA:CPU drops remat when unrolled)",
+            action="store_const",
+        ),
+        Flag("--precision", "precision", f"one of {', '.join(PRECISIONS)}"),
+        Flag("--optimizer", "optimizer.name", f"one of {', '.join(OPTIMIZERS)}"),
+        Flag("--lr", "optimizer.lr", "learning rate", positive_float),
+        Flag("--weight-decay", "optimizer.weight_decay", "AdamW/SGD weight decay", float),
+        Flag(
+            "--state-memory",
+            "optimizer.state_memory",
+            f"where the optimizer state lives between steps: {' or '.join(MEMORY_KINDS)}",
+        ),
+        Flag("--accum", "accum.steps", "microbatches per step", positive_int),
+        Flag("--accum-mode", "accum.mode", "accumulation: scan or multisteps (optax.MultiSteps)"),
+        Flag("--batch-size", "run.batch_size", "rows per step (the global batch)", positive_int),
+        Flag("--seq-len", "run.seq_len", "tokens per row", positive_int),
+        Flag("--seed", "run.seed", "weights and data order", seed),
+        Flag(
+            "--mesh",
+            "parallel",
+            "data-parallel strategy over devices, STRATEGY=N: dp=4 (replicated), zero1=4 "
+            "(optimizer state sharded), fsdp=4 (parameters, gradients and state sharded)",
+        ),
+        Flag("--target", None, f"plan the step for: {TARGETS_HELP}"),
+        Flag("--wide", None, "every column (default: the essential ones)", action="store_true"),
+        Flag("--json", None, "write the results as JSON", metavar="OUT.json"),
+        # the run around the step (jaxmem train)
+        Flag("--framework", "run.framework", "jax or torch (torch_ref, the PyTorch mirror)"),
+        Flag(
+            "--data",
+            "data.path",
+            "text file, directory of text, or nanoGPT .bin / directory with train.bin",
+        ),
+        Flag("--steps", "run.steps", "optimizer steps in total", positive_int),
+        Flag("--eval-every", "run.eval_every", "validation every so many steps", positive_int),
+        Flag("--checkpoint-every", "run.checkpoint_every", "checkpoint cadence", positive_int),
+        Flag("--keep", "run.keep_checkpoints", "checkpoints kept", positive_int),
+        Flag("--sample-tokens", "run.sample_tokens", "text sample at the end (0: none)", int),
+        Flag("--prompt", "run.prompt", "the sample's prompt"),
+    )
+}
+
+# What most step commands take (train adds its run flags).
+MODEL_FLAGS = ("preset", "config", "set", "n_layers", "d_model", "n_heads", "d_ff", "attention")
+STEP_FLAGS = (*MODEL_FLAGS, "precision", "optimizer", "state_memory", "batch_size", "seq_len")
+RUN_FLAGS = ("framework", "data", "steps", "eval_every", "checkpoint_every", "keep")
+RUN_FLAGS += ("sample_tokens", "prompt")
+
+
+def max_seq_len(preset: str, model: ModelConfig) -> int:
+    """A ``seq_len_default``: the model's whole position table (planning a preset as trained)."""
+    return model.max_seq_len
+
+
+def _at(tree: Mapping[str, Any], path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(tree, Mapping) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def add_flags(
+    parser: argparse.ArgumentParser,
+    names: Sequence[str],
+    defaults: Mapping[str, Any] | None = None,
+    *,
+    shown: Mapping[str, str] | None = None,
+    title: str = "the step",
+) -> None:
+    """Add ``names`` (keys of ``FLAGS``) to ``parser`` in one group; their help shows the
+    command's ``defaults`` (nested job data) or the ``shown`` text."""
+    group = parser.add_argument_group(title)
+    for name in names:
+        flag = FLAGS[name]
+        default = (shown or {}).get(name)
+        if default is None and flag.path is not None:
+            value = _at(defaults or {}, flag.path)
+            default = None if value is None else str(value)
+        text = flag.help + (f" (default {default})" if default is not None else "")
+        kwargs: dict[str, Any] = {"default": None, "help": text.replace("%", "%%")}
+        if flag.action == "store_const":
+            kwargs.update(action="store_const", const=True)
+        elif flag.action:
+            kwargs["action"] = flag.action
+        if flag.type is not None:
+            kwargs["type"] = flag.type
+        if flag.metavar:
+            kwargs["metavar"] = flag.metavar
+        group.add_argument(flag.option, **kwargs)
+
+
+def flag_settings(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    """The step flags given on the command line, as nested job data."""
+    from jaxmem.parallel import parse_mesh
+
+    out: dict[str, Any] = {}
+    for name in names:
+        flag, value = FLAGS[name], getattr(args, name, None)
+        if value is None or flag.path is None:
+            continue
+        if name in ("save", "offload"):
+            value = [n.strip() for n in value.split(",") if n.strip()]
+        if name == "mesh":
+            parallel = parse_mesh(value)
+            value = {"strategy": parallel.strategy, "devices": parallel.devices}
+        section, _, key = flag.path.partition(".")
+        if key:
+            out.setdefault(section, {})[key] = value
+        else:
+            out[section] = value
+    if (getattr(args, "save", None) or getattr(args, "offload", None)) and not getattr(
+        args, "policy", None
+    ):
+        out.setdefault("memory", {})["policy"] = "custom"
+    return out
+
+
+def job_from_args(
+    args: argparse.Namespace,
+    names: Sequence[str],
+    defaults: Mapping[str, Any] | None = None,
+    *,
+    saved: Mapping[str, Any] | None = None,
+    seq_len_default: Callable[[str, ModelConfig], int] | None = None,
+    errors: tuple[type[Exception], ...] = (),
+):
+    """The command's ``JobConfig``: ``defaults`` < ``saved`` < ``--config`` < flags < ``--set``;
+    a bad value is a usage error (one line, exit 2)."""
+    from jaxmem.job import resolve_job
+
+    with usage_errors(*errors):
+        return resolve_job(
+            defaults=defaults,
+            saved=saved,
+            config_file=getattr(args, "config", None),
+            flags=flag_settings(args, names),
+            assignments=getattr(args, "set", None) or (),
+            seq_len_default=seq_len_default,
+        )
+
+
+# ------------------------------------------------------------------ a job as a command line
+def _yaml(value: Any) -> str:
+    """A ``--set`` value that parses back (as YAML) to ``value``."""
+    import json
+
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def job_argv(job) -> list[str]:
+    """``jaxmem train`` flags that resolve to ``job``'s step (its model, policy, precision,
+    optimizer, accumulation, batch, sequence, mesh and seed): what a command prints for the user
+    to run. ``job_from_args`` of them gives ``job`` back (tested)."""
+    from jaxmem.config import AccumConfig, OptimizerConfig
+    from jaxmem.job import RunConfig
+    from jaxmem.policy import LAYER_FIELDS, policy_to_dict
+
+    argv = ["--preset", job.preset]
+    direct = {"n_layers": "--n-layers", "d_model": "--d-model", "n_heads": "--n-heads"}
+    direct |= {"d_ff": "--d-ff", "attention": "--attention"}
+    preset = PRESETS[job.preset]
+    for f in dataclasses.fields(ModelConfig):
+        value = getattr(job.model, f.name)
+        if value != getattr(preset, f.name):
+            argv += (
+                [direct[f.name], str(value)]
+                if f.name in direct
+                else ["--set", f"model.{f.name}={_yaml(value)}"]
+            )
+    memory = policy_to_dict(job.memory)
+    mixed = job.memory.rest is not None
+    argv += ["--policy", job.memory.name if mixed else memory["policy"]]
+    if memory["policy"] == "custom":
+        argv += ["--save", ",".join(memory["save"])] if memory["save"] else []
+        argv += ["--offload", ",".join(memory["offload"])] if memory["offload"] else []
+    for key in LAYER_FIELDS:
+        if memory[key] is not None and not mixed:
+            argv += ["--set", f"memory.{key}={_yaml(memory[key])}"]
+    argv += ["--unroll"] if job.memory.unroll else []
+    if job.memory.use_reentrant:
+        argv += ["--set", "memory.use_reentrant=true"]
+    argv += ["--precision", job.precision.name, "--optimizer", job.optimizer.name]
+    argv += _changed("optimizer", job.optimizer, OptimizerConfig(name=job.optimizer.name))
+    argv += _changed("accum", job.accum, AccumConfig())
+    argv += ["--batch-size", str(job.run.batch_size), "--seq-len", str(job.run.seq_len)]
+    if job.run.seed != RunConfig().seed:
+        argv += ["--seed", str(job.run.seed)]
+    if job.parallel.sharded:
+        argv += ["--mesh", job.parallel.mesh_text()]
+    return argv
+
+
+def _changed(section: str, obj: Any, default: Any) -> list[str]:
+    """Flags (or ``--set``) for the fields of ``obj`` that differ from ``default``."""
+    by_path = {f.path: f.option for f in FLAGS.values() if f.path}
+    out: list[str] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name == "name" or value == getattr(default, f.name):
+            continue
+        option = by_path.get(f"{section}.{f.name}")
+        out += [option, str(value)] if option else ["--set", f"{section}.{f.name}={_yaml(value)}"]
+    return out

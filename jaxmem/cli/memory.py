@@ -1,0 +1,299 @@
+"""``jaxmem memory``: one training step's memory per policy and framework, each figure labelled
+with how it was obtained (rendered by ``jaxmem.cli.render``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+
+import jaxmem.cli.common as common
+import jaxmem.cli.render as render
+from jaxmem.cli.common import (
+    EXIT_RUN_FAILED,
+    TORCH_EXTRA,
+    UsageError,
+    check_writable,
+    need_gpu_plan,
+    need_jax_backend,
+    need_torch,
+    usage_errors,
+)
+from jaxmem.cli.common import names as parse_names
+from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args
+from jaxmem.config import PLANNING_ONLY, PRESETS, ModelConfig
+from jaxmem.files import write_json_atomic
+from jaxmem.policy import parse_policy
+
+FRAMEWORKS = ("jax", "torch", "torch-lean")
+NAMES = (*STEP_FLAGS, "accum", "unroll", "mesh")
+DEFAULTS = {"preset": "tiny", "run": {"batch_size": 8}}
+DEFAULT_POLICIES = "none,full,selective,offload"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "memory",
+        help="the memory of one training step per policy, JAX and PyTorch, each figure "
+        "labelled with how it was obtained",
+        description="For each policy and framework: parameter, gradient and optimizer-state "
+        "bytes, saved activations (device / host), the analytic model, the compiled plan (JAX), "
+        "FLOPs and a peak. Planning presets are compiled from shapes (no weights allocated) and "
+        "torch_ref's step runs on fake tensors; --target compiles the plan for a GPU without "
+        "one (XLA:CPU's plan is far from a GPU's). The table shows the essential columns; "
+        "--wide or --json gives them all.",
+    )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated policies (presets or HEAD:K+REST) (default "
+        f"{DEFAULT_POLICIES}; with --config, the config's policy)",
+    )
+    p.add_argument(
+        "--frameworks",
+        default=None,
+        help="jax, torch (stock PyTorch) and torch-lean (torch_ref's extension, where it differs "
+        "from stock), comma-separated (default all three; jax alone without PyTorch)",
+    )
+    shown = {"seq_len": "64; max_seq_len for planning presets", "target": "cpu"}
+    add_flags(p, NAMES, DEFAULTS, shown=shown)
+    add_flags(p, ("target", "wide", "json"), shown=shown, title="the report")
+    p.set_defaults(func=run)
+
+
+@dataclasses.dataclass
+class Setup:
+    """What the command measures, decided from the flags before anything runs."""
+
+    policies: list
+    frameworks: list[str]
+    target: object
+    planning: bool
+    notes: list[str]
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxmem.memory.targets import get_target
+
+    with usage_errors():
+        target = get_target(args.target or "cpu")
+
+    def seq_default(preset: str, model: ModelConfig) -> int:
+        return model.max_seq_len if preset in PLANNING_ONLY or target.is_gpu else 64
+
+    job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=seq_default)
+    setup = _setup(args, job, target)
+    check_writable(args.json)
+    if "jax" in setup.frameworks:
+        _check_jax(job, setup)
+    console = render.console()
+    for note in setup.notes:
+        console.print(f"[yellow]{note}[/]")
+    records, ranks = _measure(job, setup, console)
+    if records:
+        render.memory_report(console, records, job, setup.planning, target, wide=args.wide)
+    if ranks:
+        render.rank_table(console, ranks, job)
+    if args.json:
+        write_json_atomic(args.json, records + ranks)
+        console.print(f"wrote {len(records) + len(ranks)} records to {args.json}")
+    return 0
+
+
+def _policies(args: argparse.Namespace, job) -> list:
+    """``--policies``, or the config's own policy when a --config gives one."""
+    if args.policies is None and args.config:
+        return [job.memory]
+    with usage_errors():
+        given = list(
+            dict.fromkeys(n.strip() for n in (args.policies or DEFAULT_POLICIES).split(","))
+        )
+        policies = [parse_policy(n) for n in given if n]
+    if not policies:
+        raise UsageError(f"--policies {args.policies!r}: give at least one policy")
+    unroll = bool(job.memory.unroll)
+    if unroll and any(p.nested for p in policies):
+        raise UsageError(
+            "--unroll cannot apply to nested (it runs its segments under scan: that is how "
+            "it keeps about √L block inputs); drop nested from --policies or drop --unroll"
+        )
+    if unroll:
+        policies = [p.replace(unroll=True) for p in policies]
+    from jaxmem.policy import check_policy
+
+    with usage_errors():
+        for p in policies:
+            p.layers.indices(job.model.n_layers)
+            check_policy(job.model, p)
+    return policies
+
+
+def _frameworks(args: argparse.Namespace, job, notes: list[str]) -> list[str]:
+    parallel = job.parallel
+    if parallel.sharded and args.frameworks is None:
+        notes.append(
+            f"--mesh {parallel.mesh_text()}: JAX plans, every figure per device; add "
+            f"--frameworks jax,torch for torch_ref's per-rank figures (its step run on "
+            f"{parallel.devices} torchrun CPU processes)"
+        )
+        return ["jax"]
+    if args.frameworks is None and not common.torch_available():
+        notes.append(f"PyTorch is not installed: JAX only ({TORCH_EXTRA} adds the torch rows)")
+        return ["jax"]
+    frameworks = parse_names(args.frameworks or ",".join(FRAMEWORKS), FRAMEWORKS, "frameworks")
+    if job.optimizer.state_memory != "device":
+        if args.frameworks is None:
+            notes.append(
+                "--state-memory pinned_host is jaxmem's (torch_ref has no such offload): JAX only"
+            )
+            return ["jax"]
+        if frameworks != ["jax"]:
+            raise UsageError(
+                f"--state-memory {job.optimizer.state_memory} is jaxmem's optimizer-state "
+                "offload, which torch_ref does not implement: use --frameworks jax"
+            )
+    if any(f.startswith("torch") for f in frameworks):
+        need_torch("jaxmem memory --frameworks torch")
+    return frameworks
+
+
+def _setup(args: argparse.Namespace, job, target) -> Setup:
+    notes: list[str] = []
+    frameworks = _frameworks(args, job, notes)
+    policies = _policies(args, job)
+    parallel = job.parallel
+    if parallel.sharded and "torch-lean" in frameworks:
+        raise UsageError(
+            f"--mesh {parallel.mesh_text()}: torch_ref's per-rank runs are stock PyTorch "
+            "(DDP, FSDP2): use --frameworks jax,torch"
+        )
+    if parallel.sharded and "torch" in frameworks:
+        if job.preset in PLANNING_ONLY or target.is_gpu or job.model != PRESETS[job.preset]:
+            raise UsageError(
+                f"--mesh {parallel.mesh_text()} --frameworks torch runs torch_ref's step on "
+                f"{parallel.devices} CPU processes of this machine: use a preset it holds "
+                "(tiny, small) as it is, without --target, or --frameworks jax to plan"
+            )
+        from jaxmem.parallel import check_cpu_mesh
+
+        with usage_errors():
+            check_cpu_mesh(parallel.devices, "torchrun processes")
+    if job.memory.unroll and not target.is_gpu:
+        notes.append(
+            "--unroll on XLA:CPU: its compiler drops remat in an unrolled stack, so the plan "
+            "shows no policy's savings (only none's); plan for a GPU --target"
+        )
+    if job.model.attention == "fused":
+        notes.append(
+            "attention: fused (JAX: jaxmem's blockwise kernel; PyTorch: "
+            "F.scaled_dot_product_attention): no [B, H, S, S] tensor is kept or materialised"
+        )
+    if target.is_gpu:
+        with usage_errors():
+            job.check_gpu_plan()
+    planning = job.preset in PLANNING_ONLY or target.is_gpu or parallel.sharded
+    return Setup(policies, frameworks, target, planning, notes)
+
+
+def _check_jax(job, setup: Setup) -> None:
+    """Before JAX starts: a mesh's CPU devices; then the backend, and what it can run."""
+    if not setup.target.is_gpu and job.parallel.sharded:
+        from jaxmem.parallel import check_cpu_mesh
+        from jaxmem.sharding import ensure_cpu_devices
+
+        with usage_errors():
+            check_cpu_mesh(job.parallel.devices)
+        ensure_cpu_devices(job.parallel.devices)
+    need_jax_backend()
+    if setup.target.is_gpu:
+        need_gpu_plan(setup.target)  # a GPU target has host memory: offload plans there
+        return
+    from jaxmem.memory.remat import check_backend
+
+    with usage_errors():
+        for policy in setup.policies:
+            check_backend(policy)
+
+
+def _measure(job, setup: Setup, console) -> tuple[list[dict], list[dict]]:
+    records: list[dict] = []
+    ranks: list[dict] = []
+    for policy in setup.policies:
+        for fw in setup.frameworks:
+            if fw == "torch" and job.parallel.sharded:
+                ranks += _torch_ranks(job, policy, console)
+                continue
+            console.print(f"measuring {fw} {policy.name}{_how(fw, setup)}...", style="dim")
+            rec = _record(job, policy, fw, setup)
+            if rec is not None:
+                records.append(rec | {"preset": job.preset, "attention": job.model.attention})
+    return records, ranks
+
+
+def _how(fw: str, setup: Setup) -> str:
+    if setup.planning and fw != "jax":
+        return " (running the step on fake tensors: shapes only)"
+    if setup.target.is_gpu:
+        return f" (compiling the train step from shapes for {setup.target.description})"
+    return " (compiling the train step from shapes)" if setup.planning else ""
+
+
+def _record(job, policy, fw: str, setup: Setup) -> dict | None:
+    r = job.run
+    if fw == "jax":
+        from jaxmem.planner.records import jax_record
+
+        with usage_errors():
+            return jax_record(
+                job.model,
+                policy,
+                job.precision,
+                job.optimizer,
+                r.batch_size,
+                r.seq_len,
+                abstract=setup.planning,
+                target=setup.target,
+                accum=job.accum.steps,
+                parallel=job.parallel,
+            )
+    from jaxmem.compare.bench import has_lean
+    from jaxmem.compare.records import torch_record
+
+    if fw == "torch-lean" and not has_lean(policy):
+        return None  # the extension runs what stock runs (or stock has no API)
+    return torch_record(
+        job.model,
+        policy,
+        job.precision,
+        job.optimizer,
+        r.batch_size,
+        r.seq_len,
+        translation="lean" if fw == "torch-lean" else "stock",
+        fake=setup.planning,
+        accum=job.accum.steps,
+    )
+
+
+def _torch_ranks(job, policy, console) -> list[dict]:
+    from jaxmem.compare.records import torch_rank_records
+
+    n = job.parallel.devices
+    console.print(
+        f"measuring torch {policy.name} (running the step on {n} torchrun CPU processes)...",
+        style="dim",
+    )
+    try:
+        return torch_rank_records(
+            job.preset,
+            policy.name,
+            job.parallel,
+            precision=job.precision.name,
+            optimizer=job.optimizer.name,
+            attention=job.model.attention,
+            batch=job.run.batch_size,
+            seq_len=job.run.seq_len,
+        )
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"jaxmem memory: torch_ref's per-rank run failed: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_RUN_FAILED) from None

@@ -1,0 +1,315 @@
+"""``jaxmem plan``: the cheapest configuration that fits a memory budget, proved by compiling it
+for the target; prints the ``jaxmem train`` commands that run it, complete."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+import jaxmem.cli.presets as presets
+import jaxmem.cli.render as render
+from jaxmem.cli.common import (
+    UsageError,
+    check_writable,
+    int_list,
+    mib,
+    need_gpu_plan,
+    need_jax_backend,
+    positive_float,
+    positive_int,
+    usage_errors,
+)
+from jaxmem.cli.common import names as parse_names
+from jaxmem.cli.flags import MODEL_FLAGS, add_flags, job_argv, job_from_args, max_seq_len
+from jaxmem.files import write_json_atomic
+from jaxmem.parallel import STRATEGIES
+from jaxmem.policy import POLICIES
+from jaxmem.precision import PRECISIONS
+
+NAMES = (*MODEL_FLAGS, "precision", "optimizer", "batch_size", "seq_len", "mesh")
+DEFAULTS = {"preset": "small", "run": {"batch_size": 8}}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="the cheapest training configuration that fits a memory budget, proved by "
+        "compiling it for the target",
+        description="Searches the stack's memory policy (presets, and the first K blocks under "
+        "one preset with the rest under another: HEAD:K+REST), the microbatch count, "
+        "optimizer-state offload (GPU targets), the data-parallel strategy (with --mesh) and, "
+        "when allowed, the precision; predicts each candidate's bytes from a few compiles, then "
+        "compiles candidates for --target in order of estimated cost until one fits --budget, "
+        "and prints the jaxmem train commands that run it. Exit 2 when nothing fits, naming "
+        "the smallest plan found.",
+    )
+    shown = {"seq_len": "the model's max_seq_len", "target": "cpu"}
+    add_flags(p, NAMES, DEFAULTS, shown=shown)
+    add_flags(p, ("target", "wide", "json"), shown=shown, title="the plan")
+    g = p.add_argument_group("the search")
+    g.add_argument(
+        "--budget",
+        default=None,
+        help="bytes per device, e.g. 70GiB or 200MiB (default for a GPU target: 90%% of its "
+        "memory; required for cpu)",
+    )
+    g.add_argument("--strategies", default="dp,zero1,fsdp", help="with --mesh (default all)")
+    g.add_argument(
+        "--policies",
+        default="none,selective,mlp,offload,full,nested",
+        help="presets searched (default all; offload only on GPU targets: XLA:CPU erases it)",
+    )
+    g.add_argument(
+        "--no-mix",
+        dest="mix",
+        action="store_false",
+        help="only whole-stack presets (default: also HEAD:K+REST stacks)",
+    )
+    g.add_argument("--accum", default="1,2,4,8", help="microbatch counts (default 1,2,4,8)")
+    g.add_argument(
+        "--state-offload",
+        action="store_true",
+        help="also search optimizer state in pinned_host (GPU targets; counted as the plan "
+        "minus the state: a deviceless compile drops argument memory kinds)",
+    )
+    g.add_argument(
+        "--precisions",
+        default=None,
+        help=f"precisions the search may choose ({', '.join(PRECISIONS)}; default: --precision "
+        "only, since precision changes the numbers)",
+    )
+    g.add_argument(
+        "--slack",
+        type=positive_float,
+        default=0.20,
+        help="compile a candidate predicted over the budget by at most this fraction (default "
+        "0.20: the memory model's measured error on mixed stacks)",
+    )
+    g.add_argument("--max-compiles", type=positive_int, default=40, help="default 40")
+    g.add_argument("--top", type=positive_int, default=15, help="rows shown (default 15)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxmem.memory.targets import get_target
+    from jaxmem.planner.search import Problem, default_budget, parse_bytes
+
+    job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
+    with usage_errors():
+        target = get_target(args.target or "cpu")
+        if args.budget is not None:
+            budget, budget_source = parse_bytes(args.budget), "--budget"
+        else:
+            budget, budget_source = default_budget(target)
+        space = _space(args, job)
+    presets.check("plan", job.preset, job.model)
+    check_writable(args.json)
+    _start_backend(job, target)
+    problem = Problem(
+        job.model,
+        job.run.batch_size,
+        job.run.seq_len,
+        target,
+        budget,
+        job.optimizer,
+        job.parallel.devices,
+        slack=args.slack,
+    )
+    return _search_and_report(args, job, problem, space, budget_source)
+
+
+def _space(args: argparse.Namespace, job):
+    from jaxmem.planner.search import PlanSpace
+
+    policies = tuple(parse_names(args.policies, list(POLICIES), "policies"))
+    return PlanSpace(
+        policies=policies,
+        mix=tuple(p for p in ("none", "selective", "offload", "full") if p in policies)
+        if args.mix
+        else (),
+        accum=int_list(args.accum, "--accum"),
+        state_memory=("device", "pinned_host") if args.state_offload else ("device",),
+        strategies=tuple(parse_names(args.strategies, list(STRATEGIES), "strategies")),
+        precisions=tuple(
+            parse_names(args.precisions or job.precision.name, list(PRECISIONS), "precisions")
+        ),
+    )
+
+
+def _start_backend(job, target) -> None:
+    need_jax_backend()
+    if target.is_gpu:
+        need_gpu_plan(target)
+    elif job.parallel.sharded:
+        from jaxmem.parallel import check_cpu_mesh
+        from jaxmem.sharding import ensure_cpu_devices
+
+        with usage_errors():
+            check_cpu_mesh(job.parallel.devices)
+        ensure_cpu_devices(job.parallel.devices)
+
+
+def _search_and_report(args, job, problem, space, budget_source: str) -> int:
+    from jaxmem.planner.search import search
+
+    out = render.console()
+    where = (
+        f"{problem.devices} x {problem.target.name}" if problem.devices > 1 else problem.target.name
+    )
+    out.print(
+        f"planning {job.preset}, batch {job.run.batch_size} x seq {job.run.seq_len}, "
+        f"{job.optimizer.name}, on {where}: budget {mib(problem.budget_bytes)} MiB per device "
+        f"({budget_source})",
+        style="dim",
+    )
+    result = search(
+        problem,
+        space,
+        max_compiles=args.max_compiles,
+        progress=lambda text: out.print(text, style="dim"),
+    )
+    if result.chosen is None:
+        _nothing_fits(args, result, where)
+    title = (
+        f"jaxmem plan: {job.preset}, batch {job.run.batch_size} x {job.run.seq_len} on "
+        f"{where}, budget {mib(problem.budget_bytes)} MiB per device (bytes in MiB per device)"
+    )
+    render.plan_table(out, result, title, args.top, args.wide)
+    commands = _commands(job, result)
+    _summary(out, args, job, result, commands)
+    if args.json:
+        write_json_atomic(args.json, _json(job, problem, result, budget_source, commands))
+        out.print(f"wrote the plan to {args.json}")
+    return 0
+
+
+def _nothing_fits(args, result, where: str) -> None:
+    from jaxmem.planner.search import smallest_plan
+
+    budget = result.problem.budget_bytes
+    if result.stopped:
+        raise UsageError(
+            f"the search stopped after --max-compiles {args.max_compiles} compiles with no "
+            f"candidate under {mib(budget)} MiB per device; raise --max-compiles"
+        )
+    smallest = smallest_plan(result)
+    found = (
+        f"the smallest plan found is {smallest.candidate.describe()} at "
+        f"{mib(smallest.compiled)} MiB ({result.compiler})"
+        if smallest is not None
+        else "no candidate was compiled"
+    )
+    reached = sum(o.status != "not reached" for o in result.outcomes)
+    raise UsageError(
+        f"no configuration of the {reached} tried fits {mib(budget)} MiB per device on "
+        f"{where}: {found}; raise --budget, add devices (--mesh fsdp=N) or allow more "
+        "(--accum, --precisions, --state-offload)"
+    )
+
+
+def _commands(job, result) -> dict[str, str | None]:
+    """The chosen configuration as commands that run it, each complete (tested by running)."""
+    from jaxmem.planner.search import candidate_job
+
+    chosen = candidate_job(job, result.chosen.candidate, result.problem.devices)
+    argv = job_argv(chosen)
+    jax_cmd = shlex.join(["jaxmem", "train", *argv])
+    if chosen.optimizer.state_memory != "device":
+        return {
+            "jax": jax_cmd,
+            "torch": None,
+            "torch_note": "torch_ref's job keeps optimizer state on the device (FSDP2's "
+            "CPUOffloadPolicy, the stock peer, is not wired into it)",
+        }
+    torch = ["jaxmem", "train", "--framework", "torch", *argv]
+    if chosen.parallel.sharded:
+        n = chosen.parallel.devices
+        torch = ["torchrun", "--standalone", f"--nproc_per_node={n}", "--no-python", *torch]
+    return {"jax": jax_cmd, "torch": shlex.join(torch), "torch_note": None}
+
+
+def shell_lines(command: str, width: int = render.DEFAULT_WIDTH) -> str:
+    """``command`` as shell lines of at most ``width`` columns, continued with `` \\``, a flag
+    and its value kept together: copied into a shell, it runs as one command."""
+    words = shlex.split(command)
+    groups: list[str] = []
+    for word in words:
+        quoted = shlex.quote(word)
+        if groups and groups[-1].startswith("-") and " " not in groups[-1] and word[:1] != "-":
+            groups[-1] += " " + quoted
+        else:
+            groups.append(quoted)
+    lines, line = [], ""
+    for group in groups:
+        if line and len(line) + 1 + len(group) + 2 > width:
+            lines.append(line + " \\")
+            line = "    " + group
+        else:
+            line = f"{line} {group}" if line else group
+    return "\n".join([*lines, line])
+
+
+def _summary(out, args, job, result, commands: dict) -> None:
+    from jaxmem.planner.search import rates_for
+
+    problem, chosen = result.problem, result.chosen.candidate
+    error = result.max_fit_error()
+    skipped = sum(o.status == "over (predicted)" for o in result.outcomes)
+    floored = sum(o.status.startswith("over (family floor") for o in result.outcomes)
+    out.print(
+        f"chosen: [bold]{chosen.describe()}[/]: {mib(result.chosen.compiled)} MiB per device "
+        f"(compiled plan: {result.compiler}), {chosen.flops / 1e12:,.3f} TFLOP per device and "
+        f"step, est. {chosen.seconds:.4f} s"
+    )
+    checked = (
+        f"erred by at most {error:.1%} on the compiled candidates"
+        if error is not None
+        else "was not checked (nothing predicted was compiled)"
+    )
+    if error is not None and error > args.slack:
+        checked += f" [yellow](more than --slack {args.slack:.0%}: a skipped one may fit)[/]"
+    out.print(
+        f"{len(result.outcomes)} candidates; {result.candidate_compiles} compiled at depth "
+        f"{job.model.n_layers}, {skipped} skipped as predicted over the budget, {floored} "
+        "because their family's leanest stack (full/offload) compiled over it; the memory "
+        f"model ({result.fit_compiles} compiles at depths {problem.fit_depths[0]} and "
+        f"{problem.fit_depths[1]}) {checked}",
+        style="dim",
+    )
+    out.print("run it:", style="bold")
+    out.print(shell_lines(commands["jax"]), soft_wrap=True, highlight=False, markup=False)
+    if commands["torch"]:
+        out.print("the same in PyTorch (torch_ref, stock APIs):", style="bold")
+        out.print(shell_lines(commands["torch"]), soft_wrap=True, highlight=False, markup=False)
+    else:
+        out.print(f"PyTorch: not in torch_ref: {commands['torch_note']}")
+    out.print(
+        f"cost: an estimate (matmul FLOPs over the peak rate, bytes over the links): "
+        f"{rates_for(problem.target).source}",
+        style="dim",
+    )
+
+
+def _json(job, problem, result, budget_source: str, commands: dict) -> dict:
+    from jaxmem.planner.search import rates_for
+
+    return {
+        "preset": job.preset,
+        "batch": job.run.batch_size,
+        "seq_len": job.run.seq_len,
+        "target": problem.target.name,
+        "devices": problem.devices,
+        "budget_bytes": problem.budget_bytes,
+        "budget_source": budget_source,
+        "compiler": result.compiler,
+        "chosen": result.chosen.as_dict(),
+        "commands": commands,
+        "candidates": [o.as_dict() for o in result.outcomes if o.status != "not reached"],
+        "lattice_size": len(result.outcomes),
+        "fit_compiles": result.fit_compiles,
+        "candidate_compiles": result.candidate_compiles,
+        "max_fit_error": result.max_fit_error(),
+        "cost_source": "estimate: " + rates_for(problem.target).source,
+        "memory_source": "compiled plan (arguments + outputs - aliased + temporaries), per "
+        f"device; predicted: affine fit in depth from compiles at depths {problem.fit_depths}",
+    }

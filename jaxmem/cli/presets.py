@@ -1,0 +1,77 @@
+"""``jaxmem presets``, and the one rule of which command takes which model: the listing prints it
+and the commands apply it, so the two cannot disagree."""
+
+from __future__ import annotations
+
+import argparse
+
+import jaxmem.cli.render as render
+from jaxmem.cli.common import UsageError
+from jaxmem.config import PLANNING_ONLY, PRESETS, ModelConfig
+
+# The commands that take --preset, in the order the listing names them.
+COMMANDS = ("train", "memory", "plan", "peak", "parity", "bench")
+PARITY_MAX_PARAMS = 50_000_000  # parity runs both frameworks in float64 and fp32 on this machine
+PLAN_MIN_LAYERS = 4  # plan's memory model is fitted at two depths of at least 2 blocks
+
+
+def refusal(command: str, preset: str, cfg: ModelConfig) -> str | None:
+    """Why ``command`` does not take ``cfg`` (preset ``preset``), or None when it does."""
+    if command == "parity":
+        if cfg.n_params > PARITY_MAX_PARAMS:
+            return (
+                f"--preset {preset} has {cfg.n_params / 1e6:.0f} M parameters; parity runs both "
+                "frameworks in float64 and fp32 on this machine: use tiny, small or seed"
+            )
+        return None
+    if not cfg.causal:
+        return (
+            f"preset {preset!r} has no causal mask: it is not a language model; the seeds' "
+            "layer runs in `jaxmem seed-example` and `jaxmem parity`"
+        )
+    if command == "plan" and cfg.n_layers < PLAN_MIN_LAYERS:
+        return (
+            f"the model has {cfg.n_layers} layers: plan's memory model is fitted at two depths "
+            f"of at least 2 blocks, so plan a model of at least {PLAN_MIN_LAYERS} (--n-layers "
+            f"{PLAN_MIN_LAYERS})"
+        )
+    if command == "bench" and preset in PLANNING_ONLY:
+        return (
+            f"--preset {preset} cannot run both frameworks on this machine; bench tiny or "
+            "small (plan large presets with `jaxmem memory`)"
+        )
+    return None
+
+
+def check(command: str, preset: str, cfg: ModelConfig) -> None:
+    """A usage error when ``command`` does not take the model."""
+    why = refusal(command, preset, cfg)
+    if why is not None:
+        raise UsageError(why)
+
+
+def preset_use(name: str) -> str:
+    """The commands that take preset ``name``, from ``refusal``."""
+    cfg = PRESETS[name]
+    takes = [c for c in COMMANDS if refusal(c, name, cfg) is None]
+    if not cfg.causal:
+        takes.insert(0, "seed-example")
+    if name in PLANNING_ONLY:
+        takes = [f"{c}*" if c == "train" else c for c in takes]
+    return ", ".join(takes)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("presets", help="list the model presets and the commands that take each")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = [(name, cfg, preset_use(name)) for name, cfg in PRESETS.items()]
+    out = render.console()
+    render.presets_table(out, rows)
+    out.print(
+        "* a GPU's work: memory, plan and peak plan these presets from shapes (no weights), "
+        "torch_ref's rows run on fake tensors"
+    )
+    return 0

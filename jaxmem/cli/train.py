@@ -1,0 +1,336 @@
+"""``jaxmem train``: train a preset with jaxmem (JAX) or torch_ref (PyTorch) under a memory
+policy, with checkpoints, metrics, plots and a sample; ``--resume`` continues a run exactly."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from jaxmem.cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_RUN_FAILED,
+    UsageError,
+    need_gpu_plan,
+    need_jax_backend,
+    need_torch,
+    positive_int,
+    usage_errors,
+)
+from jaxmem.cli.flags import FLAGS, RUN_FLAGS, STEP_FLAGS, TARGETS_HELP, add_flags, job_from_args
+from jaxmem.config import ConfigError, OptimizerConfig
+from jaxmem.job import RunConfig
+from jaxmem.policy import CHECKPOINT_NAMES, POLICIES
+from jaxmem.precision import PRECISIONS
+
+_run = RunConfig()
+NAMES = (
+    *STEP_FLAGS,
+    "policy",
+    "save",
+    "offload",
+    "unroll",
+    "lr",
+    "weight_decay",
+    "accum",
+    "accum_mode",
+    "seed",
+    "mesh",
+    *RUN_FLAGS,
+)
+DEFAULTS: dict = {"preset": "small"}
+
+
+def add_parser(sub) -> None:
+    opt = OptimizerConfig()
+    p = sub.add_parser(
+        "train",
+        help="train a preset (JAX or torch_ref) with checkpoints, metrics, plots and a sample",
+        description="Train a decoder on the embedded corpus (the Python standard library's "
+        "sources, byte tokens) or your --data, under a memory policy, precision and "
+        "accumulation; checkpoints every --checkpoint-every steps and --resume continues a run "
+        "exactly. Settings: the defaults < the preset < --config < flags < --set. Bad input "
+        "exits with code 2 before anything is written; a run stopped by a non-finite loss, out "
+        "of memory or a full disk exits with 1; Ctrl-C or SIGTERM saves the step and exits "
+        "with 130.",
+        epilog=f"policies: {', '.join(POLICIES)}, HEAD:K+REST, custom; precisions: "
+        f"{', '.join(PRECISIONS)}; tags for --save/--offload: {', '.join(CHECKPOINT_NAMES)}",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="run directory: config.yaml, metrics.jsonl, loss.png, summary.json, sample.txt, "
+        "checkpoints/ (default: nothing written)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    shown = {
+        "policy": "none; auto: jaxmem plan chooses under --memory-budget",
+        "lr": str(opt.lr),
+        "weight_decay": str(opt.weight_decay),
+        "optimizer": opt.name,
+        "precision": "fp32",
+        "accum": "1",
+        **{n: str(getattr(_run, FLAGS[n].path.split(".")[1])) for n in RUN_FLAGS[2:]},
+        "framework": "jax",
+        "batch_size": str(_run.batch_size),
+        "seq_len": f"{_run.seq_len}, at most the model's max_seq_len",
+        "data": "the embedded stdlib corpus",
+    }
+    add_flags(p, NAMES, DEFAULTS, shown=shown)
+    g = p.add_argument_group("planning and processes")
+    g.add_argument(
+        "--memory-budget", default=None, help="with --policy auto: bytes per device, e.g. 2GiB"
+    )
+    g.add_argument(
+        "--target",
+        default=None,
+        help=f"also plan this very step for a GPU ({TARGETS_HELP}) beside this machine's plan",
+    )
+    g.add_argument(
+        "--coordinator", default=None, help="multi-process (JAX): HOST:PORT of process 0"
+    )
+    g.add_argument(
+        "--num-processes",
+        type=positive_int,
+        default=None,
+        help="multi-process (JAX): processes in this job; --mesh spans all their devices",
+    )
+    g.add_argument(
+        "--process-id", type=int, default=None, help="multi-process (JAX): this process's index"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxmem.distributed import initialize, process_group
+
+    with usage_errors():
+        group = process_group(args.coordinator, args.num_processes, args.process_id)
+    devices = _ask_for_cpu_devices(args, group.num_processes)
+    if devices is not None:  # before joining the other processes: a bad layout fails fast
+        _check_processes(devices, group.num_processes, args.mesh or f"{devices} device(s)")
+    if group.multi:
+        initialize(group)  # before anything starts JAX's backends (reading a checkpoint does)
+    auto = _auto_requested(args)
+    if devices is not None:  # the CPU device count is settled: start JAX now, quietly (reading
+        need_jax_backend()  # a checkpoint would start it, and the CUDA plugin's lines with it)
+    job = resolve(args)
+    if auto:
+        job = _auto_policy(job, args.memory_budget)
+    target = _gpu_target(args, job)
+    return _train(args, job, group, target)
+
+
+def resolve(args: argparse.Namespace):
+    """The job: defaults < the checkpoint's saved config (with --resume) < --config < flags <
+    --set; one line for a bad value."""
+    from jaxmem.data import DataError
+    from jaxmem.train.layout import CheckpointError
+
+    saved = None
+    if args.resume and args.out:
+        from jaxmem.backend import quiet_native_stderr
+        from jaxmem.train.checkpoint import latest_checkpoint
+
+        with usage_errors(CheckpointError), quiet_native_stderr():
+            _, saved, _ = latest_checkpoint(args.out)  # either framework's layout
+    return job_from_args(args, NAMES, DEFAULTS, saved=saved, errors=(DataError, CheckpointError))
+
+
+def _auto_requested(args: argparse.Namespace) -> bool:
+    if args.policy != "auto":
+        if args.memory_budget is not None:
+            raise UsageError("--memory-budget goes with --policy auto")
+        return False
+    if args.memory_budget is None:
+        raise UsageError("--policy auto needs --memory-budget (e.g. 2GiB): the bytes to fit")
+    if args.resume:
+        raise UsageError(
+            "--policy auto chooses a policy when a run starts; --resume continues with the one "
+            "in the run's config.yaml: drop --policy auto"
+        )
+    if args.save or args.offload or args.accum is not None:
+        raise UsageError(
+            "--policy auto chooses the policy and the microbatch count itself: drop "
+            "--save/--offload/--accum (or choose them yourself without auto)"
+        )
+    args.policy = None
+    return True
+
+
+def _ask_for_cpu_devices(args: argparse.Namespace, processes: int = 1) -> int | None:
+    """JAX fixes its CPU device count when its backends start, and reading a checkpoint starts
+    them: ask for a mesh's devices first, from --mesh or the run's config.yaml (resuming).
+    Returns the mesh's device count, or None when a config file or --set may still set it."""
+    import yaml
+
+    from jaxmem.parallel import check_cpu_mesh, parse_mesh
+    from jaxmem.sharding import ensure_cpu_devices
+
+    mesh_elsewhere = args.config or any(a.startswith("parallel.") for a in args.set or ())
+    devices = None if mesh_elsewhere else 1
+    if args.mesh is not None:
+        try:
+            devices = parse_mesh(args.mesh).devices
+        except ConfigError:
+            return None  # resolving the job reports it
+    elif args.resume and args.out:
+        try:
+            with open(os.path.join(args.out, "config.yaml")) as f:
+                devices = int(((yaml.safe_load(f) or {}).get("parallel") or {}).get("devices", 1))
+        except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+            return None  # no readable config: resolving reads the checkpoint's and says
+    if devices is not None and devices > 1 and args.framework != "torch":
+        with usage_errors():
+            check_cpu_mesh(max(1, devices // processes))
+        ensure_cpu_devices(max(1, devices // processes))  # this process's share of the mesh
+    return devices
+
+
+def _check_processes(devices: int, processes: int, mesh_text: str) -> None:
+    if processes > 1 and devices % processes:
+        raise UsageError(
+            f"--num-processes {processes} needs a --mesh spanning every process's devices (got "
+            f"{mesh_text}): e.g. --mesh fsdp={2 * processes}"
+        )
+
+
+def _auto_policy(job, budget_text: str):
+    """``jaxmem plan`` on this machine's backend at ``budget_text``: the job with the chosen
+    policy and microbatch count (the run's config.yaml then records them)."""
+    if job.run.framework != "jax":
+        raise UsageError("--policy auto plans jaxmem's step: use --framework jax")
+    if job.accum.mode != "scan":
+        raise UsageError("--policy auto plans the scanned accumulation: drop --accum-mode")
+    if job.model.n_layers < 4:
+        raise UsageError(
+            f"--policy auto fits its memory model at two depths of at least 2: the model has "
+            f"{job.model.n_layers} layers; choose a policy yourself"
+        )
+    need_jax_backend()
+    from rich.console import Console
+
+    from jaxmem.memory.targets import LOCAL
+    from jaxmem.planner.search import PlanSpace, Problem, parse_bytes, search, smallest_plan
+
+    with usage_errors():
+        budget = parse_bytes(budget_text)
+    n = job.parallel.devices
+    space = PlanSpace(
+        policies=("none", "selective", "mlp", "full", "nested"),
+        mix=("none", "selective", "full"),
+        accum=tuple(m for m in (1, 2, 4, 8) if job.run.batch_size % (m * n) == 0),
+        state_memory=("device",),
+        strategies=(job.parallel.strategy,),
+        precisions=(job.precision.name,),
+    )
+    problem = Problem(
+        job.model, job.run.batch_size, job.run.seq_len, LOCAL, budget, job.optimizer, n
+    )
+    console = Console()
+    console.print(f"--policy auto: planning on this backend under {budget_text} ...", style="dim")
+    result = search(problem, space)
+    if result.chosen is None:
+        smallest = smallest_plan(result)
+        found = (
+            f"{smallest.candidate.describe()} at {smallest.compiled / 2**20:,.1f} MiB"
+            if smallest is not None
+            else "nothing compiled"
+        )
+        raise UsageError(
+            f"--policy auto: no configuration fits --memory-budget {budget_text} on this "
+            f"backend; the smallest plan found is {found} ({result.compiler})"
+        )
+    chosen = result.chosen.candidate
+    console.print(
+        f"--policy auto chose {chosen.policy.name} with {chosen.accum} microbatch(es): "
+        f"{result.chosen.compiled / 2**20:,.1f} MiB planned ({result.compiler}), cheapest of "
+        f"{len(result.outcomes)} on the lattice by estimated cost; written to config.yaml",
+    )
+    accum = dataclasses.replace(job.accum, steps=chosen.accum)
+    return dataclasses.replace(job, memory=chosen.policy, accum=accum)
+
+
+def _gpu_target(args: argparse.Namespace, job):
+    """``--target``: the GPU this very step is also planned for (None: this machine only)."""
+    if args.target in (None, "cpu"):
+        return None
+    from jaxmem.memory.targets import get_target
+
+    with usage_errors():
+        job.check_gpu_plan()
+        if job.optimizer.state_memory != "device":
+            raise ConfigError(
+                f"--target {args.target}: a deviceless compile drops host memory kinds on the "
+                "step's arguments; see host-resident optimizer state with jaxmem memory "
+                "--target ... --state-memory pinned_host (counted analytically there)"
+            )
+        target = get_target(args.target)
+    need_gpu_plan(target)
+    return target
+
+
+def _framework(job, group):
+    """The framework module that trains ``job``, and whether this process is the primary."""
+    primary = group.primary
+    if job.run.framework == "torch":
+        need_torch("jaxmem train --framework torch")
+        need_jax_backend()  # jaxmem makes the initial weights both frameworks start from
+        from jaxmem.compare import torch_run as framework
+
+        with usage_errors():  # one torchrun process per device of the mesh
+            primary = framework.launch_for(job).primary
+        return framework, primary
+    if job.parallel.sharded:  # a mesh given in a --config file: ask before JAX starts
+        from jaxmem.parallel import check_cpu_mesh
+        from jaxmem.sharding import ensure_cpu_devices
+
+        with usage_errors():
+            check_cpu_mesh(max(1, job.parallel.devices // group.num_processes))
+        ensure_cpu_devices(max(1, job.parallel.devices // group.num_processes))
+    need_jax_backend()
+    from jaxmem.train import run as framework
+
+    return framework, primary
+
+
+def _train(args: argparse.Namespace, job, group, target) -> int:
+    from jaxmem.data import DataError
+    from jaxmem.train.layout import CheckpointError
+    from jaxmem.train.loop import RunFailed, RunInterrupted
+
+    framework, primary = _framework(job, group)
+    if group.multi and job.run.framework != "jax":
+        raise UsageError(
+            "--num-processes > 1 runs JAX's multi-process runtime: use --framework jax"
+        )
+    _check_processes(job.parallel.devices, group.num_processes, job.parallel.mesh_text())
+    try:
+        with usage_errors(DataError, CheckpointError):
+            prepared = framework.prepare(job, args.out, resume=args.resume, primary=primary)
+        if group.multi or (job.parallel.sharded and job.run.framework == "torch"):
+            from rich.console import Console
+
+            # process 0 owns the run directory and the console; the others train beside it
+            framework.run_training(prepared, console=Console(quiet=not primary))
+        elif target is not None:
+            framework.run_training(prepared, target=target)
+        else:
+            framework.run_training(prepared)
+    except (ConfigError, DataError, CheckpointError) as e:
+        raise UsageError(str(e)) from None
+    except RunFailed as e:
+        if job.run.framework == "jax":
+            from jaxmem.train.checkpoint import silence_background_errors
+
+            silence_background_errors()  # orbax's threads would repeat a failed save at exit
+        print(f"jaxmem train: {e}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    except RunInterrupted as e:
+        print(f"jaxmem train: {e}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print("jaxmem train: interrupted; nothing saved since the last checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0

@@ -1,0 +1,276 @@
+"""What the command line promises, checked on the real commands: every step command resolves the
+same job from the same flags; its default tables fit 100 columns; a command it prints runs as
+printed; bad input is one line and exit 2; nothing but jaxmem's own lines reaches the terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from jaxmem import cli
+from jaxmem.cli import flags as cli_flags
+from jaxmem.cli import presets as cli_presets
+from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig
+from jaxmem.figures import format_bytes
+from jaxmem.job import JobConfig
+from jaxmem.memory.analytic import model_state_bytes
+from jaxmem.parallel import ParallelConfig
+from jaxmem.policy import POLICIES, MemoryPolicy, parse_policy
+from jaxmem.precision import PRECISIONS
+
+# lines that are not jaxmem's: the CUDA plugin's start-up, XLA's own logging, Python warnings
+STRAY = (
+    "absl::InitializeLog",
+    "cudart_stub",
+    "Could not find cuda drivers",
+    "hlo_rematerialization",
+    "Warning:",
+    "UserWarning",
+)
+
+
+def run_cli(*args: str, columns: int = 100, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jaxmem.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": str(columns)},
+    )
+
+
+def assert_no_stray_lines(text: str) -> None:
+    stray = [line for line in text.splitlines() if any(s in line for s in STRAY)]
+    assert not stray, stray
+
+
+# ------------------------------------------------------------------ one job, every command
+def test_every_step_flag_names_a_setting_of_the_job():
+    """A flag either overrides one setting of ``JobConfig`` or is read by its command alone;
+    none points at a setting that does not exist."""
+    custom = {"policy": "custom", "save": ["mlp_up"]}  # a custom policy has every memory key
+    settings = JobConfig.from_dict({"preset": "tiny", "memory": custom}).to_dict()
+    for name, flag in cli_flags.FLAGS.items():
+        if flag.path is None:
+            continue
+        section, _, key = flag.path.partition(".")
+        assert section in settings, name
+        if key:
+            assert key in settings[section], name
+
+
+JOBS = [
+    JobConfig.from_dict({"preset": "tiny"}),
+    dataclasses.replace(
+        JobConfig.from_dict({"preset": "small", "run": {"batch_size": 8, "seq_len": 128}}),
+        memory=parse_policy("none:2+selective"),
+        precision=PRECISIONS["bf16"],
+        accum=AccumConfig(steps=2, inplace=False),
+        optimizer=OptimizerConfig(name="sgd", lr=0.05, momentum=0.8, state_memory="pinned_host"),
+        parallel=ParallelConfig(strategy="fsdp", devices=4),
+    ),
+    dataclasses.replace(
+        JobConfig.from_dict(
+            {"preset": "tiny", "model": {"n_layers": 4, "attention": "fused", "norm": "post"}}
+        ),
+        memory=MemoryPolicy.custom(
+            {"query_proj": "device", "mlp_up": "offload"}, unroll=True
+        ).replace(name="custom"),
+    ),
+    dataclasses.replace(
+        JobConfig.from_dict({"preset": "small", "run": {"seed": 7}}),
+        memory=POLICIES["full"].replace(use_reentrant=True),
+        accum=AccumConfig(steps=4, mode="multisteps"),
+    ),
+]
+
+
+@pytest.mark.parametrize("job", JOBS, ids=["defaults", "mixed-bf16-fsdp", "custom-fused", "full"])
+def test_a_job_printed_as_flags_resolves_to_the_same_job(job):
+    argv = cli_flags.job_argv(job)
+    args = cli.build_parser().parse_args(["train", *argv])
+    resolved = cli_flags.job_from_args(args, list(cli_flags.FLAGS))
+    for section in ("model", "memory", "optimizer", "accum", "parallel"):
+        assert getattr(resolved, section) == getattr(job, section), section
+    assert resolved.precision == job.precision and resolved.preset == job.preset
+    for key in ("batch_size", "seq_len", "seed"):
+        assert getattr(resolved.run, key) == getattr(job.run, key), key
+
+
+@pytest.mark.parametrize(
+    ("command", "extra"),
+    [("memory", []), ("peak", []), ("plan", ["--budget", "1GiB"]), ("train", [])],
+)
+def test_every_step_command_reads_a_config_file_and_set_the_same_way(command, extra, tmp_path):
+    """A run's config file plans as it trains: the same resolution, the same one-line errors
+    for a value that breaks a rule across fields (here a batch the microbatches cannot split)."""
+    config = tmp_path / "job.toml"
+    config.write_text('preset = "small"\n[run]\nbatch_size = 6\n[accum]\nsteps = 4\n')
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--config", str(config), *extra])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--preset", "small", "--set", "accum.steps=4", "--batch-size", "6"])
+    assert exc.value.code == 2
+
+
+def test_the_preset_listing_and_the_commands_apply_one_rule(capsys):
+    """`jaxmem presets` names the commands that take each preset; each command it leaves out
+    refuses that preset in one line."""
+    for name, cfg in PRESETS.items():
+        listed = cli_presets.preset_use(name)
+        for command in cli_presets.COMMANDS:
+            refused = cli_presets.refusal(command, name, cfg) is not None
+            assert (command not in listed.replace("*", "").split(", ")) == refused
+    assert cli_presets.preset_use("seed") == "seed-example, parity"
+    for command in ("memory", "peak", "plan", "train", "bench"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([command, "--preset", "seed"])
+        assert exc.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "has no causal mask" in line
+
+
+# ----------------------------------------------------------------------- tables that fit
+@pytest.mark.slow
+def test_the_memory_table_fits_100_columns_and_wide_shows_every_column():
+    args = ["memory", "--preset", "tiny", "--batch-size", "2", "--seq-len", "16"]
+    args += ["--policies", "none,selective", "--target", "h100"]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    rows = [[c.strip() for c in line.strip("│ ").split("│")] for line in lines if line[:1] == "│"]
+    rows = [cells for cells in rows if cells[1] in ("none", "selective")]
+    # jax and torch for both policies, torch-lean for selective; every cell whole (a number
+    # and its unit on one line): no row wraps onto a second line
+    assert [cells[0] for cells in rows] == ["jax", "torch", "jax", "torch", "torch-lean"]
+    assert all(cells[-1] in ("yes", "no", "-") for cells in rows)
+    wide = run_cli(*args, "--wide", "--frameworks", "jax")
+    assert wide.returncode == 0, wide.stderr
+    assert "compiled temp" in wide.stdout and "plan host" in wide.stdout
+    assert_no_stray_lines(proc.stderr + wide.stderr)
+
+
+@pytest.fixture(scope="module")
+def plan_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    args = ["plan", "--preset", "small", "--budget", "100MiB", "--batch-size", "8"]
+    proc = run_cli(*args, "--seq-len", "128", "--accum", "1,2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_the_plan_table_fits_100_columns_one_line_per_candidate(plan_run):
+    proc, plan = plan_run
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100  # the commands too: continued with "\\"
+    rows = [line for line in lines if line.startswith("│ ")]
+    assert len(rows) == len(plan["candidates"])  # one line each: nothing wraps
+    assert_no_stray_lines(proc.stderr)
+
+
+@pytest.mark.slow
+def test_the_commands_plan_prints_run_as_printed(plan_run, tmp_path):
+    """The printed command is complete (preset, batch, sequence, policy in the one notation):
+    run as printed (with a short run length), it trains the chosen configuration."""
+    proc, plan = plan_run
+    chosen = plan["chosen"]
+    printed = re.sub(r" \\\n\s*", " ", proc.stdout)  # a long command goes on after " \\"
+    for framework in ("jax", "torch"):
+        assert plan["commands"][framework] in printed
+        argv = shlex.split(plan["commands"][framework])
+        assert argv[:2] == ["jaxmem", "train"]
+        out = tmp_path / framework
+        ran = run_cli(*argv[1:], "--steps", "2", "--sample-tokens", "0", "--out", str(out))
+        assert ran.returncode == 0, ran.stderr
+        assert_no_stray_lines(ran.stderr)
+        job = JobConfig.from_dict(json.loads((out / "summary.json").read_text())["config"])
+        assert job.memory.name == chosen["policy"] and job.accum.steps == chosen["accum"]
+        assert (job.preset, job.run.batch_size, job.run.seq_len) == ("small", 8, 128)
+        assert job.run.framework == framework
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["memory", "--preset", "tiny", "--mesh", "fsdp=3", "--batch-size", "8"],
+            "microbatch size 8 (batch 8 / accum 1) does not split over --mesh fsdp=3",
+        ),
+        (["peak", "--preset", "tiny", "--policy", "none:99+full"], "first=99 exceeds n_layers=2"),
+        (["train", "--policy", "none:two+full"], "neither a preset nor HEAD:K+REST"),
+        (
+            ["memory", "--mesh", "fsdp=4096", "--batch-size", "4096", "--frameworks", "jax"],
+            "--mesh asks for 4096 CPU devices on this machine",
+        ),
+        (["plan", "--preset", "tiny", "--budget", "1GiB"], "plan a model of at least 4"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"jaxmem {args[0]}: error: ") and message in line
+
+
+def test_a_model_whose_state_cannot_fit_is_refused_before_compiling(monkeypatch, capsys):
+    """Parameters, gradients and AdamW state are resident whatever the policy: a host that
+    cannot hold them is told so (not "out of memory, try --policy mlp" after compiling)."""
+    import jaxmem.train.run as run
+
+    monkeypatch.setattr(run, "host_available_bytes", lambda: 24 * 2**30)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--preset", "gpt3-6.7b", "--steps", "1"])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    state = sum(
+        model_state_bytes(
+            PRESETS["gpt3-6.7b"], OptimizerConfig(), PRECISIONS["fp32"], ParallelConfig()
+        ).values()
+    )
+    assert state == 16 * PRESETS["gpt3-6.7b"].n_params  # fp32 weights and grads, AdamW moments
+    assert (
+        f"gpt3-6.7b's parameters, gradients and adamw state alone need {format_bytes(state)} "
+        "(analytic, fp32), more than the 24.00 GiB this host has available: no memory policy "
+        "can make it fit"
+    ) in line
+
+
+def test_plotting_a_run_with_no_finite_loss_is_one_line(tmp_path):
+    run = tmp_path / "diverged"
+    run.mkdir()
+    records = [{"step": s, "loss": math.nan, "tokens": s} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    proc = run_cli("plot", str(run), "--out", str(tmp_path / "p.png"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"jaxmem plot: error: {run}: none of its 2 logged losses is finite (the run diverged "
+        "from its first step): nothing to plot"
+    ]
+    assert not (tmp_path / "p.png").exists()
+
+
+# ---------------------------------------------------------------------------- stray lines
+@pytest.mark.slow
+def test_resuming_and_torch_runs_print_only_jaxmem_lines(tmp_path):
+    base = ["train", "--preset", "tiny", "--batch-size", "4", "--seq-len", "16"]
+    base += ["--sample-tokens", "0", "--checkpoint-every", "1"]
+    first = run_cli(*base, "--steps", "1", "--out", str(tmp_path / "jax"))
+    assert first.returncode == 0, first.stderr
+    resumed = run_cli(*base, "--steps", "2", "--out", str(tmp_path / "jax"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    torch = run_cli(*base, "--steps", "1", "--framework", "torch")
+    assert torch.returncode == 0, torch.stderr
+    for proc in (first, resumed, torch):
+        assert_no_stray_lines(proc.stdout + proc.stderr)
