@@ -25,6 +25,16 @@ _NOISE = (
 )
 
 
+def quiet_xla_warnings() -> None:
+    """Before JAX loads: keep XLA's own INFO and WARNING log lines (e.g. the rematerialization
+    pass's "Can't reduce memory use below ..." for a plan over the target's memory, which the
+    command reports itself as "fits: no") off the terminal; errors and fatal lines still show.
+    ``TF_CPP_MIN_LOG_LEVEL`` unset or 1 (the level importing JAX sets, so a process started by
+    one that imported JAX has it) becomes 2; a user's 0 (everything) or 3 is kept."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") in ("", "1"):
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+
+
 def cuda_plugin_installed() -> bool:
     try:
         return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None

@@ -182,6 +182,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path):
         str(out),
     )
     assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr  # matplotlib's, for one (nothing but jaxmem's lines)
     result = json.loads((out / "sweep.json").read_text())
     assert result["meta"]["compiler"] == "XLA for the local backend"
     meta = result["meta"]

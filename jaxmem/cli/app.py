@@ -49,9 +49,10 @@ def build_parser() -> Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxmem.backend import contain_cuda_plugin
+    from jaxmem.backend import contain_cuda_plugin, quiet_xla_warnings
 
-    contain_cuda_plugin()  # before JAX starts (it starts lazily, in the commands)
+    quiet_xla_warnings()  # before JAX loads (it loads lazily, in the commands)
+    contain_cuda_plugin()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -646,15 +646,13 @@ def plot(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out_dir: s
         for i, r in enumerate(pts):
             over = 100 * (r[f"{fw}_flops"] / base - 1)
             x = r[f"{fw}_device_bytes"] / MIB
-            peer = r.get("peer", False)  # a built-in: hollow marker, name in brackets
-            ax.scatter(
-                x,
-                over,
-                marker="s" if peer else marker,
-                facecolors="none" if peer else color,
-                edgecolors=color,
-                label=label if i == 0 else None,
+            peer = r.get("peer", False)  # a built-in: hollow square, name in brackets
+            style = (
+                {"marker": "s", "facecolors": "none", "edgecolors": color}
+                if peer
+                else {"marker": marker, "color": color}  # x and + have no face to colour
             )
+            ax.scatter(x, over, label=label if i == 0 else None, **style)
             ax.annotate(f"[{r['policy']}]" if peer else r["policy"], (x, over), fontsize=7)
     ax.set_xlabel("device bytes kept (MiB)")
     ax.set_ylabel("extra matmul FLOPs vs none (%)")

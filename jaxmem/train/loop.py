@@ -651,216 +651,258 @@ def run_job(
 def _train(
     prepared: PreparedJob, trainer: Trainer, console: Console, stop: _StopRequests
 ) -> dict[str, Any]:
-    job, r = prepared.job, prepared.job.run
-    start = prepared.resume_step or 0
-    saves = prepared.out_dir is not None
-    last_good = start  # the newest checkpoint known to verify (0: none)
-    writing = "the run's files"
+    return _Run(prepared, trainer, console, stop).train()
 
-    def where_good() -> str:
-        if saves and last_good:
-            return f"step {last_good} in {prepared.out_dir}/{CHECKPOINT_DIR}"
+
+class _Run:
+    """One training run's loop, from the restored state to the summary: the step loop both
+    frameworks share. It keeps which checkpoint is the newest that verifies and what it is
+    writing, so any failure names both."""
+
+    def __init__(
+        self, prepared: PreparedJob, trainer: Trainer, console: Console, stop: _StopRequests
+    ):
+        self.prepared, self.trainer, self.console, self.stop = prepared, trainer, console, stop
+        self.job = prepared.job
+        self.start = prepared.resume_step or 0
+        self.saves = prepared.out_dir is not None
+        self.last_good = self.start  # the newest checkpoint known to verify (0: none)
+        self.writing = "the run's files"
+        self.files = RunFiles(prepared.out_dir if prepared.primary else None, self.job)
+        self.pending: list[tuple[int, Any]] = []
+        self.skipped = 0
+        self.steps_done = 0
+        self.tokens_per_step = self.job.run.batch_size * self.job.run.seq_len
+
+    # -- failures ----------------------------------------------------------------------------
+    def where_good(self) -> str:
+        if self.saves and self.last_good:
+            return f"step {self.last_good} in {self.prepared.out_dir}/{CHECKPOINT_DIR}"
         return "none"
 
-    def failed(e: BaseException) -> RunFailed:
+    def failed(self, e: BaseException) -> RunFailed:
         os_error = disk_error(e)
         if os_error is not None:
             return RunFailed(
-                f"could not write {writing}: {os_error.strerror or os_error}; last verified "
-                f"checkpoint: {where_good()}; free space there (or choose another --out) and "
-                "continue with --resume"
+                f"could not write {self.writing}: {os_error.strerror or os_error}; last "
+                f"verified checkpoint: {self.where_good()}; free space there (or choose another "
+                "--out) and continue with --resume"
             )
         return RunFailed(
             out_of_memory_message(
-                job,
-                trainer.planned_bytes,
+                self.job,
+                self.trainer.planned_bytes,
                 "while training",
-                can_offload=getattr(trainer, "can_offload", True),
+                can_offload=getattr(self.trainer, "can_offload", True),
             )
         )
 
-    files = RunFiles(prepared.out_dir if prepared.primary else None, job)
-    try:
-        if prepared.resume_step is not None:
-            trainer.restore(prepared.resume_step)
-        writing = f"config.yaml and metrics.jsonl in {prepared.out_dir}"
-        files.start(prepared.resume_step)
-    except Exception as e:
-        if disk_error(e) is not None:
-            raise failed(e) from None
-        raise
-    if stop.signal is not None:
-        trainer.close()
-        raise RunInterrupted(f"{stop.signal} before the first step; nothing was saved")
-    scaled = job.precision.loss_scale == "dynamic"
-    console.print(
-        f"[bold]jaxmem train[/] ({trainer.framework}) preset {job.preset} "
-        f"({job.model.n_params / 1e6:.2f} M params), policy {job.memory.name}, precision "
-        f"{job.precision.name}, accum {job.accum.steps} ({job.accum.mode}), batch "
-        f"{r.batch_size} x seq {r.seq_len}, {job.optimizer.name} lr {job.optimizer.lr}, steps "
-        f"{start + 1}..{r.steps} on {trainer.platform}; data: {prepared.dataset.source} "
-        f"({prepared.dataset.train.size:,} train / {prepared.dataset.val.size:,} val tokens); "
-        f"{trainer.describe()}"
-        + (f"; resumed from step {start}" if prepared.resume_step is not None else "")
-    )
-    tokens_per_step = r.batch_size * r.seq_len
-    pending: list[tuple[int, Any]] = []
-    skipped, steps_done = 0, 0
+    # -- the run -----------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        self.begin()
+        t_start = time.perf_counter()
+        self.loop(t_start)
+        wall = time.perf_counter() - t_start
+        Console(
+            file=self.console.file, width=max(self.console.width, 110), quiet=self.console.quiet
+        ).print(
+            render_table(self.trainer.figures(), f"memory of one training step ({self.job.preset})")
+        )
+        return self.finish(wall, self.sample())
 
-    def flush() -> list[dict[str, Any]]:
+    def begin(self) -> None:
+        """Restore a resumed run, write its config and metrics header, say what runs."""
+        prepared, trainer = self.prepared, self.trainer
+        try:
+            if prepared.resume_step is not None:
+                trainer.restore(prepared.resume_step)
+            self.writing = f"config.yaml and metrics.jsonl in {prepared.out_dir}"
+            self.files.start(prepared.resume_step)
+        except Exception as e:
+            if disk_error(e) is not None:
+                raise self.failed(e) from None
+            raise
+        if self.stop.signal is not None:
+            trainer.close()
+            raise RunInterrupted(f"{self.stop.signal} before the first step; nothing was saved")
+        job, r = self.job, self.job.run
+        self.console.print(
+            f"[bold]jaxmem train[/] ({trainer.framework}) preset {job.preset} "
+            f"({job.model.n_params / 1e6:.2f} M params), policy {job.memory.name}, precision "
+            f"{job.precision.name}, accum {job.accum.steps} ({job.accum.mode}), batch "
+            f"{r.batch_size} x seq {r.seq_len}, {job.optimizer.name} lr {job.optimizer.lr}, "
+            f"steps {self.start + 1}..{r.steps} on {trainer.platform}; data: "
+            f"{prepared.dataset.source} ({prepared.dataset.train.size:,} train / "
+            f"{prepared.dataset.val.size:,} val tokens); {trainer.describe()}"
+            + (f"; resumed from step {self.start}" if prepared.resume_step is not None else "")
+        )
+
+    def flush(self) -> list[dict[str, Any]]:
         """The one host sync: the metrics of the steps since the last one."""
-        nonlocal skipped
+        job = self.job
+        scaled = job.precision.loss_scale == "dynamic"
         out = []
-        for s, handle in pending:
-            values = trainer.fetch(handle)
-            rec = {"step": s, "loss": values["loss"], "tokens": s * tokens_per_step}
+        for s, handle in self.pending:
+            values = self.trainer.fetch(handle)
+            rec = {"step": s, "loss": values["loss"], "tokens": s * self.tokens_per_step}
             if "grad_norm" in values:
                 rec["grad_norm"] = values["grad_norm"]
             if scaled:
                 rec["skipped"] = bool(values["skipped"])
-                skipped += rec["skipped"]
+                self.skipped += rec["skipped"]
             elif not math.isfinite(rec["loss"]):
-                files.append(out)
+                self.files.append(out)
                 fix = "lower --lr" + (
                     "" if job.precision.name == "fp32" else ", or use --precision fp32"
                 )
                 raise RunFailed(
                     f"loss became {rec['loss']} at step {s}; stopped before checkpointing it "
-                    f"(last good checkpoint: {where_good()}); {fix}"
+                    f"(last good checkpoint: {self.where_good()}); {fix}"
                 )
             out.append(rec)
-        pending.clear()
+        self.pending.clear()
         return out
 
-    t_start = time.perf_counter()
-    with (
-        progress_bar(console) as progress,
-        data_lib.Prefetcher(
-            train_batch(prepared.dataset, job, getattr(trainer, "local_rows", None)),
-            start + 1,
-            r.steps + 1,
-            depth=r.prefetch,
-            transfer=trainer.transfer,
-        ) as batches,
-    ):
-        task = progress.add_task(
-            "train",
-            total=r.steps,
-            completed=start,
-            mem=trainer.memory_label(),
-            **INITIAL_FIELDS,
-        )
-        try:
-            for step, batch in batches:
-                pending.append((step, trainer.step(batch)))
-                steps_done += 1
-                is_last = step == r.steps
-                interrupted = stop.signal is not None
-                evaluate = step % r.eval_every == 0 or is_last
-                save = saves and (step % r.checkpoint_every == 0 or is_last or interrupted)
-                if step % r.refresh_every and not (evaluate or save or interrupted):
-                    continue
-                records = flush()
-                if evaluate and not interrupted:
-                    records[-1]["val_loss"] = trainer.val_loss()
-                    progress.console.print(
-                        f"step {step}: train loss {records[-1]['loss']:.4f}, "
-                        f"val loss {records[-1]['val_loss']:.4f}"
-                    )
-                writing = f"metrics.jsonl in {prepared.out_dir}"
-                files.append(records)
-                if save:
-                    writing = f"checkpoint {step} in {prepared.out_dir}/{CHECKPOINT_DIR}"
-                    trainer.save(step, {"loss": records[-1]["loss"], "skipped_steps": skipped})
-                    last_good = step
-                elapsed = time.perf_counter() - t_start
-                progress.update(
-                    task,
-                    completed=step,
-                    loss=f"{records[-1]['loss']:.4f}",
-                    tps=f"{steps_done * tokens_per_step / elapsed:,.0f}",
-                    mem=trainer.memory_label(),
-                )
-                if interrupted:
-                    raise RunInterrupted(
-                        f"{stop.signal} at step {step}: "
-                        + (
-                            f"saved checkpoint {step} in {prepared.out_dir}/{CHECKPOINT_DIR}; "
-                            f"continue with: jaxmem train --out {prepared.out_dir} --resume"
-                            if saves
-                            else "nothing was saved (no --out)"
-                        )
-                    )
-        except (RunFailed, RunInterrupted):
-            raise
-        except KeyboardInterrupt:
-            # a second signal, wherever it landed (a save it cut short is never verified)
-            good = _verified(prepared.out_dir) if saves else "none (no --out)"
-            raise RunInterrupted(
-                f"a second {stop.signal or 'signal'} aborted the run without saving; last "
-                f"verified checkpoint: {good}"
-            ) from None
-        except Exception as e:
-            if is_out_of_memory(e) or disk_error(e) is not None:
-                raise failed(e) from None
-            raise
-        finally:
-            trainer.close()
-    wall = time.perf_counter() - t_start
-    tokens_per_s = steps_done * tokens_per_step / wall
+    def loop(self, t_start: float) -> None:
+        r, trainer = self.job.run, self.trainer
+        with (
+            progress_bar(self.console) as progress,
+            data_lib.Prefetcher(
+                train_batch(self.prepared.dataset, self.job, getattr(trainer, "local_rows", None)),
+                self.start + 1,
+                r.steps + 1,
+                depth=r.prefetch,
+                transfer=trainer.transfer,
+            ) as batches,
+        ):
+            task = progress.add_task(
+                "train",
+                total=r.steps,
+                completed=self.start,
+                mem=trainer.memory_label(),
+                **INITIAL_FIELDS,
+            )
+            try:
+                for step, batch in batches:
+                    self.pending.append((step, trainer.step(batch)))
+                    self.steps_done += 1
+                    self.after_step(step, progress, task, t_start)
+            except (RunFailed, RunInterrupted):
+                raise
+            except KeyboardInterrupt:
+                # a second signal, wherever it landed (a save it cut short is never verified)
+                good = _verified(self.prepared.out_dir) if self.saves else "none (no --out)"
+                raise RunInterrupted(
+                    f"a second {self.stop.signal or 'signal'} aborted the run without saving; "
+                    f"last verified checkpoint: {good}"
+                ) from None
+            except Exception as e:
+                if is_out_of_memory(e) or disk_error(e) is not None:
+                    raise self.failed(e) from None
+                raise
+            finally:
+                trainer.close()
 
-    Console(file=console.file, width=max(console.width, 110), quiet=console.quiet).print(
-        render_table(trainer.figures(), f"memory of one training step ({job.preset})")
-    )
-    sample = None
-    if r.sample_tokens:
+    def after_step(self, step: int, progress: Progress, task: Any, t_start: float) -> None:
+        """Log, evaluate, checkpoint and stop when the step calls for it (else nothing: the
+        host syncs only then)."""
+        r, out_dir = self.job.run, self.prepared.out_dir
+        is_last = step == r.steps
+        interrupted = self.stop.signal is not None
+        evaluate = step % r.eval_every == 0 or is_last
+        save = self.saves and (step % r.checkpoint_every == 0 or is_last or interrupted)
+        if step % r.refresh_every and not (evaluate or save or interrupted):
+            return
+        records = self.flush()
+        if evaluate and not interrupted:
+            records[-1]["val_loss"] = self.trainer.val_loss()
+            progress.console.print(
+                f"step {step}: train loss {records[-1]['loss']:.4f}, "
+                f"val loss {records[-1]['val_loss']:.4f}"
+            )
+        self.writing = f"metrics.jsonl in {out_dir}"
+        self.files.append(records)
+        if save:
+            self.writing = f"checkpoint {step} in {out_dir}/{CHECKPOINT_DIR}"
+            self.trainer.save(step, {"loss": records[-1]["loss"], "skipped_steps": self.skipped})
+            self.last_good = step
+        elapsed = time.perf_counter() - t_start
+        progress.update(
+            task,
+            completed=step,
+            loss=f"{records[-1]['loss']:.4f}",
+            tps=f"{self.steps_done * self.tokens_per_step / elapsed:,.0f}",
+            mem=self.trainer.memory_label(),
+        )
+        if interrupted:
+            raise RunInterrupted(
+                f"{self.stop.signal} at step {step}: "
+                + (
+                    f"saved checkpoint {step} in {out_dir}/{CHECKPOINT_DIR}; continue with: "
+                    f"jaxmem train --out {out_dir} --resume"
+                    if self.saves
+                    else "nothing was saved (no --out)"
+                )
+            )
+
+    def sample(self) -> str | None:
+        """The text sample at the end (cut to fit the position table, saying so)."""
+        r, model = self.job.run, self.job.model
+        if not r.sample_tokens:
+            return None
         prompt = data_lib.encode(r.prompt) if r.prompt else np.array([data_lib.BOS])
-        room = job.model.max_seq_len - min(prompt.size, job.model.max_seq_len - 1)
-        if prompt.size > job.model.max_seq_len - 1 or r.sample_tokens > room:
-            console.print(
-                f"[yellow]sample cut to fit max_seq_len={job.model.max_seq_len}: the prompt's "
-                f"last {min(prompt.size, job.model.max_seq_len - 1)} tokens and "
+        room = model.max_seq_len - min(prompt.size, model.max_seq_len - 1)
+        if prompt.size > model.max_seq_len - 1 or r.sample_tokens > room:
+            self.console.print(
+                f"[yellow]sample cut to fit max_seq_len={model.max_seq_len}: the prompt's "
+                f"last {min(prompt.size, model.max_seq_len - 1)} tokens and "
                 f"{min(r.sample_tokens, room)} new ones (asked for {r.sample_tokens})[/]"
             )
-        tokens = trainer.sample(prompt, r.sample_tokens, r.temperature, r.seed)
-        sample = data_lib.decode(tokens)
-        console.rule("sample")
-        console.print(sample, markup=False, highlight=False)
-        console.rule()
-    summary = {
-        "config": job.to_dict(),
-        "framework": trainer.framework,
-        "resumed_from": start or None,
-        "first_loss": files.records[0]["loss"] if files.records else None,
-        "final_loss": files.records[-1]["loss"] if files.records else None,
-        "final_val_loss": next(
-            (x["val_loss"] for x in reversed(files.records) if x.get("val_loss") is not None),
-            None,
-        ),
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_source": "wall clock over this process's training loop (validation and "
-        "checkpoint saves included, compile excluded)",
-        "wall_s": wall,
-        "compile_s": trainer.compile_s,
-        "skipped_steps": skipped,
-        "platform": trainer.platform,
-        "host": platform.node(),
-        "memory": [dataclasses.asdict(f) for f in trainer.figures()],
-        "planned_step_bytes": trainer.planned_bytes,
-    }
-    writing = f"summary.json, sample.txt and loss.png in {prepared.out_dir}"
-    try:
-        written = files.finish(summary, sample)
-    except OSError as e:
-        raise failed(e) from None
-    first, final, val = summary["first_loss"], summary["final_loss"], summary["final_val_loss"]
-    console.print(
-        f"loss {first:.4f} -> {final:.4f}"
-        + (f" (val {val:.4f})" if val is not None else "")
-        + f" in {wall:.1f} s, {tokens_per_s:,.0f} tokens/s "
-        "(wall clock over the loop incl. validation and checkpoints, compile excluded)"
-        + (f"; {skipped} fp16 overflow steps skipped" if skipped else "")
-    )
-    if prepared.out_dir is not None and prepared.primary:
-        console.print(f"wrote {prepared.out_dir}/: {', '.join(written)}, {CHECKPOINT_DIR}/")
-    return summary
+        tokens = self.trainer.sample(prompt, r.sample_tokens, r.temperature, r.seed)
+        text = data_lib.decode(tokens)
+        self.console.rule("sample")
+        self.console.print(text, markup=False, highlight=False)
+        self.console.rule()
+        return text
+
+    def finish(self, wall: float, sample: str | None) -> dict[str, Any]:
+        """Write the summary, the sample and the plot; say what the run did."""
+        trainer, records, out_dir = self.trainer, self.files.records, self.prepared.out_dir
+        tokens_per_s = self.steps_done * self.tokens_per_step / wall
+        summary = {
+            "config": self.job.to_dict(),
+            "framework": trainer.framework,
+            "resumed_from": self.start or None,
+            "first_loss": records[0]["loss"] if records else None,
+            "final_loss": records[-1]["loss"] if records else None,
+            "final_val_loss": next(
+                (x["val_loss"] for x in reversed(records) if x.get("val_loss") is not None),
+                None,
+            ),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_source": "wall clock over this process's training loop (validation "
+            "and checkpoint saves included, compile excluded)",
+            "wall_s": wall,
+            "compile_s": trainer.compile_s,
+            "skipped_steps": self.skipped,
+            "platform": trainer.platform,
+            "host": platform.node(),
+            "memory": [dataclasses.asdict(f) for f in trainer.figures()],
+            "planned_step_bytes": trainer.planned_bytes,
+        }
+        self.writing = f"summary.json, sample.txt and loss.png in {out_dir}"
+        try:
+            written = self.files.finish(summary, sample)
+        except OSError as e:
+            raise self.failed(e) from None
+        first, final, val = summary["first_loss"], summary["final_loss"], summary["final_val_loss"]
+        self.console.print(
+            f"loss {first:.4f} -> {final:.4f}"
+            + (f" (val {val:.4f})" if val is not None else "")
+            + f" in {wall:.1f} s, {tokens_per_s:,.0f} tokens/s "
+            "(wall clock over the loop incl. validation and checkpoints, compile excluded)"
+            + (f"; {self.skipped} fp16 overflow steps skipped" if self.skipped else "")
+        )
+        if out_dir is not None and self.prepared.primary:
+            self.console.print(f"wrote {out_dir}/: {', '.join(written)}, {CHECKPOINT_DIR}/")
+        return summary
