@@ -12,12 +12,19 @@ from collections.abc import Mapping
 from typing import Literal, TypeVar
 
 Norm = Literal["pre", "post"]
-Activation = Literal["gelu", "gelu_tanh", "relu"]
+NormType = Literal["layernorm", "rmsnorm"]
+Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
 Attention = Literal["naive", "fused"]
+Positions = Literal["learned", "rope"]
+Mlp = Literal["standard", "gated"]
 
 NORMS: tuple[str, ...] = ("pre", "post")
-ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_tanh", "relu")
+NORM_TYPES: tuple[str, ...] = ("layernorm", "rmsnorm")
+ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_tanh", "relu", "silu")
 ATTENTIONS: tuple[str, ...] = ("naive", "fused")
+POSITIONS: tuple[str, ...] = ("learned", "rope")
+ROPE_SCALINGS: tuple[str, ...] = ("none", "llama3")
+MLPS: tuple[str, ...] = ("standard", "gated")
 
 
 class ConfigError(ValueError):
@@ -78,6 +85,24 @@ class ModelConfig:
         ``F.scaled_dot_product_attention`` (its flash kernel on CPU).
       attention_block: keys per block of JAX's fused attention (a shorter sequence is one
         block); PyTorch's kernel picks its own blocking.
+      norm_type: ``"layernorm"`` (GPT-2) or ``"rmsnorm"`` (Llama: scale only, no mean, no bias);
+        ``layer_norm_eps`` is either's epsilon.
+      positions: ``"learned"`` (a ``[max_seq_len, d_model]`` table added to the embeddings,
+        GPT-2) or ``"rope"`` (rotary embeddings applied to queries and keys in every block,
+        Su et al. 2021, in the rotate-half layout Hugging Face's Llama uses; no table, so
+        ``max_seq_len`` only bounds the sequence).
+      rope_theta: RoPE's base (10,000 in the paper; Llama 3: 500,000).
+      rope_scaling: ``"none"``, or ``"llama3"``: Llama 3.1/3.2's frequency scaling of the long
+        wavelengths (``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor``,
+        ``rope_original_max_len``: Hugging Face's ``rope_scaling`` fields).
+      mlp: ``"standard"`` (``down(act(up(x)))``, GPT-2) or ``"gated"``
+        (``down(act(gate(x)) * up(x))``: with ``activation="silu"`` SwiGLU, Llama's; d_ff is
+        the width of gate and up).
+      n_kv_heads: key/value heads (grouped-query attention, Ainslie et al. 2023: each serves
+        ``n_heads / n_kv_heads`` query heads; 1 is multi-query attention); None: ``n_heads``.
+      qkv_bias, out_bias, mlp_bias, norm_bias: biases of the q/k/v projections, the attention
+        output projection, the MLP's matrices and the LayerNorms; None follows ``bias``
+        (Qwen2: ``bias=False, qkv_bias=True``). RMSNorm has no bias.
     """
 
     vocab_size: int
@@ -95,6 +120,20 @@ class ModelConfig:
     init_std: float = 0.02
     attention: Attention = "naive"
     attention_block: int = 128
+    norm_type: NormType = "layernorm"
+    positions: Positions = "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    mlp: Mlp = "standard"
+    n_kv_heads: int | None = None
+    qkv_bias: bool | None = None
+    out_bias: bool | None = None
+    mlp_bias: bool | None = None
+    norm_bias: bool | None = None
 
     def __post_init__(self) -> None:
         names = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len")
@@ -125,10 +164,84 @@ class ModelConfig:
             isinstance(self.init_std, float) and self.init_std > 0.0,
             f"init_std={self.init_std!r} must be a positive float",
         )
+        self._check_architecture()
+
+    def _check_architecture(self) -> None:
+        for name, valid in (
+            ("norm_type", NORM_TYPES),
+            ("positions", POSITIONS),
+            ("rope_scaling", ROPE_SCALINGS),
+            ("mlp", MLPS),
+        ):
+            value = getattr(self, name)
+            require(value in valid, f"{name}={value!r} is not one of {valid}")
+        if self.n_kv_heads is not None:
+            _require_positive_int("n_kv_heads", self.n_kv_heads)
+            require(
+                self.n_heads % self.n_kv_heads == 0,
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}: each "
+                "key/value head serves a whole group of query heads; pick a divisor of "
+                f"{self.n_heads}",
+            )
+        for name in ("qkv_bias", "out_bias", "mlp_bias", "norm_bias"):
+            value = getattr(self, name)
+            require(
+                value is None or isinstance(value, bool),
+                f"{name}={value!r} must be true, false or unset (follows bias)",
+            )
+        require(
+            not (self.norm_type == "rmsnorm" and self.norm_bias),
+            "norm_bias=True: RMSNorm has no bias; use norm_type='layernorm' or drop norm_bias",
+        )
+        if self.positions == "rope":
+            require(
+                self.head_dim % 2 == 0,
+                f"positions='rope' rotates pairs of a head's dimensions: head_dim={self.head_dim} "
+                "(d_model / n_heads) must be even",
+            )
+        require(
+            isinstance(self.rope_theta, float)
+            and math.isfinite(self.rope_theta)
+            and self.rope_theta > 1.0,
+            f"rope_theta={self.rope_theta!r} must be a finite float above 1 (e.g. 10000.0)",
+        )
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, float) and math.isfinite(value) and value > 0.0,
+                f"{name}={value!r} must be a positive, finite float",
+            )
+        _require_positive_int("rope_original_max_len", self.rope_original_max_len)
+        require(
+            self.rope_scaling == "none" or self.rope_low_freq_factor < self.rope_high_freq_factor,
+            f"rope_low_freq_factor={self.rope_low_freq_factor} must be below "
+            f"rope_high_freq_factor={self.rope_high_freq_factor}",
+        )
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``n_kv_heads``, or ``n_heads`` without grouping)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: ``kv_heads * head_dim``."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.positions == "learned"
+
+    def has_bias(self, part: str) -> bool:
+        """Whether ``part`` (``"qkv"``, ``"out"``, ``"mlp"``, ``"norm"``) has biases."""
+        value = getattr(self, f"{part}_bias")
+        if part == "norm" and self.norm_type == "rmsnorm":
+            return False
+        return self.bias if value is None else value
 
     @property
     def final_norm(self) -> bool:
@@ -143,17 +256,18 @@ class ModelConfig:
     @property
     def block_params(self) -> int:
         d, f = self.d_model, self.d_ff
-        b = 1 if self.bias else 0
-        attn = d * 3 * d + b * 3 * d + d * d + b * d  # fused in_proj + out_proj
-        mlp = d * f + b * f + f * d + b * d  # up + down
-        norms = 2 * (d + b * d)  # norm1, norm2: scale (+ bias)
+        qkv = d + 2 * self.kv_dim  # the fused in_proj's output: q, k, v
+        attn = d * qkv + self.has_bias("qkv") * qkv + d * d + self.has_bias("out") * d
+        mats = 3 if self.mlp == "gated" else 2  # (gate,) up, down
+        mlp = mats * d * f + self.has_bias("mlp") * ((mats - 1) * f + d)
+        norms = 2 * (d + self.has_bias("norm") * d)  # norm1, norm2: scale (+ bias)
         return attn + mlp + norms
 
     @property
     def n_params(self) -> int:
         d = self.d_model
-        embed = self.vocab_size * d + self.max_seq_len * d  # wte + wpe
-        final = (d + (d if self.bias else 0)) if self.final_norm else 0
+        embed = self.vocab_size * d + (self.max_seq_len * d if self.learned_positions else 0)
+        final = (d + self.has_bias("norm") * d) if self.final_norm else 0
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return embed + self.n_layers * self.block_params + final + head
 
@@ -171,6 +285,40 @@ def _gpt2(d_model: int, n_heads: int, n_layers: int) -> ModelConfig:
         bias=True,
         tie_embeddings=True,
         causal=True,
+    )
+
+
+def _llama(
+    d_model: int,
+    n_heads: int,
+    n_layers: int,
+    d_ff: int,
+    *,
+    max_seq_len: int,
+    tie: bool,
+    scaled: bool,
+) -> ModelConfig:
+    """A Llama 3 shape (Meta's published configs, as on the Hugging Face hub): RMSNorm, RoPE with
+    theta 500,000 (Llama 3.1/3.2: with their frequency scaling, factor 32 for 3.2), SwiGLU,
+    8 key/value heads, no biases, vocabulary 128,256."""
+    return ModelConfig(
+        vocab_size=128256,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_layers=n_layers,
+        d_ff=d_ff,
+        max_seq_len=max_seq_len,
+        norm="pre",
+        norm_type="rmsnorm",
+        activation="silu",
+        mlp="gated",
+        positions="rope",
+        rope_theta=500000.0,
+        rope_scaling="llama3" if scaled else "none",
+        rope_factor=32.0,
+        n_kv_heads=8,
+        bias=False,
+        tie_embeddings=tie,
     )
 
 
@@ -207,10 +355,43 @@ PRESETS: dict[str, ModelConfig] = {
     # GPT-3 6.7B's shape (Brown et al. 2020, table 2.1) with GPT-2's vocabulary: the 7B class,
     # for planning only.
     "gpt3-6.7b": dataclasses.replace(_gpt2(4096, 32, 32), max_seq_len=2048),
+    # A Llama-family block at test size: RMSNorm, RoPE, SwiGLU, grouped-query attention (2 key/
+    # value heads for 4 query heads), no biases, untied head; the byte vocabulary.
+    "tiny-llama": ModelConfig(
+        vocab_size=BYTE_VOCAB,
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=2,
+        d_ff=160,
+        max_seq_len=64,
+        norm_type="rmsnorm",
+        activation="silu",
+        mlp="gated",
+        positions="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
+    # Llama 3.2 1B and 3B (tied embeddings, RoPE scaled for 128K contexts), Llama 3 8B and 70B
+    # (8K contexts): their real shapes, for planning.
+    "llama-3.2-1b": _llama(2048, 32, 16, 8192, max_seq_len=131072, tie=True, scaled=True),
+    "llama-3.2-3b": _llama(3072, 24, 28, 8192, max_seq_len=131072, tie=True, scaled=True),
+    "llama-3-8b": _llama(4096, 32, 32, 14336, max_seq_len=8192, tie=False, scaled=False),
+    "llama-3-70b": _llama(8192, 64, 80, 28672, max_seq_len=8192, tie=False, scaled=False),
 }
 
 PLANNING_ONLY: frozenset[str] = frozenset(
-    {"gpt2-124m", "gpt2-355m", "gpt2-774m", "gpt2-1.5b", "gpt3-6.7b"}
+    {
+        "gpt2-124m",
+        "gpt2-355m",
+        "gpt2-774m",
+        "gpt2-1.5b",
+        "gpt3-6.7b",
+        "llama-3.2-1b",
+        "llama-3.2-3b",
+        "llama-3-8b",
+        "llama-3-70b",
+    }
 )
 
 

@@ -54,8 +54,10 @@ CHECKPOINT_NAMES: tuple[str, ...] = (
     "block_input",  # [B, S, D] the residual stream entering the block
     "norm1_out",  # [B, S, D] output of norm1 (pre-norm: attention input; post-norm: MLP input)
     "query_proj",  # [B, S, H, K] queries from the fused in_proj
-    "key_proj",  # [B, S, H, K]
-    "value_proj",  # [B, S, H, K]
+    "key_proj",  # [B, S, Hkv, K] (Hkv = n_kv_heads: grouped-query attention; else H)
+    "value_proj",  # [B, S, Hkv, K]
+    "query_rope",  # [B, S, H, K] the queries rotated by RoPE (positions="rope" only)
+    "key_rope",  # [B, S, Hkv, K] the keys rotated by RoPE (positions="rope" only)
     "attn_scores",  # [B, H, S, S] q·k / sqrt(K), masked, fp32 (naive attention only)
     "attn_probs",  # [B, H, S, S] softmax of the scores, fp32, then compute dtype (naive only)
     "attn_lse",  # [B, H, S] the softmax's row log-sum-exp, fp32 (fused attention only)
@@ -63,9 +65,10 @@ CHECKPOINT_NAMES: tuple[str, ...] = (
     "attn_out",  # [B, S, D] out_proj of the context
     "attn_residual",  # [B, S, D] block input + attention output (before norm1 in post-norm)
     "norm2_out",  # [B, S, D] output of norm2 (pre-norm: MLP input; post-norm: block output)
-    "mlp_up",  # [B, S, F] first MLP projection (ffn.0 in PyTorch)
-    "mlp_act",  # [B, S, F] activation of mlp_up
-    "mlp_down",  # [B, S, D] second MLP projection (ffn.2 in PyTorch)
+    "mlp_gate",  # [B, S, F] the gate projection of a gated MLP (mlp="gated" only)
+    "mlp_up",  # [B, S, F] the up projection (ffn.0 in PyTorch's standard MLP)
+    "mlp_act",  # [B, S, F] act(mlp_up), or act(mlp_gate) * mlp_up in a gated MLP
+    "mlp_down",  # [B, S, D] the down projection (ffn.2 in PyTorch's standard MLP)
     "mlp_residual",  # [B, S, D] residual add after the MLP (before norm2 in post-norm)
 )
 
@@ -73,19 +76,25 @@ Choice = Literal["device", "offload", "recompute"]
 CHOICES: tuple[str, ...] = ("device", "offload", "recompute")
 HOST_MEMORY_KIND = "pinned_host"
 
-# Tags only one attention form produces (``ModelConfig.attention``): the fused op never builds
-# the [B, H, S, S] scores and probabilities; it keeps the row log-sum-exp in their place.
+# Tags only some architectures produce (``ModelConfig``): naive attention builds the [B, H, S, S]
+# scores and probabilities, the fused op keeps the row log-sum-exp in their place; RoPE adds the
+# rotated queries and keys; a gated MLP adds the gate projection.
 ONLY_IN = {"naive": ("attn_scores", "attn_probs"), "fused": ("attn_lse",)}
-PROJECTIONS = ("query_proj", "key_proj", "value_proj", "attn_out", "mlp_up", "mlp_down")
-MLP_SIDE = ("mlp_up", "mlp_act", "mlp_down", "mlp_residual")
+ROPE_TAGS = ("query_rope", "key_rope")
+GATED_TAGS = ("mlp_gate",)
+PROJECTIONS = ("query_proj", "key_proj", "value_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_down")
+MLP_SIDE = ("mlp_gate", "mlp_up", "mlp_act", "mlp_down", "mlp_residual")
 QKV = ("query_proj", "key_proj", "value_proj")
 
 
 def model_tags(cfg: ModelConfig) -> tuple[str, ...]:
-    """The tags ``cfg``'s block produces, in ``CHECKPOINT_NAMES`` order: every tag but those only
-    the other attention form has."""
-    other = [form for form in ONLY_IN if form != cfg.attention]
-    absent = {n for form in other for n in ONLY_IN[form]}
+    """The tags ``cfg``'s block produces, in ``CHECKPOINT_NAMES`` order: every tag but those of
+    the other attention form, the rotated q/k without RoPE and the gate without a gated MLP."""
+    absent = {n for form in ONLY_IN if form != cfg.attention for n in ONLY_IN[form]}
+    if cfg.positions != "rope":
+        absent |= set(ROPE_TAGS)
+    if cfg.mlp != "gated":
+        absent |= set(GATED_TAGS)
     return tuple(n for n in CHECKPOINT_NAMES if n not in absent)
 
 
@@ -363,17 +372,26 @@ def check_policy(cfg: ModelConfig, policy: MemoryPolicy) -> None:
     for field in ("save", "offload"):
         absent = [n for n in getattr(policy, field) if n not in tags]
         if absent:
-            fused = cfg.attention == "fused"
-            hint = (
-                "fused attention keeps attn_context and attn_lse (the softmax's log-sum-exp) "
-                "instead of the [B, H, S, S] scores and probabilities"
-                if fused
-                else "attn_lse exists only with attention='fused'"
-            )
             raise ConfigError(
-                f"policy {policy.name!r} {field}s {absent}, which attention={cfg.attention!r} "
-                f"does not produce ({hint}); drop them or change the attention"
+                f"policy {policy.name!r} {field}s {absent}, which this model does not produce "
+                f"({'; '.join(_why_absent(cfg, absent))}); drop them or change the model"
             )
+
+
+def _why_absent(cfg: ModelConfig, names: list[str]) -> list[str]:
+    why = []
+    if set(names) & {n for ns in ONLY_IN.values() for n in ns}:
+        why.append(
+            "fused attention keeps attn_context and attn_lse (the softmax's log-sum-exp) "
+            "instead of the [B, H, S, S] scores and probabilities"
+            if cfg.attention == "fused"
+            else "attn_lse exists only with attention='fused'"
+        )
+    if set(names) & set(ROPE_TAGS):
+        why.append("query_rope and key_rope exist only with positions='rope'")
+    if set(names) & set(GATED_TAGS):
+        why.append("mlp_gate exists only with mlp='gated'")
+    return why
 
 
 def get_policy(name: str) -> MemoryPolicy:
@@ -495,45 +513,50 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
 def backward_reads(cfg: ModelConfig) -> frozenset[str]:
     """The tags a block's backward reads (each op's minimal needs):
 
-    - a LayerNorm reads its input (pre-norm: block_input, attn_residual; post-norm:
-      attn_residual, mlp_residual);
+    - a norm (LayerNorm or RMSNorm) reads its input (pre-norm: block_input, attn_residual;
+      post-norm: attn_residual, mlp_residual);
     - a Linear reads its input (in_proj: norm1_out or block_input; out_proj: attn_context;
-      up: norm2_out or norm1_out; down: mlp_act);
+      gate and up: norm2_out or norm1_out; down: mlp_act);
+    - RoPE reads nothing (a rotation by constant angles): the attention core reads the rotated
+      q and k (query_rope, key_rope) instead of the projections;
     - naive attention: q·k reads q and k; softmax reads its output (attn_probs); probs·v reads
       attn_probs and v; fused attention: its backward reads q, k, v, its output (attn_context)
       and the softmax's log-sum-exp (attn_lse);
-    - GELU reads its input (mlp_up), ReLU its output (mlp_act, read by down anyway); additions
-      read nothing.
+    - GELU and SiLU read their input (mlp_up), ReLU its output (mlp_act, read by down anyway);
+      a gated MLP's product act(gate) * up reads gate and up; additions read nothing.
 
     Tests check this against both frameworks independently: the tensors JAX keeps when a policy
     may keep every tag, and the op outputs PyTorch's autograd saves without checkpointing.
     """
+    q, k = ("query_rope", "key_rope") if cfg.positions == "rope" else ("query_proj", "key_proj")
     common = {
-        "query_proj",
-        "key_proj",
+        q,
+        k,
         "value_proj",
         "attn_lse" if cfg.attention == "fused" else "attn_probs",
         "attn_context",
         "mlp_act",
         "attn_residual",
     }
-    if cfg.activation != "relu":
+    if cfg.mlp == "gated":
+        common |= {"mlp_gate", "mlp_up"}
+    elif cfg.activation != "relu":
         common.add("mlp_up")
     if cfg.norm == "pre":
         return frozenset(common | {"block_input", "norm1_out", "norm2_out"})
     return frozenset(common | {"block_input", "norm1_out", "mlp_residual"})
 
 
-# A tag the backward does not read is still kept when the policy stores it and an unstored tag
-# the backward does read is recomputed from it (with the block input, always kept): the residual
-# additions, the softmax and the activation. JAX's partial evaluation keeps such a source instead
-# of recomputing further back.
-RECOMPUTED_FROM = {
-    "attn_residual": "attn_out",
-    "mlp_residual": "mlp_down",
-    "attn_probs": "attn_scores",
-    "mlp_act": "mlp_up",
-}
+def recomputed_from(cfg: ModelConfig) -> dict[str, str]:
+    """A tag the backward reads, when not stored, recomputed from one stored source without a
+    matmul: the residual additions, the softmax, the activation, RoPE's rotations. JAX's partial
+    evaluation keeps such a source instead of recomputing further back."""
+    out = {"attn_residual": "attn_out", "mlp_residual": "mlp_down", "attn_probs": "attn_scores"}
+    if cfg.mlp != "gated":  # a gated product's sources, gate and up, are read anyway
+        out["mlp_act"] = "mlp_up"
+    if cfg.positions == "rope":
+        out |= {"query_rope": "query_proj", "key_rope": "key_proj"}
+    return out
 
 
 def kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
@@ -544,7 +567,7 @@ def kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
     reads = backward_reads(cfg)
     stored = set(policy.save) | set(policy.offload)
     kept = stored & (reads | {"block_input"})
-    for needed, source in RECOMPUTED_FROM.items():
+    for needed, source in recomputed_from(cfg).items():
         if needed in reads and needed not in stored and source in stored:
             kept.add(source)
     return frozenset(kept)

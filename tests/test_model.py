@@ -9,7 +9,7 @@ from flax import nnx
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS
 from jaxmem.model import CHECKPOINT_NAMES, BlockStack, Decoder, make_model
-from jaxmem.policy import ONLY_IN, model_tags
+from jaxmem.policy import GATED_TAGS, ONLY_IN, ROPE_TAGS, model_tags
 from jaxmem.precision import FP64
 
 
@@ -48,9 +48,11 @@ def test_every_checkpoint_name_is_tagged_once_per_block(norm, attention):
     jaxpr = jax.make_jaxpr(lambda t: model(t))(jnp.zeros((2, 8), jnp.int32))
     names = [e.params["name"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "name"]
     assert sorted(names) == sorted(model_tags(cfg))
-    assert set(CHECKPOINT_NAMES) - set(model_tags(cfg)) == set(
-        ONLY_IN["fused" if attention == "naive" else "naive"]
-    )
+    assert set(CHECKPOINT_NAMES) - set(model_tags(cfg)) == {
+        *ONLY_IN["fused" if attention == "naive" else "naive"],
+        *ROPE_TAGS,
+        *GATED_TAGS,
+    }
 
 
 def test_layers_run_under_one_scan_that_returns_only_the_carry(tiny):

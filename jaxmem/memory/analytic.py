@@ -46,10 +46,12 @@ from jaxmem.policy import (
     backward_reads,
     kept_tags,
     nested_segment_size,
+    recomputed_from,
 )
 from jaxmem.precision import Precision
 
 FP32 = 4
+ROPE_SOURCES = ("query_proj", "key_proj")  # RoPE rotates them: the backward reads the rotations
 
 
 # What every analytic activation figure covers: the blocks. At gpt2-1.5b, batch 1 x 1024, the
@@ -61,19 +63,23 @@ ANALYTIC_SOURCE = (
 
 
 def tag_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision) -> dict[str, int]:
-    """Bytes of each tagged tensor of one block (either attention form's). Scores and the fused
-    op's log-sum-exp are fp32 (or wider); probabilities are cast to the compute dtype
-    (``jaxmem.model.SelfAttention``)."""
+    """Bytes of each tagged tensor of one block (every architecture's tags: those ``cfg`` does
+    not produce are sized as if it did). Keys and values are ``kv_heads`` wide (grouped-query
+    attention); scores and the fused op's log-sum-exp are fp32 (or wider); probabilities are
+    cast to the compute dtype (``jaxmem.model.SelfAttention``)."""
     p = precision.compute_bytes
     bsd = batch * seq_len * cfg.d_model
+    bskv = batch * seq_len * cfg.kv_dim
     bhss = batch * cfg.n_heads * seq_len * seq_len
     bsf = batch * seq_len * cfg.d_ff
     sizes = {
         "block_input": bsd * p,
         "norm1_out": bsd * p,
         "query_proj": bsd * p,
-        "key_proj": bsd * p,
-        "value_proj": bsd * p,
+        "key_proj": bskv * p,
+        "value_proj": bskv * p,
+        "query_rope": bsd * p,
+        "key_rope": bskv * p,
         "attn_scores": bhss * max(p, FP32),
         "attn_probs": bhss * p,
         "attn_lse": batch * cfg.n_heads * seq_len * max(p, FP32),
@@ -81,6 +87,7 @@ def tag_bytes(cfg: ModelConfig, batch: int, seq_len: int, precision: Precision) 
         "attn_out": bsd * p,
         "attn_residual": bsd * p,
         "norm2_out": bsd * p,
+        "mlp_gate": bsf * p,
         "mlp_up": bsf * p,
         "mlp_act": bsf * p,
         "mlp_down": bsd * p,
@@ -130,7 +137,9 @@ def saved_activation_bytes(
             per_layer.append(everything)
             continue
         if policy.save_dots:
-            kept = {"query_proj", "key_proj", "value_proj", "mlp_up"} & reads
+            sources = {recomputed_from(cfg)[n] for n in reads if n in recomputed_from(cfg)}
+            dots = {"query_proj", "key_proj", "value_proj", "mlp_gate", "mlp_up"}
+            kept = dots & (reads | (sources & set(ROPE_SOURCES)))
             on_device, on_host = kept | {"block_input"}, set()
         else:
             kept = kept_tags(cfg, policy)
@@ -213,12 +222,21 @@ def _param_shapes_stacked(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]
     """Every parameter's shape, with whether it is one of the blocks' stacked ``[L, ...]``
     parameters (sharding never splits their layer axis)."""
     d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
-    outside = [(cfg.vocab_size, d), (cfg.max_seq_len, d)]
-    stacked = [(L, d, 3 * d), (L, d, d), (L, d, f), (L, f, d), (L, d), (L, d)]
-    if cfg.bias:
-        stacked += [(L, 3 * d), (L, d), (L, f), (L, d), (L, d), (L, d)]
+    qkv = d + 2 * cfg.kv_dim
+    outside = [(cfg.vocab_size, d)] + ([(cfg.max_seq_len, d)] if cfg.learned_positions else [])
+    stacked = [(L, d, qkv), (L, d, d), (L, d, f), (L, f, d), (L, d), (L, d)]
+    if cfg.mlp == "gated":
+        stacked.append((L, d, f))
+    if cfg.has_bias("qkv"):
+        stacked.append((L, qkv))
+    if cfg.has_bias("out"):
+        stacked.append((L, d))
+    if cfg.has_bias("mlp"):
+        stacked += [(L, f)] * (2 if cfg.mlp == "gated" else 1) + [(L, d)]
+    if cfg.has_bias("norm"):
+        stacked += [(L, d), (L, d)]
     if cfg.final_norm:
-        outside += [(d,)] + ([(d,)] if cfg.bias else [])
+        outside += [(d,)] + ([(d,)] if cfg.has_bias("norm") else [])
     if not cfg.tie_embeddings:
         outside.append((d, cfg.vocab_size))
     return [(s, False) for s in outside] + [(s, True) for s in stacked]
@@ -236,12 +254,16 @@ def korthikanti_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int) -> i
 
 def model_flops(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     """Matmul FLOPs of one training step without remat (forward + backward = 3 × forward):
-    projections 2·tokens·(4D² + 2DF) per layer, attention 2·2·B·S²·D per layer, LM head
+    projections 2·tokens·(D·(D + 2·D_kv) + D² + m·D·F) per layer (D_kv = kv_heads·head_dim:
+    grouped-query attention shrinks k and v; m = 2 matrices in a standard MLP, 3 in a gated
+    one), attention 2·2·B·S²·D per layer (every query head scores every key), LM head
     2·tokens·D·V; fused attention adds the q·kᵀ its backward recomputes, 2·B·S²·D per layer
     (masked blocks counted, as both frameworks' counters do)."""
     t = batch * seq_len
     d, f = cfg.d_model, cfg.d_ff
-    per_layer = 2 * t * (4 * d * d + 2 * d * f) + 4 * batch * seq_len * seq_len * d
+    mats = 3 if cfg.mlp == "gated" else 2
+    projections = d * (d + 2 * cfg.kv_dim) + d * d + mats * d * f
+    per_layer = 2 * t * projections + 4 * batch * seq_len * seq_len * d
     forward = cfg.n_layers * per_layer + 2 * t * d * cfg.vocab_size
     recomputed = 2 * batch * seq_len * seq_len * d if cfg.attention == "fused" else 0
     return 3 * forward + cfg.n_layers * recomputed

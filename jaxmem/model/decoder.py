@@ -6,8 +6,11 @@ accumulation. It only *tags* its intermediate tensors with ``checkpoint_name`` (
 are applied from outside by passing a ``layers_fn`` that decides how the stacked blocks are run
 (see ``scan_layers``, the default; ``jaxmem.memory.remat`` builds the others).
 
-Shapes in comments: B batch, S sequence, D d_model, H heads, K head_dim, F d_ff, V vocab,
-L layers.
+Shapes in comments: B batch, S sequence, D d_model, H heads, Hkv key/value heads (grouped-query
+attention: G = H / Hkv query heads share each), K head_dim, F d_ff, V vocab, L layers.
+
+Architecture is data (``ModelConfig``): LayerNorm or RMSNorm, learned positions or RoPE, a
+standard or gated MLP, grouped-query attention, biases per part; GPT-2 and Llama are presets.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jaxmem.model.ops as ops
 from jaxmem.config import ModelConfig
 from jaxmem.model.flash import flash_attention
 from jaxmem.model.ops import wide
+from jaxmem.positions import rope_angles
 from jaxmem.precision import Precision
 
 Array = jax.Array
@@ -33,6 +37,7 @@ Array = jax.Array
 STACK_PATH: tuple[str, ...] = ("blocks", "layers")
 
 LayerFn = Callable[[Array, Any], Array]
+RopeTables = tuple[Array, Array] | None  # RoPE's cos, sin: [S, K] each
 LayersFn = Callable[[LayerFn, Array, Any], Array]
 
 
@@ -50,12 +55,15 @@ def activation(name: str, x: Array, tag: str) -> Array:
     raise ValueError(f"activation={name!r} is not one of gelu, gelu_tanh, relu")
 
 
-def _linear_kwargs(cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any) -> dict:
+def _linear_kwargs(
+    cfg: ModelConfig, part: str, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any
+) -> dict:
     """Linear layers multiply in the compute dtype, accumulate and add the bias in fp32 (or
     wider), and round once (callers cast the result back): PyTorch's addmm under autocast does the
-    same, and it keeps the bias gradient's reduction over batch and sequence in fp32."""
+    same, and it keeps the bias gradient's reduction over batch and sequence in fp32. ``part``
+    (``qkv``, ``out``, ``mlp``) says whose bias setting applies."""
     return dict(
-        use_bias=cfg.bias,
+        use_bias=cfg.has_bias(part),
         dtype=dtype,
         param_dtype=param_dtype,
         preferred_element_type=wide(dtype),
@@ -78,7 +86,7 @@ class LayerNorm(nnx.Module):
         self.norm = nnx.LayerNorm(
             cfg.d_model,
             epsilon=cfg.layer_norm_eps,
-            use_bias=cfg.bias,
+            use_bias=cfg.has_bias("norm"),
             dtype=wide(dtype),
             param_dtype=param_dtype,
             rngs=rngs,
@@ -89,70 +97,131 @@ class LayerNorm(nnx.Module):
         return ops.layer_norm(x, self.norm.scale[...], bias, self.eps).astype(self.dtype)
 
 
+class RMSNorm(nnx.Module):
+    """RMSNorm (Llama's) computed in fp32 (or wider) and cast back, like ``LayerNorm``; its
+    parameter sits at the same path (``norm.scale``)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        self.dtype = dtype
+        self.eps = cfg.layer_norm_eps
+        self.norm = nnx.RMSNorm(
+            cfg.d_model,
+            epsilon=cfg.layer_norm_eps,
+            dtype=wide(dtype),
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+
+    def __call__(self, x: Array) -> Array:
+        return ops.rms_norm(x, self.norm.scale[...], self.eps).astype(self.dtype)
+
+
+def make_norm(cfg: ModelConfig, **kw: Any) -> LayerNorm | RMSNorm:
+    return RMSNorm(cfg, **kw) if cfg.norm_type == "rmsnorm" else LayerNorm(cfg, **kw)
+
+
 class SelfAttention(nnx.Module):
     """Multi-head self-attention with a fused QKV projection; the core (scores, softmax,
-    context) naive or fused (``ModelConfig.attention``).
+    context) naive or fused (``ModelConfig.attention``); keys and values ``n_kv_heads`` wide
+    (grouped-query attention, each serving G query heads, never repeated in memory); RoPE on
+    queries and keys when ``positions="rope"``.
 
     Parameters mirror ``torch.nn.MultiheadAttention``: ``in_proj`` ↔ ``in_proj_weight`` /
-    ``in_proj_bias`` (q, k, v stacked in that order) and ``out_proj``.
+    ``in_proj_bias`` (q, k, v stacked in that order: D, Hkv·K, Hkv·K rows) and ``out_proj``.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
         self.n_heads = cfg.n_heads
+        self.kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
         self.dtype = dtype
         self.fused = cfg.attention == "fused"
         self.causal = cfg.causal
         self.block = cfg.attention_block
-        d = cfg.d_model
-        common = _linear_kwargs(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.in_proj = nnx.Linear(d, 3 * d, kernel_init=_normal(cfg.init_std), **common)
+        d, kv = cfg.d_model, cfg.kv_dim
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        qkv = _linear_kwargs(cfg, "qkv", **kw)
+        self.in_proj = nnx.Linear(d, d + 2 * kv, kernel_init=_normal(cfg.init_std), **qkv)
         # GPT-2: residual-branch output projections scaled by 1/sqrt(2 L).
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.out_proj = nnx.Linear(d, d, kernel_init=_normal(out_std), **common)
+        out = _linear_kwargs(cfg, "out", **kw)
+        self.out_proj = nnx.Linear(d, d, kernel_init=_normal(out_std), **out)
 
-    def __call__(self, x_bsd: Array, mask_ss: Array | None) -> Array:
+    def __call__(self, x_bsd: Array, mask_ss: Array | None, rope: RopeTables = None) -> Array:
         b, s, d = x_bsd.shape
-        qkv = self.in_proj(x_bsd).astype(self.dtype)  # [B, S, 3D]
-        q, k, v = jnp.split(qkv, 3, axis=-1)
-        q = checkpoint_name(q.reshape(b, s, self.n_heads, self.head_dim), "query_proj")
-        k = checkpoint_name(k.reshape(b, s, self.n_heads, self.head_dim), "key_proj")
-        v = checkpoint_name(v.reshape(b, s, self.n_heads, self.head_dim), "value_proj")
+        kv, hd = self.kv_heads, self.head_dim
+        qkv = self.in_proj(x_bsd).astype(self.dtype)  # [B, S, D + 2 Hkv K]
+        q, k, v = jnp.split(qkv, [d, d + kv * hd], axis=-1)
+        q = checkpoint_name(q.reshape(b, s, self.n_heads, hd), "query_proj")
+        k = checkpoint_name(k.reshape(b, s, kv, hd), "key_proj")  # [B, S, Hkv, K]
+        v = checkpoint_name(v.reshape(b, s, kv, hd), "value_proj")
+        if rope is not None:
+            q = checkpoint_name(ops.rope(q, *rope), "query_rope")
+            k = checkpoint_name(ops.rope(k, *rope), "key_rope")
         if self.fused:  # one op; its output and log-sum-exp are tagged inside (see flash)
             context = flash_attention(q, k, v, self.causal, self.block)  # [B, S, D]
             return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")
-        scale = 1.0 / math.sqrt(self.head_dim)
+        scale = 1.0 / math.sqrt(hd)
         # Scores and softmax in fp32 (or wider) whatever the compute dtype.
         acc = wide(self.dtype)
-        scores = (
-            jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=acc) * scale
-        )  # [B, H, S, S]
+        scores = _scores(q, k, acc) * scale  # [B, H, S, S]
         if mask_ss is not None:
             # An additive [S, S] bias: its backward needs nothing (a where() would keep a
             # [B, H, S, S] broadcast of the mask for the backward pass).
             scores = scores + jnp.where(mask_ss, 0.0, jnp.finfo(acc).min)
         scores = checkpoint_name(scores, "attn_scores")
         probs = ops.softmax(scores, self.dtype, "attn_probs")  # tagged inside (see ops)
-        context = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(b, s, d)  # [B, S, D]
+        context = _context(probs, v).reshape(b, s, d)  # [B, S, D]
         context = checkpoint_name(context, "attn_context")
         return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")
 
 
+def _scores(q: Array, k: Array, acc: Any) -> Array:
+    """``[B, H, S, S]`` q·kᵀ; under grouped-query attention each key head scores its group of
+    query heads (``[B, Hkv, G, S, S]`` in the einsum, no copy of the keys)."""
+    b, s, h, hd = q.shape
+    kv = k.shape[2]
+    if kv == h:
+        return jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=acc)
+    qg = q.reshape(b, s, kv, h // kv, hd)
+    return jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=acc).reshape(b, h, s, s)
+
+
+def _context(probs: Array, v: Array) -> Array:
+    """``[B, S, H, K]``: the probabilities applied to the values (grouped as ``_scores``)."""
+    b, h, s, _ = probs.shape
+    kv, hd = v.shape[2], v.shape[3]
+    if kv == h:
+        return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+    pg = probs.reshape(b, kv, h // kv, s, s)
+    return jnp.einsum("bhgqs,bshk->bqhgk", pg, v).reshape(b, s, h, hd)
+
+
 class FeedForward(nnx.Module):
-    """Two-layer MLP. ``up`` ↔ PyTorch ``ffn.0``, ``down`` ↔ ``ffn.2`` (``ffn.1`` is the
-    activation)."""
+    """The MLP. Standard: ``down(act(up(x)))``, ``up`` ↔ PyTorch ``ffn.0``, ``down`` ↔
+    ``ffn.2`` (``ffn.1`` is the activation). Gated (``mlp="gated"``; SwiGLU with ``silu``):
+    ``down(act(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
-        common = _linear_kwargs(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        common = _linear_kwargs(cfg, "mlp", rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.dtype = dtype
+        self.gated = cfg.mlp == "gated"
+        if self.gated:
+            init = _normal(cfg.init_std)
+            self.gate = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=init, **common)
         self.up = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_normal(cfg.init_std), **common)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.down = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_normal(out_std), **common)
         self.activation = cfg.activation
 
     def __call__(self, x_bsd: Array) -> Array:
-        h = checkpoint_name(self.up(x_bsd).astype(self.dtype), "mlp_up")  # [B, S, F]
-        h = activation(self.activation, h, "mlp_act")
+        if self.gated:
+            g = checkpoint_name(self.gate(x_bsd).astype(self.dtype), "mlp_gate")  # [B, S, F]
+            u = checkpoint_name(self.up(x_bsd).astype(self.dtype), "mlp_up")
+            h = checkpoint_name(ops.gated(g, u, self.activation), "mlp_act")
+        else:
+            h = checkpoint_name(self.up(x_bsd).astype(self.dtype), "mlp_up")  # [B, S, F]
+            h = activation(self.activation, h, "mlp_act")
         return checkpoint_name(self.down(h).astype(self.dtype), "mlp_down")  # [B, S, D]
 
 
@@ -172,18 +241,18 @@ class Block(nnx.Module):
         self.dtype = dtype
         self.self_attn = SelfAttention(cfg, **kw)
         self.ffn = FeedForward(cfg, **kw)
-        self.norm1 = LayerNorm(cfg, **kw)
-        self.norm2 = LayerNorm(cfg, **kw)
+        self.norm1 = make_norm(cfg, **kw)
+        self.norm2 = make_norm(cfg, **kw)
 
-    def __call__(self, x_bsd: Array, mask_ss: Array | None) -> Array:
+    def __call__(self, x_bsd: Array, mask_ss: Array | None, rope: RopeTables = None) -> Array:
         x = checkpoint_name(x_bsd.astype(self.dtype), "block_input")
-        if self.pre_norm:  # GPT-2: x + f(norm(x))
+        if self.pre_norm:  # GPT-2, Llama: x + f(norm(x))
             h = checkpoint_name(self.norm1(x), "norm1_out")
-            x = checkpoint_name(x + self.self_attn(h, mask_ss), "attn_residual")
+            x = checkpoint_name(x + self.self_attn(h, mask_ss, rope), "attn_residual")
             h = checkpoint_name(self.norm2(x), "norm2_out")
             return checkpoint_name(x + self.ffn(h), "mlp_residual")
         # Post-norm (the seeds' DecoderLayer): norm(x + f(x)).
-        x = checkpoint_name(x + self.self_attn(x, mask_ss), "attn_residual")
+        x = checkpoint_name(x + self.self_attn(x, mask_ss, rope), "attn_residual")
         x = checkpoint_name(self.norm1(x), "norm1_out")
         x = checkpoint_name(x + self.ffn(x), "mlp_residual")
         return checkpoint_name(self.norm2(x), "norm2_out")
@@ -201,6 +270,16 @@ def scan_layers(layer_fn: LayerFn, x_bsd: Array, stacked_state: Any) -> Array:
 
     x_bsd, _ = jax.lax.scan(body, x_bsd, stacked_state)
     return x_bsd
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, dtype: Any) -> RopeTables:
+    """RoPE's ``cos``, ``sin`` (``[S, K]``, in ``wide(dtype)``) for ``cfg``, or None without
+    RoPE: computed once per forward, outside the blocks (constants to every remat policy)."""
+    if cfg.positions != "rope":
+        return None
+    cos, sin = rope_angles(cfg, seq_len)
+    acc = wide(dtype)
+    return jnp.asarray(cos, acc), jnp.asarray(sin, acc)
 
 
 def causal_mask(cfg: ModelConfig, seq_len: int) -> Array | None:
@@ -243,16 +322,18 @@ class BlockStack(nnx.Module):
             )
         # fused attention masks by position inside its kernel: no [S, S] mask array
         mask_ss = causal_mask(self.cfg, seq_len) if self.cfg.attention == "naive" else None
+        rope = rope_tables(self.cfg, seq_len, x_bsd.dtype)
         graphdef, stacked_state = nnx.split(self.layers)
 
         def layer_fn(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, mask_ss)
+            return nnx.merge(graphdef, layer_state)(x, mask_ss, rope)
 
         return (layers_fn or scan_layers)(layer_fn, x_bsd, stacked_state)
 
 
 class Decoder(nnx.Module):
-    """Token + learned position embeddings, a ``BlockStack``, optional final norm, LM head."""
+    """Token embeddings (+ learned position embeddings, or RoPE inside the blocks), a
+    ``BlockStack``, optional final norm, LM head."""
 
     def __init__(
         self,
@@ -266,10 +347,10 @@ class Decoder(nnx.Module):
         self.dtype = dtype
         emb = dict(embedding_init=_normal(cfg.init_std), param_dtype=param_dtype, rngs=rngs)
         self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, **emb)
-        self.wpe = nnx.Embed(cfg.max_seq_len, cfg.d_model, **emb)
+        self.wpe = nnx.Embed(cfg.max_seq_len, cfg.d_model, **emb) if cfg.learned_positions else None
         self.blocks = BlockStack(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.norm_f = (
-            LayerNorm(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            make_norm(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
             if cfg.final_norm
             else None
         )
@@ -295,8 +376,10 @@ class Decoder(nnx.Module):
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
-        pos = jnp.arange(seq_len)
-        x = (self.wte(tokens_bs) + self.wpe(pos)[None]).astype(self.dtype)  # [B, S, D]
+        x = self.wte(tokens_bs)  # [B, S, D]
+        if self.wpe is not None:
+            x = x + self.wpe(jnp.arange(seq_len))[None]
+        x = x.astype(self.dtype)
         x = self.blocks(x, layers_fn=layers_fn)
         if self.norm_f is not None:
             x = self.norm_f(x)

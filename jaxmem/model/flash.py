@@ -19,6 +19,10 @@ recomputed as ``exp(q·kᵀ·scale − lse)``, then ``dV_j = Pᵀ dO``, ``dP = d
 ``dS = P (dP − D)``, ``dQ += dS K_j · scale``, ``dK_j = dSᵀ Q · scale``: five block matmuls
 (one more than naive attention's backward: the recomputed scores).
 
+Grouped-query attention: k and v have Hkv heads, each serving G = H / Hkv query heads; the block
+matmuls run on q viewed as ``[B, S, Hkv, G, K]`` (no copy of k or v), and dK, dV sum over the
+group.
+
 Numerics follow the naive form's rule: scores, softmax and their gradients in fp32 (or wider,
 ``ops.wide``), matmul operands in the compute dtype. The causal mask is applied per block from
 positions (no ``[S, S]`` mask array); padding keys of the last block are masked too. FLOPs: every
@@ -41,9 +45,10 @@ Array = jax.Array
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def flash_attention(q: Array, k: Array, v: Array, causal: bool, block: int) -> Array:
-    """Softmax attention of ``q``, ``k``, ``v`` (``[B, S, H, K]``, one dtype) with heads merged:
-    ``[B, S, H·K]`` in that dtype, tagged ``attn_context``. ``causal``: position i attends to
-    j ≤ i only. ``block``: keys per block (a shorter sequence is one block)."""
+    """Softmax attention of ``q`` (``[B, S, H, K]``), ``k``, ``v`` (``[B, S, Hkv, K]``, Hkv
+    dividing H; one dtype) with heads merged: ``[B, S, H·K]`` in that dtype, tagged
+    ``attn_context``. ``causal``: position i attends to j ≤ i only. ``block``: keys per block
+    (a shorter sequence is one block)."""
     return _flash_fwd(q, k, v, causal, block)[0]
 
 
@@ -64,8 +69,44 @@ def _valid(s: int, block: int, j: Array, causal: bool) -> Array:
     return ok
 
 
-def _scores(q: Array, kj: Array, scale: float, acc) -> Array:
-    return jnp.einsum("bqhk,bshk->bhqs", q, kj, preferred_element_type=acc) * scale
+def _scores(q: Array, kj: Array, scale: float | None, acc) -> Array:
+    """``[B, H, S, block]`` scores of one key block, times ``scale`` unless None (grouped
+    heads: each key head scores its group of query heads)."""
+    b, s, h, d = q.shape
+    kv = kj.shape[2]
+    if kv == h:
+        sc = jnp.einsum("bqhk,bshk->bhqs", q, kj, preferred_element_type=acc)
+    else:
+        qg = q.reshape(b, s, kv, h // kv, d)
+        sc = jnp.einsum("bqhgk,bshk->bhgqs", qg, kj, preferred_element_type=acc)
+        sc = sc.reshape(b, h, s, kj.shape[1])
+    return sc if scale is None else sc * scale
+
+
+def _grouped(x_bhqs: Array, kv: int) -> Array:
+    """``[B, H, S, n]`` -> ``[B, Hkv, G, S, n]`` (a view)."""
+    b, h, s, n = x_bhqs.shape
+    return x_bhqs.reshape(b, kv, h // kv, s, n)
+
+
+def _apply(p: Array, vj: Array, acc) -> Array:
+    """``[B, S, H, K]``: block probabilities (or score gradients) applied to a block of values
+    (or keys)."""
+    b, h, s, _ = p.shape
+    kv, d = vj.shape[2], vj.shape[3]
+    if kv == h:
+        return jnp.einsum("bhqs,bshk->bqhk", p, vj, preferred_element_type=acc)
+    out = jnp.einsum("bhgqs,bshk->bqhgk", _grouped(p, kv), vj, preferred_element_type=acc)
+    return out.reshape(b, s, h, d)
+
+
+def _apply_t(p: Array, x: Array, kv: int, acc) -> Array:
+    """``[B, block, Hkv, K]``: the transpose of ``_apply``: ``pᵀ x`` summed over each group."""
+    b, h, s, n = p.shape
+    if kv == h:
+        return jnp.einsum("bhqs,bqhk->bshk", p, x, preferred_element_type=acc)
+    xg = x.reshape(b, s, kv, h // kv, x.shape[-1])
+    return jnp.einsum("bhgqs,bqhgk->bshk", _grouped(p, kv), xg, preferred_element_type=acc)
 
 
 def _flash_fwd(q, k, v, causal, block):
@@ -86,7 +127,7 @@ def _flash_fwd(q, k, v, causal, block):
         p = jnp.exp(sc - m_new[..., None])
         rescale = jnp.exp(m - m_new)
         row_sum = row_sum * rescale + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bhqs,bshk->bqhk", p.astype(v.dtype), vj, preferred_element_type=acc)
+        pv = _apply(p.astype(v.dtype), vj, acc)
         o = o * jnp.moveaxis(rescale, 1, 2)[..., None] + pv
         return (m_new, row_sum, o), None
 
@@ -115,22 +156,24 @@ def _flash_bwd(causal, block, res, g):
     delta = jnp.sum(g.astype(acc) * out.reshape(b, s, h, d).astype(acc), axis=-1)
     delta = jnp.moveaxis(delta, 2, 1)  # [B, H, S]
 
+    kv = k.shape[2]
+
     def step(dq, xs):
         kj, vj, j = xs
         valid = _valid(s, block, j, causal)
         p = jnp.where(valid, jnp.exp(_scores(q, kj, scale, acc) - lse[..., None]), 0.0)
-        dv = jnp.einsum("bhqs,bqhk->bshk", p.astype(g.dtype), g, preferred_element_type=acc)
-        dp = jnp.einsum("bqhk,bshk->bhqs", g, vj, preferred_element_type=acc)
+        dv = _apply_t(p.astype(g.dtype), g, kv, acc)
+        dp = _scores(g, vj, None, acc)
         ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
-        dq = dq + jnp.einsum("bhqs,bshk->bqhk", ds, kj, preferred_element_type=acc)
-        dk = jnp.einsum("bhqs,bqhk->bshk", ds, q, preferred_element_type=acc)
+        dq = dq + _apply(ds, kj, acc)
+        dk = _apply_t(ds, q, kv, acc)
         return dq, (dk, dv)
 
     xs = (_blocks(k, block), _blocks(v, block), jnp.arange(n))
     dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, s, h, d), acc), xs)
 
-    def unblock(x):  # [N, B, block, H, K] -> [B, S, H, K]
-        return jnp.moveaxis(x, 0, 1).reshape(b, n * block, h, d)[:, :s]
+    def unblock(x):  # [N, B, block, Hkv, K] -> [B, S, Hkv, K]
+        return jnp.moveaxis(x, 0, 1).reshape(b, n * block, kv, d)[:, :s]
 
     return dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)
 

@@ -163,3 +163,81 @@ def _relu_bwd(tag, y, g):
 
 
 relu.defvjp(_relu_fwd, _relu_bwd)
+
+
+# --------------------------------------------------------------------------------------- RMSNorm
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    """RMSNorm over the last axis (Zhang & Sennrich 2019; Llama's): ``x / rms(x) * scale``,
+    computed in ``wide(x.dtype)`` and returned in that dtype. The backward keeps the input and
+    the per-row 1/rms, as ``layer_norm`` keeps its statistics."""
+    return _rms_norm_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_fwd(x, scale, eps):
+    x32 = x.astype(wide(x.dtype))
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return x32 * rstd * scale.astype(x32.dtype), (x, rstd, scale)
+
+
+def _rms_norm_bwd(eps, residuals, g):
+    x, rstd, scale = residuals
+    acc = wide(x.dtype)
+    xhat = x.astype(acc) * rstd
+    g = g.astype(acc)
+    dxhat = g * scale.astype(acc)
+    dx = rstd * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
+    dscale = jnp.sum(g * xhat, axis=tuple(range(g.ndim - 1))).astype(scale.dtype)
+    return dx.astype(x.dtype), dscale
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+# ------------------------------------------------------------------------------------ gated MLP
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: _gelu_wide(x, False),
+    "gelu_tanh": lambda x: _gelu_wide(x, True),
+    "relu": jax.nn.relu,
+}
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def gated(gate: Array, up: Array, activation: str) -> Array:
+    """A gated MLP's product ``act(gate) * up`` (SwiGLU with ``silu``, Shazeer 2020), computed in
+    ``wide`` and cast to ``gate``'s dtype. The backward keeps gate and up only and recomputes
+    ``act(gate)``: plain autodiff (and PyTorch's ``F.silu(g) * u``) also keeps ``act(gate)``, a
+    third ``[B, S, F]`` tensor, for the product's backward."""
+    return _gated_fwd(gate, up, activation)[0]
+
+
+def _gated_fwd(gate, up, activation):
+    acc = wide(gate.dtype)
+    out = _ACTIVATIONS[activation](gate.astype(acc)) * up.astype(acc)
+    return out.astype(gate.dtype), (gate, up)
+
+
+def _gated_bwd(activation, residuals, g):
+    gate, up = residuals
+    acc = wide(gate.dtype)
+    act, act_vjp = jax.vjp(_ACTIVATIONS[activation], gate.astype(acc))
+    g = g.astype(acc)
+    (dgate,) = act_vjp(g * up.astype(acc))
+    return dgate.astype(gate.dtype), (g * act).astype(up.dtype)
+
+
+gated.defvjp(_gated_fwd, _gated_bwd)
+
+
+# ------------------------------------------------------------------------------------------ RoPE
+def rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotary position embedding of ``x`` (``[B, S, H, K]``) in the rotate-half layout (Hugging
+    Face Llama's: the pairs are dimensions i and i + K/2), ``cos``/``sin`` ``[S, K]``, computed
+    in their (wide) dtype and cast back to ``x``'s. Its backward keeps nothing of ``x``: a
+    rotation by constant angles."""
+    acc = cos.dtype
+    x32 = x.astype(acc)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[None, :, None, :] + rotated * sin[None, :, None, :]).astype(x.dtype)
