@@ -53,12 +53,13 @@ from jaxmem.config import ConfigError, ModelConfig, lookup, require
 CHECKPOINT_NAMES: tuple[str, ...] = (
     "block_input",  # [B, S, D] the residual stream entering the block
     "norm1_out",  # [B, S, D] output of norm1 (pre-norm: attention input; post-norm: MLP input)
-    "query_proj",  # [B, S, H, K] queries from the fused in_proj
+    "query_proj",  # [B, S, H, K] queries from the fused in_proj ([B, S, Hkv, G, K] grouped)
     "key_proj",  # [B, S, Hkv, K] (Hkv = n_kv_heads: grouped-query attention; else H)
     "value_proj",  # [B, S, Hkv, K]
     "query_rope",  # [B, S, H, K] the queries rotated by RoPE (positions="rope" only)
     "key_rope",  # [B, S, Hkv, K] the keys rotated by RoPE (positions="rope" only)
-    "attn_scores",  # [B, H, S, S] q·k / sqrt(K), masked, fp32 (naive attention only)
+    "attn_scores",  # [B, H, S, S] q·k / sqrt(K), masked, fp32 (naive attention only; grouped
+    #                 query attention lays it out [B, Hkv, G, S, S], as it does query_*)
     "attn_probs",  # [B, H, S, S] softmax of the scores, fp32, then compute dtype (naive only)
     "attn_lse",  # [B, H, S] the softmax's row log-sum-exp, fp32 (fused attention only)
     "attn_context",  # [B, S, D] probabilities applied to values, heads merged

@@ -152,7 +152,11 @@ class SelfAttention(nnx.Module):
         kv, hd = self.kv_heads, self.head_dim
         qkv = self.in_proj(x_bsd).astype(self.dtype)  # [B, S, D + 2 Hkv K]
         q, k, v = jnp.split(qkv, [d, d + kv * hd], axis=-1)
-        q = checkpoint_name(q.reshape(b, s, self.n_heads, hd), "query_proj")
+        # grouped heads, naive core: q as [B, S, Hkv, G, K] from the start, so the tensor the
+        # scores' backward keeps is the tagged one (a reshape after tagging would be a second)
+        grouped = kv < self.n_heads and not self.fused
+        q_shape = (b, s, kv, self.n_heads // kv, hd) if grouped else (b, s, self.n_heads, hd)
+        q = checkpoint_name(q.reshape(q_shape), "query_proj")
         k = checkpoint_name(k.reshape(b, s, kv, hd), "key_proj")  # [B, S, Hkv, K]
         v = checkpoint_name(v.reshape(b, s, kv, hd), "value_proj")
         if rope is not None:
@@ -164,7 +168,7 @@ class SelfAttention(nnx.Module):
         scale = 1.0 / math.sqrt(hd)
         # Scores and softmax in fp32 (or wider) whatever the compute dtype.
         acc = wide(self.dtype)
-        scores = _scores(q, k, acc) * scale  # [B, H, S, S]
+        scores = _scores(q, k, acc) * scale  # [B, H, S, S] (grouped: [B, Hkv, G, S, S])
         if mask_ss is not None:
             # An additive [S, S] bias: its backward needs nothing (a where() would keep a
             # [B, H, S, S] broadcast of the mask for the backward pass).
@@ -177,24 +181,20 @@ class SelfAttention(nnx.Module):
 
 
 def _scores(q: Array, k: Array, acc: Any) -> Array:
-    """``[B, H, S, S]`` q·kᵀ; under grouped-query attention each key head scores its group of
-    query heads (``[B, Hkv, G, S, S]`` in the einsum, no copy of the keys)."""
-    b, s, h, hd = q.shape
-    kv = k.shape[2]
-    if kv == h:
+    """q·kᵀ: ``[B, H, S, S]``; under grouped-query attention (q ``[B, S, Hkv, G, K]``) each key
+    head scores its group of query heads, ``[B, Hkv, G, S, S]``, with no copy of the keys (the
+    scores, probabilities and their tags keep that layout: the same bytes, and no reshape whose
+    output the backward would keep beside the tagged tensor)."""
+    if q.ndim == 4:
         return jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=acc)
-    qg = q.reshape(b, s, kv, h // kv, hd)
-    return jnp.einsum("bqhgk,bshk->bhgqs", qg, k, preferred_element_type=acc).reshape(b, h, s, s)
+    return jnp.einsum("bqhgk,bshk->bhgqs", q, k, preferred_element_type=acc)
 
 
 def _context(probs: Array, v: Array) -> Array:
-    """``[B, S, H, K]``: the probabilities applied to the values (grouped as ``_scores``)."""
-    b, h, s, _ = probs.shape
-    kv, hd = v.shape[2], v.shape[3]
-    if kv == h:
+    """``[B, S, H, K]`` (grouped: ``[B, S, Hkv, G, K]``): the probabilities applied to v."""
+    if probs.ndim == 4:
         return jnp.einsum("bhqs,bshk->bqhk", probs, v)
-    pg = probs.reshape(b, kv, h // kv, s, s)
-    return jnp.einsum("bhgqs,bshk->bqhgk", pg, v).reshape(b, s, h, hd)
+    return jnp.einsum("bhgqs,bshk->bqhgk", probs, v)
 
 
 class FeedForward(nnx.Module):

@@ -232,12 +232,14 @@ gated.defvjp(_gated_fwd, _gated_bwd)
 
 # ------------------------------------------------------------------------------------------ RoPE
 def rope(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotary position embedding of ``x`` (``[B, S, H, K]``) in the rotate-half layout (Hugging
-    Face Llama's: the pairs are dimensions i and i + K/2), ``cos``/``sin`` ``[S, K]``, computed
-    in their (wide) dtype and cast back to ``x``'s. Its backward keeps nothing of ``x``: a
-    rotation by constant angles."""
+    """Rotary position embedding of ``x`` (``[B, S, heads..., K]``: ``[B, S, H, K]``, or
+    grouped ``[B, S, Hkv, G, K]``) in the rotate-half layout (Hugging Face Llama's: the pairs
+    are dimensions i and i + K/2), ``cos``/``sin`` ``[S, K]``, computed in their (wide) dtype
+    and cast back to ``x``'s. Its backward keeps nothing of ``x``: a rotation by constant
+    angles."""
     acc = cos.dtype
     x32 = x.astype(acc)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos[None, :, None, :] + rotated * sin[None, :, None, :]).astype(x.dtype)
+    shape = (1, cos.shape[0]) + (1,) * (x.ndim - 3) + (cos.shape[1],)
+    return (x32 * cos.reshape(shape) + rotated * sin.reshape(shape)).astype(x.dtype)
