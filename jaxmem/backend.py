@@ -26,13 +26,15 @@ _NOISE = (
 
 
 def quiet_xla_warnings() -> None:
-    """Before JAX loads: keep XLA's own INFO and WARNING log lines (e.g. the rematerialization
-    pass's "Can't reduce memory use below ..." for a plan over the target's memory, which the
-    command reports itself as "fits: no") off the terminal; errors and fatal lines still show.
-    ``TF_CPP_MIN_LOG_LEVEL`` unset or 1 (the level importing JAX sets, so a process started by
-    one that imported JAX has it) becomes 2; a user's 0 (everything) or 3 is kept."""
+    """Before JAX loads: keep XLA's own log lines off the terminal: INFO, WARNING and ERROR
+    (e.g. the rematerialization pass's "Can't reduce memory use below ..." and the GPU
+    scheduler's "byte size of input/output arguments exceeds the base limit" for a plan over
+    the target's memory, which the command reports itself as "fits: no"); FATAL lines still
+    show, and a failed compile still ends the command with its error. ``TF_CPP_MIN_LOG_LEVEL``
+    unset or 1 (the level importing JAX sets, so a process started by one that imported JAX
+    has it) becomes 3; a user's 0 (everything) or 2 is kept."""
     if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") in ("", "1"):
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
 
 def cuda_plugin_installed() -> bool:

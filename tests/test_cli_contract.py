@@ -32,6 +32,7 @@ STRAY = (
     "cudart_stub",
     "Could not find cuda drivers",
     "hlo_rematerialization",
+    "gpu_hlo_schedule",
     "Warning:",
     "UserWarning",
 )
@@ -297,11 +298,14 @@ def test_parity_where_only_fp32_differs_is_decided_by_float64_for_a_relu_model(
 
 # ---------------------------------------------------------------------------- stray lines
 @pytest.mark.slow
-def test_a_plan_over_the_targets_memory_prints_no_xla_log_lines():
-    """XLA's rematerialization pass warns when a plan exceeds the target's memory; the table
-    already says so ("fits: no")."""
-    args = ["memory", "--preset", "gpt2-124m", "--target", "h100", "--policies", "none"]
-    proc = run_cli(*args, "--batch-size", "96", "--frameworks", "jax", "--precision", "bf16")
+@pytest.mark.parametrize(
+    ("preset", "batch"), [("gpt2-124m", "96"), ("llama-3-8b", "1")], ids=["remat", "schedule"]
+)
+def test_a_plan_over_the_targets_memory_prints_no_xla_log_lines(preset, batch):
+    """XLA's rematerialization pass warns, and its GPU scheduler logs an error, when a plan
+    exceeds the target's memory; the table already says so ("fits: no")."""
+    args = ["memory", "--preset", preset, "--target", "h100", "--policies", "none"]
+    proc = run_cli(*args, "--batch-size", batch, "--frameworks", "jax", "--precision", "bf16")
     assert proc.returncode == 0, proc.stderr
     assert_no_stray_lines(proc.stdout + proc.stderr)
     assert "│  no │" in proc.stdout or "│   no │" in proc.stdout
