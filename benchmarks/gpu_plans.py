@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 
 from jaxmem.backend import contain_cuda_plugin
 
@@ -53,16 +54,28 @@ GB = 1e9
 
 def largest_batch(cfg, policy, precision, seq_len, target, known: dict[int, int]) -> dict:
     """The largest batch whose planned peak fits the target, with the two plans that show it
-    (``b`` fits, ``b + 1`` does not). Plans are compiled where the search needs them; the next
-    batch to try is predicted from the two nearest plans (the peak is close to affine in the
-    batch), so a search takes a few compiles. ``known``: batch -> planned peak already planned."""
-    budget = target.device_memory_bytes
+    (``b`` fits, ``b + 1`` does not; ``search_largest``). ``known``: batch -> planned peak
+    already planned."""
+
+    def plan(b: int) -> int:
+        return plan_step(cfg, policy, precision, OptimizerConfig(), b, seq_len, target)[
+            "planned_peak_bytes"
+        ]
+
+    return search_largest(plan, target.device_memory_bytes, known)
+
+
+def search_largest(plan: Callable[[int], int], budget: int, known: dict[int, int]) -> dict:
+    """The largest ``b`` with ``plan(b) <= budget`` (``plan``: the planned peak of ``b``, e.g.
+    rows per device), shown by two compiled plans (``b`` fits and ``b + 1`` does not). Plans are
+    compiled where the search needs them; the next ``b`` to try is predicted from the two
+    nearest plans (the peak is close to affine in the batch), so a search takes a few compiles.
+    ``known``: ``b`` -> planned peak already planned."""
     peaks = dict(known)
 
     def peak(b: int) -> int:
         if b not in peaks:
-            plan = plan_step(cfg, policy, precision, OptimizerConfig(), b, seq_len, target)
-            peaks[b] = plan["planned_peak_bytes"]
+            peaks[b] = plan(b)
         return peaks[b]
 
     if peak(1) > budget:

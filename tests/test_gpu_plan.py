@@ -17,6 +17,7 @@ from jaxmem.backend import quiet_native_stderr
 from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
 from jaxmem.memory import gpu_plan
 from jaxmem.memory.targets import SHIPPED, get_target
+from jaxmem.model.flash import cudnn_installed
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
@@ -356,3 +357,35 @@ def test_on_a_gpu_the_deviceless_plan_matches_the_device_and_training_reports_it
     assert cli.main(["train", "--preset", "tiny", "--steps", "3", "--batch-size", "4"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "device peak" in text and "peak_bytes_in_use" in text
+
+
+CUDNN_MISSING = (
+    "cuDNN's fused attention compiles in a deviceless plan only with cuDNN's library "
+    "(pip install -c constraints.txt -e '.[cudnn-plan]': nvidia-cudnn-cu12 with cuBLAS and "
+    "NVRTC, about 2.2 GB), not installed here"
+)
+
+
+@pytest.mark.skipif(not cudnn_installed(), reason=CUDNN_MISSING)
+def test_the_h100_plan_of_fused_attention_runs_cudnns_kernel():
+    """On an NVIDIA target, fused attention is cuDNN's fused kernel (grouped heads included):
+    the optimized HLO calls it, the record says so, and the FLOPs are the blockwise kernel's
+    (the same FlashAttention-2 matmuls)."""
+    import jax.numpy as jnp
+
+    target = get_target("h100")
+    q = jax.ShapeDtypeStruct((2, 64, 4, 16), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.bfloat16)
+
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    text = gpu_plan.compile_for(jax.jit(attend), (q, kv, kv), target).as_text()
+    assert "__cudnn$fmha" in text
+    cfg = PRESETS["tiny-llama"].replace(attention="fused")
+    rec = jax_record(
+        cfg, POLICIES["selective"], PRECISIONS["bf16"], OptimizerConfig(), 2, 64, target=target
+    )
+    assert rec["attention_kernel"].startswith("cuDNN") and rec["fits"]
+    blockwise = jax_record(cfg, POLICIES["selective"], PRECISIONS["bf16"], OptimizerConfig(), 2, 64)
+    assert rec["flops"] == blockwise["flops"]

@@ -274,3 +274,36 @@ def test_the_analytic_model_equals_jax_residuals(name, precision, attention):
     if name == "none":
         flops = grad_matmul_flops(lambda p, bt: loss(p, bt)[0], params, batch)
         assert flops == analytic.model_flops(cfg, b, s)
+
+
+# ------------------------------------------------------------------ the fused kernel on a GPU
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "platform", "cudnn", "kernel"),
+    [
+        (64, "bfloat16", "gpu", True, "cudnn"),
+        (128, "float16", "cuda", True, "cudnn"),
+        (64, "float32", "gpu", True, "blockwise"),  # cuDNN's flash kernel is 16-bit only
+        (256, "bfloat16", "gpu", True, "blockwise"),  # beyond its head size
+        (64, "bfloat16", "gpu", False, "blockwise"),  # cuDNN not installed
+        (64, "bfloat16", "cpu", True, "blockwise"),
+    ],
+)
+def test_fused_attention_runs_cudnn_on_a_gpu_where_it_applies(
+    head_dim, dtype, platform, cudnn, kernel
+):
+    from jaxmem.model.flash import fused_kernel
+
+    assert fused_kernel(head_dim, jnp.dtype(dtype), platform, cudnn) == kernel
+
+
+def test_a_record_says_which_fused_kernel_ran():
+    from jaxmem.config import OptimizerConfig
+    from jaxmem.planner.records import jax_record
+
+    cfg = LLAMA.replace(attention="fused", n_layers=2)
+    rec = jax_record(cfg, POLICIES["none"], PRECISIONS["bf16"], OptimizerConfig(), 2, 16)
+    assert rec["attention_kernel"] == "blockwise (jaxmem.model.flash)"  # this CPU backend
+    rec = jax_record(
+        LLAMA.replace(n_layers=2), POLICIES["none"], PRECISIONS["bf16"], OptimizerConfig(), 2, 16
+    )
+    assert rec["attention_kernel"] == "naive"

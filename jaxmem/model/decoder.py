@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem.model.ops as ops
 from jaxmem.config import ModelConfig
-from jaxmem.model.flash import flash_attention
+from jaxmem.model.flash import cudnn_installed, fused_attention, fused_kernel
 from jaxmem.model.ops import wide
 from jaxmem.positions import rope_angles
 from jaxmem.precision import Precision
@@ -130,7 +130,16 @@ class SelfAttention(nnx.Module):
     ``in_proj_bias`` (q, k, v stacked in that order: D, Hkv·K, Hkv·K rows) and ``out_proj``.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any,
+        param_dtype: Any,
+        attention_kernel: str = "blockwise",
+    ):
+        self.kernel = attention_kernel
         self.n_heads = cfg.n_heads
         self.kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
@@ -163,7 +172,7 @@ class SelfAttention(nnx.Module):
             q = checkpoint_name(ops.rope(q, *rope), "query_rope")
             k = checkpoint_name(ops.rope(k, *rope), "key_rope")
         if self.fused:  # one op; its output and log-sum-exp are tagged inside (see flash)
-            context = flash_attention(q, k, v, self.causal, self.block)  # [B, S, D]
+            context = fused_attention(q, k, v, self.causal, self.block, self.kernel)  # [B, S, D]
             return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")
         scale = 1.0 / math.sqrt(hd)
         # Scores and softmax in fp32 (or wider) whatever the compute dtype.
@@ -235,11 +244,12 @@ class Block(nnx.Module):
         rngs: nnx.Rngs,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
+        attention_kernel: str = "blockwise",
     ):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.pre_norm = cfg.norm == "pre"
         self.dtype = dtype
-        self.self_attn = SelfAttention(cfg, **kw)
+        self.self_attn = SelfAttention(cfg, attention_kernel=attention_kernel, **kw)
         self.ffn = FeedForward(cfg, **kw)
         self.norm1 = make_norm(cfg, **kw)
         self.norm2 = make_norm(cfg, **kw)
@@ -302,13 +312,15 @@ class BlockStack(nnx.Module):
         rngs: nnx.Rngs,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
+        attention_kernel: str = "blockwise",
     ):
         self.cfg = cfg
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            kw = dict(dtype=dtype, param_dtype=param_dtype, attention_kernel=attention_kernel)
+            return Block(cfg, rngs=rngs, **kw)
 
         self.layers = make_layers(rngs)
 
@@ -342,13 +354,21 @@ class Decoder(nnx.Module):
         rngs: nnx.Rngs,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
+        attention_kernel: str = "blockwise",
     ):
         self.cfg = cfg
         self.dtype = dtype
+        self.attention_kernel = attention_kernel if cfg.attention == "fused" else "naive"
         emb = dict(embedding_init=_normal(cfg.init_std), param_dtype=param_dtype, rngs=rngs)
         self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, **emb)
         self.wpe = nnx.Embed(cfg.max_seq_len, cfg.d_model, **emb) if cfg.learned_positions else None
-        self.blocks = BlockStack(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.blocks = BlockStack(
+            cfg,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            attention_kernel=attention_kernel,
+        )
         self.norm_f = (
             make_norm(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
             if cfg.final_norm
@@ -391,13 +411,25 @@ class Decoder(nnx.Module):
         return logits.astype(wide(self.dtype))
 
 
-def make_model(cfg: ModelConfig, precision: Precision | None = None, *, seed: int = 0) -> Decoder:
+def make_model(
+    cfg: ModelConfig,
+    precision: Precision | None = None,
+    *,
+    seed: int = 0,
+    platform: str | None = None,
+) -> Decoder:
     """A ``Decoder`` whose parameters are stored and computed in ``precision``'s dtypes (default
-    fp32), initialised from ``seed``."""
+    fp32), initialised from ``seed``. Fused attention runs cuDNN's kernel on an NVIDIA GPU where
+    it applies (``platform``: the backend the step runs or is planned on; default this
+    process's), the blockwise kernel elsewhere (``Decoder.attention_kernel`` says which)."""
     p = precision or Precision(name="fp32")
+    compute = jnp.dtype(p.compute_dtype)
+    where = platform or jax.devices()[0].platform
+    kernel = fused_kernel(cfg.head_dim, compute, where, cudnn_installed())
     return Decoder(
         cfg,
         rngs=nnx.Rngs(seed),
-        dtype=jnp.dtype(p.compute_dtype),
+        dtype=compute,
         param_dtype=jnp.dtype(p.param_dtype),
+        attention_kernel=kernel,
     )

@@ -31,8 +31,10 @@ block is computed, masked ones included (as naive attention computes the whole `
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,43 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmem.model.ops import wide
 
 Array = jax.Array
+
+# How the fused core runs: this module's blockwise kernel (every backend), or cuDNN's fused
+# attention through ``jax.nn.dot_product_attention`` (CUDA, 16-bit, head_dim <= 128 and a
+# multiple of 8: where cuDNN's flash kernel applies).
+KERNELS = ("blockwise", "cudnn")
+KERNEL_NAMES = {
+    "blockwise": "blockwise (jaxmem.model.flash)",
+    "cudnn": "cuDNN (jax.nn.dot_product_attention, implementation='cudnn')",
+}
+
+
+def cudnn_installed() -> bool:
+    """Whether cuDNN's library is importable (``nvidia-cudnn-cu12``: part of ``jaxmem[cuda]``;
+    for a deviceless plan of the cuDNN path, the ``cudnn-plan`` extra)."""
+    try:
+        return importlib.util.find_spec("nvidia.cudnn") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def fused_kernel(head_dim: int, compute_dtype: Any, platform: str, cudnn: bool) -> str:
+    """The kernel fused attention runs on ``platform`` (``"gpu"``/``"cuda"`` for an NVIDIA GPU,
+    its plan included): cuDNN's where it applies, else the blockwise kernel."""
+    sixteen_bit = jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    applies = head_dim <= 128 and head_dim % 8 == 0 and sixteen_bit
+    return "cudnn" if platform in ("gpu", "cuda") and cudnn and applies else "blockwise"
+
+
+def fused_attention(q: Array, k: Array, v: Array, causal: bool, block: int, kernel: str) -> Array:
+    """``flash_attention`` (``kernel="blockwise"``) or cuDNN's fused attention (``"cudnn"``),
+    the same function of q, k, v (grouped heads included), heads merged and tagged
+    ``attn_context``. cuDNN's op keeps its own softmax statistics, untagged: no ``attn_lse``."""
+    if kernel == "blockwise":
+        return flash_attention(q, k, v, causal, block)
+    b, s, h, d = q.shape
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    return checkpoint_name(out.reshape(b, s, h * d), "attn_context")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -36,6 +36,7 @@ from jaxmem.memory.residuals import (
 )
 from jaxmem.memory.targets import LOCAL, Target
 from jaxmem.model import make_model
+from jaxmem.model.flash import KERNEL_NAMES
 from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
@@ -163,6 +164,11 @@ def _compile_sharded(
     return shardings, compiled, compiler
 
 
+def _platform(target: Target) -> str:
+    """The platform the step is planned for: the target's (a GPU's), or this backend's."""
+    return "gpu" if target.is_gpu else jax.devices()[0].platform
+
+
 def plan_step(
     cfg: ModelConfig,
     policy: MemoryPolicy,
@@ -178,7 +184,7 @@ def plan_step(
     accounting, no FLOPs): the compiler, the plan's bytes and its planned peak (arguments +
     outputs - aliased + temporaries; per device over ``parallel``'s mesh). Cheap enough to
     search for the largest batch that fits, or for ``jaxmem plan``'s candidates."""
-    model = nnx.eval_shape(lambda: make_model(cfg, precision))
+    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=_platform(target)))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(opt_cfg)
     opt_state = jax.eval_shape(tx.init, params)
@@ -318,9 +324,10 @@ def jax_record(
         # device and count what offloading it moves, analytically (below)
         opt_cfg = dataclasses.replace(opt_cfg, state_memory="device")
     if abstract:
-        model = nnx.eval_shape(lambda: make_model(cfg, precision))
+        model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=_platform(target)))
     else:
         model = make_model(cfg, precision)
+    kernel = model.attention_kernel
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(opt_cfg)
     opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
@@ -343,6 +350,14 @@ def jax_record(
 
     saved = saved_residuals(f, params, micro)
     residuals = summarize_residuals(saved)
+    flops_of = f
+    if kernel == "cudnn":  # an opaque custom call: count its matmuls as the blockwise kernel's
+        blockwise = nnx.eval_shape(lambda: make_model(cfg, precision, platform="cpu"))
+        blockwise_loss = lm_loss_fn(nnx.split(blockwise, nnx.Param)[0], layers_fn=layers)
+
+        def flops_of(p, b):
+            return blockwise_loss(p, b)[0]
+
     grads = jax.eval_shape(jax.grad(f), params, micro)
     scale = init_loss_scale(precision)
     step, shardings, compiled, compiler = _compile_step(
@@ -387,6 +402,7 @@ def jax_record(
         else "jaxmem.memory.remat (jax.checkpoint under lax.scan)",
         "policy": policy.name,
         "precision": precision.name,
+        "attention_kernel": KERNEL_NAMES.get(kernel, kernel),
         "batch": batch,
         "seq_len": seq_len,
         "accum": accum,
@@ -406,8 +422,14 @@ def jax_record(
         "analytic_source": analytic.ANALYTIC_SOURCE,
         "compiled_temp_bytes": plan["temp_bytes"],
         "compiled_plan": plan,
-        "flops": accum * grad_matmul_flops(f, params, micro),  # per device when sharded
-        "flops_source": "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)",
+        "flops": accum * grad_matmul_flops(flops_of, params, micro),  # per device when sharded
+        "flops_source": "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)"
+        + (
+            "; cuDNN's attention counted as the blockwise kernel's (the same FlashAttention-2 "
+            "matmuls)"
+            if kernel == "cudnn"
+            else ""
+        ),
         "model_flops": analytic.model_flops(cfg, batch // n_dev, seq_len),
         "peak_bytes": peak,
         "peak_source": peak_source,

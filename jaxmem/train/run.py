@@ -26,6 +26,7 @@ from jaxmem.memory import residuals
 from jaxmem.memory.remat import backend_memory_kinds, check_backend, layers_fn
 from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
+from jaxmem.model.flash import KERNEL_NAMES
 from jaxmem.policy import HOST_MEMORY_KIND
 from jaxmem.sharding import (
     ensure_cpu_devices,
@@ -202,6 +203,7 @@ class JaxTrainer:
         self.platform = jax.devices()[0].platform
         self.can_offload = HOST_MEMORY_KIND in backend_memory_kinds()
         model = make_model(cfg, job.precision, seed=r.seed)
+        self.attention_kernel = model.attention_kernel  # which fused kernel this backend runs
         self.graphdef, params = nnx.split(model, nnx.Param)
         del model  # params are donated to the step; keep no second reference
         tx = make_optimizer(job.optimizer)
@@ -316,9 +318,10 @@ class JaxTrainer:
         where = ""
         if self.shardings is not None:
             where = f" per device, {self.job.parallel.mesh_text()}"
+        kernel = KERNEL_NAMES.get(self.attention_kernel)
         return (
             f"compiled in {self.compile_s:.1f} s, step plans {format_bytes(self.planned_bytes)}"
-            f"{where} (compiled plan)"
+            f"{where} (compiled plan)" + (f"; fused attention: {kernel}" if kernel else "")
         )
 
     def transfer(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
