@@ -29,6 +29,18 @@ working set: naive attention materialises [B, H, S, S] fp32 scores and probabili
 layer at a time in the forward (and again in a recompute), the fused op one [B, H, S, block]
 tile (compiled plans show it).
 
+A Llama-family block (RMSNorm, RoPE, SwiGLU, grouped-query attention with ``Hkv`` key/value
+heads) reads, per layer and with the same attention core,
+
+    p·sbh · (1 + 1 + 1 + 2·Hkv/H + 1 + 1 + 1)    block input, norm1_out, rotated q; rotated k
+                                                 and v (Hkv/H wide); context, attn_residual,
+                                                 norm2_out
+    + p·s·b·F · 3                                gate, up and the product act(gate)·up
+
+RoPE's rotations are recomputed from the projections by every policy that keeps those (a
+rotation costs no matmul), so ``selective`` keeps q, k, v, the output projection, gate and up
+(``tag_bytes`` sizes each tensor; ``kept_tags`` says which a policy keeps).
+
 Parameters, gradients and optimizer state are counted from the config (``jaxmem.config``'s
 analytic parameter count); tests check each against real arrays.
 """
