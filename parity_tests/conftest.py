@@ -7,7 +7,7 @@ import torch
 
 from jaxmem.config import PRESETS, ModelConfig
 
-# The three configurations the foundation must agree on, each with the batch shape it is run at.
+# The configurations the foundation must agree on, each with the batch shape it is run at.
 PARITY_CONFIGS: dict[str, tuple[ModelConfig, int, int]] = {
     # GPT-2-style: pre-norm, exact GELU, causal LM, tied embeddings, biases.
     "pre_gelu_causal": (PRESETS["tiny"], 4, 32),
@@ -27,6 +27,28 @@ PARITY_CONFIGS: dict[str, tuple[ModelConfig, int, int]] = {
             bias=False,
             tie_embeddings=False,
             activation="gelu_tanh",
+        ),
+        3,
+        13,
+    ),
+    # Llama-family: RMSNorm, RoPE, SwiGLU, grouped-query attention (2 key/value heads for 4
+    # query heads), no biases, untied head: the tiny-llama preset.
+    "llama_gqa": (PRESETS["tiny-llama"], 4, 32),
+    # Qwen2-style: biases on the q/k/v projection only, tied head; odd shapes (6 heads of 12,
+    # 3 query heads per key/value head, 3 layers, sequence 13) and Llama 3's RoPE frequency
+    # scaling (original length 16: both its scaled and its interpolated wavelengths occur).
+    "qwen2_qkv_bias": (
+        PRESETS["tiny-llama"].replace(
+            d_model=72,
+            n_heads=6,
+            n_kv_heads=2,
+            n_layers=3,
+            d_ff=200,
+            max_seq_len=16,
+            qkv_bias=True,
+            tie_embeddings=True,
+            rope_scaling="llama3",
+            rope_original_max_len=16,
         ),
         3,
         13,

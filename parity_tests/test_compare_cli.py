@@ -142,6 +142,32 @@ def test_memory_command_shows_stock_pytorch_and_the_extension_beside_jax(tmp_pat
 
 
 @pytest.mark.slow
+def test_parity_and_memory_commands_run_the_llama_block(tmp_path):
+    """``jaxmem parity --preset tiny-llama`` passes in float64 and fp32, and ``jaxmem memory``
+    puts stock PyTorch's and the extension's rows beside JAX's, its listing naming what stock
+    PyTorch keeps that jaxmem does not (SwiGLU's ``silu(gate)``)."""
+    proc = run_cli("parity", "--preset", "tiny-llama")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("parity PASSED (tiny-llama") == 2
+    out = tmp_path / "m.json"
+    proc = run_cli(
+        "memory", "--preset", "tiny-llama", "--policies", "none,selective", "--json", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr
+    by = {(r["framework"], r["policy"]): r for r in json.loads(out.read_text())}
+    assert set(by) == {
+        ("jax", "none"),
+        ("torch", "none"),
+        ("jax", "selective"),
+        ("torch", "selective"),
+        ("torch-lean", "selective"),
+    }
+    assert by[("torch", "none")]["saved_by_name"]["<silu in block>"] > 0
+    assert by[("jax", "none")]["flops"] == by[("torch", "none")]["flops"]
+    assert "<silu in block>" in proc.stdout
+
+
+@pytest.mark.slow
 def test_memory_for_a_gpu_target_has_torch_rows_from_fake_tensors_at_gpt2_1_5b(tmp_path):
     """At a size this machine cannot hold, the torch column exists: torch_ref's step under
     FakeTensorMode, each row saying how it was obtained (JAX's H100 plan beside it is tested on

@@ -1,7 +1,8 @@
 """Fused attention across frameworks: jaxmem's blockwise op (``jaxmem.model.flash``) and
 torch_ref's ``F.scaled_dot_product_attention`` compute the same logits, loss and gradients
 (float64: every parity configuration, causal and bidirectional, odd sequences; fp32 where no ReLU
-can flip), each equals its naive form, bf16 errs like naive, and both count the same FLOPs."""
+can flip), each equals its naive form, bf16 errs like naive, and both count the same FLOPs; with
+grouped-query attention too (SDPA's ``enable_gqa``, jaxmem's grouped kernel)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def test_fused_attention_agrees_across_frameworks(name, causal, dtype):
 
 
 CFG = PRESETS["tiny"].replace(n_layers=2)
+# grouped-query attention: SDPA's enable_gqa against torch_ref's grouped einsums and jaxmem's
+# grouped flash kernel
+CFGS = {"gpt2": CFG, "llama_gqa": PRESETS["tiny-llama"]}
 
 
 def torch_loss_and_grads(cfg, dtype, bf16_autocast=False, seq_len=31):
@@ -66,8 +70,9 @@ def torch_loss_and_grads(cfg, dtype, bf16_autocast=False, seq_len=31):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-def test_torch_fused_equals_torch_naive(causal):
-    cfg = CFG.replace(causal=causal)
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_torch_fused_equals_torch_naive(name, causal):
+    cfg = CFGS[name].replace(causal=causal)
     for dtype in ("float64", "float32"):
         loss_f, grads_f = torch_loss_and_grads(cfg.replace(attention="fused"), dtype)
         loss_n, grads_n = torch_loss_and_grads(cfg, dtype)
@@ -77,12 +82,14 @@ def test_torch_fused_equals_torch_naive(causal):
         assert diff.passed, (dtype, diff)
 
 
-def test_torch_fused_in_bf16_errs_like_naive():
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_torch_fused_in_bf16_errs_like_naive(name):
     """bf16 autocast: each form's gradients against the float64 ones, of the same size."""
-    exact = torch_loss_and_grads(CFG, "float64")[1]
+    cfg = CFGS[name]
+    exact = torch_loss_and_grads(cfg, "float64")[1]
     errors = {}
     for attention in ("naive", "fused"):
-        grads = torch_loss_and_grads(CFG.replace(attention=attention), "float32", True)[1]
+        grads = torch_loss_and_grads(cfg.replace(attention=attention), "float32", True)[1]
         errors[attention] = max(
             np.abs(grads[k] - exact[k]).max() / np.abs(exact[k]).max() for k in exact
         )
@@ -90,15 +97,18 @@ def test_torch_fused_in_bf16_errs_like_naive():
     assert errors["fused"] <= errors["naive"] * (1 + tol.rtol) + tol.atol, errors
 
 
-def test_fused_attention_flops_equal_across_frameworks_and_exceed_naive_by_one_matmul():
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_fused_attention_flops_equal_across_frameworks_and_exceed_naive_by_one_matmul(name):
     """Both frameworks execute the same matmul FLOPs under fused attention: naive's plus one
     q·kᵀ per layer (the backward recomputes the scores) — counted from JAX's gradient jaxpr and
-    by FlopCounterMode (with torch_ref.flops' formulas for the CPU kernels)."""
+    by FlopCounterMode (with torch_ref.flops' formulas for the CPU kernels). Grouped-query
+    attention scores every query head: the same core FLOPs as without grouping."""
+    base = CFGS[name]
     b, s = 2, 32
-    inputs, targets = lm_batch(CFG, b, s, seed=1)
+    inputs, targets = lm_batch(base, b, s, seed=1)
     flops = {}
     for attention in ("naive", "fused"):
-        cfg = CFG.replace(attention=attention, attention_block=8)
+        cfg = base.replace(attention=attention, attention_block=8)
         model = make_model(cfg)
         graphdef, params = nnx.split(model, nnx.Param)
         batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
@@ -113,5 +123,5 @@ def test_fused_attention_flops_equal_across_frameworks_and_exceed_naive_by_one_m
         flops[attention] = (jax_flops, counter.get_total_flops())
     assert flops["fused"][0] == flops["fused"][1]
     assert flops["naive"][0] == flops["naive"][1]
-    qk = 2 * b * s * s * CFG.d_model  # one q·kᵀ over every head
-    assert flops["fused"][0] - flops["naive"][0] == CFG.n_layers * qk
+    qk = 2 * b * s * s * base.d_model  # one q·kᵀ over every query head
+    assert flops["fused"][0] - flops["naive"][0] == base.n_layers * qk

@@ -244,13 +244,56 @@ def test_memory_report_lists_the_per_tensor_differences():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("attention", ["naive", "fused"])
+def test_memory_report_names_what_the_llama_blocks_keep_differently(attention):
+    """A Llama block (RMSNorm, RoPE, SwiGLU, grouped-query attention) in fp32 without remat:
+    every tagged tensor is the same size in both frameworks but for one real difference per
+    PyTorch idiom, each named in the listing, and nothing else differs inside the blocks:
+
+    - ``F.silu(gate) * up`` keeps ``silu(gate)`` for the product's backward (``[B, S, F]`` per
+      layer): jaxmem's ``ops.gated`` keeps gate and up only and recomputes it;
+    - ``torch.rms_norm`` is a composite on CPU: autograd keeps the normalised input
+      (``[B, S, D]`` per norm) besides the input and 1/rms (jaxmem keeps the latter two);
+    - the inverted causal mask ``masked_fill`` keeps (``[S, S]`` bool per layer), as in GPT-2;
+    - fused attention: v is a view of the fused q/k/v matmul's output, so SDPA's saved v keeps
+      the whole ``[B, S, D + 2 Hkv K]`` buffer alive; jaxmem keeps v alone (the rotated q and k
+      are new tensors in both)."""
+    from jaxmem.compare.records import name_differences
+
+    cfg = PRESETS["tiny-llama"].replace(attention=attention, attention_block=8)
+    L, D, F, kv = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.kv_dim
+    jax_rec = jax_record(cfg, POLICIES["none"], FP32, OptimizerConfig(), B, S)
+    torch_rec = torch_record(cfg, POLICIES["none"], FP32, OptimizerConfig(), B, S)
+    rows = {
+        r["name"]: r["torch_bytes"] - r["jax_bytes"]
+        for r in name_differences(jax_rec["saved_by_name"], torch_rec["saved_by_name"])
+    }
+    in_block = {n: d for n, d in rows.items() if not n.startswith("<") or "in block" in n}
+    expected = {
+        "<silu in block>": L * B * S * F * 4,
+        "<mul in block>": 2 * L * B * S * D * 4,
+        "<rsqrt in block>": 2 * L * B * S * 4,  # jaxmem's 1/rms: in its <untagged>
+    }
+    if attention == "naive":
+        expected["<bitwise_not in block>"] = L * S * S
+    else:
+        expected["query_proj/key_proj/value_proj"] = L * B * S * (D + kv) * 4
+    assert in_block == expected
+    total = torch_rec["saved_activation_bytes_device"] - jax_rec["saved_activation_bytes_device"]
+    assert sum(rows.values()) == total
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("precision", "translation"), [("bf16", "stock"), ("pure-bf16", "lean")])
-def test_torch_accounting_on_fake_tensors_equals_the_real_step(precision, translation):
-    """The accounting that gives torch_ref's column at GPT-2 1.5B / GPT-3 6.7B shapes (its step
-    under FakeTensorMode: no memory, no arithmetic) is the real step's, figure for figure, on a
-    size both can run: saved bytes by tag and by memory kind, hook bytes, FLOPs, parameter,
-    gradient and optimizer-state bytes; only the runtime peak does not exist. Mixed and pure
-    bf16 (autocast on and off), both translations."""
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_torch_accounting_on_fake_tensors_equals_the_real_step(preset, precision, translation):
+    """The accounting that gives torch_ref's column at GPT-2 1.5B / GPT-3 6.7B / Llama 3 shapes
+    (its step under FakeTensorMode: no memory, no arithmetic) is the real step's, figure for
+    figure, on a size both can run: saved bytes by tag and by memory kind, hook bytes, FLOPs,
+    parameter, gradient and optimizer-state bytes; only the runtime peak does not exist. Mixed
+    and pure bf16 (autocast on and off), both translations; GPT-2 and Llama blocks (RoPE's
+    tables are built from numpy inside the fake step)."""
+    cfg = CFG if preset == "tiny" else PRESETS[preset].replace(n_layers=CFG.n_layers)
     prec = PRECISIONS[precision]
     keys = [
         "saved_activation_bytes_device",
@@ -266,10 +309,10 @@ def test_torch_accounting_on_fake_tensors_equals_the_real_step(precision, transl
     ]
     for name in ["none", "full", "selective", "offload", "nested"]:
         real = torch_record(
-            CFG, POLICIES[name], prec, OptimizerConfig(), B, S, translation=translation
+            cfg, POLICIES[name], prec, OptimizerConfig(), B, S, translation=translation
         )
         fake = torch_record(
-            CFG, POLICIES[name], prec, OptimizerConfig(), B, S, translation=translation, fake=True
+            cfg, POLICIES[name], prec, OptimizerConfig(), B, S, translation=translation, fake=True
         )
         assert {k: fake[k] for k in keys} == {k: real[k] for k in keys}, name
         assert fake["planned_from_shapes"] and not real["planned_from_shapes"]

@@ -1,6 +1,7 @@
-"""Same weights → same logits, loss and every gradient leaf, for three configurations: in
-float64 (exactness) for all of them and in fp32 for those without a ReLU (conftest.PARITY_RUNS).
-Module by module first (block, stack), then the whole model."""
+"""Same weights → same logits, loss and every gradient leaf, for every parity configuration
+(GPT-2 and the seeds' blocks, odd shapes, Llama and Qwen2 blocks): in float64 (exactness) for all
+of them and in fp32 for those without a ReLU (conftest.PARITY_RUNS). Module by module first
+(block, stack), then the whole model; the checks tell a wrong weight and a wrong RoPE layout."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import to_torch_state_dict
 from jaxmem.data import lm_batch
 from jaxmem.model import Block, BlockStack, Decoder, causal_mask
+from jaxmem.model.decoder import rope_tables
+from parity_tests.conftest import PARITY_CONFIGS
 
 
 def _assert_close(actual, expected, dtype, quantity):
@@ -51,12 +54,14 @@ def test_single_block_output_and_grads(parity_case):
     with dtype_context(dtype):
         block = _in(Block, cfg, dtype, 1)
         mask = causal_mask(cfg, seq_len)
+        rope = rope_tables(cfg, seq_len, jnp.dtype(dtype))  # None without RoPE
         graphdef, params = nnx.split(block, nnx.Param)
 
         def f(p, x):
-            return jnp.mean(jnp.sin(nnx.merge(graphdef, p)(x, mask)))  # non-trivial cotangent
+            # a non-trivial cotangent
+            return jnp.mean(jnp.sin(nnx.merge(graphdef, p)(x, mask, rope)))
 
-        out_jax = np.asarray(block(jnp.asarray(x), mask))
+        out_jax = np.asarray(block(jnp.asarray(x), mask, rope))
         grads_p, grads_x = jax.grad(f, argnums=(0, 1))(params, jnp.asarray(x))
         jax_grads = to_torch_state_dict(nnx.merge(graphdef, grads_p), cfg=cfg)
         torch_block = _torch_in(torch_ref.Block, cfg, dtype)
@@ -64,7 +69,8 @@ def test_single_block_output_and_grads(parity_case):
 
     x_t = torch.from_numpy(x).requires_grad_(True)
     mask_t = None if mask is None else torch.from_numpy(np.array(mask))
-    out_t = torch_block(x_t, mask_t)
+    rope_t = torch_ref.model.rope_tables(cfg, seq_len, x_t.device, x_t.dtype)
+    out_t = torch_block(x_t, mask_t, rope_t)
     torch.sin(out_t).mean().backward()
 
     _assert_close(out_jax, out_t.detach().numpy(), dtype, "block_output")
@@ -122,10 +128,37 @@ def test_parity_check_detects_a_wrong_weight(parity_case):
     """The comparison fails when one weight differs by 1e-3: the tolerances are not vacuous."""
     _, cfg, batch, seq_len, dtype = parity_case
     model, torch_model = _decoder_pair(cfg, dtype)
+    ffn = torch_model.blocks.layers[-1].ffn
     with torch.no_grad():
-        torch_model.blocks.layers[-1].ffn[0].weight[0, 0] += 1e-3
+        (ffn.up if cfg.mlp == "gated" else ffn[0]).weight[0, 0] += 1e-3
     inputs, targets = lm_batch(cfg, batch, seq_len, seed=5)
     with dtype_context(dtype):
         _, _, grads_j = jax_loss_and_grads(model, inputs, targets)
     _, _, grads_t = torch_loss_and_grads(torch_model, inputs, targets)
     assert not compare_state_dicts(grads_j, grads_t, tolerance(dtype, "grads")).passed
+
+
+def _interleaved_rope(x_bshk, cos_sk, sin_sk):
+    """RoPE in Meta's original layout (pairs of adjacent dimensions, gpt-fast's), where jaxmem
+    and torch_ref pair dimension i with i + K/2: the layout bug of a checkpoint converted
+    without permuting q and k."""
+    x = x_bshk.to(cos_sk.dtype)
+    half = x.shape[-1] // 2
+    cos, sin = cos_sk[:, None, :half], sin_sk[:, None, :half]  # [S, 1, K/2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x_bshk.dtype)
+
+
+@pytest.mark.slow
+def test_parity_check_detects_rope_in_the_other_layout(monkeypatch):
+    """RoPE in the interleaved layout rotates by the same angles and fails the float64 check."""
+    cfg, batch, seq_len = PARITY_CONFIGS["llama_gqa"]
+    model, torch_model = _decoder_pair(cfg, "float64")
+    inputs, targets = lm_batch(cfg, batch, seq_len, seed=5)
+    with dtype_context("float64"):
+        _, _, grads_j = jax_loss_and_grads(model, inputs, targets)
+    monkeypatch.setattr(torch_ref.model, "apply_rope", _interleaved_rope)
+    _, _, grads_t = torch_loss_and_grads(torch_model, inputs, targets)
+    diff = compare_state_dicts(grads_j, grads_t, tolerance("float64", "grads"))
+    assert not diff.passed and diff.max_rel > 1e3 * tolerance("float64", "grads").rtol

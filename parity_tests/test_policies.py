@@ -57,6 +57,7 @@ from torch_ref.remat import (
     apply_memory_policy,
     block_ops,
     offload_checkpoint_layers_fn,
+    op_kept_tags,
     save_on_cpu_layers_fn,
     unread_by_backward,
     validate_for_torch,
@@ -74,8 +75,21 @@ CONFIGS = {
     ),
     # fused attention (JAX: jaxmem.model.flash in 3 key blocks; PyTorch: SDPA's flash kernel)
     "pre_causal_fused": PRESETS["tiny"].replace(n_layers=3, attention="fused", attention_block=8),
+    # Llama blocks: RMSNorm, RoPE, SwiGLU, 2 key/value heads for 4 query heads, no biases
+    "llama_gqa": PRESETS["tiny-llama"].replace(n_layers=4),
+    # Qwen2-style (q/k/v biases only) with fused attention (SDPA's enable_gqa)
+    "qwen2_fused": PRESETS["tiny-llama"].replace(
+        n_layers=3, qkv_bias=True, attention="fused", attention_block=8
+    ),
 }
 B, S = 4, 24
+# Configurations whose module-fixture checks run in the full suite only (`make test`): the
+# inner loop already runs the Llama block through llama_gqa.
+SLOW_CONFIGS = {"qwen2_fused"}
+CASE_PARAMS = [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CONFIGS else name
+    for name in sorted(CONFIGS)
+]
 
 
 class Case:
@@ -138,12 +152,12 @@ class Case:
         return loss.item(), grads, counter.get_total_flops(), runner, live
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=CASE_PARAMS)
 def case64(request):
     return Case(CONFIGS[request.param], F64)
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=CASE_PARAMS)
 def case(request):
     return Case(CONFIGS[request.param], F32)
 
@@ -217,6 +231,15 @@ def test_random_custom_policies_cover_every_choice():
         assert len(seen) >= 2, (name, seen)
     offloaded = {n for p in policies for n in p.offload}
     assert len(offloaded) >= 8, offloaded
+    # the Llama block's own tags (RoPE's rotated q and k, the gate) get every kind of choice
+    llama = [
+        random_custom_policy(s, CONFIGS[c])
+        for c in ("llama_gqa", "qwen2_fused")
+        for s in CUSTOM_SEEDS
+    ]
+    for name in ("query_rope", "key_rope", "mlp_gate"):
+        assert {p.choice(name) for p in llama} >= {"device", "recompute"}, name
+    assert {"key_rope", "mlp_gate"} <= {n for p in llama for n in p.offload}
 
 
 @pytest.mark.slow
@@ -236,7 +259,7 @@ def test_random_custom_policies_agree_across_frameworks(case64, seed):
         assert_grads(grads_j, grads_t, F64, "grads")
         kept = kept_by_tag(runner)
         if translation == "lean":
-            assert kept == jax_kept(case64, policy)
+            assert_lean_keeps(kept, jax_kept(case64, policy), cfg, policy)
         else:
             produced = {n for names in block_ops(cfg).values() for n in names}
             assert set(kept) == set(policy.save) & produced
@@ -249,6 +272,14 @@ def kept_by_tag(runner) -> dict[str, set[str]]:
         for n in k.names:
             out.setdefault(n, set()).add(k.memory)
     return out
+
+
+def assert_lean_keeps(lean: dict, jax: dict, cfg, policy: MemoryPolicy) -> None:
+    """The lean extension keeps the tags JAX keeps, each in the same memory, at torch_ref's
+    granularity: an op's whole output (under RoPE, ``mlp`` keeps v and with it the q and k
+    projections of the same fused matmul; ``op_kept_tags``)."""
+    assert lean.keys() == op_kept_tags(cfg, policy) - {"block_input"}
+    assert {n: lean[n] for n in jax} == jax
 
 
 def jax_kept(case: Case, policy: MemoryPolicy) -> dict[str, set[str]]:
@@ -279,7 +310,11 @@ def test_backward_reads_what_both_frameworks_save_without_remat(case):
     *_, live = case.torch(POLICIES["none"])
     torch_saved = set()
     for label in live.by_name:
-        torch_saved |= set(label.split("/")) & set(CHECKPOINT_NAMES)
+        names = set(label.split("/")) & set(CHECKPOINT_NAMES)
+        # one op's output under several tags (the fused q/k/v matmul) is one storage, saved
+        # whole when the backward reads a view of part of it (fused attention under RoPE reads
+        # v, a view of it, and the rotated q and k)
+        torch_saved |= (names & backward_reads(cfg)) or names
     torch_saved |= {"block_input"}  # a block's input: '<layer input>' in torch's listing
     # the block output of post-norm (norm2_out) is the next block's input and the final
     # LM head's input: read there, not by this block's backward
@@ -302,12 +337,14 @@ def test_lean_extension_keeps_what_jax_keeps_in_the_same_memory(case, name, prec
     expected = jax_kept(sub, policy)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec.is_mixed):
         *_, runner, _ = case.torch(policy, "lean")
-    # fp32 LayerNorm statistics / softmax output come with the norms and the probabilities
-    with_fp32 = any(set(k.names) & {"norm1_out", "norm2_out", "attn_probs"} for k in runner.kept)
+    # fp32 LayerNorm statistics / softmax output come with the norms and the probabilities;
+    # torch_ref's tags sit on the fp32 results of the norms and of RoPE, before their cast back
+    wide = {"norm1_out", "norm2_out", "attn_probs", "query_rope", "key_rope"}
+    with_fp32 = any(set(k.names) & wide for k in runner.kept)
     assert {k.dtype for k in runner.kept} == {TORCH_DTYPES[prec.compute_dtype]} | (
         {torch.float32} if prec.is_mixed and with_fp32 else set()
     )
-    assert kept_by_tag(runner) == expected
+    assert_lean_keeps(kept_by_tag(runner), expected, cfg, policy)
     assert expected.keys() == kept_tags(cfg, policy) - {"block_input"}
     assert not set(kept_by_tag(runner)) & unread_by_backward(cfg, policy)
     per_layer = {
@@ -329,7 +366,7 @@ def test_stock_selective_checkpointing_also_keeps_what_nothing_reads(case, name)
     produced = {n for names in block_ops(cfg).values() for n in names}
     assert set(kept_by_tag(stock)) == set(policy.save) & produced
     extra = set(kept_by_tag(stock)) - set(kept_by_tag(lean))
-    assert extra == (set(policy.save) & produced) - kept_tags(cfg, policy)
+    assert extra == (set(policy.save) & produced) - op_kept_tags(cfg, policy)
     assert extra <= unread_by_backward(cfg)
     # Every byte of difference is on those tags. A stored block output is also the next block's
     # input (and the last one the stack's output): one storage, which the lean run lists as
@@ -349,15 +386,19 @@ def test_stock_selective_checkpointing_also_keeps_what_nothing_reads(case, name)
 
 # --------------------------------------------------------------------------------------- FLOPs
 def units(cfg) -> dict[str, int]:
-    """Matmul FLOPs of one block's forward, by op (batch B, sequence S)."""
+    """Matmul FLOPs of one block's forward, by op (batch B, sequence S). Grouped-query
+    attention projects fewer keys and values; its core still scores every query head."""
     d, f = cfg.d_model, cfg.d_ff
-    return {
-        "qkv": 2 * B * S * d * 3 * d,
+    out = {
+        "qkv": 2 * B * S * d * (d + 2 * cfg.kv_dim),
         "attention": 2 * 2 * B * S * S * d,  # q·k and probs·v
         "out": 2 * B * S * d * d,
         "up": 2 * B * S * d * f,
         "down": 2 * B * S * f * d,
     }
+    if cfg.mlp == "gated":
+        out["gate"] = 2 * B * S * d * f
+    return out
 
 
 def test_flops_in_units_of_the_blocks_matmuls(case):
@@ -396,14 +437,14 @@ def test_flops_in_units_of_the_blocks_matmuls(case):
     assert flops["nested"]["lean"] == none + sum((n - 1) * block + n * replay for n in sizes)
     short = sum(1 for n in sizes if n < PEEL_FROM)
     assert flops["nested"]["jax"] == flops["nested"]["lean"] + block * short
-    # mlp: the MLP's up projection again (and its down projection in post-norm, whose residual
-    # the norm2 backward reads). Stock selective checkpointing also replays naive attention's
-    # q·kᵀ, whose product nothing reads: it caches only the ops it is told to save (the scores
-    # are tagged after the scaling and mask); JAX and the lean extension skip it.
+    # mlp: the MLP's up (and gate) projections again (and its down projection in post-norm,
+    # whose residual the norm2 backward reads). Stock selective checkpointing also replays naive
+    # attention's q·kᵀ, whose product nothing reads: it caches only the ops it is told to save
+    # (the scores are tagged after the scaling and mask); JAX and the lean extension skip it.
     mlp = {"jax": case.jax_flops(POLICIES["mlp"])}
     for translation in ("stock", "lean"):
         mlp[translation] = case.torch(POLICIES["mlp"], translation)[2]
-    up_down = u["up"] + (u["down"] if cfg.norm == "post" else 0)
+    up_down = u["up"] + u.get("gate", 0) + (u["down"] if cfg.norm == "post" else 0)
     assert mlp["jax"] == mlp["lean"] == none + L * up_down
     qk = u["attention"] // 2 if cfg.attention == "naive" else 0
     assert mlp["stock"] == mlp["lean"] + L * qk
@@ -536,19 +577,30 @@ def test_torch_offload_moves_exactly_the_offloaded_bytes_to_host(case):
 
 
 # ------------------------------------------------------------------------------- the op table
-@pytest.mark.parametrize("cfg_name", sorted(CONFIGS))
+# post-norm RMSNorm blocks: their norms' ops come after RoPE's in the op stream
+OP_TABLE_CONFIGS = CONFIGS | {
+    "post_llama_bidirectional": PRESETS["tiny-llama"].replace(norm="post", causal=False)
+}
+
+
+@pytest.mark.parametrize("cfg_name", sorted(OP_TABLE_CONFIGS))
 def test_block_op_table_matches_the_real_op_stream(cfg_name):
-    """Each tagged op of ``block_ops`` produces a tensor of the JAX tag's size."""
+    """Each tagged op of ``block_ops`` produces a tensor of the JAX tag's size, and the tags on
+    module boundaries are those modules' very tensors (the norms' outputs, the down
+    projection's input): sizes alone would not tell a norm's output from the normalised input
+    ``torch.rms_norm``'s composite makes before it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from torch_ref.remat import _op_kind
 
-    cfg = CONFIGS[cfg_name]
+    cfg = OP_TABLE_CONFIGS[cfg_name]
     b, s = 2, 8
     sizes = {
-        "query_proj": 3 * b * s * cfg.d_model,  # fused q, k, v
+        "query_proj": b * s * (cfg.d_model + 2 * cfg.kv_dim),  # fused q, k, v
+        "key_rope": b * s * cfg.kv_dim,
         "attn_scores": b * cfg.n_heads * s * s,
         "attn_probs": b * cfg.n_heads * s * s,
+        "mlp_gate": b * s * cfg.d_ff,
         "mlp_up": b * s * cfg.d_ff,
         "mlp_act": b * s * cfg.d_ff,
     }
@@ -560,25 +612,32 @@ def test_block_op_table_matches_the_real_op_stream(cfg_name):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            first = out if isinstance(out, torch.Tensor) else out[0]
-            self.ops.append((func, first.numel()))
+            self.ops.append((func, out if isinstance(out, torch.Tensor) else out[0]))
             return out
 
     block = torch_ref.Block(cfg)
+    boundaries = {}
+    block.norm1.register_forward_hook(lambda m, a, out: boundaries.setdefault("norm1_out", out))
+    block.norm2.register_forward_hook(lambda m, a, out: boundaries.setdefault("norm2_out", out))
+    down = block.ffn.down if cfg.mlp == "gated" else block.ffn[2]
+    down.register_forward_pre_hook(lambda m, a: boundaries.setdefault("mlp_act", a[0]))
     mask = torch.ones(s, s, dtype=torch.bool).tril() if cfg.causal else None
+    rope = torch_ref.model.rope_tables(cfg, s, torch.device("cpu"), torch.float32)
     with Record() as rec:
-        block(torch.randn(b, s, cfg.d_model), mask)
+        block(torch.randn(b, s, cfg.d_model), mask, rope)
     counts: dict[str, int] = {}
     found = {}
-    for func, numel in rec.ops:
+    for func, out in rec.ops:
         kind = _op_kind(func)
         key = (kind, counts.get(kind, 0))
         counts[kind] = key[1] + 1
         if key in block_ops(cfg):
-            found[block_ops(cfg)[key][0]] = numel
+            found[block_ops(cfg)[key][0]] = out
     assert set(found) == {names[0] for names in block_ops(cfg).values()}
-    for name, numel in found.items():
-        assert numel == sizes.get(name, b * s * cfg.d_model), name
+    for name, out in found.items():
+        assert out.numel() == sizes.get(name, b * s * cfg.d_model), name
+    for name, tensor in boundaries.items():
+        assert found[name] is tensor, name
 
 
 def test_torch_translation_rejects_what_it_cannot_express():
@@ -593,6 +652,26 @@ def test_torch_translation_rejects_what_it_cannot_express():
         validate_for_torch(MemoryPolicy.custom({"block_input": "offload"}))
     with pytest.raises(ConfigError, match="translation='fast' is not one of"):
         validate_for_torch(POLICIES["full"], "fast")
+
+
+def test_tags_a_model_does_not_produce_are_refused_by_name_and_ignored_by_presets():
+    """A custom policy naming RoPE's or the gate's tags on a GPT-2 block is refused, as
+    ``jaxmem.policy.check_policy`` refuses it, rather than keeping nothing; the presets (which
+    name them for Llama blocks) run on both, and torch_ref's op table has them only where the
+    block computes them."""
+    gpt2, llama = CONFIGS["pre_causal"], CONFIGS["llama_gqa"]
+    rope = MemoryPolicy.custom({"query_rope": "device", "mlp_up": "device"})
+    with pytest.raises(ConfigError, match="query_rope and key_rope exist only with positions"):
+        validate_for_torch(rope, cfg=gpt2)
+    with pytest.raises(ConfigError, match="mlp_gate exists only with mlp='gated'"):
+        validate_for_torch(MemoryPolicy.custom({"mlp_gate": "offload"}), cfg=gpt2)
+    validate_for_torch(rope, cfg=llama)
+    for name in POLICIES:
+        validate_for_torch(POLICIES[name], cfg=gpt2)
+    tagged = {n for names in block_ops(llama).values() for n in names}
+    assert tagged == set(model_tags(llama)) - {"block_input"}
+    gpt2_tagged = {n for names in block_ops(gpt2).values() for n in names}
+    assert gpt2_tagged == set(model_tags(gpt2)) - {"block_input"}
 
 
 @pytest.mark.slow

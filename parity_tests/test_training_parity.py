@@ -8,6 +8,8 @@ equals one big batch; fp16 loss scaling follows GradScaler; optimizers agree ste
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,43 +48,49 @@ from torch_ref.train import make_optimizer as make_torch_optimizer
 
 CFG = PRESETS["tiny"].replace(n_layers=3)
 BATCH, SEQ = 4, 32
+# The matrix runs on GPT-2 blocks and on Llama blocks (RMSNorm, RoPE, SwiGLU, grouped-query
+# attention): every policy in both precisions, accumulation on both.
+MATRIX_CONFIGS = {"gpt2": CFG, "llama": PRESETS["tiny-llama"].replace(n_layers=3)}
+
+
+@functools.cache
+def reference_of(name: str):
+    return reference_model(MATRIX_CONFIGS[name])
+
+
+@functools.cache
+def batch_of(name: str):
+    return masked_batch(MATRIX_CONFIGS[name], BATCH, SEQ, seed=7)
+
+
+@functools.cache
+def baselines_of(name: str):
+    """fp32, no remat, no accumulation: the reference gradients of each framework."""
+    kw = dict(policy=POLICIES["none"], precision=PRECISIONS["fp32"], accum_steps=1)
+    ref, b = reference_of(name), batch_of(name)
+    return {"jax": jax_grads(ref, b, **kw), "torch": torch_grads(ref, b, **kw)}
+
+
+@functools.cache
+def bf16_no_remat(name: str, accum: int):
+    """jaxmem's bf16 gradients without remat, once per configuration and accumulation count."""
+    kw = dict(policy=POLICIES["none"], precision=PRECISIONS["bf16"], accum_steps=accum)
+    return jax_grads(reference_of(name), batch_of(name), **kw)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return reference_model(CFG)
+    return reference_of("gpt2")
 
 
 @pytest.fixture(scope="module")
 def batch():
-    return masked_batch(CFG, BATCH, SEQ, seed=7)
+    return batch_of("gpt2")
 
 
 @pytest.fixture(scope="module")
-def baselines(reference, batch):
-    """fp32, no remat, no accumulation: the reference gradients of each framework."""
-    none = POLICIES["none"]
-    fp32 = PRECISIONS["fp32"]
-    return {
-        "jax": jax_grads(reference, batch, policy=none, precision=fp32, accum_steps=1),
-        "torch": torch_grads(reference, batch, policy=none, precision=fp32, accum_steps=1),
-    }
-
-
-_BF16_NO_REMAT: dict[int, tuple] = {}
-
-
-def bf16_no_remat(reference, batch, accum: int):
-    """jaxmem's bf16 gradients without remat, once per accumulation count (module fixtures)."""
-    if accum not in _BF16_NO_REMAT:
-        _BF16_NO_REMAT[accum] = jax_grads(
-            reference,
-            batch,
-            policy=POLICIES["none"],
-            precision=PRECISIONS["bf16"],
-            accum_steps=accum,
-        )
-    return _BF16_NO_REMAT[accum]
+def baselines():
+    return baselines_of("gpt2")
 
 
 def assert_close_dicts(actual, expected, tol):
@@ -92,30 +100,38 @@ def assert_close_dicts(actual, expected, tol):
 
 # Every policy × precision without accumulation; with two microbatches, every structure a scan
 # over microbatches could interact with: none, full remat, a named keep (mlp is selective's
-# structure with other names), host offload and the two-level nested scan.
+# structure with other names), host offload and the two-level nested scan (on Llama blocks: a
+# named keep, the structure their new tags enter).
+ACCUMULATED = {
+    "gpt2": ("none", "full", "selective", "offload", "nested"),
+    "llama": ("selective",),
+}
 MATRIX = [
-    (policy, precision, accum)
+    (cfg, policy, precision, accum)
+    for cfg in sorted(MATRIX_CONFIGS)
     for policy in sorted(POLICIES)
     for precision in ("fp32", "bf16")
     for accum in (1, 2)
-    if accum == 1 or policy in ("none", "full", "selective", "offload", "nested")
+    if accum == 1 or policy in ACCUMULATED[cfg]
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("policy", "precision", "accum"),
+    ("cfg", "policy", "precision", "accum"),
     MATRIX,
-    ids=[f"{p}-{d}-{'accum2' if a == 2 else 'no_accum'}" for p, d, a in MATRIX],
+    ids=[f"{c}-{p}-{d}-{'accum2' if a == 2 else 'no_accum'}" for c, p, d, a in MATRIX],
 )
-def test_policy_precision_accumulation_matrix(
-    reference, batch, baselines, policy, precision, accum
-):
+def test_policy_precision_accumulation_matrix(cfg, policy, precision, accum):
+    reference, batch = reference_of(cfg), batch_of(cfg)
     prec = PRECISIONS[precision]
     kw = dict(policy=POLICIES[policy], precision=prec, accum_steps=accum)
     loss_j, grads_j = jax_grads(reference, batch, **kw)
     loss_t, grads_t = torch_grads(reference, batch, **kw)
-    (base_loss_j, base_j), (base_loss_t, base_t) = baselines["jax"], baselines["torch"]
+    (base_loss_j, base_j), (base_loss_t, base_t) = (
+        baselines_of(cfg)["jax"],
+        baselines_of(cfg)["torch"],
+    )
     if precision == "fp32":
         same = tolerance("float32", "accum_vs_big_batch")
         np.testing.assert_allclose(loss_j, base_loss_j, rtol=same.rtol, atol=same.atol)
@@ -133,7 +149,7 @@ def test_policy_precision_accumulation_matrix(
     ratio = tolerance("bfloat16", "grad_error_ratio")
     assert max(err_j, err_t) <= (1 + ratio.rtol) * min(err_j, err_t) + ratio.atol, (err_j, err_t)
     # And remat changes nothing beyond bf16 rounding order within a framework.
-    _, grads_j0 = bf16_no_remat(reference, batch, accum)
+    _, grads_j0 = bf16_no_remat(cfg, accum)
     assert normwise_error(grads_j, grads_j0) <= tolerance("bfloat16", "remat_vs_none").rtol
 
 
@@ -265,9 +281,12 @@ def test_fp16_overflow_steps_are_skipped_and_training_recovers():
     assert make_scaler(prec).get_scale() == 2.0**16 == float(init_loss_scale(prec).scale)
 
 
-def test_bf16_logits_kl_on_a_long_sequence(reference):
-    """bf16 logits on 256-token sequences: the two frameworks' next-token distributions agree."""
-    cfg = CFG.replace(max_seq_len=256)
+@pytest.mark.parametrize("name", sorted(MATRIX_CONFIGS))
+def test_bf16_logits_kl_on_a_long_sequence(name):
+    """bf16 logits on 256-token sequences: the two frameworks' next-token distributions agree
+    (Llama blocks: RoPE at positions up to 255, the gated product rounded once in jaxmem and
+    after each of silu and the product in PyTorch)."""
+    cfg = MATRIX_CONFIGS[name].replace(max_seq_len=256)
     ref = reference_model(cfg, seed=1)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 256)).astype(np.int32)
     prec = PRECISIONS["bf16"]

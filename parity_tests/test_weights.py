@@ -30,19 +30,58 @@ ODD = ModelConfig(
     bias=False,
     tie_embeddings=False,
 )
+# Qwen2-style: q/k/v biases only, grouped-query attention, tied head, no position table
+QWEN2 = PRESETS["tiny-llama"].replace(qkv_bias=True, tie_embeddings=True)
+# biases on the output projection and the MLP only, LayerNorm, a gated GELU MLP, RoPE and
+# multi-query attention (one key/value head)
+MIXED = PRESETS["tiny"].replace(
+    bias=False, out_bias=True, mlp_bias=True, mlp="gated", positions="rope", n_kv_heads=1
+)
+CONFIGS = {"tiny": PRESETS["tiny"], "odd": ODD, "tiny-llama": PRESETS["tiny-llama"]}
+CONFIGS |= {"qwen2": QWEN2, "mixed": MIXED}
 
 
-@pytest.mark.parametrize("cfg", [PRESETS["tiny"], ODD], ids=["tiny", "odd"])
-def test_key_map_covers_the_torch_model_exactly(cfg):
-    torch_model = torch_ref.Decoder(cfg)
-    entries = key_map(cfg)
-    assert {e.torch_key for e in entries} == set(torch_model.state_dict())
+@pytest.mark.parametrize("scope", ["decoder", "stack", "block"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_key_map_covers_the_torch_model_exactly(name, scope):
+    """Every key on both sides exactly once, every shape the torch module's, for each scope."""
+    cfg = CONFIGS[name]
+    torch_model = {
+        "decoder": torch_ref.Decoder,
+        "stack": torch_ref.BlockStack,
+        "block": torch_ref.Block,
+    }[scope](cfg)
+    entries = key_map(cfg, scope)
+    keys = [e.torch_key for e in entries]
+    paths = [(e.jax_path, e.layer) for e in entries]
+    assert len(set(keys)) == len(keys) and len(set(paths)) == len(paths)
+    assert set(keys) == set(torch_model.state_dict())
     for e in entries:
         assert tuple(torch_model.state_dict()[e.torch_key].shape) == e.torch_shape
 
 
-@pytest.mark.parametrize("cfg", [PRESETS["tiny"], ODD], ids=["tiny", "odd"])
-def test_safetensors_round_trip_jax_torch_jax_is_bitwise(cfg, tmp_path):
+def test_the_llama_block_maps_the_grouped_projection_and_the_gated_mlp():
+    cfg = PRESETS["tiny-llama"]  # d 64, 4 heads of 16, 2 key/value heads, d_ff 160
+    shapes = {e.torch_key: e.torch_shape for e in key_map(cfg, "block")}
+    assert shapes == {
+        "self_attn.in_proj_weight": (64 + 2 * 32, 64),  # q, k, v rows
+        "self_attn.out_proj.weight": (64, 64),
+        "ffn.gate.weight": (160, 64),
+        "ffn.up.weight": (160, 64),
+        "ffn.down.weight": (64, 160),
+        "norm1.weight": (64,),
+        "norm2.weight": (64,),
+    }
+    decoder = {e.torch_key for e in key_map(cfg)}
+    assert "wpe.weight" not in decoder and {"norm_f.weight", "lm_head.weight"} <= decoder
+    assert {e.torch_key for e in key_map(QWEN2, "block")} - set(shapes) == {
+        "self_attn.in_proj_bias"
+    }
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_safetensors_round_trip_jax_torch_jax_is_bitwise(name, tmp_path):
+    cfg = CONFIGS[name]
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     save_safetensors(model, tmp_path / "a.safetensors")
     assert read_safetensors_config(tmp_path / "a.safetensors") == cfg

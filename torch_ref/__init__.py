@@ -3,16 +3,24 @@ PyTorch user would write them: the oracle of the parity suite and the other colu
 benchmark.
 
 Imports no JAX: only jaxmem's pure-data modules (``jaxmem.config``, ``jaxmem.policy``,
-``jaxmem.precision``, ``jaxmem.data``, ``jaxmem.train.layout``), so a policy or config object
-means the same thing on both sides. Modules: ``model``, ``remat`` (a ``MemoryPolicy`` in stock
-PyTorch, and torch_ref's labelled ``lean`` extension), ``train`` (autocast + GradScaler,
-accumulation, optimizers), ``memory`` (live-tensor and saved-tensor accounting), ``loss``,
-``checkpoint``, ``generate``, ``seed_example``, ``flops`` (FlopCounterMode formulas for the
-CPU attention kernels). What needs both frameworks (weights from jaxmem,
-parity, benchmarks, ``jaxmem train --framework torch``) is ``jaxmem.compare``.
+``jaxmem.precision``, ``jaxmem.data``, ``jaxmem.train.layout``, and ``jaxmem.positions``: RoPE's
+float64 tables), so a policy, a config object or a rotation means the same thing on both sides.
+Modules: ``model``, ``remat`` (a ``MemoryPolicy`` in stock PyTorch, and torch_ref's labelled
+``lean`` extension), ``train`` (autocast + GradScaler, accumulation, optimizers), ``memory``
+(live-tensor and saved-tensor accounting), ``loss``, ``checkpoint``, ``generate``,
+``seed_example``, ``flops`` (FlopCounterMode formulas for the CPU attention kernels). What needs
+both frameworks (weights from jaxmem, parity, benchmarks, ``jaxmem train --framework torch``) is
+``jaxmem.compare``.
 """
 
 import torch_ref.flops  # noqa: F401  (FLOP formulas for the CPU SDPA kernels; see there)
-from torch_ref.model import Block, BlockStack, Decoder, FeedForward, SelfAttention
+from torch_ref.model import (
+    Block,
+    BlockStack,
+    Decoder,
+    FeedForward,
+    GatedFeedForward,
+    SelfAttention,
+)
 
-__all__ = ["Block", "BlockStack", "Decoder", "FeedForward", "SelfAttention"]
+__all__ = ["Block", "BlockStack", "Decoder", "FeedForward", "GatedFeedForward", "SelfAttention"]

@@ -64,15 +64,14 @@ def _is_parameter(t: Any) -> bool:
     return base.is_leaf and base.requires_grad
 
 
-# The contiguous copies ``torch.einsum`` makes of q, k, v (heads layout) and of the context
-# (merging heads), in the order of the op stream (torch 2.13): autograd saves these copies
-# instead of the projection outputs, so they carry the projections' names in the listing.
-LAYOUT_COPIES = {
-    ("clone", 0): ("query_proj",),
-    ("clone", 1): ("key_proj",),
-    ("clone", 2): ("value_proj",),
-    ("clone", 3): ("attn_context",),
-}
+def layout_copies(cfg: ModelConfig) -> dict[tuple[str, int], tuple[str, ...]]:
+    """The contiguous copies ``torch.einsum`` makes of q, k, v (heads layout) and of the context
+    (merging heads), in the order of the op stream (torch 2.13): autograd saves these copies
+    instead of the tensors they copy, so they carry those tensors' names in the listing (the
+    rotated q and k under RoPE)."""
+    q, k = ("query_rope", "key_rope") if cfg.positions == "rope" else ("query_proj", "key_proj")
+    names = (q, k, "value_proj", "attn_context")
+    return {("clone", i): (name,) for i, name in enumerate(names)}
 
 
 class _BlockScope:
@@ -87,7 +86,7 @@ class _BlockScope:
     def __init__(self, stack: torch.nn.Module, cfg: ModelConfig):
         from torch_ref.remat import _op_kind, block_ops
 
-        self.op_kind, self.ops = _op_kind, block_ops(cfg)
+        self.op_kind, self.ops, self.copies = _op_kind, block_ops(cfg), layout_copies(cfg)
         self.depth = 0
         self.counts: dict[str, int] = {}
         self.inputs: set[int] = set()
@@ -122,7 +121,7 @@ class _BlockScope:
             return f"<{kind} outside the stack>"
         index = self.counts.get(kind, 0)
         self.counts[kind] = index + 1
-        names = self.ops.get((kind, index)) or LAYOUT_COPIES.get((kind, index))
+        names = self.ops.get((kind, index)) or self.copies.get((kind, index))
         return "/".join(names) if names else f"<{kind} in block>"
 
     def final_label(self, key: int, label: str) -> str:

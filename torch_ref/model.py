@@ -5,18 +5,28 @@ biases) a ``Block``'s state dict has exactly the keys of the seeds' ``DecoderLay
 (``self_attn.in_proj_weight``, ``ffn.0.weight``, ``norm1.weight``, ...), so a user's checkpoint of
 that module loads with ``strict=True``.
 
-Shapes in comments: B batch, S sequence, D d_model, H heads, K head_dim, F d_ff, V vocab.
+Llama-family blocks are the same data (``ModelConfig``) as in jaxmem, written the way gpt-fast and
+torchtitan write them: ``nn.RMSNorm``, RoPE on q and k in fp32 (rotate-half layout, from
+``jaxmem.positions``' float64 tables, so both frameworks rotate by the very same numbers),
+grouped-query attention, and the gated MLP as ``down(F.silu(gate(x)) * up(x))``.
+
+Shapes in comments: B batch, S sequence, D d_model, H heads, Hkv key/value heads (G = H / Hkv
+query heads share each), K head_dim, F d_ff, V vocab.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from jaxmem.config import ModelConfig
+from jaxmem.positions import rope_angles
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # RoPE's cos, sin: [S, K] each, wide dtype
 
 
 def wide(dtype: torch.dtype) -> torch.dtype:
@@ -68,54 +78,166 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x.to(acc), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` computed in fp32 (or wider) and cast back, as ``LayerNorm``. (On CPU,
+    ``F.rms_norm`` is a composite of elementwise ops: autograd keeps the normalised input
+    besides the input and 1/rms; jaxmem's custom VJP keeps those two and recomputes it.)"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = wide(x.dtype)
+        weight = None if self.weight is None else self.weight.to(acc)
+        return F.rms_norm(x.to(acc), self.normalized_shape, weight, self.eps).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> LayerNorm | RMSNorm:
+    """The block's norm (``cfg.norm_type``); its parameters are ``weight`` (and ``bias``)."""
+    if cfg.norm_type == "rmsnorm":
+        return RMSNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+    return LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.has_bias("norm"))
+
+
+def rope_tables(
+    cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype
+) -> RopeTables | None:
+    """RoPE's ``cos``, ``sin`` (``[S, K]``, in ``wide(dtype)``), or None without RoPE: jaxmem's
+    float64 tables (``jaxmem.positions.rope_angles``) rounded once to the wide dtype, as jaxmem
+    rounds them, so the two frameworks rotate by the same numbers. Built per forward, like the
+    causal mask: constants, not parameters (no state-dict key)."""
+    if cfg.positions != "rope":
+        return None
+    acc = wide(dtype)
+    cos, sin = rope_angles(cfg, seq_len)
+    return torch.tensor(cos, dtype=acc, device=device), torch.tensor(sin, dtype=acc, device=device)
+
+
+def apply_rope(x_bshk: torch.Tensor, cos_sk: torch.Tensor, sin_sk: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (``[B, S, H, K]``) in the rotate-half layout (Hugging
+    Face Llama's: dimension i pairs with i + K/2), computed in the tables' (wide) dtype and cast
+    back, as gpt-fast and torchtitan do. Its backward saves only the tables."""
+    x = x_bshk.to(cos_sk.dtype)
+    cos, sin = cos_sk[:, None], sin_sk[:, None]  # [S, 1, K]: the same angles for every head
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x_bshk.dtype)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with ``nn.MultiheadAttention``'s parameter names, written out so
     every intermediate (q, k, v, scores, probabilities, context) is an ordinary tensor; under
     ``attention="fused"`` the core is one ``F.scaled_dot_product_attention`` call (its flash
     kernel: on CPU ``_scaled_dot_product_flash_attention_for_cpu``, which keeps its output and
-    the row log-sum-exp and recomputes the probabilities in its backward)."""
+    the row log-sum-exp and recomputes the probabilities in its backward).
+
+    ``in_proj_weight`` stacks the q, k and v rows (D, Hkv·K, Hkv·K); keys and values have
+    ``n_kv_heads`` heads (grouped-query attention), never repeated in memory: the naive core
+    groups the query heads in its einsums, the fused one passes ``enable_gqa``. RoPE rotates q
+    and k when ``positions="rope"``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d = cfg.d_model
-        self.n_heads = cfg.n_heads
-        self.head_dim = cfg.head_dim
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.kv_dim = cfg.kv_dim
         self.fused = cfg.attention == "fused"
         self.causal = cfg.causal
-        self.in_proj_weight = nn.Parameter(torch.empty(3 * d, d))
-        if cfg.bias:
-            self.in_proj_bias = nn.Parameter(torch.zeros(3 * d))
+        self.rope = cfg.positions == "rope"
+        self.in_proj_weight = nn.Parameter(torch.empty(d + 2 * self.kv_dim, d))
+        if cfg.has_bias("qkv"):
+            self.in_proj_bias = nn.Parameter(torch.zeros(d + 2 * self.kv_dim))
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.Linear(d, d, bias=cfg.bias)
+        self.out_proj = nn.Linear(d, d, bias=cfg.has_bias("out"))
 
-    def forward(self, x_bsd: torch.Tensor, mask_ss: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x_bsd: torch.Tensor, mask_ss: torch.Tensor | None, rope: RopeTables | None = None
+    ) -> torch.Tensor:
         b, s, d = x_bsd.shape
-        qkv = F.linear(x_bsd, self.in_proj_weight, self.in_proj_bias)  # [B, S, 3D]
-        q, k, v = (t.reshape(b, s, self.n_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
+        hd = self.head_dim
+        qkv = F.linear(x_bsd, self.in_proj_weight, self.in_proj_bias)  # [B, S, D + 2 Hkv K]
+        q, k, v = qkv.split([d, self.kv_dim, self.kv_dim], dim=-1)
+        q = q.reshape(b, s, self.n_heads, hd)  # [B, S, H, K]
+        k, v = (t.reshape(b, s, self.kv_heads, hd) for t in (k, v))  # [B, S, Hkv, K]
+        if self.rope:
+            if rope is None:
+                raise ValueError("positions='rope': pass RoPE's tables (rope_tables(...))")
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.fused:
             # [B, H, S, K] views in, [B, H, S, K] out; the CPU flash kernel lays its output out
             # as [B, S, H, K], so merging the heads below is a view, not a copy
             qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-            context = F.scaled_dot_product_attention(qh, kh, vh, is_causal=self.causal)
+            grouped = self.kv_heads < self.n_heads
+            context = F.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=self.causal, enable_gqa=grouped
+            )
             return self.out_proj(context.transpose(1, 2).reshape(b, s, d))
-        scores = fp32_einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.head_dim)  # fp32
+        scores = _scores(q, k) / math.sqrt(hd)  # [B, H, S, S] fp32
         if mask_ss is not None:
             scores = scores.masked_fill(~mask_ss, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [B, H, S, S]
-        context = torch.einsum("bhqs,bshk->bqhk", probs, v).reshape(b, s, d)
+        context = _context(probs, v).reshape(b, s, d)
         return self.out_proj(context)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S, S]`` q·kᵀ in fp32 (or wider); under grouped-query attention each key head
+    scores its group of query heads (``[B, Hkv, G, S, S]`` in the einsum, no copy of the keys),
+    as jaxmem's ``_scores``."""
+    b, s, h, hd = q.shape
+    kv = k.shape[2]
+    if kv == h:
+        return fp32_einsum("bqhk,bshk->bhqs", q, k)
+    qg = q.reshape(b, s, kv, h // kv, hd)
+    return fp32_einsum("bqhgk,bshk->bhgqs", qg, k).reshape(b, h, s, s)
+
+
+def _context(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[B, S, H, K]``: the probabilities applied to the values (grouped as ``_scores``). The
+    grouped product comes out as ``[B, Hkv, G, S, K]``, the layout of the probabilities' rows:
+    asked for ``[B, S, Hkv, G, K]``, ``torch.einsum`` would permute the probabilities into that
+    row order first, a ``[B, H, S, S]`` copy autograd then keeps."""
+    b, h, s, _ = probs.shape
+    kv, hd = v.shape[2], v.shape[3]
+    if kv == h:
+        return torch.einsum("bhqs,bshk->bqhk", probs, v)
+    pg = probs.reshape(b, kv, h // kv, s, s)
+    return torch.einsum("bhgqs,bshk->bhgqk", pg, v).permute(0, 3, 1, 2, 4).reshape(b, s, h, hd)
 
 
 class FeedForward(nn.Sequential):
     """``ffn.0`` (up), ``ffn.1`` (activation), ``ffn.2`` (down): the seeds' ``nn.Sequential``."""
 
     def __init__(self, cfg: ModelConfig):
+        bias = cfg.has_bias("mlp")
         super().__init__(
-            nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias),
+            nn.Linear(cfg.d_model, cfg.d_ff, bias=bias),
             activation_module(cfg.activation),
-            nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias),
+            nn.Linear(cfg.d_ff, cfg.d_model, bias=bias),
         )
+
+
+GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class GatedFeedForward(nn.Module):
+    """``down(act(gate(x)) * up(x))`` (SwiGLU with ``silu``: Llama's MLP), ``ffn.gate``,
+    ``ffn.up``, ``ffn.down`` as in jaxmem. Written the stock way, so autograd keeps
+    ``act(gate)`` for the product's backward besides gate and up: a third ``[B, S, F]`` tensor
+    that jaxmem's ``ops.gated`` recomputes instead (the memory report shows it)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        bias = cfg.has_bias("mlp")
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=bias)
+        self.act = GATE_ACTIVATIONS[cfg.activation]
+
+    def forward(self, x_bsd: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x_bsd)) * self.up(x_bsd))  # [B, S, F] -> [B, S, D]
 
 
 class Block(nn.Module):
@@ -123,16 +245,21 @@ class Block(nn.Module):
         super().__init__()
         self.pre_norm = cfg.norm == "pre"
         self.self_attn = SelfAttention(cfg)
-        self.ffn = FeedForward(cfg)
-        self.norm1 = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
-        self.norm2 = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        self.ffn = GatedFeedForward(cfg) if cfg.mlp == "gated" else FeedForward(cfg)
+        self.norm1 = make_norm(cfg)
+        self.norm2 = make_norm(cfg)
         init_weights(self, cfg)
 
-    def forward(self, x_bsd: torch.Tensor, mask_ss: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x_bsd: torch.Tensor,
+        mask_ss: torch.Tensor | None = None,
+        rope: RopeTables | None = None,
+    ) -> torch.Tensor:
         if self.pre_norm:
-            x = x_bsd + self.self_attn(self.norm1(x_bsd), mask_ss)
+            x = x_bsd + self.self_attn(self.norm1(x_bsd), mask_ss, rope)
             return x + self.ffn(self.norm2(x))
-        x = self.norm1(x_bsd + self.self_attn(x_bsd, mask_ss))
+        x = self.norm1(x_bsd + self.self_attn(x_bsd, mask_ss, rope))
         return self.norm2(x + self.ffn(x))
 
 
@@ -142,17 +269,22 @@ def causal_mask(cfg: ModelConfig, seq_len: int, device: torch.device) -> torch.T
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
 
 
-def run_layers(layers: nn.ModuleList, x_bsd: torch.Tensor, mask_ss: torch.Tensor | None):
+def run_layers(
+    layers: nn.ModuleList,
+    x_bsd: torch.Tensor,
+    mask_ss: torch.Tensor | None,
+    rope: RopeTables | None,
+) -> torch.Tensor:
     """The plain loop over blocks (no memory policy)."""
     for layer in layers:
-        x_bsd = layer(x_bsd, mask_ss)
+        x_bsd = layer(x_bsd, mask_ss, rope)
     return x_bsd
 
 
 class BlockStack(nn.Module):
     """``n_layers`` blocks, ``[B, S, D] -> [B, S, D]``.
 
-    ``layers_fn(layers, x, mask)`` decides how the blocks run (default ``run_layers``);
+    ``layers_fn(layers, x, mask, rope)`` decides how the blocks run (default ``run_layers``);
     ``torch_ref.remat.apply_memory_policy`` sets it, mirroring jaxmem's ``layers_fn`` hook. It is
     a plain attribute, so the state dict is the same under every policy.
     """
@@ -172,21 +304,21 @@ class BlockStack(nn.Module):
         # fused attention masks inside its kernel (is_causal): no [S, S] mask tensor
         fused = self.cfg.attention == "fused"
         mask_ss = None if fused else causal_mask(self.cfg, seq_len, x_bsd.device)
-        return self.layers_fn(self.layers, x_bsd, mask_ss)
+        rope = rope_tables(self.cfg, seq_len, x_bsd.device, compute_dtype_of(x_bsd))
+        return self.layers_fn(self.layers, x_bsd, mask_ss, rope)
 
 
 class Decoder(nn.Module):
+    """Token embeddings (+ learned position embeddings, or RoPE inside the blocks), a
+    ``BlockStack``, optional final norm, LM head."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.learned_positions else None
         self.blocks = BlockStack(cfg)
-        self.norm_f = (
-            LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
-            if cfg.final_norm
-            else None
-        )
+        self.norm_f = make_norm(cfg) if cfg.final_norm else None
         self.lm_head = (
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
@@ -194,9 +326,9 @@ class Decoder(nn.Module):
 
     def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32 (float64 for a float64 model)."""
-        seq_len = tokens_bs.shape[1]
-        pos = torch.arange(seq_len, device=tokens_bs.device)
-        x = self.wte(tokens_bs) + self.wpe(pos)[None]  # [B, S, D]
+        x = self.wte(tokens_bs)  # [B, S, D]
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(tokens_bs.shape[1], device=tokens_bs.device))[None]
         x = x.to(compute_dtype_of(x))  # the residual stream runs in the compute dtype, as in jaxmem
         x = self.blocks(x)
         if self.norm_f is not None:
@@ -205,12 +337,16 @@ class Decoder(nn.Module):
         return fp32_einsum("bsd,vd->bsv", x, head)  # fp32 logits
 
 
+# Output projections on the residual branch (GPT-2's 1/sqrt(2 L) scaling; jaxmem's out_std).
+RESIDUAL_PROJECTIONS = ("out_proj.weight", "ffn.2.weight", "ffn.down.weight")
+
+
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
     """GPT-2 initialisation, the same distributions as jaxmem (not the same draws: parity tests
     copy weights across with ``jaxmem.compare.weights``)."""
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     for name, p in module.named_parameters():
-        if name.endswith(("out_proj.weight", "ffn.2.weight")):
+        if name.endswith(RESIDUAL_PROJECTIONS):
             nn.init.normal_(p, std=residual_std)
         elif p.ndim >= 2:
             nn.init.normal_(p, std=cfg.init_std)

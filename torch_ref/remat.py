@@ -22,16 +22,21 @@ model and its state dict do not change. Two translations, reported side by side:
 
 **lean** (torch_ref's extension, beyond stock): two small dispatch modes keep only what the
 backward reads of what the policy stores (``jaxmem.policy.kept_tags``, what JAX's partial
-evaluation keeps), send offloaded names to host memory, and skip replaying a matmul whose
-product nothing the backward uses reads (out_proj / mlp_down when their residual add is kept,
-a ReLU MLP's first matmul when the activation is kept, naive attention's q·kᵀ when the scores
-or probabilities are kept: stock replays it, ``mlp``'s one FLOP difference from JAX);
+evaluation keeps, at the granularity of an op's output: ``op_kept_tags``), send offloaded names
+to host memory, and skip replaying a matmul whose product nothing the backward uses reads
+(out_proj / mlp_down when their residual add is kept, a ReLU MLP's first matmul when the
+activation is kept, naive attention's q·kᵀ when the scores or probabilities are kept: stock
+replays it, ``mlp``'s one FLOP difference from JAX);
 ``nested`` checkpoints every segment (the last included) and every block inside it again, as
 JAX's two-level scan does.
 
 PyTorch ops carry no names, so ``block_ops`` maps each tag of ``jaxmem.policy.CHECKPOINT_NAMES``
 to the op that produces it in ``torch_ref.model.Block`` (by op kind and occurrence within a
-block); a test records the real op stream and checks every entry's shape against the JAX tag.
+block, counted from the block's op sequence: LayerNorm or RMSNorm, RoPE, the standard or gated
+MLP); a test records the real op stream and checks every entry's shape against the JAX tag.
+Tags a model does not produce name no op, so the presets that list them (``mlp`` keeps RoPE's
+rotated q and k, ``selective`` the gate) ignore them; a custom policy naming one is refused
+(``jaxmem.policy.check_policy``).
 
 Also here, for PyTorch users: ``save_on_cpu_layers_fn`` (PyTorch's built-in saved-tensor-hook
 offload of every saved tensor) and ``OffloadCheckpoint``, the seeds' ``OffloadFunction`` made
@@ -69,7 +74,7 @@ from jaxmem.policy import (
     nested_segment_size,
     split_policy,
 )
-from torch_ref.model import BlockStack, run_layers
+from torch_ref.model import BlockStack, RopeTables, run_layers
 
 Translation = Literal["stock", "lean"]
 TRANSLATIONS: tuple[str, ...] = ("stock", "lean")
@@ -82,43 +87,89 @@ SDPA_OPS = (
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_fused_attention_overrideable",
 )
+# The CUDA kernel torch.rms_norm may dispatch to instead of its composite (see _op_kind).
+FUSED_RMS_NORM = "_fused_rms_norm"
 
 
 def _op_kind(func: Any) -> str:
     name = func.overloadpacket.__name__
     if name in LINEAR_OPS:
         return "linear"
+    if name == FUSED_RMS_NORM:
+        raise NotImplementedError(
+            "torch.rms_norm ran its fused kernel (aten._fused_rms_norm, a CUDA path): "
+            "torch_ref's op table names the ops of its composite form (this CPU build's); "
+            "measure RMSNorm models' torch rows on CPU"
+        )
     return "sdpa" if name in SDPA_OPS else name
+
+
+OpSeq = list[tuple[str, tuple[str, ...]]]  # (op kind, tag names) in the order a block runs them
+
+
+def _norm_ops(cfg: ModelConfig, tag: str) -> OpSeq:
+    """LayerNorm is one op; ``torch.rms_norm`` on CPU is a composite whose second product (the
+    weight applied to the normalised input) is the output."""
+    if cfg.norm_type == "rmsnorm":
+        return [("mul", ()), ("mul", (tag,))]
+    return [("native_layer_norm", (tag,))]
+
+
+def _rope_ops(tag: str) -> OpSeq:
+    """``apply_rope``: two products (x·cos, rotated x·sin), then their sum: the tag."""
+    return [("mul", ()), ("mul", ()), ("add", (tag,))]
+
+
+def _attention_ops(cfg: ModelConfig) -> OpSeq:
+    ops: OpSeq = [("linear", QKV)]  # q, k and v come out of one fused matmul
+    if cfg.positions == "rope":
+        ops += _rope_ops("query_rope") + _rope_ops("key_rope")
+    if cfg.attention == "fused":  # one op returns the context and the log-sum-exp (and more)
+        ops += [("sdpa", ("attn_context", "attn_lse"))]
+    else:
+        scores = "masked_fill" if cfg.causal else "div"
+        ops += [
+            ("bmm", ()),  # q·kᵀ (QK_MATMUL): its tag sits on the scaled, masked result
+            (scores, ("attn_scores",)),
+            ("_softmax", ("attn_probs",)),
+            ("bmm", ("attn_context",)),
+        ]
+    return ops + [("linear", ("attn_out",))]
+
+
+def _mlp_ops(cfg: ModelConfig) -> OpSeq:
+    act = "gelu" if cfg.activation == "gelu_tanh" else cfg.activation
+    if cfg.mlp == "gated":  # down(act(gate(x)) * up(x)); act(gate) carries no tag
+        return [
+            ("linear", ("mlp_gate",)),
+            (act, ()),
+            ("linear", ("mlp_up",)),
+            ("mul", ("mlp_act",)),
+            ("linear", ("mlp_down",)),
+        ]
+    return [("linear", ("mlp_up",)), (act, ("mlp_act",)), ("linear", ("mlp_down",))]
 
 
 def block_ops(cfg: ModelConfig) -> dict[tuple[str, int], tuple[str, ...]]:
     """``(op kind, occurrence within one block) -> tag names`` for ``torch_ref.model.Block``.
 
-    The occurrence numbers are the same for pre- and post-norm blocks. q, k and v come out of
-    one fused matmul, so they share one entry; so do fused attention's output and log-sum-exp.
+    Built from the block's op sequence in the order ``Block.forward`` runs it (pre- or
+    post-norm), untagged ops of the counted kinds included, so each tag's occurrence is counted
+    rather than written by hand. q, k and v come out of one fused matmul, so they share one
+    entry; so do fused attention's output and log-sum-exp.
     """
-    scores = ("masked_fill", 0) if cfg.causal else ("div", 0)
-    act = "relu" if cfg.activation == "relu" else "gelu"
-    if cfg.attention == "fused":  # one op returns the context and the log-sum-exp (and more)
-        core = {("sdpa", 0): ("attn_context", "attn_lse")}
-    else:
-        core = {
-            scores: ("attn_scores",),
-            ("_softmax", 0): ("attn_probs",),
-            ("bmm", 1): ("attn_context",),
-        }
-    return {
-        ("native_layer_norm", 0): ("norm1_out",),
-        ("linear", 0): QKV,
-        **core,
-        ("linear", 1): ("attn_out",),
-        ("add", 0): ("attn_residual",),
-        ("native_layer_norm", 1): ("norm2_out",),
-        ("linear", 2): ("mlp_up",),
-        (act, 0): ("mlp_act",),
-        ("linear", 3): ("mlp_down",),
-        ("add", 1): ("mlp_residual",),
-    }
+    norm1, norm2 = _norm_ops(cfg, "norm1_out"), _norm_ops(cfg, "norm2_out")
+    attn = _attention_ops(cfg) + [("add", ("attn_residual",))]
+    mlp = _mlp_ops(cfg) + [("add", ("mlp_residual",))]
+    sequence = norm1 + attn + norm2 + mlp if cfg.norm == "pre" else attn + norm1 + mlp + norm2
+    table: dict[tuple[str, int], tuple[str, ...]] = {}
+    counts: dict[str, int] = {}
+    for kind, tags in sequence:
+        index = counts.get(kind, 0)
+        counts[kind] = index + 1
+        if tags:
+            table[(kind, index)] = tags
+    return table
 
 
 class _OpNamer:
@@ -142,13 +193,23 @@ class _OpNamer:
 QK_MATMUL = ("bmm", 0)
 
 
+def op_kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
+    """``jaxmem.policy.kept_tags`` at torch_ref's granularity, an op's output: the tags of every
+    op one of whose tags is kept. q, k and v come out of one matmul, one tensor: under RoPE the
+    backward reads v and only the rotated q and k, so keeping v (``mlp``) keeps the q and k
+    projections' bytes too, where JAX keeps v alone."""
+    kept = kept_tags(cfg, policy)
+    grouped = {n for names in block_ops(cfg).values() if kept & set(names) for n in names}
+    return kept | grouped
+
+
 def unread_by_backward(cfg: ModelConfig, policy: MemoryPolicy | None = None) -> frozenset[str]:
-    """Tags the lean translation need not keep under ``policy``: no backward op reads them and
-    no read tag is recomputed from them (``jaxmem.policy.kept_tags``). Without ``policy``: the
-    tags no backward op reads."""
+    """Tags the lean translation need not keep under ``policy``: no backward op reads them, no
+    read tag is recomputed from them (``jaxmem.policy.kept_tags``) and they share no op with a
+    kept tag (``op_kept_tags``). Without ``policy``: the tags no backward op reads."""
     reads = backward_reads(cfg) | {"block_input"}
     unread = frozenset(CHECKPOINT_NAMES) - reads
-    return unread if policy is None else unread - kept_tags(cfg, policy)
+    return unread if policy is None else unread - op_kept_tags(cfg, policy)
 
 
 # The block's matmul outputs and their one consumer: (matmul tag, the consumer's tag).
@@ -407,12 +468,14 @@ class PolicyLayers:
         self.selected = set(policy.layers.indices(cfg.n_layers))
         self.kept: list[KeptTensor] = []
 
-    def _checkpointed(self, i: int, layer: nn.Module, x: torch.Tensor, mask: Any) -> torch.Tensor:
+    def _checkpointed(
+        self, i: int, layer: nn.Module, x: torch.Tensor, mask: Any, rope: RopeTables | None
+    ) -> torch.Tensor:
         policy = self.policy
         if policy.use_reentrant:
-            return checkpoint(layer, _grad_input(x), mask, use_reentrant=True)
+            return checkpoint(layer, _grad_input(x), mask, rope, use_reentrant=True)
         if not policy.is_named:
-            return checkpoint(layer, x, mask, use_reentrant=False)
+            return checkpoint(layer, x, mask, rope, use_reentrant=False)
         if self.translation == "stock":
             context_fn = functools.partial(_stock_contexts, policy, self.cfg, self.kept, i)
         else:
@@ -421,7 +484,7 @@ class PolicyLayers:
                 decide, storage = _Decider(policy, self.cfg), []
                 return _KeepMode(decide, storage, self.kept, i), _ReplayMode(decide, storage)
 
-        return checkpoint(layer, x, mask, use_reentrant=False, context_fn=context_fn)
+        return checkpoint(layer, x, mask, rope, use_reentrant=False, context_fn=context_fn)
 
     def host_storages(self) -> set[int]:
         """Storages of the copies the last forward moved to host memory (for accounting)."""
@@ -431,39 +494,49 @@ class PolicyLayers:
         """Storage of each copy the last forward kept -> its tag(s), ``/``-joined."""
         return {k.storage: "/".join(k.names) for k in self.kept}
 
-    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+    def __call__(
+        self, layers: nn.ModuleList, x: torch.Tensor, mask: Any, rope: RopeTables | None
+    ) -> torch.Tensor:
+        """Run ``layers`` on ``x``; ``mask`` and ``rope`` (RoPE's tables) go to every block."""
         self.kept = []
         if self.parts:
             start = 0
             for n, runner in self.parts:
-                x = runner(layers[start : start + n], x, mask)
+                x = runner(layers[start : start + n], x, mask, rope)
                 self.kept += [dataclasses.replace(k, layer=k.layer + start) for k in runner.kept]
                 start += n
             return x
         if not self.policy.remat:
-            return run_layers(layers, x, mask)
+            return run_layers(layers, x, mask, rope)
         if self.policy.nested:
             if self.translation == "stock":
-                return self._sequential(layers, x, mask)
-            return self._two_level(layers, x, mask)
+                return self._sequential(layers, x, mask, rope)
+            return self._two_level(layers, x, mask, rope)
         for i, layer in enumerate(layers):
-            x = self._checkpointed(i, layer, x, mask) if i in self.selected else layer(x, mask)
+            if i in self.selected:
+                x = self._checkpointed(i, layer, x, mask, rope)
+            else:
+                x = layer(x, mask, rope)
         return x
 
-    def _sequential(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+    def _sequential(
+        self, layers: nn.ModuleList, x: torch.Tensor, mask: Any, rope: RopeTables | None
+    ) -> torch.Tensor:
         n = len(layers)
         segments = -(-n // nested_segment_size(n))  # ⌈L / k⌉, k about √L
-        functions = [functools.partial(layer, mask_ss=mask) for layer in layers]
+        functions = [functools.partial(layer, mask_ss=mask, rope=rope) for layer in layers]
         reentrant = self.policy.use_reentrant
         x = _grad_input(x) if reentrant else x
         return checkpoint_sequential(functions, segments, x, use_reentrant=reentrant)
 
-    def _two_level(self, layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+    def _two_level(
+        self, layers: nn.ModuleList, x: torch.Tensor, mask: Any, rope: RopeTables | None
+    ) -> torch.Tensor:
         k = nested_segment_size(len(layers))
 
         def segment(x: torch.Tensor, start: int) -> torch.Tensor:
             for layer in layers[start : start + k]:
-                x = checkpoint(layer, x, mask, use_reentrant=False)
+                x = checkpoint(layer, x, mask, rope, use_reentrant=False)
             return x
 
         for start in range(0, len(layers), k):
@@ -486,13 +559,15 @@ def save_on_cpu_layers_fn(selection: LayerSelection, n_layers: int) -> Callable[
     selected = set(selection.indices(n_layers))
     pin = torch.cuda.is_available()
 
-    def layers_fn(layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+    def layers_fn(
+        layers: nn.ModuleList, x: torch.Tensor, mask: Any, rope: RopeTables | None
+    ) -> torch.Tensor:
         for i, layer in enumerate(layers):
             if i in selected:
                 with torch.autograd.graph.save_on_cpu(pin_memory=pin):
-                    x = layer(x, mask)
+                    x = layer(x, mask, rope)
             else:
-                x = layer(x, mask)
+                x = layer(x, mask, rope)
         return x
 
     return layers_fn
@@ -561,9 +636,14 @@ def offload_checkpoint_layers_fn(selection: LayerSelection, n_layers: int) -> Ca
     """Selected blocks run through ``OffloadCheckpoint``: only their input is kept, on host."""
     selected = set(selection.indices(n_layers))
 
-    def layers_fn(layers: nn.ModuleList, x: torch.Tensor, mask: Any) -> torch.Tensor:
+    def layers_fn(
+        layers: nn.ModuleList, x: torch.Tensor, mask: Any, rope: RopeTables | None
+    ) -> torch.Tensor:
         for i, layer in enumerate(layers):
-            x = OffloadCheckpoint.apply(layer, x, mask) if i in selected else layer(x, mask)
+            if i in selected:
+                x = OffloadCheckpoint.apply(layer, x, mask, rope)
+            else:
+                x = layer(x, mask, rope)
         return x
 
     return layers_fn

@@ -192,12 +192,6 @@ def framework_label(translation: str) -> str:
     return "torch" if translation == "stock" else "torch-lean"
 
 
-# The q, k and v projections are one fused matmul in torch_ref: compared as one group.
-_GROUPS = {
-    "query_proj": "query_proj/key_proj/value_proj",
-    "key_proj": "query_proj/key_proj/value_proj",
-    "value_proj": "query_proj/key_proj/value_proj",
-}
 # jaxmem tags the block input inside the block; torch_ref's listing names it by position.
 _SAME = {"block_input": "<layer input>"}
 
@@ -207,18 +201,19 @@ def name_differences(
 ) -> list[dict[str, Any]]:
     """Saved bytes by tensor name where the two frameworks differ, largest difference first.
 
-    Both sides name saved tensors by jaxmem's tags; q/k/v are compared as one group (torch_ref
-    fuses their matmul), and names in ``<...>`` are what each framework keeps besides tagged
-    tensors (jaxmem: ``<untagged>``; torch_ref: ``<op kind in block / outside the stack>``).
+    Both sides name saved tensors by jaxmem's tags. Where torch_ref's one op carries several
+    tags (q/k/v: one fused matmul; fused attention's output and log-sum-exp: one SDPA call), its
+    listing joins them with ``/``, and jaxmem's tensors of those tags are compared as that one
+    group. Names in ``<...>`` are what each framework keeps besides tagged tensors (jaxmem:
+    ``<untagged>``; torch_ref: ``<op kind in block / outside the stack>``).
     """
-    joined = any("/" in n for n in torch_names)
+    groups = {n: label for label in torch_names if "/" in label for n in label.split("/")}
 
     def canonical(names: dict[str, int]) -> dict[str, int]:
         out: dict[str, int] = {}
         for name, nbytes in names.items():
             name = _SAME.get(name, name)
-            if joined:
-                name = _GROUPS.get(name, name)
+            name = groups.get(name, name)
             out[name] = out.get(name, 0) + nbytes
         return out
 

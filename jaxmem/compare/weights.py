@@ -49,27 +49,60 @@ class KeyMapEntry:
         return tuple(reversed(self.torch_shape)) if self.transpose else self.torch_shape
 
 
-def _block_entries(cfg: ModelConfig) -> list[tuple[Path, str, tuple[int, ...], bool]]:
-    """(NNX path inside a Block, PyTorch key inside a Block, PyTorch shape, transpose)."""
-    d, f = cfg.d_model, cfg.d_ff
-    rows: list[tuple[Path, str, tuple[int, ...], bool]] = [
-        (("self_attn", "in_proj", "kernel"), "self_attn.in_proj_weight", (3 * d, d), True),
-        (("self_attn", "out_proj", "kernel"), "self_attn.out_proj.weight", (d, d), True),
-        (("ffn", "up", "kernel"), "ffn.0.weight", (f, d), True),
-        (("ffn", "down", "kernel"), "ffn.2.weight", (d, f), True),
-        (("norm1", "norm", "scale"), "norm1.weight", (d,), False),
-        (("norm2", "norm", "scale"), "norm2.weight", (d,), False),
-    ]
-    if cfg.bias:
-        rows += [
-            (("self_attn", "in_proj", "bias"), "self_attn.in_proj_bias", (3 * d,), False),
-            (("self_attn", "out_proj", "bias"), "self_attn.out_proj.bias", (d,), False),
-            (("ffn", "up", "bias"), "ffn.0.bias", (f,), False),
-            (("ffn", "down", "bias"), "ffn.2.bias", (d,), False),
-            (("norm1", "norm", "bias"), "norm1.bias", (d,), False),
-            (("norm2", "norm", "bias"), "norm2.bias", (d,), False),
-        ]
+Row = tuple[Path, str, tuple[int, ...], bool]
+
+
+def _linear_rows(jax_path: Path, torch_key: str, shape: tuple[int, ...], bias: bool) -> list[Row]:
+    """A Linear's kernel (transposed: Flax ``[in, out]``, PyTorch ``[out, in]``) and its bias."""
+    rows: list[Row] = [(jax_path + ("kernel",), f"{torch_key}.weight", shape, True)]
+    if bias:
+        rows.append((jax_path + ("bias",), f"{torch_key}.bias", shape[:1], False))
     return rows
+
+
+def _norm_rows(jax_name: str, torch_name: str, cfg: ModelConfig) -> list[Row]:
+    """A norm's scale (LayerNorm's or RMSNorm's, ``weight`` in PyTorch) and LayerNorm's bias."""
+    d = cfg.d_model
+    rows: list[Row] = [((jax_name, "norm", "scale"), f"{torch_name}.weight", (d,), False)]
+    if cfg.has_bias("norm"):
+        rows.append(((jax_name, "norm", "bias"), f"{torch_name}.bias", (d,), False))
+    return rows
+
+
+def _mlp_rows(cfg: ModelConfig) -> list[Row]:
+    """Standard: the seeds' ``nn.Sequential`` keys (``ffn.0`` up, ``ffn.2`` down); gated:
+    ``ffn.gate``, ``ffn.up``, ``ffn.down`` on both sides."""
+    d, f, bias = cfg.d_model, cfg.d_ff, cfg.has_bias("mlp")
+    if cfg.mlp == "gated":
+        names = (
+            ("gate", "ffn.gate", (f, d)),
+            ("up", "ffn.up", (f, d)),
+            ("down", "ffn.down", (d, f)),
+        )
+    else:
+        names = (("up", "ffn.0", (f, d)), ("down", "ffn.2", (d, f)))
+    return [
+        row for name, key, shape in names for row in _linear_rows(("ffn", name), key, shape, bias)
+    ]
+
+
+def _block_entries(cfg: ModelConfig) -> list[Row]:
+    """(NNX path inside a Block, PyTorch key inside a Block, PyTorch shape, transpose).
+
+    The fused input projection stacks q, k and v rows in that order (``D + 2 Hkv K`` of them:
+    fewer key/value rows under grouped-query attention), as ``nn.MultiheadAttention``'s
+    ``in_proj_weight`` does."""
+    d, qkv = cfg.d_model, cfg.d_model + 2 * cfg.kv_dim
+    in_proj: list[Row] = [
+        (("self_attn", "in_proj", "kernel"), "self_attn.in_proj_weight", (qkv, d), True)
+    ]
+    if cfg.has_bias("qkv"):
+        in_proj.append((("self_attn", "in_proj", "bias"), "self_attn.in_proj_bias", (qkv,), False))
+    out_proj = _linear_rows(
+        ("self_attn", "out_proj"), "self_attn.out_proj", (d, d), cfg.has_bias("out")
+    )
+    norms = _norm_rows("norm1", "norm1", cfg) + _norm_rows("norm2", "norm2", cfg)
+    return in_proj + out_proj + _mlp_rows(cfg) + norms
 
 
 def key_map(cfg: ModelConfig, scope: str = "decoder") -> list[KeyMapEntry]:
@@ -117,11 +150,11 @@ def key_map(cfg: ModelConfig, scope: str = "decoder") -> list[KeyMapEntry]:
         )
 
     top(("wte", "embedding"), "wte.weight", (cfg.vocab_size, d))
-    top(("wpe", "embedding"), "wpe.weight", (cfg.max_seq_len, d))
+    if cfg.learned_positions:
+        top(("wpe", "embedding"), "wpe.weight", (cfg.max_seq_len, d))
     if cfg.final_norm:
-        top(("norm_f", "norm", "scale"), "norm_f.weight", (d,))
-        if cfg.bias:
-            top(("norm_f", "norm", "bias"), "norm_f.bias", (d,))
+        for path, key, shape, _ in _norm_rows("norm_f", "norm_f", cfg):
+            top(path, key, shape)
     if not cfg.tie_embeddings:
         top(("lm_head", "kernel"), "lm_head.weight", (cfg.vocab_size, d), transpose=True)
     return entries
