@@ -1,7 +1,7 @@
 # Two entry points: `make demo` (train the small preset on CPU, print its memory table) and
 # `make test` (unit + parity suites). Each creates .venv and installs the pinned versions from
-# constraints.txt once, with the torch extra (the parity suite compares with PyTorch) and the
-# gpu-plan extra (tests compile for H100/A100 targets without a GPU); the stamp
+# constraints.txt once, with the torch extra (the parity suite compares with PyTorch), the
+# gpu-plan extra (tests compile for H100/A100 targets without a GPU) and the hf extra; the stamp
 # file makes a second run skip the install. `make check-jax-only` installs jaxmem alone (no
 # PyTorch) into a fresh venv and trains, as a JAX user would.
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (or run: make PYTHON=python3 ...)"; exit 2; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[torch,dev,gpu-plan]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[torch,dev,gpu-plan,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)

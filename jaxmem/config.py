@@ -69,7 +69,7 @@ class ModelConfig:
       norm: ``"pre"`` (GPT-2: LayerNorm before each sub-layer, final LayerNorm) or ``"post"``
         (original Transformer / the seeds' ``DecoderLayer``: LayerNorm after each residual add).
       activation: MLP non-linearity: ``"gelu"`` (exact, erf), ``"gelu_tanh"`` (GPT-2's tanh
-        approximation) or ``"relu"``.
+        approximation), ``"relu"``, or ``"silu"`` (a gated MLP's gate only: SwiGLU).
       bias: biases in every Linear and LayerNorm.
       tie_embeddings: the LM head reuses the token embedding matrix.
       causal: causal (autoregressive) attention mask; ``False`` attends to every position, like the
@@ -192,6 +192,11 @@ class ModelConfig:
         require(
             not (self.norm_type == "rmsnorm" and self.norm_bias),
             "norm_bias=True: RMSNorm has no bias; use norm_type='layernorm' or drop norm_bias",
+        )
+        require(
+            self.activation != "silu" or self.mlp == "gated",
+            "activation='silu' is SwiGLU's gate: it needs mlp='gated' (a standard MLP takes "
+            "gelu, gelu_tanh or relu)",
         )
         if self.positions == "rope":
             require(

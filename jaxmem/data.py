@@ -7,10 +7,13 @@ Python versions ship different sources, so loss values are comparable only on on
 
 Other sources: a text file or a directory of text files (tokenized on load), or nanoGPT-style
 pre-tokenized ``train.bin`` / ``val.bin`` files (raw little-endian ``uint16``, no header, as
-written by karpathy/nanoGPT's ``data/*/prepare.py``) with our ``meta.json`` beside them;
-``prepare_bin`` writes those. Batches are a pure function of ``(seed, step)`` (``batch_at``) so a
-resumed run sees exactly the data it would have seen, and ``Prefetcher`` overlaps building and
-transferring the next batches with the current step.
+written by karpathy/nanoGPT's ``data/*/prepare.py``; ``uint32`` for vocabularies above 65,536
+ids, as ``meta.json`` says) with our ``meta.json`` beside them; ``prepare_bin`` writes those.
+Text is byte-tokenized unless a ``tokenizer`` is given (``jaxmem.tokenizer``: a Hugging Face
+model directory's ``tokenizer.json``); ``meta.json`` names the tokenizer a ``.bin`` was made
+with. Batches are a pure function of ``(seed, step)`` (``batch_at``) so a resumed run sees
+exactly the data it would have seen, and ``Prefetcher`` overlaps building and transferring the
+next batches with the current step.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ BOS, EOS, PAD = 256, 257, 258
 VOCAB_SIZE = 259  # 256 byte values + BOS, EOS, PAD
 
 BIN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin layout: raw little-endian uint16, no header
+BIN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # meta.json's "dtype"
 META_FORMAT = "jaxmem-bytes-v1"
 STDLIB_SOURCE = "Python stdlib sources (embedded default)"
 
@@ -45,6 +49,12 @@ def _umask() -> int:
 
 class DataError(ValueError):
     """Training data is missing, empty or malformed (the CLI maps this to exit code 2)."""
+
+
+def bin_dtype(vocab_size: int) -> np.dtype:
+    """The ``.bin`` dtype for ids below ``vocab_size``: nanoGPT's uint16 while every id fits
+    (up to 65,536 ids: 0..65,535), else uint32."""
+    return BIN_DTYPES["uint16"] if vocab_size <= 1 << 16 else BIN_DTYPES["uint32"]
 
 
 def encode(text: str) -> np.ndarray:
@@ -68,8 +78,9 @@ def stdlib_files() -> list[pathlib.Path]:
     )
 
 
-def stdlib_corpus(max_bytes: int = 8 << 20) -> np.ndarray:
-    """Up to ``max_bytes`` tokens of standard-library source, files separated by ``EOS``."""
+def stdlib_corpus(max_bytes: int = 8 << 20, tokenizer: Any = None) -> np.ndarray:
+    """Up to ``max_bytes`` tokens of standard-library source, files separated by ``EOS``. With
+    a ``tokenizer`` (``jaxmem.tokenizer``): the same ``max_bytes`` of source, tokenized by it."""
     chunks: list[np.ndarray] = []
     total = 0
     for path in stdlib_files():
@@ -82,7 +93,32 @@ def stdlib_corpus(max_bytes: int = 8 << 20) -> np.ndarray:
         raise FileNotFoundError(
             f"no Python sources under {sysconfig.get_paths()['stdlib']}; pass a data path"
         )
+    if tokenizer is not None and tokenizer.name != "bytes":
+        files = [c.astype(np.uint8).tobytes() for c in chunks[::2]]
+        return _tokenize(files, tokenizer, cut=max_bytes)
     return np.concatenate(chunks)[:max_bytes]
+
+
+def _tokenize(files: list[bytes], tokenizer: Any, cut: int | None = None) -> np.ndarray:
+    """Documents (raw bytes: decoded as UTF-8, invalid bytes replaced) as ``tokenizer``'s ids,
+    separated by its separator; ``cut``: only the first ``cut`` bytes of text."""
+    if cut is not None:
+        kept, total = [], 0
+        for data in files:
+            kept.append(data[: cut - total])
+            total += len(kept[-1])
+            if total >= cut:
+                break
+        files = kept
+    texts = [data.decode("utf-8", errors="replace") for data in files]
+    many = getattr(tokenizer, "encode_many", None)
+    encoded = many(texts) if many is not None else [tokenizer.encode(t) for t in texts]
+    dtype = bin_dtype(tokenizer.vocab_size)
+    sep = [] if tokenizer.separator is None else [np.array([tokenizer.separator], dtype)]
+    out: list[np.ndarray] = []
+    for ids in encoded:
+        out += [*(sep if out else []), np.asarray(ids).astype(dtype)]
+    return np.concatenate(out) if out else np.zeros(0, dtype)
 
 
 def train_val_split(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, ...]:
@@ -152,8 +188,9 @@ def _text_files(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(found)
 
 
-def load_text_tokens(path: str | os.PathLike[str]) -> np.ndarray:
-    """Byte tokens (``uint16``) of a text file, or of every text file under a directory.
+def load_text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
+    """Byte tokens (``uint16``) of a text file, or of every text file under a directory; with a
+    ``tokenizer`` (``jaxmem.tokenizer``), its ids instead (files separated by its separator).
 
     Bytes are used as-is: the byte tokenizer needs no decoding, so text in any encoding (or
     invalid UTF-8) loads fine. A directory is walked recursively in sorted path order; files
@@ -177,10 +214,13 @@ def load_text_tokens(path: str | os.PathLike[str]) -> np.ndarray:
                 f"data file {p} contains NUL bytes, so it looks binary, not text; "
                 "pass a text file (a pre-tokenized file must be named *.bin)"
             )
+        if tokenizer is not None and tokenizer.name != "bytes":
+            return _tokenize([data], tokenizer)
         return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
     if not p.is_dir():
         raise DataError(f"data path {p} is neither a file nor a directory; pass a text file")
     chunks: list[np.ndarray] = []
+    texts: list[bytes] = []
     n_binary = 0
     for f in _text_files(p):
         data = _read_text_file(f)
@@ -189,9 +229,12 @@ def load_text_tokens(path: str | os.PathLike[str]) -> np.ndarray:
         if b"\0" in data:
             n_binary += 1
             continue
+        texts.append(data)
         if chunks:
             chunks.append(np.array([EOS], dtype=np.uint16))
         chunks.append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16))
+    if chunks and tokenizer is not None and tokenizer.name != "bytes":
+        return _tokenize(texts, tokenizer)
     if not chunks:
         skipped = f" ({n_binary} binary file(s) skipped)" if n_binary else ""
         raise DataError(
@@ -235,12 +278,12 @@ def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
 
 
 def load_bin(path: str | os.PathLike[str], vocab_size: int = VOCAB_SIZE) -> np.memmap:
-    """Open a nanoGPT-style ``.bin`` token file read-only as a ``uint16`` memmap.
+    """Open a nanoGPT-style ``.bin`` token file read-only as a memmap: ``uint16``, or the dtype
+    a ``meta.json`` beside it names (``uint16`` or ``uint32``).
 
-    Validates that the file is non-empty and a whole number of ``uint16`` tokens, that a
-    ``meta.json`` beside it (if any) agrees on dtype and on this split's token count
-    (``train_tokens`` for ``train.bin``, ``val_tokens`` for ``val.bin``), and that every token id
-    is below ``vocab_size``.
+    Validates that the file is non-empty and a whole number of tokens, that the ``meta.json``
+    (if any) agrees on this split's token count (``train_tokens`` for ``train.bin``,
+    ``val_tokens`` for ``val.bin``), and that every token id is below ``vocab_size``.
 
     Raises:
         DataError: on any of the mismatches above, or a missing file.
@@ -251,28 +294,29 @@ def load_bin(path: str | os.PathLike[str], vocab_size: int = VOCAB_SIZE) -> np.m
     size = p.stat().st_size
     if size == 0:
         raise DataError(f"token file {p} is empty; re-run prepare to regenerate it")
-    if size % BIN_DTYPE.itemsize:
-        raise DataError(
-            f"token file {p} is {size} bytes, not a multiple of 2, so it is not raw uint16 "
-            "tokens; re-run prepare or check how it was written"
-        )
-    n_tokens = size // BIN_DTYPE.itemsize
     meta = _read_meta(p.parent)
+    dtype_name = "uint16" if meta is None else meta.get("dtype", "uint16")
+    if dtype_name not in BIN_DTYPES:
+        raise DataError(
+            f"{p.parent / 'meta.json'} says dtype {dtype_name!r}; .bin files hold uint16 or "
+            "uint32 tokens: re-run prepare"
+        )
+    dtype = BIN_DTYPES[dtype_name]
+    if size % dtype.itemsize:
+        raise DataError(
+            f"token file {p} is {size} bytes, not a multiple of {dtype.itemsize}, so it is not "
+            f"raw {dtype_name} tokens; re-run prepare or check how it was written"
+        )
+    n_tokens = size // dtype.itemsize
     if meta is not None:
         meta_path = p.parent / "meta.json"
-        dtype = meta.get("dtype", "uint16")
-        if dtype != "uint16":
-            raise DataError(
-                f"{meta_path} says dtype {dtype!r} but .bin files are read as uint16; "
-                "re-run prepare to write uint16 tokens"
-            )
         key = {"train.bin": "train_tokens", "val.bin": "val_tokens"}.get(p.name)
         if key is not None and key in meta and meta[key] != n_tokens:
             raise DataError(
                 f"{meta_path} says {key}={meta[key]} but {p} holds {n_tokens} tokens "
                 f"({size} bytes); the files are out of sync, re-run prepare"
             )
-    tokens = np.memmap(p, dtype=BIN_DTYPE, mode="r", shape=(n_tokens,))
+    tokens = np.memmap(p, dtype=dtype, mode="r", shape=(n_tokens,))
     _check_vocab(tokens, vocab_size, f"token file {p}")
     return tokens
 
@@ -281,8 +325,11 @@ def prepare_bin(
     src: str | os.PathLike[str] | None,
     out_dir: str | os.PathLike[str],
     val_fraction: float = 0.05,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
     """Tokenize ``src`` into ``out_dir/{train.bin, val.bin, meta.json}``; returns the meta dict.
+    Byte tokens in ``uint16``, or ``tokenizer``'s ids (``jaxmem.tokenizer``) in the dtype its
+    vocabulary needs (``bin_dtype``), recorded in ``meta.json`` with the tokenizer's name.
 
     ``src`` is a text file or directory (see ``load_text_tokens``), or ``None`` for the embedded
     standard-library corpus. The split is ``train_val_split``'s: the last ``val_fraction`` of the
@@ -304,11 +351,13 @@ def prepare_bin(
             f"{out} already contains {' and '.join(existing)}; choose another --out or delete them"
         )
     if src is None:
-        tokens, source = stdlib_corpus(), STDLIB_SOURCE
+        tokens, source = stdlib_corpus(tokenizer=tokenizer), STDLIB_SOURCE
     else:
         s = pathlib.Path(src)
-        tokens = load_text_tokens(s)
+        tokens = load_text_tokens(s, tokenizer)
         source = f"text {'directory' if s.is_dir() else 'file'} {s.resolve()}"
+    vocab = VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
+    dtype = bin_dtype(vocab)
     if tokens.size < 2:
         raise DataError(
             f"{source} has {tokens.size} token(s); at least 2 are needed for a train/val split"
@@ -316,9 +365,9 @@ def prepare_bin(
     train, val = train_val_split(tokens, val_fraction)
     meta: dict[str, Any] = {
         "format": META_FORMAT,
-        "dtype": "uint16",
-        "vocab_size": VOCAB_SIZE,
-        "tokenizer": "bytes",
+        "dtype": dtype.name,
+        "vocab_size": vocab,
+        "tokenizer": "bytes" if tokenizer is None else tokenizer.name,
         "train_tokens": int(train.size),
         "val_tokens": int(val.size),
         "source": source,
@@ -331,7 +380,7 @@ def prepare_bin(
             fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
             temps[name] = tmp
             with os.fdopen(fd, "wb") as f:
-                arr.astype(BIN_DTYPE).tofile(f)
+                arr.astype(dtype).tofile(f)
         fd, tmp = tempfile.mkstemp(prefix=".meta.json.", suffix=".tmp", dir=out)
         temps["meta.json"] = tmp
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -372,6 +421,7 @@ def load_dataset(
     *,
     val_fraction: float = 0.05,
     vocab_size: int = VOCAB_SIZE,
+    tokenizer: Any = None,
 ) -> Dataset:
     """Load training data from ``path``, picking the format from what the path is.
 
@@ -382,7 +432,8 @@ def load_dataset(
       otherwise split.
     * any other file or directory: text, tokenized by ``load_text_tokens`` and split.
 
-    Every token id is checked against ``vocab_size``.
+    Text is tokenized by ``tokenizer`` (default: bytes); a ``.bin`` whose ``meta.json`` names
+    another tokenizer is refused. Every token id is checked against ``vocab_size``.
 
     Raises:
         DataError: the path is missing, malformed or holds too little data.
@@ -390,7 +441,7 @@ def load_dataset(
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
     if path is None:
-        tokens = stdlib_corpus()
+        tokens = stdlib_corpus(tokenizer=tokenizer)
         _check_vocab(tokens, vocab_size, STDLIB_SOURCE)
         return Dataset(*train_val_split(tokens, val_fraction), STDLIB_SOURCE)
     p = pathlib.Path(path)
@@ -406,6 +457,7 @@ def load_dataset(
     elif p.is_file() and p.suffix == ".bin":
         train_bin, source = p, f"nanoGPT .bin {p}"
     if train_bin is not None:
+        _check_tokenizer(train_bin.parent, tokenizer)
         train = load_bin(train_bin, vocab_size)
         val_bin = train_bin.parent / "val.bin"
         if val_bin.exists() and val_bin.resolve() != train_bin.resolve():
@@ -414,12 +466,25 @@ def load_dataset(
             raise DataError(f"{train_bin} has 1 token; at least 2 are needed for a train/val split")
         train, val = train_val_split(train, val_fraction)
         return Dataset(train, val, f"{source} (no val.bin: last {val_fraction:g} split off)")
-    tokens = load_text_tokens(p)
+    tokens = load_text_tokens(p, tokenizer)
     if tokens.size < 2:
         raise DataError(f"data file {p} has 1 token; at least 2 are needed for a train/val split")
     _check_vocab(tokens, vocab_size, f"data {p}")
     train, val = train_val_split(tokens, val_fraction)
     return Dataset(train, val, f"text {'directory' if p.is_dir() else 'file'} {p}")
+
+
+def _check_tokenizer(directory: pathlib.Path, tokenizer: Any) -> None:
+    """A prepared dataset whose ``meta.json`` names a tokenizer matches the run's."""
+    meta = _read_meta(directory)
+    made_with = None if meta is None else meta.get("tokenizer")
+    ours = "bytes" if tokenizer is None else tokenizer.name
+    if made_with is not None and made_with != ours:
+        what = "the byte tokenizer" if tokenizer is None else tokenizer.description
+        raise DataError(
+            f"{directory / 'meta.json'} says its tokens come from {made_with}, but this run "
+            f"tokenizes with {what} ({ours}); prepare the data with the run's tokenizer"
+        )
 
 
 # --------------------------------------------------------------------------------------------

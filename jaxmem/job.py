@@ -37,13 +37,14 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jaxmem.config import (
+    PRESETS,
     AccumConfig,
     ConfigError,
     ModelConfig,
     OptimizerConfig,
-    get_preset,
     require,
 )
+from jaxmem.hub import resolve_preset
 from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import (
     MemoryPolicy,
@@ -93,6 +94,10 @@ class RunConfig:
       checkpoint_every / keep_checkpoints: save every so many steps, keep the last so many.
       sample_tokens / prompt / temperature: the text sample at the end (0 tokens: none).
       prefetch: batches prepared ahead on a background thread.
+      init_from: a Hugging Face model directory whose weights the run starts from (loaded
+        before step 1; its config.json is the model unless the preset says otherwise and
+        agrees; its tokenizer.json, if any, tokenizes text data and the sample). None: the
+        preset's random init from ``seed``.
     """
 
     framework: str = "jax"
@@ -109,8 +114,13 @@ class RunConfig:
     prompt: str = "def "
     temperature: float = 0.8
     prefetch: int = 2
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
+        require(
+            self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
+            f"init_from={self.init_from!r} must be a model directory (or unset)",
+        )
         require(
             self.framework in FRAMEWORKS,
             f"framework={self.framework!r} is not one of {FRAMEWORKS}",
@@ -165,7 +175,9 @@ SECTIONS: dict[str, type] = {
 }
 # What a resumed run may change: how long to train and what is reported or written, not the
 # arithmetic of a step. Dotted paths of ``JobConfig.to_dict()`` (the one list: the resume check
-# and ``config_conflicts`` both use it).
+# and ``config_conflicts`` both use it). ``run.init_from`` is not among them: a resumed run
+# continues from its checkpoint and never reads the directory's weights again, but where the
+# run started is part of what it is (like its seed), so another directory contradicts it.
 RESUMABLE_CHANGES: tuple[str, ...] = (
     "run.steps",
     "run.eval_every",
@@ -302,7 +314,7 @@ class JobConfig:
         require(not unknown, f"unknown config section(s) {unknown}; valid: {sorted(known)}")
         preset = raw.get("preset", "small")
         require(isinstance(preset, str), f"preset={preset!r} must be a preset name")
-        base_model = get_preset(preset)
+        base_model = _preset_model(preset, raw.get("model"))
         sections: dict[str, Any] = {}
         for name in (*SECTIONS, "memory"):
             values = raw.get(name) or {}
@@ -323,6 +335,16 @@ class JobConfig:
         name = raw.get("precision", "fp32")
         require(isinstance(name, str), f"precision={name!r} must be a precision name")
         return cls(preset=preset, precision=get_precision(name), **sections)
+
+
+def _preset_model(preset: str, model_values: Any) -> ModelConfig:
+    """The model a preset names: a named preset, or a Hugging Face model directory's
+    ``config.json`` (``--preset DIR``). A saved run's config gives every model field itself,
+    so a directory preset it names is not read again (the directory may be gone)."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    if preset not in PRESETS and isinstance(model_values, Mapping) and names <= set(model_values):
+        return PRESETS["small"]  # every field is overlaid by the model section
+    return resolve_preset(preset)
 
 
 def resolve_job(

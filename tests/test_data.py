@@ -143,9 +143,13 @@ def test_load_bin_errors(tmp_path):
 
 def test_load_bin_checks_meta(tmp_path):
     np.arange(10, dtype="<u2").tofile(tmp_path / "train.bin")
-    meta = {"dtype": "uint32", "train_tokens": 10}
+    meta = {"dtype": "int8", "train_tokens": 10}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=r"says dtype 'uint32' but \.bin files are read as uint16"):
+    with pytest.raises(DataError, match=r"says dtype 'int8'; \.bin files hold uint16 or uint32"):
+        data.load_bin(tmp_path / "train.bin")
+    # uint32 (a vocabulary above 65,536 ids): the same 20 bytes are 5 tokens, not 10
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint32", "train_tokens": 10}))
+    with pytest.raises(DataError, match=r"train_tokens=10 but .*train\.bin holds 5 tokens"):
         data.load_bin(tmp_path / "train.bin")
 
     (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "train_tokens": 12}))

@@ -307,3 +307,13 @@ def test_a_record_says_which_fused_kernel_ran():
         LLAMA.replace(n_layers=2), POLICIES["none"], PRECISIONS["bf16"], OptimizerConfig(), 2, 16
     )
     assert rec["attention_kernel"] == "naive"
+
+
+def test_silu_is_a_gate_and_a_rope_block_needs_its_tables():
+    with pytest.raises(ConfigError, match="activation='silu' is SwiGLU's gate: it needs mlp="):
+        PRESETS["tiny"].replace(activation="silu")
+    block = Decoder(LLAMA, rngs=nnx.Rngs(0)).blocks.layers
+    graphdef, state = nnx.split(block)
+    layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+    with pytest.raises(ValueError, match="call the block with RoPE's tables"):
+        layer(jnp.zeros((1, 4, LLAMA.d_model)), None)

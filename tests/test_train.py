@@ -148,7 +148,7 @@ def test_a_preset_without_a_causal_mask_is_refused_for_what_it_is():
     with pytest.raises(ConfigError, match="no causal mask"):
         JobConfig.from_dict({"preset": "tiny", "model": {"causal": False}})
     assert preset_use("seed") == "seed-example, parity"
-    assert preset_use("gpt2-124m") == "train*, memory, plan, peak"
+    assert preset_use("gpt2-124m") == "from shapes*"
 
 
 def _bin_with_wrong_dtype(tmp_path):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import jaxmem.cli.bench as bench
 import jaxmem.cli.capture_target as capture_target
+import jaxmem.cli.export as export
 import jaxmem.cli.memory as memory
 import jaxmem.cli.parity as parity
 import jaxmem.cli.peak as peak
@@ -29,6 +30,7 @@ COMMANDS = (
     bench,
     presets,
     prepare,
+    export,
     plot,
     capture_target,
     seed_example,

@@ -39,7 +39,12 @@ TARGETS_HELP = (
 FLAGS: dict[str, Flag] = {
     f.option.lstrip("-").replace("-", "_"): f
     for f in (
-        Flag("--preset", "preset", f"model preset: {', '.join(PRESETS)} (jaxmem presets)"),
+        Flag(
+            "--preset",
+            "preset",
+            f"model preset: {', '.join(PRESETS)} (jaxmem presets), or a Hugging Face model "
+            "directory (its config.json)",
+        ),
         Flag(
             "--config",
             None,
@@ -114,6 +119,14 @@ FLAGS: dict[str, Flag] = {
         Flag("--keep", "run.keep_checkpoints", "checkpoints kept", positive_int),
         Flag("--sample-tokens", "run.sample_tokens", "text sample at the end (0: none)", int),
         Flag("--prompt", "run.prompt", "the sample's prompt"),
+        Flag(
+            "--init-from",
+            "run.init_from",
+            "start from a Hugging Face model directory's weights (safetensors), loaded before "
+            "step 1; its config.json is the model unless --preset says otherwise and agrees; its "
+            "tokenizer.json, if any, tokenizes text --data and the sample",
+            metavar="DIR",
+        ),
     )
 }
 
@@ -121,7 +134,7 @@ FLAGS: dict[str, Flag] = {
 MODEL_FLAGS = ("preset", "config", "set", "n_layers", "d_model", "n_heads", "d_ff", "attention")
 STEP_FLAGS = (*MODEL_FLAGS, "precision", "optimizer", "state_memory", "batch_size", "seq_len")
 RUN_FLAGS = ("framework", "data", "steps", "eval_every", "checkpoint_every", "keep")
-RUN_FLAGS += ("sample_tokens", "prompt")
+RUN_FLAGS += ("sample_tokens", "prompt", "init_from")
 
 
 def max_seq_len(preset: str, model: ModelConfig) -> int:
@@ -230,13 +243,14 @@ def job_argv(job) -> list[str]:
     optimizer, accumulation, batch, sequence, mesh and seed): what a command prints for the user
     to run. ``job_from_args`` of them gives ``job`` back (tested)."""
     from jaxmem.config import AccumConfig, OptimizerConfig
+    from jaxmem.hub import resolve_preset
     from jaxmem.job import RunConfig
     from jaxmem.policy import LAYER_FIELDS, policy_to_dict
 
     argv = ["--preset", job.preset]
     direct = {"n_layers": "--n-layers", "d_model": "--d-model", "n_heads": "--n-heads"}
     direct |= {"d_ff": "--d-ff", "attention": "--attention"}
-    preset = PRESETS[job.preset]
+    preset = resolve_preset(job.preset)
     for f in dataclasses.fields(ModelConfig):
         value = getattr(job.model, f.name)
         if value != getattr(preset, f.name):

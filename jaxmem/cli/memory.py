@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jaxmem.cli.common as common
+import jaxmem.cli.presets as presets
 import jaxmem.cli.render as render
 from jaxmem.cli.common import (
     EXIT_RUN_FAILED,
@@ -22,7 +23,7 @@ from jaxmem.cli.common import (
 )
 from jaxmem.cli.common import names as parse_names
 from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args
-from jaxmem.config import PLANNING_ONLY, PRESETS, ModelConfig
+from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.files import write_json_atomic
 from jaxmem.policy import parse_policy
 
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         target = get_target(args.target or "cpu")
 
     def seq_default(preset: str, model: ModelConfig) -> int:
-        return model.max_seq_len if preset in PLANNING_ONLY or target.is_gpu else 64
+        return model.max_seq_len if presets.planning_only(preset, model) or target.is_gpu else 64
 
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=seq_default)
     setup = _setup(args, job, target)
@@ -169,7 +170,11 @@ def _setup(args: argparse.Namespace, job, target) -> Setup:
             "(DDP, FSDP2): use --frameworks jax,torch"
         )
     if parallel.sharded and "torch" in frameworks:
-        if job.preset in PLANNING_ONLY or target.is_gpu or job.model != PRESETS[job.preset]:
+        if (
+            presets.planning_only(job.preset, job.model)
+            or target.is_gpu
+            or job.model != PRESETS.get(job.preset)
+        ):
             raise UsageError(
                 f"--mesh {parallel.mesh_text()} --frameworks torch runs torch_ref's step on "
                 f"{parallel.devices} CPU processes of this machine: use a preset it holds "
@@ -192,7 +197,7 @@ def _setup(args: argparse.Namespace, job, target) -> Setup:
     if target.is_gpu:
         with usage_errors():
             job.check_gpu_plan()
-    planning = job.preset in PLANNING_ONLY or target.is_gpu or parallel.sharded
+    planning = presets.planning_only(job.preset, job.model) or target.is_gpu or parallel.sharded
     return Setup(policies, frameworks, target, planning, notes)
 
 

@@ -16,8 +16,8 @@ from jaxmem.cli.common import (
     usage_errors,
 )
 from jaxmem.cli.flags import add_flags
-from jaxmem.config import get_preset
 from jaxmem.files import write_json_atomic
+from jaxmem.hub import resolve_preset
 
 NAMES = ("preset", "batch_size", "seq_len", "seed")
 DEFAULTS = {"preset": "tiny", "run": {"batch_size": 4, "seed": 0}}
@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     name = args.preset or DEFAULTS["preset"]
     with usage_errors():
-        cfg = get_preset(name)
+        cfg = resolve_preset(name)
     presets.check("parity", name, cfg)
     seq_len = args.seq_len or min(cfg.max_seq_len, 32)
     if seq_len > cfg.max_seq_len:

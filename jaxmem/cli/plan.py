@@ -172,7 +172,7 @@ def _search_and_report(args, job, problem, space, budget_source: str) -> int:
         _nothing_fits(args, result, where)
     title = (
         f"jaxmem plan: {job.preset}, batch {job.run.batch_size} x {job.run.seq_len} on "
-        f"{where}, budget {mib(problem.budget_bytes)} MiB per device; bytes in MiB"
+        f"{where}, budget {mib(problem.budget_bytes)} MiB per device"
     )
     render.plan_table(out, result, title, args.top, args.wide)
     commands = _commands(job, result)

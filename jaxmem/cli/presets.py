@@ -15,6 +15,14 @@ PARITY_MAX_PARAMS = 50_000_000  # parity runs both frameworks in float64 and fp3
 PLAN_MIN_LAYERS = 4  # plan's memory model is fitted at two depths of at least 2 blocks
 
 
+def planning_only(preset: str, cfg: ModelConfig) -> bool:
+    """A model this machine plans from shapes rather than runs: a planning preset, or a model
+    directory (``--preset DIR``) larger than parity runs."""
+    if preset in PRESETS:
+        return preset in PLANNING_ONLY
+    return cfg.n_params > PARITY_MAX_PARAMS
+
+
 def refusal(command: str, preset: str, cfg: ModelConfig) -> str | None:
     """Why ``command`` does not take ``cfg`` (preset ``preset``), or None when it does."""
     if command == "parity":
@@ -35,7 +43,7 @@ def refusal(command: str, preset: str, cfg: ModelConfig) -> str | None:
             f"of at least 2 blocks, so plan a model of at least {PLAN_MIN_LAYERS} (--n-layers "
             f"{PLAN_MIN_LAYERS})"
         )
-    if command == "bench" and preset in PLANNING_ONLY:
+    if command == "bench" and planning_only(preset, cfg):
         return (
             f"--preset {preset} cannot run both frameworks on this machine; bench tiny or "
             "small (plan large presets with `jaxmem memory`)"
@@ -50,15 +58,23 @@ def check(command: str, preset: str, cfg: ModelConfig) -> None:
         raise UsageError(why)
 
 
-def preset_use(name: str) -> str:
-    """The commands that take preset ``name``, from ``refusal``."""
+def preset_commands(name: str) -> list[str]:
+    """The commands that take preset ``name``: ``refusal`` decides."""
     cfg = PRESETS[name]
     takes = [c for c in COMMANDS if refusal(c, name, cfg) is None]
-    if not cfg.causal:
-        takes.insert(0, "seed-example")
+    return takes if cfg.causal else ["seed-example", *takes]
+
+
+def preset_use(name: str) -> str:
+    """``preset_commands`` in a few words (``all``, ``all but plan``, ``from shapes*``)."""
+    takes = preset_commands(name)
     if name in PLANNING_ONLY:
-        takes = [f"{c}*" if c == "train" else c for c in takes]
-    return ", ".join(takes)
+        assert takes == ["train", "memory", "plan", "peak"], takes
+        return "from shapes*"
+    if not PRESETS[name].causal:
+        return ", ".join(takes)
+    missing = [c for c in COMMANDS if c not in takes]
+    return "all" if not missing else "all but " + ", ".join(missing)
 
 
 def add_parser(sub) -> None:
@@ -71,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     out = render.console()
     render.presets_table(out, rows)
     out.print(
-        "* a GPU's work: memory, plan and peak plan these presets from shapes (no weights), "
-        "torch_ref's rows run on fake tensors"
+        "* memory, plan and peak plan these presets from shapes (no weights; torch_ref's rows run "
+        "on fake tensors); train takes them too, a GPU's work"
     )
     return 0

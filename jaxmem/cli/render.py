@@ -241,26 +241,49 @@ def rank_table(out, records: list[dict], job) -> None:
 
 
 # ----------------------------------------------------------------------------------- plan
+def _significant(x: float) -> str:
+    """A positive figure to about four significant digits, never wider than eight characters
+    (``0.02164``, ``2.244``, ``2,095``)."""
+    if x >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.4g}"
+
+
+STATUS_SHORT = {
+    "over (predicted)": "over (model)",
+    "over (compiled)": "over (plan)",
+    "over (family floor compiled over)": "over (floor)",
+}
+
+
 def plan_table(out, result, title: str, top: int, wide: bool) -> None:
     shown = [o for o in result.outcomes if o.status != "not reached"][-top:]
+    # bytes in GiB for a GPU-sized budget, else MiB: every figure fits its column
+    gib = result.problem.budget_bytes >= 16 * 2**30
+    unit, scale = ("GiB", 2**30) if gib else ("MiB", 2**20)
     cols = ["configuration", "TFLOP", "est. s", "predicted", "compiled", "status"]
     if wide:
         cols[2:2] = ["host GB (est.)", "collective GB (est.)"]
-    t = table(title, cols, left=("configuration", "status"))
+    t = table(f"{title} (bytes in {unit})", cols, left=("configuration", "status"))
     for o in shown:
         c = o.candidate
-        row = [c.describe(), f"{c.flops / 1e12:,.3f}", f"{c.seconds:.4f}"]
-        status = o.status.replace("family floor compiled over", "floor")
+        row = [c.describe(), _significant(c.flops / 1e12), _significant(c.seconds)]
+        status = STATUS_SHORT.get(o.status, o.status)
         if wide:
             row[2:2] = [f"{c.host_bytes / 1e9:,.2f}", f"{c.collective_bytes / 1e9:,.2f}"]
-        row += [mib(o.predicted), mib(o.compiled), status]
+        row += [
+            "-" if o.predicted is None else f"{o.predicted / scale:,.{2 if gib else 1}f}",
+            "-" if o.compiled is None else f"{o.compiled / scale:,.{2 if gib else 1}f}",
+            status,
+        ]
         t.add_row(*row, style="bold green" if o is result.chosen else None)
     (print_wide if wide else lambda o, x: o.print(x))(out, t)
     out.print(
         "  TFLOP: matmul FLOPs per device and step (gradient's jaxpr); est. s: an estimate "
-        "(FLOPs over the peak rate, bytes over the links); predicted: the memory model's MiB; "
-        "compiled: the plan's MiB; over (floor): the family's leanest stack compiled over "
-        "the budget" + ("" if wide else "; host and collective bytes: --wide"),
+        "(FLOPs over the peak rate, bytes over the links); predicted: the memory model; "
+        "compiled: the plan; over (model): predicted over the budget, not compiled; over "
+        "(plan): compiled over it; over (floor): its family's leanest stack compiled over it"
+        + ("" if wide else "; host and collective bytes: --wide"),
         style="dim",
     )
 
@@ -301,24 +324,35 @@ def peak_tables(out, report, top: int) -> None:
 
 
 # -------------------------------------------------------------------------------- presets
+def block_text(cfg) -> str:
+    """A block in a few words: norm (placement when post), MLP, positions (``LN GELU``,
+    ``RMS SwiGLU RoPE``, ``post-LN ReLU``)."""
+    norm = ("post-" if cfg.norm == "post" else "") + ("RMS" if cfg.norm_type == "rmsnorm" else "LN")
+    act = {"gelu": "GELU", "gelu_tanh": "GELU", "relu": "ReLU", "silu": "SiLU"}[cfg.activation]
+    mlp = {"GELU": "GeGLU", "ReLU": "ReGLU", "SiLU": "SwiGLU"}[act] if cfg.mlp == "gated" else act
+    return " ".join([norm, mlp] + (["RoPE"] if cfg.positions == "rope" else []))
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
+
+
 def presets_table(out, rows: list[tuple[str, Any, str]]) -> None:
     t = table(
-        "model presets (parameter counts are analytic)",
-        ("preset", "params", "L", "d", "H", "d_ff", "seq", "norm", "act", "commands"),
-        left=("preset", "norm", "act", "commands"),
+        "model presets (parameter counts are analytic; H/kv: query/key-value heads)",
+        ("preset", "params", "L", "d", "H/kv", "seq", "block", "commands"),
+        left=("preset", "block", "commands"),
         wrap=("commands",),
     )
     for name, cfg, use in rows:
         t.add_row(
             name,
-            f"{cfg.n_params / 1e6:,.1f} M",
+            _params(cfg.n_params),
             str(cfg.n_layers),
             str(cfg.d_model),
-            str(cfg.n_heads),
-            str(cfg.d_ff),
+            f"{cfg.n_heads}/{cfg.kv_heads}",
             str(cfg.max_seq_len),
-            cfg.norm,
-            cfg.activation,
+            block_text(cfg),
             use,
         )
     out.print(t)

@@ -76,6 +76,7 @@ def add_parser(sub) -> None:
         "batch_size": str(_run.batch_size),
         "seq_len": f"{_run.seq_len}, at most the model's max_seq_len",
         "data": "the embedded stdlib corpus",
+        "init_from": "none: the preset's random init from --seed",
     }
     add_flags(p, NAMES, DEFAULTS, shown=shown)
     g = p.add_argument_group("planning and processes")
@@ -135,7 +136,10 @@ def resolve(args: argparse.Namespace):
 
         with usage_errors(CheckpointError), quiet_native_stderr():
             _, saved, _ = latest_checkpoint(args.out)  # either framework's layout
-    return job_from_args(args, NAMES, DEFAULTS, saved=saved, errors=(DataError, CheckpointError))
+    # a run started from a model directory takes its model from there unless --preset (or a
+    # --config's preset) names one; then the two must agree (jaxmem.train.loop.prepare_job)
+    defaults = {**DEFAULTS, "preset": args.init_from} if args.init_from else DEFAULTS
+    return job_from_args(args, NAMES, defaults, saved=saved, errors=(DataError, CheckpointError))
 
 
 def _auto_requested(args: argparse.Namespace) -> bool:

@@ -52,7 +52,8 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
             rtol=1e-12,
             atol=1e-13,
             reason="exactness: O(1) logits after L blocks; measured max abs diff 2.0e-15 (tiny, "
-            "seed, odd), so 50x headroom, and 1e10 below a real bug",
+            "seed, odd; 6.7e-16 on Llama and Qwen2-style blocks), so 50x headroom, and 1e10 "
+            "below a real bug",
         ),
         "block_output": Tolerance(
             rtol=1e-12,
@@ -71,8 +72,19 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
             atol=1e-14,
             reason="exactness: gradient leaves reach 0.2; measured max abs diff 1.2e-16 and max "
             "normwise relative 1.1e-15 (tiny, seed, odd; every preset policy and six random "
-            "custom ones, stock and lean). atol covers elements that are ~0 in one framework "
-            "and a rounding residue in the other",
+            "custom ones, stock and lean), 8.3e-17 and 1.2e-15 on Llama and Qwen2-style blocks "
+            "(RMSNorm, RoPE, SwiGLU, grouped-query attention; naive and fused). atol covers "
+            "elements that are ~0 in one framework and a rounding residue in the other",
+        ),
+        "transformers_float32_internals": Tolerance(
+            rtol=1e-6,
+            atol=1e-7,
+            reason="transformers' Llama (and Qwen2) run a float64 model with two float32 steps: "
+            "RMSNorm casts its input to float32, and the rotary embedding computes inv_freq and "
+            "the angles position * inv_freq in float32 (jaxmem: float64, from jaxmem.positions). "
+            "Measured on the tiny models of parity_tests/hf_models.py (sequence 32): logits "
+            "1.1e-7 abs, loss 4.1e-10 relative, gradients 1.0e-8 abs; with both steps patched "
+            "to float64 the float64 bounds above hold (so nothing else differs)",
         ),
         "fused_vs_naive": Tolerance(
             rtol=1e-11,
@@ -111,8 +123,9 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
         "grads": Tolerance(
             rtol=1e-5,
             atol=1e-6,
-            reason="gradient leaves reach 0.2; measured max abs diff 7.8e-8. atol covers elements "
-            "that are ~0 in one framework and a rounding residue in the other",
+            reason="gradient leaves reach 0.2; measured max abs diff 7.8e-8 (3.7e-8 on Llama and "
+            "Qwen2-style blocks). atol covers elements that are ~0 in one framework and a "
+            "rounding residue in the other",
         ),
         "fused_vs_naive": Tolerance(
             rtol=1e-5,
@@ -179,13 +192,15 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
             rtol=1e-3,
             atol=0.0,
             reason="bf16 has 8 mantissa bits (eps 3.9e-3); the mean loss over ~100 tokens averages "
-            "per-token rounding; measured jax-vs-torch relative diff <= 1e-5 (tiny), 5e-6 (seed)",
+            "per-token rounding; measured jax-vs-torch relative diff <= 1e-5 (tiny), 5e-6 (seed), "
+            "5.9e-5 (Qwen2-style block, fused attention)",
         ),
         "logits_kl": Tolerance(
             rtol=0.0,
             atol=1e-4,
             reason="KL(torch || jax) of next-token distributions from bf16 logits; measured 3e-7 "
-            "(tiny) and 3e-6 (seed block) per token",
+            "(tiny), 3e-6 (seed block) and <= 1.6e-7 (Llama and Qwen2-style blocks, 256 tokens) "
+            "per token",
         ),
         "grad_error_ratio": Tolerance(
             rtol=0.5,
@@ -193,7 +208,8 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
             reason="bf16 gradients are compared through each framework's error against its own "
             "fp32 gradients (max normwise over leaves): the larger error may exceed the smaller by "
             "50% + 2e-3. Measured 0.85% vs 0.81% (tiny), 22.6% vs 22.3% (seed, cancellation-heavy "
-            "ReLU gradients)",
+            "ReLU gradients), 1.06% vs 1.11% (Llama block: jaxmem rounds the SwiGLU product "
+            "once, PyTorch's F.silu(g) * u after each op)",
         ),
         "fused_vs_naive_error": Tolerance(
             rtol=0.5,

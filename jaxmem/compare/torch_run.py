@@ -108,7 +108,12 @@ class TorchTrainer:
         # a data-parallel rank reads only its rows of every batch (jaxmem.train.loop)
         self.local_rows = self.launch.rows(r.batch_size)
         torch.manual_seed(r.seed)
-        model = torch_model_from(make_model(cfg, seed=r.seed))  # jaxmem's initial weights
+        initial = make_model(cfg, seed=r.seed)  # jaxmem's initial weights, or a checkpoint's
+        if r.init_from is not None and prepared.resume_step is None:
+            from jaxmem.model.hf import load_hf_weights
+
+            load_hf_weights(initial, r.init_from)  # prepare_job checked every tensor
+        model = torch_model_from(initial)
         model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
         self.runner = apply_memory_policy(model.blocks, job.memory)
         self.model = tdist.shard(model, self.parallel, self.launch)  # after the policy
@@ -258,3 +263,20 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
         return run_job(prepared, lambda: TorchTrainer(prepared), console or Console())
     finally:
         tdist.shutdown()
+
+
+def restored_model(run_dir: str, step: int, job: JobConfig) -> Any:
+    """A jaxmem ``Decoder`` (in the run's parameter dtype) holding the model weights of
+    checkpoint ``step`` of the torch_ref run in ``run_dir``: its ``state.pt`` (a torch pickle
+    of jaxmem's own writing, read with ``weights_only=True``) through the key map of
+    ``jaxmem.compare.weights``. What ``jaxmem export`` writes out for a torch run."""
+    from jaxmem.compare.weights import WeightMapError, load_torch_state_dict
+
+    ckpt = TorchCheckpointer(os.path.join(run_dir, CHECKPOINT_DIR), job.run.keep_checkpoints)
+    state = ckpt.load(step)
+    model = make_model(job.model, job.precision)
+    try:
+        load_torch_state_dict(model, state["model"])
+    except (WeightMapError, KeyError) as e:
+        raise ConfigError(f"checkpoint {run_dir}/{CHECKPOINT_DIR}/{step}: {e}") from None
+    return model

@@ -140,6 +140,7 @@ class SelfAttention(nnx.Module):
         attention_kernel: str = "blockwise",
     ):
         self.kernel = attention_kernel
+        self.rotary = cfg.positions == "rope"
         self.n_heads = cfg.n_heads
         self.kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
@@ -168,7 +169,9 @@ class SelfAttention(nnx.Module):
         q = checkpoint_name(q.reshape(q_shape), "query_proj")
         k = checkpoint_name(k.reshape(b, s, kv, hd), "key_proj")  # [B, S, Hkv, K]
         v = checkpoint_name(v.reshape(b, s, kv, hd), "value_proj")
-        if rope is not None:
+        if self.rotary:
+            if rope is None:
+                raise ValueError("positions='rope': call the block with RoPE's tables")
             q = checkpoint_name(ops.rope(q, *rope), "query_rope")
             k = checkpoint_name(ops.rope(k, *rope), "key_rope")
         if self.fused:  # one op; its output and log-sum-exp are tagged inside (see flash)

@@ -27,15 +27,17 @@ def generate(
     max_seq_len: int,
     temperature: float = 0.8,
     seed: int = 0,
+    pad: int = PAD,
 ) -> np.ndarray:
     """``prompt`` followed by up to ``n_new`` sampled tokens (fewer if the buffer would exceed
-    ``max_seq_len``). ``temperature=0`` is greedy."""
+    ``max_seq_len``). ``temperature=0`` is greedy. ``pad`` fills the buffer's tail (any id of
+    the vocabulary: the causal mask hides it; out of the vocabulary its embedding is NaN)."""
     prompt = np.asarray(prompt, dtype=np.int32)
     if prompt.size == 0:
         raise ValueError("the prompt needs at least one token")
     prompt = prompt[-(max_seq_len - 1) :]  # keep room for at least one new token
     total = min(prompt.size + n_new, max_seq_len)
-    buf = np.full((1, total), PAD, np.int32)
+    buf = np.full((1, total), pad, np.int32)
     buf[0, : prompt.size] = prompt
 
     @jax.jit

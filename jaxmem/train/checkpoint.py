@@ -466,6 +466,34 @@ def read_config(directory: str | Path) -> dict[str, Any] | None:
         return reader.read_config()
 
 
+def restore_params(directory: str | Path, step: int, params_like: Any) -> Any:
+    """The parameters alone of checkpoint ``step`` in ``directory``, read-only (nothing in the
+    directory is created, moved or deleted): what ``jaxmem export`` writes out. The checkpoint
+    must verify; ``params_like`` gives the tree, shapes and dtypes (a mismatch is a one-line
+    ``CheckpointError``)."""
+    reader = _Reader()
+    reader.directory = Path(directory).absolute()
+    reason = layout.verify(str(reader.directory / str(step)))
+    if reason is not None:
+        raise CheckpointError(f"checkpoint {reader.directory}/{step} does not verify: {reason}")
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    reader._manager = _open_manager(reader.directory, options)
+    with reader:
+        metadata = reader._call(step, lambda: reader._manager.item_metadata(step))
+        problems = _leaf_mismatches(metadata["params"], params_like)
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {reader.directory}/{step} does not hold this model's parameters: "
+                + "; ".join(problems[:3])
+            )
+        target = ocp.args.StandardRestore(jax.tree.map(_target, params_like))
+        restored = reader._call(
+            step,
+            lambda: reader._manager.restore(step, args=ocp.args.Composite(params=target)),
+        )
+        return _finish(restored["params"], params_like)
+
+
 # ------------------------------------------------------------------------- either layout
 def _read_saved_config(directory: str, step: int) -> dict | None:
     """The run config saved with a (verified) step, in whichever layout it was written."""

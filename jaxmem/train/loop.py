@@ -62,6 +62,8 @@ class PreparedJob:
     # the process that owns the run directory's files and lock (process 0 of a multi-process
     # run; the others train beside it and write only their part of each checkpoint)
     primary: bool = True
+    # what tokenized the text and decodes the sample (jaxmem.tokenizer; None: bytes)
+    tokenizer: Any = None
 
 
 class Trainer(Protocol):
@@ -159,8 +161,14 @@ def prepare_job(
     check_backend(job)
     require(not (resume and out_dir is None), "--resume needs --out, the directory of the run")
     resume_step, skipped = _check_run_dir(job, out_dir, resume, primary)
+    if job.run.init_from is not None and resume_step is None:
+        _check_init_from(job)  # before anything is written: the weights fit, every one
+    tokenizer = job_tokenizer(job)
     dataset = data_lib.load_dataset(
-        job.data.path, val_fraction=job.data.val_fraction, vocab_size=job.model.vocab_size
+        job.data.path,
+        val_fraction=job.data.val_fraction,
+        vocab_size=job.model.vocab_size,
+        tokenizer=tokenizer,
     )
     need = job.run.seq_len + 2
     for name, tokens in (("train", dataset.train), ("validation", dataset.val)):
@@ -176,7 +184,50 @@ def prepare_job(
         resume_step=resume_step,
         skipped=skipped,
         primary=primary,
+        tokenizer=tokenizer,
     )
+
+
+def model_dir(job: JobConfig) -> str | None:
+    """The Hugging Face model directory the job's model comes from: ``run.init_from``, or a
+    ``--preset DIR``; None for a named preset."""
+    from jaxmem.config import PRESETS
+
+    if job.run.init_from is not None:
+        return job.run.init_from
+    return None if job.preset in PRESETS else job.preset
+
+
+def job_tokenizer(job: JobConfig) -> Any:
+    """The run's tokenizer: its model directory's ``tokenizer.json`` when there is one, else
+    bytes (``ConfigError`` when the directory named in the run's config is gone)."""
+    from jaxmem.tokenizer import tokenizer_for
+
+    directory = model_dir(job)
+    require(
+        directory is None or os.path.isdir(directory),
+        f"the run's model directory {directory} does not exist (any more); its tokenizer and "
+        "config come from there: put it back or start a new run",
+    )
+    return tokenizer_for(directory)
+
+
+def _check_init_from(job: JobConfig) -> None:
+    """``--init-from DIR``: the model computes DIR's function and DIR's checkpoint holds every
+    weight it needs (read from the safetensors headers, no data)."""
+    from jaxmem.hub import disagreements, model_config_from_dir
+    from jaxmem.hub_weights import inventory
+
+    directory = job.run.init_from
+    theirs = model_config_from_dir(directory)
+    differ = disagreements(job.model, theirs)
+    require(
+        not differ,
+        f"--init-from {directory}: the model ({job.preset}) differs from its config.json: "
+        + "; ".join(differ[:4])
+        + " (ours vs theirs); drop --preset and the model settings, or give matching ones",
+    )
+    inventory(directory, job.model)
 
 
 def _check_in_use(out_dir: str) -> None:
@@ -735,6 +786,11 @@ class _Run:
             f"{prepared.dataset.source} ({prepared.dataset.train.size:,} train / "
             f"{prepared.dataset.val.size:,} val tokens); {trainer.describe()}"
             + (f"; resumed from step {self.start}" if prepared.resume_step is not None else "")
+            + (
+                f"; weights from {r.init_from}"
+                if r.init_from is not None and prepared.resume_step is None
+                else ""
+            )
         )
 
     def flush(self) -> list[dict[str, Any]]:
@@ -846,11 +902,19 @@ class _Run:
             )
 
     def sample(self) -> str | None:
-        """The text sample at the end (cut to fit the position table, saying so)."""
+        """The text sample at the end (cut to fit the position table, saying so), encoded and
+        decoded by the run's tokenizer."""
         r, model = self.job.run, self.job.model
         if not r.sample_tokens:
             return None
-        prompt = data_lib.encode(r.prompt) if r.prompt else np.array([data_lib.BOS])
+        tok = self.prepared.tokenizer
+        if tok is None:
+            from jaxmem.tokenizer import ByteTokenizer
+
+            tok = ByteTokenizer()
+        prompt = tok.encode(r.prompt) if r.prompt else np.array([tok.start_id])
+        if prompt.size == 0:  # a prompt the tokenizer maps to nothing
+            prompt = np.array([tok.start_id])
         room = model.max_seq_len - min(prompt.size, model.max_seq_len - 1)
         if prompt.size > model.max_seq_len - 1 or r.sample_tokens > room:
             self.console.print(
@@ -859,7 +923,7 @@ class _Run:
                 f"{min(r.sample_tokens, room)} new ones (asked for {r.sample_tokens})[/]"
             )
         tokens = self.trainer.sample(prompt, r.sample_tokens, r.temperature, r.seed)
-        text = data_lib.decode(tokens)
+        text = tok.decode(tokens)
         self.console.rule("sample")
         self.console.print(text, markup=False, highlight=False)
         self.console.rule()
@@ -872,6 +936,7 @@ class _Run:
         summary = {
             "config": self.job.to_dict(),
             "framework": trainer.framework,
+            "init_from": self.job.run.init_from,
             "resumed_from": self.start or None,
             "first_loss": records[0]["loss"] if records else None,
             "final_loss": records[-1]["loss"] if records else None,

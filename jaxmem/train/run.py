@@ -20,6 +20,7 @@ from flax import nnx
 from rich.console import Console
 
 from jaxmem.config import ConfigError
+from jaxmem.data import PAD
 from jaxmem.figures import Figure, format_bytes, rss_figure
 from jaxmem.job import JobConfig
 from jaxmem.memory import residuals
@@ -204,6 +205,10 @@ class JaxTrainer:
         self.can_offload = HOST_MEMORY_KIND in backend_memory_kinds()
         model = make_model(cfg, job.precision, seed=r.seed)
         self.attention_kernel = model.attention_kernel  # which fused kernel this backend runs
+        if r.init_from is not None and prepared.resume_step is None:
+            from jaxmem.model.hf import load_hf_weights
+
+            load_hf_weights(model, r.init_from)  # prepare_job checked every tensor
         self.graphdef, params = nnx.split(model, nnx.Param)
         del model  # params are donated to the step; keep no second reference
         tx = make_optimizer(job.optimizer)
@@ -409,6 +414,7 @@ class JaxTrainer:
             max_seq_len=self.job.model.max_seq_len,
             temperature=temperature,
             seed=seed,
+            pad=PAD if PAD < self.job.model.vocab_size else 0,
         )
 
     def figures(self) -> list[Figure]:

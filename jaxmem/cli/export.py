@@ -1,0 +1,99 @@
+"""``jaxmem export RUN_DIR --out HF_DIR``: the newest verified checkpoint of a training run as a
+Hugging Face model directory (``config.json`` + ``model.safetensors``) that
+``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` loads; the tokenizer files come
+along when the run started from a model directory that had them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from jaxmem.cli.common import UsageError, need_jax_backend, need_torch, usage_errors
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="a run's newest verified checkpoint as a Hugging Face model directory",
+        description="Write the newest checkpoint of RUN_DIR that verifies (either framework's) "
+        "as a Hugging Face model directory: config.json (gpt2, llama or qwen2, whichever "
+        "computes the run's model) and model.safetensors in the run's parameter dtype, plus "
+        "the tokenizer files of the model directory the run started from (--init-from or "
+        "--preset DIR), if it had them. --out must be new or empty; it is written whole or not "
+        "at all. Bad input exits with code 2 and writes nothing.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (jaxmem train --out)")
+    p.add_argument("--out", required=True, metavar="HF_DIR", help="the new model directory")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxmem.hub import hf_model_type
+    from jaxmem.hub_weights import check_new_dir
+    from jaxmem.job import JobConfig
+    from jaxmem.train.layout import CHECKPOINT_DIR, CheckpointError
+
+    run_dir = args.run_dir
+    if not os.path.isdir(os.path.join(run_dir, CHECKPOINT_DIR)):
+        raise UsageError(
+            f"{run_dir} is not a run directory with checkpoints (no {CHECKPOINT_DIR}/); give "
+            "the --out of a jaxmem train run"
+        )
+    with usage_errors():
+        check_new_dir(args.out)
+    need_jax_backend()
+    from jaxmem.backend import quiet_native_stderr
+    from jaxmem.train.checkpoint import latest_checkpoint
+
+    with usage_errors(CheckpointError), quiet_native_stderr():
+        step, saved, skipped = latest_checkpoint(run_dir)
+    if step is None or saved is None:
+        why = "; ".join(f"{s}: {r}" for s, r in skipped)
+        raise UsageError(
+            f"{run_dir} holds no checkpoint that verifies" + (f" ({why})" if why else "")
+        )
+    with usage_errors():
+        job = JobConfig.from_dict(saved)
+        model_type = hf_model_type(job.model)
+    params = _params(run_dir, step, job)
+    from jaxmem.model.hf import export_hf
+    from jaxmem.train.loop import model_dir
+
+    source = model_dir(job)
+    note = ""
+    if source is not None and not os.path.isdir(source):
+        note = f"; {source}, where the run started, is gone: no tokenizer files copied"
+        source = None
+    with usage_errors():
+        written = export_hf(params, job.model, args.out, tokenizer_from=source)
+    skipped_text = f" (skipped newer: {', '.join(str(s) for s, _ in skipped)})" if skipped else ""
+    print(
+        f"wrote {args.out}/: {', '.join(written)} ({model_type}, step {step} of {run_dir}"
+        f"{skipped_text}, {job.run.framework} run{note}); load it with "
+        f"transformers.AutoModelForCausalLM.from_pretrained({args.out!r})"
+    )
+    return 0
+
+
+def _params(run_dir: str, step: int, job):
+    """The checkpoint's parameters as an ``nnx.State`` of the run's model."""
+    from jaxmem.config import ConfigError
+    from jaxmem.train.layout import CheckpointError
+
+    if job.run.framework == "torch":
+        need_torch("jaxmem export of a --framework torch run")
+        from jaxmem.compare.torch_run import restored_model
+
+        with usage_errors(CheckpointError):
+            return restored_model(run_dir, step, job)
+    from flax import nnx
+
+    from jaxmem.model import make_model
+    from jaxmem.train.checkpoint import restore_params
+    from jaxmem.train.layout import CHECKPOINT_DIR
+
+    like = nnx.split(make_model(job.model, job.precision), nnx.Param)[1]
+    try:
+        return restore_params(os.path.join(run_dir, CHECKPOINT_DIR), step, like)
+    except (CheckpointError, ConfigError) as e:
+        raise UsageError(str(e)) from None

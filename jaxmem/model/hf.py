@@ -1,0 +1,88 @@
+"""Hugging Face checkpoints in and out of a jaxmem ``Decoder`` (JAX; imports no PyTorch and no
+``transformers``): the parameter tree through ``jaxmem.hub_weights``' key-and-shape map,
+``config.json`` through ``jaxmem.hub``.
+
+``load_hf_weights(model, DIR)`` fills a model built from ``DIR``'s config (every tensor present
+once, shapes asserted, converted to the model's parameter dtype); ``export_hf(params, cfg, OUT)``
+writes a directory ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmem.config import ConfigError, ModelConfig
+from jaxmem.hub import (
+    SPECIAL_TOKEN_IDS,
+    TOKENIZER_FILES,
+    hf_config_from_model,
+    is_model_dir,
+    model_config_from_dir,
+    read_hf_config,
+)
+from jaxmem.hub_weights import Path, hf_tensors, read_params, save_model_dir
+from jaxmem.model.decoder import Decoder
+
+
+def flat_params(params: Any) -> dict[Path, Any]:
+    """An ``nnx.State`` of parameters (or a module) as ``path -> variable``."""
+    state = nnx.state(params, nnx.Param) if isinstance(params, nnx.Module) else params
+    return {tuple(str(k) for k in path): var for path, var in nnx.to_flat_state(state)}
+
+
+def load_hf_weights(model: Decoder, directory: str) -> None:
+    """Copy the Hugging Face checkpoint in ``directory`` into ``model`` in place, converted to
+    each parameter's dtype. ``model.cfg`` must compute the function of ``directory``'s config
+    (``jaxmem.hub.disagreements``); raises ``ConfigError`` (one line) otherwise, or when a
+    tensor is missing, unexpected or mis-shaped; nothing is written unless everything fits."""
+    from jaxmem.hub import disagreements
+
+    cfg = model.cfg
+    differ = disagreements(cfg, model_config_from_dir(directory))
+    if differ:
+        raise ConfigError(
+            f"the model differs from {directory}'s config.json: {'; '.join(differ[:4])}; drop "
+            "the settings that change it"
+        )
+    flat = flat_params(model)
+    dtypes = {np.dtype(var[...].dtype) for var in flat.values()}
+    if len(dtypes) != 1:
+        raise ConfigError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))}")
+    values = read_params(directory, cfg, dtypes.pop())
+    ours = {p: tuple(v[...].shape) for p, v in flat.items()}
+    theirs = {p: v.shape for p, v in values.items()}
+    assert ours == theirs, f"jaxmem.hub_weights.param_shapes disagrees with the model: {ours}"
+    for path, var in flat.items():
+        var[...] = jnp.asarray(values[path])
+
+
+def export_hf(
+    params: Any,
+    cfg: ModelConfig,
+    out_dir: str,
+    *,
+    tokenizer_from: str | None = None,
+) -> list[str]:
+    """Write ``params`` (an ``nnx.State`` or ``Decoder`` of ``cfg``) as a Hugging Face model
+    directory: ``config.json``, ``model.safetensors`` (Hugging Face key names, the parameters'
+    dtype) and the tokenizer files of ``tokenizer_from`` that exist. ``out_dir`` must be new
+    or empty; written whole or not at all. Returns the file names."""
+    arrays = {p: np.asarray(v[...]) for p, v in flat_params(params).items()}
+    dtype = next(iter(arrays.values())).dtype.name
+    tensors = hf_tensors(arrays, cfg)
+    config = hf_config_from_model(cfg, dtype=dtype)
+    if tokenizer_from is not None and is_model_dir(tokenizer_from):
+        # the special tokens' ids belong with the tokenizer the files come from
+        source = read_hf_config(tokenizer_from)
+        config |= {k: source[k] for k in SPECIAL_TOKEN_IDS if k in source}
+    return save_model_dir(
+        out_dir,
+        config,
+        tensors,
+        copy_from=tokenizer_from,
+        files=TOKENIZER_FILES,
+    )
