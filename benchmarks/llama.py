@@ -160,10 +160,14 @@ def peak_of(cfg, policy, prec, seq, target, parallel):
     return peak
 
 
+def cudnn_installed() -> bool:
+    from jaxmem.model.flash import cudnn_installed as installed
+
+    return installed()
+
+
 def cudnn_plans(target, prec, rows: dict, save) -> None:
     """Part 4: the plans of part 1 (none, selective, full) with cuDNN's kernel."""
-    from jaxmem.model.flash import cudnn_installed
-
     if not cudnn_installed():
         print("cuDNN's library is not installed: part 4 left out", flush=True)
         return
@@ -343,12 +347,22 @@ def main() -> None:
         torch_version = torch.__version__
     except ImportError:  # the cuDNN pass runs in an environment with JAX's CUDA libraries only
         torch_version = earlier_meta.get("torch", "-")
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     state["meta"] = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": now,
         "host": f"{platform.node()} ({os.cpu_count()} CPUs, no GPU needed)",
         "jax": jax.__version__,
         "torch": torch_version,
-        "seconds": round(time.perf_counter() - started),
+        # what each run measured and how long it took (a stopped or partial run resumes)
+        "passes": [
+            *earlier_meta.get("passes", []),
+            {
+                "date": now,
+                "parts": sorted({"plans", "largest", "planner", "cudnn"} - skip),
+                "seconds": round(time.perf_counter() - started),
+                "cudnn_installed": cudnn_installed(),
+            },
+        ],
         "target": {
             "name": target.name,
             "description": target.description,
@@ -359,7 +373,7 @@ def main() -> None:
     write_json_atomic(stem + ".json", state)
     write_atomic(stem + ".md", to_markdown(state))
     os.remove(partial)
-    print(f"wrote {stem}.json and .md in {state['meta']['seconds']} s")
+    print(f"wrote {stem}.json and .md in {state['meta']['passes'][-1]['seconds']} s")
 
 
 if __name__ == "__main__":
