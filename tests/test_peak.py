@@ -17,7 +17,8 @@ import pytest
 
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import OptimizerConfig, get_preset
-from jaxmem.planner.peak import explain_peak, parse_dump
+from jaxmem.memory.xla_dump import parse_dump
+from jaxmem.planner.peak import explain_peak
 from jaxmem.policy import POLICIES
 
 TINY = get_preset("tiny")

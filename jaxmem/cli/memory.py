@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jaxmem.cli.common as common
+import jaxmem.cli.own_step as own_step
 import jaxmem.cli.presets as presets
 import jaxmem.cli.render as render
 from jaxmem.cli.common import (
@@ -60,6 +61,7 @@ def add_parser(sub) -> None:
     shown = {"seq_len": "64; max_seq_len for planning presets", "target": "cpu"}
     add_flags(p, NAMES, DEFAULTS, shown=shown)
     add_flags(p, ("target", "wide", "json"), shown=shown, title="the report")
+    own_step.add_fn_flag(p, "--policies")
     p.set_defaults(func=run)
 
 
@@ -77,6 +79,8 @@ class Setup:
 def run(args: argparse.Namespace) -> int:
     from jaxmem.memory.targets import get_target
 
+    if args.fn is not None:
+        return own_step.memory(args, NAMES)
     with usage_errors():
         target = get_target(args.target or "cpu")
 

@@ -7,6 +7,7 @@ import argparse
 import subprocess
 import sys
 
+import jaxmem.cli.own_step as own_step
 import jaxmem.cli.render as render
 from jaxmem.cli.common import (
     EXIT_RUN_FAILED,
@@ -38,6 +39,7 @@ def add_parser(sub) -> None:
     add_flags(p, NAMES, DEFAULTS, shown=shown)
     add_flags(p, ("target", "json"), shown=shown, title="the report")
     p.add_argument("--top", type=positive_int, default=25, help="groups listed (default 25)")
+    own_step.add_fn_flag(p, "--policy")
     p.set_defaults(func=run)
 
 
@@ -45,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxmem.memory.targets import get_target
     from jaxmem.planner.peak import explain_peak
 
+    if args.fn is not None:
+        return own_step.peak(args, NAMES)
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
     with usage_errors():
         target = get_target(args.target or "cpu")

@@ -290,7 +290,7 @@ def plan_table(out, result, title: str, top: int, wide: bool) -> None:
 
 # ----------------------------------------------------------------------------------- peak
 def peak_tables(out, report, top: int) -> None:
-    from jaxmem.planner.peak import KIND_HELP, KINDS
+    from jaxmem.memory.xla_dump import KIND_HELP, KINDS
 
     kinds = table(
         "live at the peak, by kind", ("kind", "MiB", "what"), left=("kind", "what"), wrap=("what",)

@@ -287,6 +287,16 @@ TOLERANCES["bytes"] = {
         "there: XLA:CPU removes a one-iteration loop, then the replay), H100 plan "
         "-0.096..+0.074; jaxmem plan's default --slack is this bound",
     ),
+    "tagged_residuals_vs_plan": Tolerance(
+        rtol=0.15,
+        atol=0.0,
+        reason="what a policy's kept tags cost by residual accounting against how far the "
+        "compiled plan's peak moves (a user's Flax model, selective against full, H100 plans): "
+        "the peak sits where the backward starts with every kept tensor live, but XLA's "
+        "schedule and fusions around it differ by policy. Measured 0.984 (8 blocks, d 128, "
+        "8 x 512) and 1.125 (8 blocks, d 2048, 8 x 2048: 4.00 vs 4.50 GiB); with 2 blocks of "
+        "d 256 at 4 x 256 the peak is elsewhere (0.24): the test uses the first size",
+    ),
 }
 
 

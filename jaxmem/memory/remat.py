@@ -24,6 +24,7 @@ How each policy runs in JAX:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -65,26 +66,37 @@ def check_backend(policy: MemoryPolicy, device: jax.Device | None = None) -> Non
 
 
 def jax_checkpoint_policy(policy: MemoryPolicy) -> Any:
-    """The ``jax.checkpoint`` policy for one remat block of ``policy``.
+    """The ``jax.checkpoint`` policy for one remat block of ``policy``."""
+    return names_policy(policy.save, policy.offload, save_dots=policy.save_dots)
+
+
+def names_policy(
+    save: Sequence[str], offload: Sequence[str] = (), *, save_dots: bool = False
+) -> Any:
+    """The ``jax.checkpoint`` policy that keeps the tags ``save`` in device memory, moves the
+    tags ``offload`` to ``pinned_host`` (and back for the backward), keeps matmul outputs without
+    batch dimensions when ``save_dots``, and recomputes everything else: the one translation of
+    jaxmem's policies, for jaxmem's tags and for a user's own
+    (``jaxmem.memory.tools.TagPolicy``).
 
     Never uses ``save_anything_except_these_names``: it ignores its names in this JAX version.
     """
     cp = jax.checkpoint_policies
-    if policy.offload:
+    if offload:
         return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=list(policy.save),
-            names_which_can_be_offloaded=list(policy.offload),
+            names_which_can_be_saved=list(save),
+            names_which_can_be_offloaded=list(offload),
             offload_src="device",
             offload_dst=HOST_MEMORY_KIND,
         )
-    if policy.save_dots and policy.save:
+    if save_dots and save:
         return cp.save_from_both_policies(
-            cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(*policy.save)
+            cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(*save)
         )
-    if policy.save_dots:
+    if save_dots:
         return cp.dots_with_no_batch_dims_saveable
-    if policy.save:
-        return cp.save_only_these_names(*policy.save)
+    if save:
+        return cp.save_only_these_names(*save)
     return cp.nothing_saveable
 
 

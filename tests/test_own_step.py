@@ -1,0 +1,175 @@
+"""A user's own model through jaxmem's tools: the Flax NNX example (``examples/flax_own_model.py``,
+not jaxmem's decoder) planned for an H100 under two policies, and ``jaxmem memory/peak --fn``
+with its errors (one line, exit 2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxmem.compare.tolerances import tolerance
+from jaxmem.memory import tools
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "flax_own_model.py"
+GPU_PLAN = importlib.util.find_spec("jax_cuda12_plugin") is not None
+needs_gpu_plan = pytest.mark.skipif(not GPU_PLAN, reason="needs jaxmem[gpu-plan]")
+SMALL = "vocab=512, d_model=128, n_heads=2, d_ff=512, n_layers=8, seq_len=512, batch=8"
+TIMEOUT = 600
+
+
+def example():
+    spec = importlib.util.spec_from_file_location("flax_own_model", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["flax_own_model"] = module  # dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_gpu_plan
+@pytest.mark.slow
+def test_a_policy_through_jaxmems_api_moves_the_h100_plan_as_residual_accounting_predicts():
+    ex = example()
+    cfg = eval(f"ex.Config({SMALL})")  # noqa: S307  (the literal above)
+    kept, plans = {}, {}
+    for name in ("selective", "full"):
+        step = ex.make_step(name, cfg)
+        kept[name] = tools.residuals(step.loss, *step.loss_args)
+        plans[name] = tools.plan(step.fn, *step.args, target="h100", **step.compile_kwargs())
+    # selective keeps the model's own tags, per block: q, k, v, proj [B, S, D] and fc1 [B, S, F]
+    # in bf16; full keeps none of them
+    b, s, d, f, n = 8, 512, 128, 512, 8
+    assert kept["selective"].by_tag == {
+        "q": n * b * s * d * 2,
+        "k": n * b * s * d * 2,
+        "v": n * b * s * d * 2,
+        "proj": n * b * s * d * 2,
+        "fc1": n * b * s * f * 2,
+        "<untagged>": kept["full"].by_tag["<untagged>"],
+    }
+    predicted = kept["selective"].device_bytes - kept["full"].device_bytes
+    compiled = plans["selective"].planned_peak_bytes - plans["full"].planned_peak_bytes
+    tol = tolerance("bytes", "tagged_residuals_vs_plan")
+    assert abs(compiled - predicted) <= tol.rtol * predicted, (compiled, predicted, tol.reason)
+    assert plans["full"].fits and plans["selective"].fits
+
+
+@needs_gpu_plan
+@pytest.mark.slow
+def test_the_example_prints_its_h100_plans():
+    sizes = [f"--{k.strip().split('=')[0].replace('_', '-')}={v}" for k, v in
+             (kv.split("=") for kv in SMALL.split(","))]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--policies", "none,selective,full", *sizes],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "plans for h100" in lines[0]
+    assert any(
+        line.strip().startswith("selective: saved") and "fc1 32.00 MiB" in line for line in lines
+    )
+    assert "selective against full: 64.00 MiB more kept (residual accounting)" in done.stdout
+
+
+def _entry(tmp_path: pathlib.Path) -> str:
+    """A user's entry point file: the example's step at a size this machine compiles fast."""
+    path = tmp_path / "small_step.py"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            import importlib.util, sys
+            spec = importlib.util.spec_from_file_location("ex", {str(EXAMPLE)!r})
+            ex = sys.modules["ex"] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(ex)
+
+            def make_step(policy=None):
+                return ex.make_step(policy, ex.Config({SMALL}))
+
+            def no_policy():
+                return ex.make_step(None, ex.Config({SMALL}))
+
+            def broken(policy=None):
+                raise KeyError("vocab_size")
+
+            def not_a_step():
+                return 42
+            """
+        )
+    )
+    return str(path)
+
+
+def jaxmem(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="120", JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "jaxmem.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+
+
+@needs_gpu_plan
+@pytest.mark.slow
+def test_memory_and_peak_take_your_step_from_the_command_line(tmp_path):
+    entry = _entry(tmp_path)
+    done = jaxmem(
+        "memory",
+        "--fn",
+        f"{entry}:make_step",
+        "--policies",
+        "selective,full",
+        "--target",
+        "h100",
+        "--json",
+        "m.json",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "deviceless compile for NVIDIA H100" in done.stdout
+    assert "saved by tag" in done.stdout and "fc1" in done.stdout
+    rows = json.loads((tmp_path / "m.json").read_text())
+    assert [r["policy"] for r in rows] == ["selective", "full"]
+    assert rows[0]["residuals"]["by_tag"]["fc1"] == 8 * 8 * 512 * 512 * 2
+    assert rows[1]["matmul_flops"] > rows[0]["matmul_flops"]  # full replays the projections
+    done = jaxmem(
+        "peak", "--fn", f"{entry}:make_step", "--policy", "selective", "--json", "p.json",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "live at the peak" in done.stdout and "by tag" in done.stdout
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert report["live_bytes"] <= report["allocated_bytes"]
+    assert report["plan"]["target"] == "cpu"
+
+
+def test_bad_entry_points_are_one_line_and_exit_2(tmp_path):
+    entry = _entry(tmp_path)
+    cases = [
+        (("memory", "--fn", "small_step"), "must be MODULE:FUNCTION"),
+        (("memory", "--fn", "no_such_module_xyz:make_step"), "importing no_such_module_xyz failed"),
+        (("memory", "--fn", "missing.py:make_step"), "no such file missing.py"),
+        (("peak", "--fn", f"{entry}:nothing"), "has no 'nothing'"),
+        (("memory", "--fn", f"{entry}:broken"), "broken() raised KeyError"),
+        (("memory", "--fn", f"{entry}:not_a_step"), "returned int"),
+        (("memory", "--fn", f"{entry}:no_policy", "--policies", "full"), "takes no policy"),
+        (("memory", "--fn", f"{entry}:make_step", "--preset", "tiny"), "--preset describe"),
+        (("peak", "--fn", f"{entry}:make_step", "--target", "h200"), "unknown target 'h200'"),
+    ]
+    for argv, message in cases:
+        done = jaxmem(*argv, cwd=tmp_path)
+        err = done.stderr.strip().splitlines()
+        assert done.returncode == 2, (argv, done.stdout, done.stderr)
+        assert len(err) == 1 and message in err[0], (argv, err)
