@@ -173,3 +173,27 @@ def test_bad_entry_points_are_one_line_and_exit_2(tmp_path):
         err = done.stderr.strip().splitlines()
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
         assert len(err) == 1 and message in err[0], (argv, err)
+
+
+@needs_gpu_plan
+@pytest.mark.slow
+def test_the_api_pages_snippets_run_and_print_what_the_page_says(tmp_path):
+    import re
+
+    page = (ROOT / "docs" / "your-model.md").read_text()
+    script = tmp_path / "snippets.py"
+    script.write_text("\n".join(re.findall(r"```python\n(.*?)```", page, re.S)))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert done.returncode == 0, done.stderr
+    for shown in (
+        "('fc1', 'fc2')",
+        "selective 336 MiB {'fc1': 256, '<layer input>': 64, '<untagged>': 16}",
+        "full 0.962072674304 TFLOP",
+        "528 MiB, fits: True",
+        "80 MiB of arguments per device",
+        "{'fc1': 256, '<layer input>': 64}",
+        "names tag(s) ['fc3'] that the function never produces",
+    ):
+        assert shown in done.stdout and shown in page, shown
