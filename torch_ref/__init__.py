@@ -8,7 +8,8 @@ float64 tables), so a policy, a config object or a rotation means the same thing
 Modules: ``model``, ``remat`` (a ``MemoryPolicy`` in stock PyTorch, and torch_ref's labelled
 ``lean`` extension), ``train`` (autocast + GradScaler, accumulation, optimizers), ``memory``
 (live-tensor and saved-tensor accounting), ``loss``, ``checkpoint``, ``generate``,
-``seed_example``, ``flops`` (FlopCounterMode formulas for the CPU attention kernels). What needs
+``seed_example``, ``flops`` (FlopCounterMode formulas for the CPU attention kernels), ``measure``
+(checkpoint plans, saved activations and step peaks for any ``nn.Module``). What needs
 both frameworks (weights from jaxmem, parity, benchmarks, ``jaxmem train --framework torch``) is
 ``jaxmem.compare``.
 """
