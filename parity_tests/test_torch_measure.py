@@ -449,3 +449,26 @@ def test_the_example_prints_its_table():
     rows = [lines[header + 2 + i].split()[0] for i in range(3)]
     assert rows == ["none", "full", "selective"]
     assert "top ops" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_api_pages_snippets_run_and_print_what_the_page_shows(tmp_path):
+    """docs/your-model-pytorch.md: its Python blocks, run in order as one script, print exactly
+    the lines the page shows."""
+    import re
+
+    page = (ROOT / "docs" / "your-model-pytorch.md").read_text()
+    script = tmp_path / "snippets.py"
+    script.write_text("\n".join(re.findall(r"```python\n(.*?)```", page, re.S)))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.strip().splitlines()
+    assert len(printed) == 6
+    for line in printed:
+        assert line.strip() in page, line
