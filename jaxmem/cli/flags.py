@@ -32,8 +32,8 @@ class Flag:
 
 
 TARGETS_HELP = (
-    "cpu (this machine's backend), h100, a100-40gb, a100-80gb (compiled without a GPU; needs "
-    "jaxmem[gpu-plan]) or a captured .txtpb target file"
+    "cpu (this machine's backend), h100, a100-40gb, a100-80gb, v100-32gb, a10-24gb (compiled "
+    "without a GPU; needs jaxmem[gpu-plan]) or a captured .txtpb target file"
 )
 
 FLAGS: dict[str, Flag] = {

@@ -21,6 +21,8 @@ SHIPPED: dict[str, tuple[str, str]] = {
     "h100": ("h100_sxm.txtpb", "NVIDIA H100 SXM5 80 GB"),
     "a100-40gb": ("a100_sxm_40.txtpb", "NVIDIA A100 SXM4 40 GB"),
     "a100-80gb": ("a100_sxm_80.txtpb", "NVIDIA A100 SXM4 80 GB"),
+    "v100-32gb": ("v100_sxm_32.txtpb", "NVIDIA Tesla V100 SXM2 32 GB"),
+    "a10-24gb": ("a10_24.txtpb", "NVIDIA A10 24 GB"),
 }
 TARGET_NAMES = ("cpu", *SHIPPED)
 

@@ -86,6 +86,20 @@ RATES: dict[str, Rates] = {
     ),
 }
 RATES["a100-80gb"] = RATES["a100-40gb"]
+RATES["v100-32gb"] = Rates(
+    {"bfloat16": 15.7e12, "float16": 125e12, "float32": 15.7e12},
+    16e9,
+    150e9,
+    "V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor cores, 15.7 fp32; no bf16 tensor cores "
+    "(bf16 matmuls counted at the fp32 rate); PCIe Gen3 x16 16 GB/s; NVLink 2 150 GB/s each way",
+)
+RATES["a10-24gb"] = Rates(
+    {"bfloat16": 125e12, "float16": 125e12, "float32": 62.5e12},
+    32e9,
+    32e9,
+    "A10 datasheet: 125 TFLOP/s bf16/fp16 dense, TF32 62.5; PCIe Gen4 x16 32 GB/s, no NVLink "
+    "(collectives over PCIe)",
+)
 # The local backend: nominal rates (the estimate then ranks by FLOPs, host and collective bytes
 # weighed as on an H100's links); its plans have no host offload to weigh.
 NOMINAL = Rates(
