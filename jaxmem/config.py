@@ -409,6 +409,9 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "adafactor")
 MEMORY_KINDS: tuple[str, ...] = ("device", "pinned_host")
 
 
+STREAM_OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")  # elementwise: updated block by block
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """Optimizer hyper-parameters, identical in meaning for optax and ``torch.optim``.
@@ -423,6 +426,10 @@ class OptimizerConfig:
     Weight decay applies only to matrices and embeddings (Linear kernels, ``wte``/``wpe``).
     ``state_memory="pinned_host"`` keeps the optimizer state in host memory between steps (it is
     brought to the device for the update); ``params_memory`` does the same for the parameters.
+    ``stream`` keeps the block stack's fp32 parameters and their optimizer state in host memory
+    and streams them through the step block by block: each block's parameters are brought to the
+    device as the block runs, its gradient goes back as the backward makes it, and the update
+    runs block by block (``jaxmem.step.stream``); the embeddings and head stay on the device.
     """
 
     name: str = "adamw"
@@ -434,6 +441,7 @@ class OptimizerConfig:
     momentum: float = 0.9
     state_memory: str = "device"
     params_memory: str = "device"
+    stream: bool = False
 
     def __post_init__(self) -> None:
         require(self.name in OPTIMIZERS, f"optimizer={self.name!r} is not one of {OPTIMIZERS}")
@@ -455,6 +463,20 @@ class OptimizerConfig:
         for name in ("state_memory", "params_memory"):
             value = getattr(self, name)
             require(value in MEMORY_KINDS, f"{name}={value!r} is not one of {MEMORY_KINDS}")
+        require(isinstance(self.stream, bool), f"stream={self.stream!r} must be true or false")
+        if self.stream:
+            require(
+                self.name in STREAM_OPTIMIZERS,
+                f"optimizer {self.name!r} cannot stream: its update reads whole tensors "
+                "(adafactor clips by a leaf's RMS), not block by block; use "
+                f"{' or '.join(STREAM_OPTIMIZERS)}",
+            )
+            require(
+                (self.state_memory, self.params_memory) == ("device", "device"),
+                "stream keeps the stack's parameters and state in host memory itself and the "
+                "rest on the device: leave state_memory and params_memory at 'device' (got "
+                f"{self.state_memory!r}, {self.params_memory!r})",
+            )
 
 
 ACCUM_MODES: tuple[str, ...] = ("scan", "multisteps")

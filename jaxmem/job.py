@@ -192,6 +192,43 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
 )
 
 
+def check_stream(
+    policy: MemoryPolicy,
+    precision: Precision,
+    accum: AccumConfig,
+    parallel: ParallelConfig | None = None,
+    framework: str = "jax",
+) -> None:
+    """``ConfigError`` naming what a streamed step (``optimizer.stream``) does not compose with
+    yet."""
+    require(
+        framework == "jax",
+        "optimizer.stream runs in JAX; torch_ref's streaming (FSDP2's CPUOffloadPolicy) is not "
+        "part of the training job: use --framework jax",
+    )
+    require(
+        precision.loss_scale != "dynamic",
+        f"optimizer.stream runs without fp16's dynamic loss scale (a skipped step would need "
+        f"the old parameters back from host memory); precision {precision.name!r}: use bf16",
+    )
+    require(
+        accum.steps == 1,
+        f"optimizer.stream sums no microbatches yet (accum {accum.steps}): the running "
+        "gradient would live in host memory; use accum 1",
+    )
+    require(
+        parallel is None or not parallel.sharded,
+        f"optimizer.stream runs on one device (--mesh {parallel.mesh_text() if parallel else ''}"
+        "): drop --mesh",
+    )
+    require(
+        not (policy.unroll or not policy.layers.is_all or policy.nested or policy.rest),
+        f"optimizer.stream runs the stack as one scan: policy {policy.name!r} unrolls, selects "
+        "layers, nests or mixes; use a preset over every layer (none, full, selective, mlp, "
+        "offload, or custom names)",
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobConfig:
     preset: str
@@ -238,6 +275,8 @@ class JobConfig:
             "optimizer state/params in pinned_host need accum mode 'scan' (MultiSteps updates "
             "them once per microbatch on the device)",
         )
+        if self.optimizer.stream:
+            check_stream(self.memory, self.precision, self.accum, self.parallel, self.run.framework)
         self.accum.check_batch(self.run.batch_size)
         self.parallel.check_batch(self.run.batch_size, self.accum.steps)
         if self.parallel.sharded:

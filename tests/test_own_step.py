@@ -21,6 +21,7 @@ EXAMPLE = ROOT / "examples" / "flax_own_model.py"
 GPU_PLAN = importlib.util.find_spec("jax_cuda12_plugin") is not None
 needs_gpu_plan = pytest.mark.skipif(not GPU_PLAN, reason="needs jaxmem[gpu-plan]")
 SMALL = "vocab=512, d_model=128, n_heads=2, d_ff=512, n_layers=8, seq_len=512, batch=8"
+TINY = "vocab=256, d_model=64, n_heads=2, d_ff=128, n_layers=2, seq_len=64, batch=2"  # plumbing
 TIMEOUT = 600
 
 
@@ -79,10 +80,10 @@ def _entry(tmp_path: pathlib.Path) -> str:
             spec.loader.exec_module(ex)
 
             def make_step(policy=None):
-                return ex.make_step(policy, ex.Config({SMALL}))
+                return ex.make_step(policy, ex.Config({TINY}))
 
             def no_policy():
-                return ex.make_step(None, ex.Config({SMALL}))
+                return ex.make_step(None, ex.Config({TINY}))
 
             def broken(policy=None):
                 raise KeyError("vocab_size")
@@ -128,7 +129,7 @@ def test_memory_and_peak_take_your_step_from_the_command_line(tmp_path):
     assert "saved by tag" in done.stdout and "fc1" in done.stdout
     rows = json.loads((tmp_path / "m.json").read_text())
     assert [r["policy"] for r in rows] == ["selective", "full"]
-    assert rows[0]["residuals"]["by_tag"]["fc1"] == 8 * 8 * 512 * 512 * 2
+    assert rows[0]["residuals"]["by_tag"]["fc1"] == 2 * 2 * 64 * 128 * 2  # layers, B, S, F, bf16
     assert rows[1]["matmul_flops"] > rows[0]["matmul_flops"]  # full replays the projections
     done = jaxmem(
         "peak", "--fn", f"{entry}:make_step", "--policy", "selective", "--json", "p.json",

@@ -92,6 +92,13 @@ FLAGS: dict[str, Flag] = {
             "optimizer.state_memory",
             f"where the optimizer state lives between steps: {' or '.join(MEMORY_KINDS)}",
         ),
+        Flag(
+            "--stream",
+            "optimizer.stream",
+            "keep the block stack's parameters and optimizer state in host memory and stream "
+            "them through the step block by block (JAX, one device, adamw or sgd)",
+            action="store_const",
+        ),
         Flag("--accum", "accum.steps", "microbatches per step", positive_int),
         Flag("--accum-mode", "accum.mode", "accumulation: scan or multisteps (optax.MultiSteps)"),
         Flag("--batch-size", "run.batch_size", "rows per step (the global batch)", positive_int),
@@ -132,7 +139,15 @@ FLAGS: dict[str, Flag] = {
 
 # What most step commands take (train adds its run flags).
 MODEL_FLAGS = ("preset", "config", "set", "n_layers", "d_model", "n_heads", "d_ff", "attention")
-STEP_FLAGS = (*MODEL_FLAGS, "precision", "optimizer", "state_memory", "batch_size", "seq_len")
+STEP_FLAGS = (
+    *MODEL_FLAGS,
+    "precision",
+    "optimizer",
+    "state_memory",
+    "stream",
+    "batch_size",
+    "seq_len",
+)
 RUN_FLAGS = ("framework", "data", "steps", "eval_every", "checkpoint_every", "keep")
 RUN_FLAGS += ("sample_tokens", "prompt", "init_from")
 
@@ -282,14 +297,33 @@ def job_argv(job) -> list[str]:
     return argv
 
 
+STREAM_COMMANDS = "jaxmem train --stream, and jaxmem peak --stream for its GPU plan"
+
+
+def not_streamed(job: Any, command: str) -> None:
+    """A usage error for a command that does not measure a streamed step yet."""
+    from jaxmem.cli.common import UsageError
+
+    if job.optimizer.stream:
+        raise UsageError(
+            f"jaxmem {command} does not measure a streamed step (--stream) yet; use "
+            f"{STREAM_COMMANDS}"
+        )
+
+
 def _changed(section: str, obj: Any, default: Any) -> list[str]:
     """Flags (or ``--set``) for the fields of ``obj`` that differ from ``default``."""
-    by_path = {f.path: f.option for f in FLAGS.values() if f.path}
+    by_path = {f.path: f for f in FLAGS.values() if f.path}
     out: list[str] = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if f.name == "name" or value == getattr(default, f.name):
             continue
-        option = by_path.get(f"{section}.{f.name}")
-        out += [option, str(value)] if option else ["--set", f"{section}.{f.name}={_yaml(value)}"]
+        flag = by_path.get(f"{section}.{f.name}")
+        if flag is not None and flag.action == "store_const":
+            out += [flag.option] if value is True else ["--set", f"{section}.{f.name}=false"]
+        elif flag is not None:
+            out += [flag.option, str(value)]
+        else:
+            out += ["--set", f"{section}.{f.name}={_yaml(value)}"]
     return out

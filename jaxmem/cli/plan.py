@@ -20,7 +20,14 @@ from jaxmem.cli.common import (
     usage_errors,
 )
 from jaxmem.cli.common import names as parse_names
-from jaxmem.cli.flags import MODEL_FLAGS, add_flags, job_argv, job_from_args, max_seq_len
+from jaxmem.cli.flags import (
+    MODEL_FLAGS,
+    add_flags,
+    job_argv,
+    job_from_args,
+    max_seq_len,
+    not_streamed,
+)
 from jaxmem.files import write_json_atomic
 from jaxmem.parallel import STRATEGIES
 from jaxmem.policy import POLICIES
@@ -95,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxmem.planner.search import Problem, default_budget, parse_bytes
 
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
+    not_streamed(job, "plan")
     with usage_errors():
         target = get_target(args.target or "cpu")
         if args.budget is not None:

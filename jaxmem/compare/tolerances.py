@@ -103,6 +103,14 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
         ),
     },
     "float32": {
+        "streamed_sgd_params": Tolerance(
+            rtol=0.0,
+            atol=1e-8,
+            reason="a streamed step updates the stack block by block with the same elementwise "
+            "SGD arithmetic (weight decay added to the gradient, momentum, step); XLA:CPU fuses "
+            "the per-block update differently from the whole-tree one: measured 3.7e-9 on tiny "
+            "fp32 parameters after 4 steps, losses still bit-identical (AdamW's updates are)",
+        ),
         "logits": Tolerance(
             rtol=1e-5,
             atol=1e-5,

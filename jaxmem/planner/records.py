@@ -183,7 +183,11 @@ def plan_step(
     """Only the compiled plan of the train step ``jax_record`` plans (from shapes; no residual
     accounting, no FLOPs): the compiler, the plan's bytes and its planned peak (arguments +
     outputs - aliased + temporaries; per device over ``parallel``'s mesh). Cheap enough to
-    search for the largest batch that fits, or for ``jaxmem plan``'s candidates."""
+    search for the largest batch that fits, or for ``jaxmem plan``'s candidates. A streamed
+    step (``opt_cfg.stream``) is ``stream_plan``'s."""
+    if opt_cfg.stream:
+        require_one_device(parallel, accum)
+        return stream_plan(cfg, policy, precision, opt_cfg, batch, seq_len, target)
     model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=_platform(target)))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(opt_cfg)
@@ -202,6 +206,106 @@ def plan_step(
         "compiled_plan": plan,
         "planned_peak_bytes": peak_of_plan(plan),
     }
+
+
+def stream_plan(
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    batch: int,
+    seq_len: int,
+    target: Target = LOCAL,
+) -> dict[str, Any]:
+    """The compiled plan of a streamed step (``optimizer.stream``, ``jaxmem.step.stream``), with
+    what a deviceless plan cannot show counted from shapes.
+
+    XLA compiles the step with the stack's parameters and state arriving in device memory (a
+    deviceless compile drops argument memory kinds) and moving them to host memory inside; the
+    plan's host bytes and its device temporaries (the blocks' fetched parameters, gradients
+    leaving block by block, the block-by-block update) are XLA's. From shapes: the host-resident
+    stack (parameters and state), left out of the device's arguments and counted once in host
+    memory (the plan's in-step copy of it is not made where they already live there), and the
+    outputs a donated step writes over its inputs (the plan is compiled without donation:
+    XLA's host-offload check refuses a device argument donated to a host output)."""
+    from jaxmem.step import stream
+
+    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=_platform(target)))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = make_optimizer(opt_cfg)
+    opt_state = jax.eval_shape(lambda p: stream.init_state(tx, p), params)
+    data = lm_step_batch(cfg, batch, seq_len, abstract=True)
+    step = stream.make_streamed_step(
+        lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
+        layers_fn(policy, cfg.n_layers),
+        tx,
+        donate=False,
+    )
+    compiled, compiler = _compile(step, (params, opt_state, None, data), target)
+    plan = compiled_plan(compiled)
+    host_resident = stream.host_bytes(params, opt_state)
+    rest, _ = stream.split(params)
+    donated = tree_bytes(rest) + tree_bytes(opt_state[0])  # written over in place when donated
+    device_peak = peak_of_plan(plan) - host_resident - donated
+    # the plan's host temporaries hold its in-step copy of the resident stack (not made on a
+    # real run, where it already lives in host memory) and the stack's new values (written over
+    # the old in place); what remains is the gradient and update's host working set
+    host_working = plan["host_temp_bytes"] - host_resident
+    return {
+        "compiler": compiler,
+        "compiled_plan": plan,
+        "planned_peak_bytes": device_peak,
+        "stream": {
+            "host_resident_bytes": host_resident,
+            "host_working_bytes": host_working,
+            "host_peak_bytes": host_resident + host_working,
+            "donated_bytes": donated,
+            "source": "compiled plan (device temporaries, host bytes), corrected from shapes: "
+            "the stack's parameters and optimizer state live in host memory (left out of the "
+            "device's arguments), the rest's updated parameters and state are written over "
+            "their inputs (donation)",
+            "transfers": stream_transfers(params, opt_state, policy, precision, target),
+        },
+    }
+
+
+def stream_transfers(
+    params: Any, opt_state: Any, policy: MemoryPolicy, precision: Precision, target: Target
+) -> dict[str, Any]:
+    """Bytes a streamed step moves between host and device memory, from shapes, and the time
+    they take over the target's host link (an estimate: datasheet bandwidth, no overlap with
+    compute assumed or excluded)."""
+    from jaxmem.memory.targets import rates_for
+    from jaxmem.step import stream
+
+    _, stack = stream.split(params)
+    p = tree_bytes(stack)
+    state = tree_bytes(opt_state[1])
+    fetches = 2 if policy.remat else 1  # a remat policy replays the block: fetched again
+    moved = {
+        "parameters to the device": fetches * p,
+        "gradients to host": p,
+        "update: parameters, gradients and state to the device": 2 * p + state,
+        "update: parameters and state to host": p + state,
+    }
+    total = sum(moved.values())
+    rates = rates_for(target)
+    return {
+        "bytes": moved,
+        "total_bytes": total,
+        "seconds": total / rates.host_link,
+        "source": f"estimate: bytes from shapes over {rates.host_link / 1e9:.0f} GB/s "
+        f"({rates.source})",
+    }
+
+
+def require_one_device(parallel: ParallelConfig | None, accum: int) -> None:
+    """A streamed step runs on one device without accumulation (``jaxmem.job.check_stream``)."""
+    if (parallel is not None and parallel.sharded) or accum != 1:
+        raise ConfigError(
+            f"optimizer.stream plans one device and accum 1 (got --mesh "
+            f"{parallel.mesh_text() if parallel else '-'}, accum {accum})"
+        )
 
 
 def _compile_step(

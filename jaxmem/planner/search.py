@@ -47,7 +47,7 @@ from jaxmem.job import JobConfig
 from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
-from jaxmem.memory.targets import Target
+from jaxmem.memory.targets import NOMINAL, RATES, Rates, Target, rates_for  # noqa: F401  (re-exported)
 from jaxmem.model import make_model
 from jaxmem.parallel import ParallelConfig
 from jaxmem.planner.records import lm_step_batch, plan_step
@@ -57,61 +57,6 @@ from jaxmem.step.train_step import lm_loss_fn
 
 GIB = 2**30
 USABLE_FRACTION = 0.9  # of a GPU's memory: the CUDA context, cuDNN/cuBLAS workspaces, fragmentation
-
-
-@dataclasses.dataclass(frozen=True)
-class Rates:
-    """A target's nominal speeds (datasheet figures, dense): the cost model's denominators."""
-
-    matmul_flops: dict[str, float]  # per second, by compute dtype
-    host_link: float  # bytes/s each way, device <-> host
-    interconnect: float  # bytes/s per device, device <-> device
-    source: str
-
-
-RATES: dict[str, Rates] = {
-    "h100": Rates(
-        {"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},
-        64e9,
-        450e9,
-        "H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, fp32 matmuls as TF32 (XLA's default "
-        "precision on GPU) 494.5; PCIe Gen5 x16 64 GB/s; NVLink 4 450 GB/s each way",
-    ),
-    "a100-40gb": Rates(
-        {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-        32e9,
-        300e9,
-        "A100 SXM4 datasheet: 312 TFLOP/s bf16/fp16 dense, TF32 156; PCIe Gen4 x16 32 GB/s; "
-        "NVLink 3 300 GB/s each way",
-    ),
-}
-RATES["a100-80gb"] = RATES["a100-40gb"]
-RATES["v100-32gb"] = Rates(
-    {"bfloat16": 15.7e12, "float16": 125e12, "float32": 15.7e12},
-    16e9,
-    150e9,
-    "V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor cores, 15.7 fp32; no bf16 tensor cores "
-    "(bf16 matmuls counted at the fp32 rate); PCIe Gen3 x16 16 GB/s; NVLink 2 150 GB/s each way",
-)
-RATES["a10-24gb"] = Rates(
-    {"bfloat16": 125e12, "float16": 125e12, "float32": 62.5e12},
-    32e9,
-    32e9,
-    "A10 datasheet: 125 TFLOP/s bf16/fp16 dense, TF32 62.5; PCIe Gen4 x16 32 GB/s, no NVLink "
-    "(collectives over PCIe)",
-)
-# The local backend: nominal rates (the estimate then ranks by FLOPs, host and collective bytes
-# weighed as on an H100's links); its plans have no host offload to weigh.
-NOMINAL = Rates(
-    {"bfloat16": 1e12, "float16": 1e12, "float32": 1e12},
-    64e9,
-    450e9,
-    "nominal (the local backend has no datasheet: FLOPs at 1 TFLOP/s)",
-)
-
-
-def rates_for(target: Target) -> Rates:
-    return RATES.get(target.name, NOMINAL if not target.is_gpu else RATES["h100"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -36,6 +36,7 @@ from jaxmem.sharding import (
     sharded_bytes,
     step_shardings,
 )
+from jaxmem.step import stream
 from jaxmem.step.scaling import init_loss_scale
 from jaxmem.step.train_step import (
     check_precision_backend,
@@ -78,12 +79,17 @@ def check_jax_backend(job: JobConfig) -> None:
         check_resident(job, limit, f"{here} x {device.device_kind} hold", here)
     else:
         check_resident(job, host_available_bytes(), "this host has available", here)
-    for name in ("state_memory", "params_memory"):
-        kind = getattr(job.optimizer, name)
+    kinds = {n: getattr(job.optimizer, n) for n in ("state_memory", "params_memory")}
+    if job.optimizer.stream:
+        kinds["stream"] = "pinned_host"
+    for name, kind in kinds.items():
         if kind != "device" and kind not in backend_memory_kinds():
             raise ConfigError(
                 f"optimizer.{name}={kind!r}, but this backend only has memory kinds "
                 f"{list(backend_memory_kinds())}; use 'device'"
+                if name != "stream"
+                else "optimizer.stream needs host memory (pinned_host), but this backend only "
+                f"has memory kinds {list(backend_memory_kinds())}; drop --stream"
             )
 
 
@@ -249,10 +255,16 @@ class JaxTrainer:
             )
         else:
             loss_into = stack_accumulating_loss(make_loss, job.memory, cfg.n_layers, job.accum)
-        self.host_params = job.optimizer.params_memory != "device"
+        self.host_params = job.optimizer.params_memory != "device" or job.optimizer.stream
+        self.streamed = job.optimizer.stream
         # parameters kept in host memory are brought to the device inside the jitted evaluation
+        # (a streamed stack block by block, as the step does)
+        eval_loss = make_loss(stream.streamed_layers_fn(layers)) if self.streamed else loss_fn
         self._eval = jax.jit(
-            lambda p, b: loss_fn(place(p, "device", self._where) if self.host_params else p, b)[1]
+            lambda p, b: eval_loss(
+                place(p, "device", self._where) if self.host_params and not self.streamed else p,
+                b,
+            )[1]
         )
         self.loss_scale = init_loss_scale(job.precision)
         first = self.transfer(train_batch(prepared.dataset, job, self.local_rows)(1))
@@ -268,19 +280,27 @@ class JaxTrainer:
             else:
                 # optimizer state / parameters kept in host memory between steps enter the
                 # compiled step there (it moves them to the device for the update and back)
-                if self.shardings is not None:
+                if self.streamed:
+                    # the stack's parameters and state live in host memory between steps and
+                    # stream through the step block by block (jaxmem.step.stream)
+                    params, opt_state = stream.place(params, stream.init_state(tx, params))
+                elif self.shardings is not None:
                     opt_state = jax.jit(tx.init, out_shardings=self.shardings.opt_state)(params)
                 else:
                     opt_state = place(tx.init(params), job.optimizer.state_memory)
                     params = place(params, job.optimizer.params_memory)
-                step_fn = make_train_step(
-                    loss_fn,
-                    tx,
-                    precision=job.precision,
-                    accum=job.accum,
-                    opt_cfg=job.optimizer,
-                    shardings=self.shardings,
-                    loss_into=loss_into,
+                step_fn = (
+                    stream.make_streamed_step(make_loss, layers, tx)
+                    if self.streamed
+                    else make_train_step(
+                        loss_fn,
+                        tx,
+                        precision=job.precision,
+                        accum=job.accum,
+                        opt_cfg=job.optimizer,
+                        shardings=self.shardings,
+                        loss_into=loss_into,
+                    )
                 )
                 self._step = step_fn.lower(params, opt_state, self.loss_scale, first).compile()
         except Exception as e:

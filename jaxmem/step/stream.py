@@ -1,0 +1,197 @@
+"""A train step that streams the block stack's parameters through host memory (ZeRO-Offload's
+idea, written with JAX memory spaces).
+
+Between steps the stack's fp32 master parameters and their optimizer state live in host memory
+(``pinned_host``); the embeddings, final norm and head stay on the device. Inside the step:
+
+- each block's parameters are brought to the device inside the layer scan just before the block
+  runs (``fetch``), and again for its backward under any remat policy that replays the block;
+- ``fetch``'s backward sends each block's gradient to host memory as the backward produces it,
+  so the stack's gradient never exists whole on the device;
+- the stack's optimizer update runs on the device block by block (a scan over the layers: one
+  block's parameters, gradient and state brought over, updated, sent back), with the same
+  arithmetic as the unstreamed update (AdamW and SGD are elementwise; the gradient is divided
+  by the same token count first).
+
+What stays on the device is then one or two blocks' parameters and their update's working set,
+the activations the memory policy keeps, and the embeddings and head with their state.
+
+Written by hand (no library streams a scanned stack through JAX memory spaces): JAX types an
+array's memory space, so the transfers are explicit ``jax.device_put(x, jax.memory.Space.*)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmem.model import LayersFn
+from jaxmem.model.decoder import STACK_PATH
+
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+@jax.custom_vjp
+def fetch(tree: Any) -> Any:
+    """``tree`` (in host memory) on the device; its cotangent goes back to host memory."""
+    return jax.tree_util.tree_map(lambda a: jax.device_put(a, DEVICE), tree)
+
+
+def _fetch_fwd(tree: Any) -> tuple[Any, None]:
+    return fetch(tree), None
+
+
+def _fetch_bwd(_: None, ct: Any) -> tuple[Any]:
+    return (jax.tree_util.tree_map(lambda g: jax.device_put(g, HOST), ct),)
+
+
+fetch.defvjp(_fetch_fwd, _fetch_bwd)
+
+
+def streamed_layers_fn(layers_fn: LayersFn) -> LayersFn:
+    """``layers_fn`` with each block's parameters fetched from host memory inside the block
+    (so a remat policy that replays the block fetches them again for its backward)."""
+
+    def run(layer_fn: Callable, x: jax.Array, stacked: Any) -> jax.Array:
+        return layers_fn(lambda h, layer_state: layer_fn(h, fetch(layer_state)), x, stacked)
+
+    return run
+
+
+def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def split(params: Any) -> tuple[Any, Any]:
+    """(the parameters outside the stack, the stack's), as pure dicts."""
+    pure = params.to_pure_dict() if hasattr(params, "to_pure_dict") else params
+    stack = _subtree(pure, STACK_PATH)
+    rest = jax.tree_util.tree_map(lambda a: a, pure)  # a fresh copy of the containers
+    parent = _subtree(rest, STACK_PATH[:-1])
+    del parent[STACK_PATH[-1]]
+    return rest, stack
+
+
+def join(params: Any, rest: Any, stack: Any) -> Any:
+    """``params`` (an ``nnx.State``) with ``rest`` and ``stack`` as its values."""
+    pure = jax.tree_util.tree_map(lambda a: a, rest)
+    _subtree(pure, STACK_PATH[:-1])[STACK_PATH[-1]] = stack
+    out = jax.tree_util.tree_map(lambda a: a, params)
+    out.replace_by_pure_dict(pure)
+    return out
+
+
+def init_state(tx: optax.GradientTransformation, params: Any) -> tuple[Any, Any]:
+    """The optimizer state of a streamed step: (rest's, the stack's)."""
+    rest, stack = split(params)
+    return tx.init(rest), tx.init(stack)
+
+
+def _sum_squares(tree: Any) -> jax.Array:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves), jnp.float32(0))
+
+
+def _stack_update(tx, params_h, grads_h, state_h, divisor):
+    """The stack's update, block by block on the device: returns (params, state) in host memory
+    and the divided gradient's sum of squares."""
+    leaves, treedef = jax.tree_util.tree_flatten(state_h)
+    per_block = [i for i, a in enumerate(leaves) if a.ndim >= 1]
+    shared = {i: a for i, a in enumerate(leaves) if a.ndim == 0}  # AdamW's step count
+
+    def body(sq, xs):
+        p, g, blocks = jax.tree_util.tree_map(lambda a: jax.device_put(a, DEVICE), xs)
+        g = jax.tree_util.tree_map(lambda t: (t / divisor).astype(t.dtype), g)
+        state_leaves = [
+            blocks[per_block.index(i)] if i in per_block else jax.device_put(shared[i], DEVICE)
+            for i in range(len(leaves))
+        ]
+        updates, new_state = tx.update(g, jax.tree_util.tree_unflatten(treedef, state_leaves), p)
+        new_p = optax.apply_updates(p, updates)
+        new_leaves = jax.tree_util.tree_leaves(new_state)
+        out = (new_p, [new_leaves[i] for i in per_block], [new_leaves[i] for i in shared])
+        return sq + _sum_squares(g), jax.tree_util.tree_map(lambda a: jax.device_put(a, HOST), out)
+
+    blocks = [leaves[i] for i in per_block]
+    sq, (new_params, new_blocks, new_shared) = jax.lax.scan(
+        body, jnp.float32(0), (params_h, grads_h, blocks)
+    )
+    new_leaves = list(leaves)
+    for i, a in zip(per_block, new_blocks, strict=True):
+        new_leaves[i] = a
+    for i, a in zip(shared, new_shared, strict=True):
+        new_leaves[i] = a[0]  # the same in every block; in host memory with the rest
+    return new_params, jax.tree_util.tree_unflatten(treedef, new_leaves), sq
+
+
+def make_streamed_step(
+    make_loss: Callable[[LayersFn], Callable[..., tuple]],
+    layers_fn: LayersFn,
+    tx: optax.GradientTransformation,
+    *,
+    donate: bool = True,
+) -> Callable[..., tuple]:
+    """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, None,
+    metrics)`` like ``train_step.make_train_step``'s, streaming the stack (module docstring).
+    ``opt_state`` is ``init_state``'s; the stack's parameters and state enter and leave in host
+    memory. ``make_loss(layers_fn)`` is the loss with the stack run by ``layers_fn``."""
+    loss_fn = make_loss(streamed_layers_fn(layers_fn))
+
+    def step(params, opt_state, loss_scale, batch):
+        del loss_scale  # streaming runs without fp16's (jaxmem.job.check_stream)
+        rest, stack = split(params)
+        stack_h = jax.device_put(stack, HOST)  # where it lives between steps: a no-op there
+        state_rest, state_stack = opt_state
+        state_stack = jax.device_put(state_stack, HOST)
+
+        def scaled_sum(r, s, b):
+            loss_sum, n = loss_fn(join(params, r, s), b)[1]
+            return loss_sum, (loss_sum, n)
+
+        (g_rest, g_stack), (loss_sum, n_tokens) = jax.grad(
+            scaled_sum, argnums=(0, 1), has_aux=True
+        )(rest, stack_h, batch)
+        g_rest = jax.tree_util.tree_map(lambda g: (g / n_tokens).astype(g.dtype), g_rest)
+        updates, new_state_rest = tx.update(g_rest, state_rest, rest)
+        new_rest = optax.apply_updates(rest, updates)
+        new_stack, new_state_stack, sq = _stack_update(tx, stack_h, g_stack, state_stack, n_tokens)
+        metrics = {
+            "loss": loss_sum / n_tokens,
+            "n_tokens": n_tokens,
+            "grad_norm": jnp.sqrt(_sum_squares(g_rest) + sq),
+            "grads_finite": jnp.isfinite(_sum_squares(g_rest) + sq),
+        }
+        return join(params, new_rest, new_stack), (new_state_rest, new_state_stack), None, metrics
+
+    # A deviceless compile drops the arguments' memory kinds, so the stack arrives there in
+    # device memory; donating it to a host-memory output fails XLA's host-offload check: plans
+    # compile with donate=False (``plan_bytes`` then counts the aliasing from shapes).
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def place(params: Any, opt_state: tuple[Any, Any]) -> tuple[Any, tuple[Any, Any]]:
+    """``params`` and ``opt_state`` where a streamed step takes them: the stack's parameters and
+    state in ``pinned_host`` of the first device, the rest on it."""
+    from jax.sharding import SingleDeviceSharding
+
+    host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    rest, stack = split(params)
+    return join(params, rest, jax.device_put(stack, host)), (
+        opt_state[0],
+        jax.device_put(opt_state[1], host),
+    )
+
+
+def host_bytes(params: Any, opt_state: Any) -> int:
+    """Bytes a streamed step keeps in host memory between steps (the stack's parameters and
+    optimizer state), from shapes."""
+    _, stack = split(params)
+    leaves = [*jax.tree_util.tree_leaves(stack), *jax.tree_util.tree_leaves(opt_state[1])]
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in leaves)
