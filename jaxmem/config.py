@@ -360,6 +360,10 @@ PRESETS: dict[str, ModelConfig] = {
     # GPT-3 6.7B's shape (Brown et al. 2020, table 2.1) with GPT-2's vocabulary: the 7B class,
     # for planning only.
     "gpt3-6.7b": dataclasses.replace(_gpt2(4096, 32, 32), max_seq_len=2048),
+    # GPT-3 13B's shape (40 layers, 40 heads of 128; width 5120 as Megatron-LM and most
+    # reproductions use it, the paper's table prints 5140): the model ZeRO-Offload trained on one
+    # 32 GB V100. Planning only.
+    "gpt3-13b": dataclasses.replace(_gpt2(5120, 40, 40), max_seq_len=2048),
     # A Llama-family block at test size: RMSNorm, RoPE, SwiGLU, grouped-query attention (2 key/
     # value heads for 4 query heads), no biases, untied head; the byte vocabulary.
     "tiny-llama": ModelConfig(
@@ -392,6 +396,7 @@ PLANNING_ONLY: frozenset[str] = frozenset(
         "gpt2-774m",
         "gpt2-1.5b",
         "gpt3-6.7b",
+        "gpt3-13b",
         "llama-3.2-1b",
         "llama-3.2-3b",
         "llama-3-8b",

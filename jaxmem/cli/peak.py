@@ -89,6 +89,13 @@ def run(args: argparse.Namespace) -> int:
         f"{mib(report.allocated_bytes - report.live_bytes)} MiB, is what packing the buffers "
         "into one arena costs"
     )
+    if job.optimizer.stream:
+        out.print(
+            "streamed (--stream): the planned peak is corrected from shapes (the stack's "
+            "parameters and state live in host memory; donation); a deviceless compile sees them "
+            "arrive in device memory, so the arena and the arguments below include them",
+            style="yellow",
+        )
     render.peak_tables(out, report, args.top)
     if args.json:
         write_json_atomic(args.json, _json(job, target, report))
