@@ -179,3 +179,37 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
         2 * stack_bytes + 2 * stack_bytes + 4
     ) + (stack_bytes + 2 * stack_bytes + 4)
     assert info["transfers"]["source"].startswith("estimate: bytes from shapes over 64 GB/s")
+
+
+@pytest.mark.skipif(not GPU_PLAN, reason="needs jaxmem[gpu-plan]")
+def test_the_planner_searches_streaming_where_host_memory_is_allowed():
+    """A budget below every plan that keeps the stack on the device (state there or in host
+    memory): with host memory allowed the planner chooses a streamed step, and its command
+    trains it (--stream)."""
+    from jaxmem.backend import contain_cuda_plugin
+
+    contain_cuda_plugin()
+    from jaxmem.job import resolve_job
+    from jaxmem.memory.targets import get_target
+    from jaxmem.planner.records import plan_step
+    from jaxmem.planner.search import PlanSpace, Problem, candidate_job, search
+
+    cfg, prec, h100 = PRESETS["tiny"], PRECISIONS["bf16"], get_target("h100")
+    streamed = plan_step(cfg, POLICIES["full"], prec, OptimizerConfig(stream=True), 2, 32, h100)
+    budget = int(streamed["planned_peak_bytes"] * 1.05)
+    space = PlanSpace(
+        policies=("none", "full"),
+        mix=(),
+        accum=(1,),
+        state_memory=("device", "pinned_host", "stream"),
+        precisions=("bf16",),
+    )
+    result = search(Problem(cfg, 2, 32, h100, budget, OptimizerConfig()), space)
+    assert result.chosen is not None, [o.as_dict() for o in result.outcomes]
+    chosen = result.chosen.candidate
+    assert chosen.state_memory == "stream" and chosen.describe().endswith("streamed")
+    assert result.chosen.compiled <= budget
+    unstreamed = [o for o in result.outcomes if o.candidate.state_memory != "stream"]
+    assert all(o.status != "chosen" for o in unstreamed)
+    job = candidate_job(resolve_job(defaults={"preset": "tiny"}), chosen, 1)
+    assert job.optimizer.stream and job.optimizer.state_memory == "device"

@@ -76,8 +76,9 @@ def add_parser(sub) -> None:
     g.add_argument(
         "--state-offload",
         action="store_true",
-        help="also search optimizer state in pinned_host (GPU targets; counted as the plan "
-        "minus the state: a deviceless compile drops argument memory kinds)",
+        help="also search host memory (GPU targets): optimizer state in pinned_host (counted as "
+        "the plan minus the state: a deviceless compile drops argument memory kinds) and the "
+        "stack streamed through host memory (--stream)",
     )
     g.add_argument(
         "--precisions",
@@ -136,7 +137,7 @@ def _space(args: argparse.Namespace, job):
         if args.mix
         else (),
         accum=int_list(args.accum, "--accum"),
-        state_memory=("device", "pinned_host") if args.state_offload else ("device",),
+        state_memory=("device", "pinned_host", "stream") if args.state_offload else ("device",),
         strategies=tuple(parse_names(args.strategies, list(STRATEGIES), "strategies")),
         precisions=tuple(
             parse_names(args.precisions or job.precision.name, list(PRECISIONS), "precisions")
@@ -222,12 +223,12 @@ def _commands(job, result) -> dict[str, str | None]:
     chosen = candidate_job(job, result.chosen.candidate, result.problem.devices)
     argv = job_argv(chosen)
     jax_cmd = shlex.join(["jaxmem", "train", *argv])
-    if chosen.optimizer.state_memory != "device":
+    if chosen.optimizer.state_memory != "device" or chosen.optimizer.stream:
         return {
             "jax": jax_cmd,
             "torch": None,
-            "torch_note": "torch_ref's job keeps optimizer state on the device (FSDP2's "
-            "CPUOffloadPolicy, the stock peer, is not wired into it)",
+            "torch_note": "torch_ref's job keeps parameters and optimizer state on the device "
+            "(FSDP2's CPUOffloadPolicy, the stock peer, is not wired into it)",
         }
     torch = ["jaxmem", "train", "--framework", "torch", *argv]
     if chosen.parallel.sharded:

@@ -56,6 +56,9 @@ from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.step.train_step import lm_loss_fn
 
 GIB = 2**30
+# a placement of the state beside device and pinned_host: the stack's parameters and state
+# streamed through host memory (optimizer.stream)
+STREAMED = "stream"
 USABLE_FRACTION = 0.9  # of a GPU's memory: the CUDA context, cuDNN/cuBLAS workspaces, fragmentation
 
 
@@ -66,7 +69,7 @@ class PlanSpace:
     policies: tuple[str, ...] = ("none", "selective", "mlp", "offload", "full", "nested")
     mix: tuple[str, ...] = ("none", "selective", "offload", "full")  # presets mixed in pairs
     accum: tuple[int, ...] = (1, 2, 4, 8)
-    state_memory: tuple[str, ...] = ("device", "pinned_host")
+    state_memory: tuple[str, ...] = ("device", "pinned_host")  # and STREAMED
     strategies: tuple[str, ...] = ("dp", "zero1", "fsdp")
     precisions: tuple[str, ...] = ("fp32",)
 
@@ -97,11 +100,15 @@ class Candidate:
 
     @property
     def family(self) -> tuple:
-        return (self.accum, self.strategy, self.precision)
+        # a streamed step is another program: its plans fit apart
+        streamed = ("streamed",) if self.state_memory == STREAMED else ()
+        return (self.accum, self.strategy, self.precision, *streamed)
 
     def describe(self) -> str:
         parts = [self.policy.name, self.precision, f"accum {self.accum}"]
-        if self.state_memory != "device":
+        if self.state_memory == STREAMED:
+            parts.append("streamed")
+        elif self.state_memory != "device":
             parts.append(f"state {self.state_memory}")
         if self.strategy is not None:
             parts.append(self.strategy)
@@ -131,7 +138,7 @@ class Problem:
         from 4 to 8 and from 8 to 12; fitted at 2 and 4 it erred by 11.6 % at 48 blocks,
         at 8 and 16 by 0.3 %)."""
         d2 = min(self.cfg.n_layers, 16)
-        return max(2, d2 // 2), d2
+        return min(max(2, d2 // 2), d2), d2
 
 
 # ---------------------------------------------------------------------------------- FLOPs
@@ -208,18 +215,21 @@ class MemoryModel:
         key = (name, *cand.family)
         if key not in self.fits:
             d1, d2 = self.problem.fit_depths
-            p1, p2 = (
+            peaks = [
                 self.compile_fn(
                     self.problem.cfg.replace(n_layers=d),
                     POLICIES[name],
                     cand.accum,
                     cand.strategy,
                     cand.precision,
+                    cand.state_memory == STREAMED,
                 )
-                for d in (d1, d2)
-            )
-            self.compiles += 2
-            b = (p2 - p1) / (d2 - d1)
+                for d in dict.fromkeys((d1, d2))
+            ]
+            self.compiles += len(peaks)
+            # a model of at most 2 blocks is compiled at its own depth alone: no slope needed
+            b = (peaks[-1] - peaks[0]) / (d2 - d1) if d2 > d1 else 0.0
+            p1 = peaks[0]
             self.fits[key] = (p1 - d1 * b, b)
         return self.fits[key]
 
@@ -267,8 +277,9 @@ class MemoryModel:
 
 
 def state_host_bytes(problem: Problem, cand: Candidate) -> int:
-    """Optimizer-state bytes per device a candidate keeps in host memory (from shapes)."""
-    if cand.state_memory == "device":
+    """Optimizer-state bytes per device a candidate keeps in host memory (from shapes); a
+    streamed candidate's plan is already its device's (``records.stream_plan``)."""
+    if cand.state_memory in ("device", STREAMED):
         return 0
     precision = PRECISIONS[cand.precision]
     total = analytic.opt_state_bytes(problem.cfg, problem.opt_cfg, precision)
@@ -319,9 +330,15 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                     else:
                         collective = 0
                     for place in space.state_memory if host else ("device",):
+                        if place == STREAMED and not _streams(
+                            problem, policy, accum, strategy, precision
+                        ):
+                            continue
                         shards = n if strategy in ("zero1", "fsdp") else 1
                         moved = 2 * offload_row * rows * offloaded_blocks
-                        if place != "device":
+                        if place == STREAMED:
+                            moved += _streamed_bytes(cfg, problem.opt_cfg, precision, policy)
+                        elif place != "device":
                             moved += 2 * state // shards
                         f = per_row * rows
                         seconds = (
@@ -340,9 +357,46 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                                 seconds,
                             )
                         )
-    order = {p: i for i, p in enumerate(("device", "pinned_host"))}
+    order = {p: i for i, p in enumerate(("device", "pinned_host", STREAMED))}
     out.sort(key=lambda c: (c.seconds, c.accum, order[c.state_memory], c.policy.name))
     return out
+
+
+def _streams(
+    problem: Problem, policy: MemoryPolicy, accum: int, strategy: str | None, precision: Precision
+) -> bool:
+    """A streamed step applies (``jaxmem.job.check_stream``): one device, accum 1, a preset
+    over the whole scanned stack, an elementwise optimizer, no fp16 loss scale."""
+    from jaxmem.config import STREAM_OPTIMIZERS
+
+    return (
+        accum == 1
+        and strategy is None
+        and problem.devices == 1
+        and policy.rest is None
+        and not policy.nested
+        and policy.layers.is_all
+        and not policy.unroll
+        and problem.opt_cfg.name in STREAM_OPTIMIZERS
+        and precision.loss_scale != "dynamic"
+    )
+
+
+def _streamed_bytes(
+    cfg: ModelConfig, opt_cfg: OptimizerConfig, precision: Precision, policy: MemoryPolicy
+) -> int:
+    """Host-link bytes of a streamed step (from shapes, as ``records.stream_transfers``): the
+    stack's parameters in (twice under a replaying policy), its gradient out, the update's
+    parameters, gradient and state in and parameters and state out."""
+    per_block = analytic.param_bytes(cfg.replace(n_layers=2), precision) - analytic.param_bytes(
+        cfg.replace(n_layers=1), precision
+    )
+    state_block = analytic.opt_state_bytes(
+        cfg.replace(n_layers=2), opt_cfg, precision
+    ) - analytic.opt_state_bytes(cfg.replace(n_layers=1), opt_cfg, precision)
+    p, s = per_block * cfg.n_layers, state_block * cfg.n_layers
+    fetches = 2 if policy.remat else 1
+    return fetches * p + p + (2 * p + s) + (p + s)
 
 
 def _offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:
@@ -356,7 +410,9 @@ def candidate_job(job: JobConfig, cand: Candidate, devices: int) -> JobConfig:
         memory=cand.policy,
         precision=PRECISIONS[cand.precision],
         accum=dataclasses.replace(job.accum, steps=cand.accum),
-        optimizer=dataclasses.replace(job.optimizer, state_memory=cand.state_memory),
+        optimizer=dataclasses.replace(job.optimizer, state_memory="device", stream=True)
+        if cand.state_memory == STREAMED
+        else dataclasses.replace(job.optimizer, state_memory=cand.state_memory, stream=False),
         parallel=ParallelConfig()
         if cand.strategy is None
         else ParallelConfig(strategy=cand.strategy, devices=devices),
@@ -417,7 +473,12 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
     precision_of = PRECISIONS
 
     def compile_peak(
-        cfg: ModelConfig, policy: MemoryPolicy, accum: int, strategy: str | None, precision: str
+        cfg: ModelConfig,
+        policy: MemoryPolicy,
+        accum: int,
+        strategy: str | None,
+        precision: str,
+        streamed: bool = False,
     ) -> tuple[int, str]:
         parallel = (
             None if strategy is None else ParallelConfig(strategy=strategy, devices=problem.devices)
@@ -426,7 +487,7 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
             cfg,
             policy,
             precision_of[precision],
-            problem.opt_cfg,
+            dataclasses.replace(problem.opt_cfg, stream=streamed),
             problem.batch,
             problem.seq_len,
             target=problem.target,
@@ -462,9 +523,12 @@ def search(
     at_depth: dict[tuple, int] = {}  # compiled at the real depth, per candidate program
 
     def compile_candidate(c: Candidate, policy: MemoryPolicy) -> int:
-        key = (policy, c.accum, c.strategy, c.precision)
+        streamed = c.state_memory == STREAMED
+        key = (policy, c.accum, c.strategy, c.precision, streamed)
         if key not in at_depth:
-            at_depth[key] = peak_only(problem.cfg, policy, c.accum, c.strategy, c.precision)
+            at_depth[key] = peak_only(
+                problem.cfg, policy, c.accum, c.strategy, c.precision, streamed
+            )
         return at_depth[key] - state_host_bytes(problem, c)
 
     # A family's floor: the leanest whole-stack presets it holds (full, and offload where host
@@ -520,7 +584,12 @@ def smallest_plan(result: PlanResult) -> Outcome | None:
         if smallest is None or best.predicted < smallest.compiled:
             c = best.candidate
             peak, _ = _compiler(result.problem)(
-                result.problem.cfg, c.policy, c.accum, c.strategy, c.precision
+                result.problem.cfg,
+                c.policy,
+                c.accum,
+                c.strategy,
+                c.precision,
+                c.state_memory == STREAMED,
             )
             best.compiled = peak - state_host_bytes(result.problem, c)
             best.status = "over (compiled)"
