@@ -42,7 +42,6 @@ def _batches(n: int):
 @pytest.mark.parametrize(
     "precision, policy, optimizer",
     [
-        ("fp32", "none", "adamw"),
         ("bf16", "offload", "adamw"),
         ("fp32", "full", "sgd"),
     ],
@@ -82,7 +81,7 @@ def _train_cmd(out, *extra):
     return [
         sys.executable, "-m", "jaxmem.cli", "train", "--preset", "tiny", "--batch-size", "4",
         "--seq-len", "32", "--sample-tokens", "0", "--policy", "selective", "--precision",
-        "bf16", "--steps", "60", "--checkpoint-every", "5", "--eval-every", "30", "--out",
+        "bf16", "--steps", "30", "--checkpoint-every", "5", "--eval-every", "15", "--out",
         str(out), *extra,
     ]  # fmt: skip
 
@@ -115,7 +114,7 @@ def test_a_streamed_run_killed_with_sigkill_resumes_to_the_unstreamed_losses(tmp
         timeout=300,
     )
     ref, res = _metrics(reference), _metrics(killed)
-    assert [r["step"] for r in res] == list(range(1, 61))
+    assert [r["step"] for r in res] == list(range(1, 31))
     assert [r["loss"] for r in res] == [r["loss"] for r in ref]  # bit-identical
     assert [r.get("val_loss") for r in res] == [r.get("val_loss") for r in ref]
     assert "stream: true" in (killed / "config.yaml").read_text()
@@ -198,7 +197,7 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
     streamed = plan_step(cfg, POLICIES["full"], prec, OptimizerConfig(stream=True), 2, 32, h100)
     budget = int(streamed["planned_peak_bytes"] * 1.05)
     space = PlanSpace(
-        policies=("none", "full"),
+        policies=("full",),
         mix=(),
         accum=(1,),
         state_memory=("device", "pinned_host", "stream"),
