@@ -212,9 +212,9 @@ def check_stream(
         f"the old parameters back from host memory); precision {precision.name!r}: use bf16",
     )
     require(
-        accum.steps == 1,
-        f"optimizer.stream sums no microbatches yet (accum {accum.steps}): the running "
-        "gradient would live in host memory; use accum 1",
+        accum.steps == 1 or accum.mode == "scan",
+        f"optimizer.stream sums microbatches in its own scan: accum mode {accum.mode!r} "
+        "updates once per microbatch; use accum mode 'scan'",
     )
     require(
         parallel is None or not parallel.sharded,

@@ -20,13 +20,19 @@ from flax import nnx
 
 from jaxmem import cli
 from jaxmem.compare.tolerances import tolerance
-from jaxmem.config import PRESETS, OptimizerConfig
+from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig
 from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 from jaxmem.step import stream
-from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step, tree_bytes
+from jaxmem.step.train_step import (
+    lm_loss_fn,
+    make_optimizer,
+    make_train_step,
+    stack_accumulating_loss,
+    tree_bytes,
+)
 
 GPU_PLAN = importlib.util.find_spec("jax_cuda12_plugin") is not None
 CFG = PRESETS["tiny"]
@@ -40,14 +46,16 @@ def _batches(n: int):
 
 
 @pytest.mark.parametrize(
-    "precision, policy, optimizer",
+    "precision, policy, optimizer, accum",
     [
-        ("bf16", "offload", "adamw"),
-        ("fp32", "full", "sgd"),
+        ("bf16", "offload", "adamw", 1),
+        ("bf16", "selective", "adamw", 2),  # microbatches summed: the stack's sum in host memory
+        ("fp32", "full", "sgd", 1),
     ],
 )
-def test_a_streamed_step_computes_the_unstreamed_steps_numbers(precision, policy, optimizer):
+def test_a_streamed_step_computes_the_unstreamed_steps_numbers(precision, policy, optimizer, accum):
     prec, opt = PRECISIONS[precision], OptimizerConfig(name=optimizer)
+    acc = AccumConfig(steps=accum)
     graphdef, params = nnx.split(make_model(CFG, prec, seed=0), nnx.Param)
     tx = make_optimizer(opt)
     lf = layers_fn(POLICIES[policy], CFG.n_layers)
@@ -56,8 +64,16 @@ def test_a_streamed_step_computes_the_unstreamed_steps_numbers(precision, policy
         return lm_loss_fn(graphdef, layers_fn=layers)
 
     s_params, s_state = stream.place(jax.tree.map(jnp.copy, params), stream.init_state(tx, params))
-    plain = make_train_step(make_loss(lf), tx, precision=prec)
-    streamed = stream.make_streamed_step(make_loss, lf, tx)
+    plain = make_train_step(
+        make_loss(lf),
+        tx,
+        precision=prec,
+        accum=acc,
+        loss_into=stack_accumulating_loss(make_loss, POLICIES[policy], CFG.n_layers, acc),
+    )
+    streamed = stream.make_streamed_step(
+        make_loss, lf, tx, accum_steps=accum, accum_dtype=jnp.dtype(prec.accum_dtype)
+    )
     p, o = params, tx.init(params)
     for batch in _batches(2):
         p, o, _, m = plain(p, o, None, batch)
@@ -125,7 +141,7 @@ def test_a_streamed_run_killed_with_sigkill_resumes_to_the_unstreamed_losses(tmp
     [
         (["--optimizer", "adafactor"], "optimizer 'adafactor' cannot stream"),
         (["--precision", "fp16"], "without fp16's dynamic loss scale"),
-        (["--accum", "2"], "sums no microbatches yet (accum 2)"),
+        (["--accum", "2", "--accum-mode", "multisteps"], "sums microbatches in its own scan"),
         (["--unroll"], "runs the stack as one scan"),
         (["--state-memory", "pinned_host"], "leave state_memory and params_memory at 'device'"),
         (["--framework", "torch"], "optimizer.stream runs in JAX"),

@@ -186,8 +186,8 @@ def plan_step(
     search for the largest batch that fits, or for ``jaxmem plan``'s candidates. A streamed
     step (``opt_cfg.stream``) is ``stream_plan``'s."""
     if opt_cfg.stream:
-        require_one_device(parallel, accum)
-        return stream_plan(cfg, policy, precision, opt_cfg, batch, seq_len, target)
+        require_one_device(parallel)
+        return stream_plan(cfg, policy, precision, opt_cfg, batch, seq_len, target, accum)
     model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=_platform(target)))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(opt_cfg)
@@ -216,6 +216,7 @@ def stream_plan(
     batch: int,
     seq_len: int,
     target: Target = LOCAL,
+    accum: int = 1,
 ) -> dict[str, Any]:
     """The compiled plan of a streamed step (``optimizer.stream``, ``jaxmem.step.stream``), with
     what a deviceless plan cannot show counted from shapes.
@@ -235,10 +236,13 @@ def stream_plan(
     tx = make_optimizer(opt_cfg)
     opt_state = jax.eval_shape(lambda p: stream.init_state(tx, p), params)
     data = lm_step_batch(cfg, batch, seq_len, abstract=True)
+    _accum_config(accum, batch)
     step = stream.make_streamed_step(
         lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
         layers_fn(policy, cfg.n_layers),
         tx,
+        accum_steps=accum,
+        accum_dtype=jnp.dtype(precision.accum_dtype),
         donate=False,
     )
     compiled, compiler = _compile(step, (params, opt_state, None, data), target)
@@ -264,13 +268,18 @@ def stream_plan(
             "the stack's parameters and optimizer state live in host memory (left out of the "
             "device's arguments), the rest's updated parameters and state are written over "
             "their inputs (donation)",
-            "transfers": stream_transfers(params, opt_state, policy, precision, target),
+            "transfers": stream_transfers(params, opt_state, policy, precision, target, accum),
         },
     }
 
 
 def stream_transfers(
-    params: Any, opt_state: Any, policy: MemoryPolicy, precision: Precision, target: Target
+    params: Any,
+    opt_state: Any,
+    policy: MemoryPolicy,
+    precision: Precision,
+    target: Target,
+    accum: int = 1,
 ) -> dict[str, Any]:
     """Bytes a streamed step moves between host and device memory, from shapes, and the time
     they take over the target's host link (an estimate: datasheet bandwidth, no overlap with
@@ -283,11 +292,13 @@ def stream_transfers(
     state = tree_bytes(opt_state[1])
     fetches = 2 if policy.remat else 1  # a remat policy replays the block: fetched again
     moved = {
-        "parameters to the device": fetches * p,
-        "gradients to host": p,
+        "parameters to the device": accum * fetches * p,
+        "gradients to host": accum * p,
         "update: parameters, gradients and state to the device": 2 * p + state,
         "update: parameters and state to host": p + state,
     }
+    if accum > 1:  # each microbatch's gradient added to the running sum, block by block
+        moved["accumulation: running sum and gradient in, sum out"] = accum * 3 * p
     total = sum(moved.values())
     rates = rates_for(target)
     return {
@@ -299,13 +310,10 @@ def stream_transfers(
     }
 
 
-def require_one_device(parallel: ParallelConfig | None, accum: int) -> None:
-    """A streamed step runs on one device without accumulation (``jaxmem.job.check_stream``)."""
-    if (parallel is not None and parallel.sharded) or accum != 1:
-        raise ConfigError(
-            f"optimizer.stream plans one device and accum 1 (got --mesh "
-            f"{parallel.mesh_text() if parallel else '-'}, accum {accum})"
-        )
+def require_one_device(parallel: ParallelConfig | None) -> None:
+    """A streamed step runs on one device (``jaxmem.job.check_stream``)."""
+    if parallel is not None and parallel.sharded:
+        raise ConfigError(f"optimizer.stream plans one device (got --mesh {parallel.mesh_text()})")
 
 
 def _compile_step(

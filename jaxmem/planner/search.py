@@ -337,7 +337,7 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                         shards = n if strategy in ("zero1", "fsdp") else 1
                         moved = 2 * offload_row * rows * offloaded_blocks
                         if place == STREAMED:
-                            moved += _streamed_bytes(cfg, problem.opt_cfg, precision, policy)
+                            moved += _streamed_bytes(cfg, problem.opt_cfg, precision, policy, accum)
                         elif place != "device":
                             moved += 2 * state // shards
                         f = per_row * rows
@@ -365,13 +365,13 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
 def _streams(
     problem: Problem, policy: MemoryPolicy, accum: int, strategy: str | None, precision: Precision
 ) -> bool:
-    """A streamed step applies (``jaxmem.job.check_stream``): one device, accum 1, a preset
-    over the whole scanned stack, an elementwise optimizer, no fp16 loss scale."""
+    """A streamed step applies (``jaxmem.job.check_stream``): one device, a preset over the
+    whole scanned stack, an elementwise optimizer, no fp16 loss scale."""
     from jaxmem.config import STREAM_OPTIMIZERS
 
+    del accum  # a streamed step sums microbatches in its own scan
     return (
-        accum == 1
-        and strategy is None
+        strategy is None
         and problem.devices == 1
         and policy.rest is None
         and not policy.nested
@@ -383,7 +383,11 @@ def _streams(
 
 
 def _streamed_bytes(
-    cfg: ModelConfig, opt_cfg: OptimizerConfig, precision: Precision, policy: MemoryPolicy
+    cfg: ModelConfig,
+    opt_cfg: OptimizerConfig,
+    precision: Precision,
+    policy: MemoryPolicy,
+    accum: int = 1,
 ) -> int:
     """Host-link bytes of a streamed step (from shapes, as ``records.stream_transfers``): the
     stack's parameters in (twice under a replaying policy), its gradient out, the update's
@@ -396,7 +400,8 @@ def _streamed_bytes(
     ) - analytic.opt_state_bytes(cfg.replace(n_layers=1), opt_cfg, precision)
     p, s = per_block * cfg.n_layers, state_block * cfg.n_layers
     fetches = 2 if policy.remat else 1
-    return fetches * p + p + (2 * p + s) + (p + s)
+    summed = accum * 3 * p if accum > 1 else 0  # the running sum added to block by block
+    return accum * (fetches * p + p) + summed + (2 * p + s) + (p + s)
 
 
 def _offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:

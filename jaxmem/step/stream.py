@@ -131,17 +131,36 @@ def _stack_update(tx, params_h, grads_h, state_h, divisor):
     return new_params, jax.tree_util.tree_unflatten(treedef, new_leaves), sq
 
 
+def _blockwise(fn: Callable[..., Any], *trees_h: Any) -> Any:
+    """``fn`` of stacked trees in host memory, block by block on the device, the result back in
+    host memory (the stack's running gradient never exists whole on the device)."""
+
+    def body(_, blocks):
+        on_device = jax.tree_util.tree_map(lambda t: jax.device_put(t, DEVICE), blocks)
+        return None, jax.tree_util.tree_map(lambda t: jax.device_put(t, HOST), fn(*on_device))
+
+    return jax.lax.scan(body, None, trees_h)[1]
+
+
 def make_streamed_step(
     make_loss: Callable[[LayersFn], Callable[..., tuple]],
     layers_fn: LayersFn,
     tx: optax.GradientTransformation,
     *,
+    accum_steps: int = 1,
+    accum_dtype: Any = jnp.float32,
     donate: bool = True,
 ) -> Callable[..., tuple]:
     """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, None,
     metrics)`` like ``train_step.make_train_step``'s, streaming the stack (module docstring).
     ``opt_state`` is ``init_state``'s; the stack's parameters and state enter and leave in host
-    memory. ``make_loss(layers_fn)`` is the loss with the stack run by ``layers_fn``."""
+    memory. ``make_loss(layers_fn)`` is the loss with the stack run by ``layers_fn``.
+
+    With ``accum_steps`` microbatches the gradients are summed as ``summed_grads`` sums them
+    (in ``accum_dtype``, in microbatch order, divided once): the rest's on the device, the
+    stack's in host memory, added block by block."""
+    from jaxmem.step.train_step import _split_microbatches
+
     loss_fn = make_loss(streamed_layers_fn(layers_fn))
 
     def step(params, opt_state, loss_scale, batch):
@@ -155,9 +174,34 @@ def make_streamed_step(
             loss_sum, n = loss_fn(join(params, r, s), b)[1]
             return loss_sum, (loss_sum, n)
 
-        (g_rest, g_stack), (loss_sum, n_tokens) = jax.grad(
-            scaled_sum, argnums=(0, 1), has_aux=True
-        )(rest, stack_h, batch)
+        grad_fn = jax.grad(scaled_sum, argnums=(0, 1), has_aux=True)
+        if accum_steps == 1:
+            (g_rest, g_stack), (loss_sum, n_tokens) = grad_fn(rest, stack_h, batch)
+        else:
+            micro = _split_microbatches(batch, accum_steps)
+
+            def add(acc: Any, g: Any) -> Any:
+                return jax.tree_util.tree_map(lambda a, x: a + x.astype(accum_dtype), acc, g)
+
+            def zeros(tree: Any) -> Any:
+                return jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), tree)
+
+            def body(carry, b):
+                acc_rest, acc_stack, s_acc, n_acc = carry
+                (g_r, g_s), (s, n) = grad_fn(rest, stack_h, b)
+                acc_stack = _blockwise(add, acc_stack, g_s)
+                return (add(acc_rest, g_r), acc_stack, s_acc + s, n_acc + n), None
+
+            # as summed_grads: every microbatch added to zeros, in order (the stack's zeros
+            # made block by block in host memory)
+            wide_float = jnp.result_type(float)
+            init = (
+                zeros(rest),
+                _blockwise(zeros, stack_h),
+                jnp.zeros((), wide_float),
+                jnp.zeros((), wide_float),
+            )
+            (g_rest, g_stack, loss_sum, n_tokens), _ = jax.lax.scan(body, init, micro)
         g_rest = jax.tree_util.tree_map(lambda g: (g / n_tokens).astype(g.dtype), g_rest)
         updates, new_state_rest = tx.update(g_rest, state_rest, rest)
         new_rest = optax.apply_updates(rest, updates)

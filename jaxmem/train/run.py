@@ -290,7 +290,13 @@ class JaxTrainer:
                     opt_state = place(tx.init(params), job.optimizer.state_memory)
                     params = place(params, job.optimizer.params_memory)
                 step_fn = (
-                    stream.make_streamed_step(make_loss, layers, tx)
+                    stream.make_streamed_step(
+                        make_loss,
+                        layers,
+                        tx,
+                        accum_steps=job.accum.steps,
+                        accum_dtype=jax.numpy.dtype(job.precision.accum_dtype),
+                    )
                     if self.streamed
                     else make_train_step(
                         loss_fn,
