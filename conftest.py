@@ -55,3 +55,31 @@ contain_cuda_plugin()
 def pytest_unconfigure(config) -> None:
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# The longest files first: `make test` hands whole files to 2 workers in collection order, so a
+# long file collected last runs alone at the end while the other worker idles (longest-first is
+# the classic fix for that tail). The files holding the slowest tests of a full run on 2 cores
+# (pytest --durations), longest first; the rest keep their order. Only the order changes.
+LONGEST_FIRST = (
+    "tests/test_parallel.py",
+    "parity_tests/test_sharded_parity.py",
+    "tests/test_stream.py",
+    "tests/test_cli_contract.py",
+    "tests/test_train.py",
+    "parity_tests/test_compare_cli.py",
+    "tests/test_own_step.py",
+    "tests/test_chaos.py",
+    "tests/test_plan.py",
+    "tests/test_gpu_plan.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+
+    def key(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)  # stable: tests keep their order within a file and among the rest

@@ -142,8 +142,11 @@ def test_memory_and_peak_take_your_step_from_the_command_line(tmp_path):
     assert report["plan"]["target"] == "cpu"
 
 
-def test_bad_entry_points_are_one_line_and_exit_2(tmp_path):
+def test_bad_entry_points_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from jaxmem import cli
+
     entry = _entry(tmp_path)
+    monkeypatch.chdir(tmp_path)
     cases = [
         (("memory", "--fn", "small_step"), "must be MODULE:FUNCTION"),
         (("memory", "--fn", "no_such_module_xyz:make_step"), "importing no_such_module_xyz failed"),
@@ -156,9 +159,10 @@ def test_bad_entry_points_are_one_line_and_exit_2(tmp_path):
         (("peak", "--fn", f"{entry}:make_step", "--target", "h200"), "unknown target 'h200'"),
     ]
     for argv, message in cases:
-        done = jaxmem(*argv, cwd=tmp_path)
-        err = done.stderr.strip().splitlines()
-        assert done.returncode == 2, (argv, done.stdout, done.stderr)
+        with pytest.raises(SystemExit) as e:
+            cli.main(list(argv))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2, (argv, err)
         assert len(err) == 1 and message in err[0], (argv, err)
 
 
