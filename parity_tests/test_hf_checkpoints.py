@@ -29,7 +29,10 @@ from parity_tests.hf_models import (
     save_hf_model,
 )
 
-pytest.importorskip("transformers")
+pytest.importorskip(
+    "transformers",
+    reason="transformers is the hf extra (pip install 'jaxmem[hf]'; make test installs it)",
+)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from torch_ref.remat import apply_memory_policy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf_torch_memory.py"
+HF_MISSING = "transformers is the hf extra (pip install 'jaxmem[hf]'; make test installs it)"
 B, D, H, L = 4, 8, 16, 3  # batch, width, hidden width, blocks
 F32 = 4  # bytes
 
@@ -380,7 +381,7 @@ def hf_plan(mode: str) -> CheckpointPlan:
 
 
 def hf_llama(**overrides: object) -> nn.Module:
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason=HF_MISSING)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, **overrides))
 
@@ -434,7 +435,7 @@ def test_hugging_faces_sdpa_takes_its_tracing_path_on_fake_tensors_and_the_examp
 
 @pytest.mark.slow
 def test_the_example_prints_its_table():
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason=HF_MISSING)
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "--small"],
         capture_output=True,

@@ -19,7 +19,11 @@ from jaxmem.compare.tolerances import tolerance
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flax_own_model.py"
 GPU_PLAN = importlib.util.find_spec("jax_cuda12_plugin") is not None
-needs_gpu_plan = pytest.mark.skipif(not GPU_PLAN, reason="needs jaxmem[gpu-plan]")
+needs_gpu_plan = pytest.mark.skipif(
+    not GPU_PLAN,
+    reason="deviceless GPU plans need JAX's CUDA plugin and ptxas: pip install "
+    "'jaxmem[gpu-plan]' (make test installs it), not installed here",
+)
 SMALL = "vocab=512, d_model=128, n_heads=2, d_ff=512, n_layers=8, seq_len=512, batch=8"
 TINY = "vocab=256, d_model=64, n_heads=2, d_ff=128, n_layers=2, seq_len=64, batch=2"  # plumbing
 TIMEOUT = 600

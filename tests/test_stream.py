@@ -35,6 +35,8 @@ from jaxmem.step.train_step import (
 )
 
 GPU_PLAN = importlib.util.find_spec("jax_cuda12_plugin") is not None
+# a deviceless GPU plan needs JAX's CUDA plugin and ptxas (an optional extra; make test has it)
+NO_GPU_PLAN = "deviceless GPU plans need pip install 'jaxmem[gpu-plan]', not installed here"
 CFG = PRESETS["tiny"]
 
 
@@ -79,7 +81,10 @@ def test_a_streamed_step_computes_the_unstreamed_steps_numbers(precision, policy
         p, o, _, m = plain(p, o, None, batch)
         s_params, s_state, _, sm = streamed(s_params, s_state, None, batch)
         assert float(sm["loss"]) == float(m["loss"])  # bit for bit
-        np.testing.assert_allclose(float(sm["grad_norm"]), float(m["grad_norm"]), rtol=1e-6)
+        norm_tol = tolerance("float32", "streamed_grad_norm")
+        np.testing.assert_allclose(
+            float(sm["grad_norm"]), float(m["grad_norm"]), **norm_tol.kwargs()
+        )
     # the stack and its state stay in host memory between steps; the rest on the device
     rest, stack = stream.split(s_params)
     kinds = {a.sharding.memory_kind for a in jax.tree.leaves((stack, s_state[1]))}
@@ -166,7 +171,7 @@ def test_commands_that_do_not_measure_a_streamed_step_say_so(capsys):
     assert "does not measure a streamed step (--stream) yet" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not GPU_PLAN, reason="needs jaxmem[gpu-plan]")
+@pytest.mark.skipif(not GPU_PLAN, reason=NO_GPU_PLAN)
 def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
     from jaxmem.backend import contain_cuda_plugin
 
@@ -196,7 +201,7 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
     assert info["transfers"]["source"].startswith("estimate: bytes from shapes over 64 GB/s")
 
 
-@pytest.mark.skipif(not GPU_PLAN, reason="needs jaxmem[gpu-plan]")
+@pytest.mark.skipif(not GPU_PLAN, reason=NO_GPU_PLAN)
 def test_the_planner_searches_streaming_where_host_memory_is_allowed():
     """A budget below every plan that keeps the stack on the device (state there or in host
     memory): with host memory allowed the planner chooses a streamed step, and its command

@@ -23,7 +23,11 @@ WEIGHTS = {
 }
 X = jax.ShapeDtypeStruct((B, D), jnp.float32)
 GPU_PLAN = importlib.util.find_spec("jax_cuda12_plugin") is not None
-needs_gpu_plan = pytest.mark.skipif(not GPU_PLAN, reason="needs jaxmem[gpu-plan]")
+needs_gpu_plan = pytest.mark.skipif(
+    not GPU_PLAN,
+    reason="deviceless GPU plans need JAX's CUDA plugin and ptxas: pip install "
+    "'jaxmem[gpu-plan]' (make test installs it), not installed here",
+)
 
 
 def block(x, w):

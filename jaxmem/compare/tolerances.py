@@ -103,6 +103,14 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
         ),
     },
     "float32": {
+        "streamed_grad_norm": Tolerance(
+            rtol=1e-6,
+            atol=0.0,
+            reason="a streamed step sums the gradient's squares block by block (the rest, then "
+            "each block of the stack) where the unstreamed one sums them leaf by leaf: the same "
+            "terms in another order. Measured 1.2e-7 relative at most over 400 steps of tiny "
+            "(bf16, selective); the losses are bit-identical",
+        ),
         "streamed_sgd_params": Tolerance(
             rtol=0.0,
             atol=1e-8,

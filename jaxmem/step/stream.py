@@ -22,7 +22,6 @@ array's memory space, so the transfers are explicit ``jax.device_put(x, jax.memo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ import optax
 
 from jaxmem.model import LayersFn
 from jaxmem.model.decoder import STACK_PATH
+from jaxmem.step.train_step import _split_microbatches, _subtree, tree_bytes
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -61,12 +61,6 @@ def streamed_layers_fn(layers_fn: LayersFn) -> LayersFn:
         return layers_fn(lambda h, layer_state: layer_fn(h, fetch(layer_state)), x, stacked)
 
     return run
-
-
-def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def split(params: Any) -> tuple[Any, Any]:
@@ -159,8 +153,6 @@ def make_streamed_step(
     With ``accum_steps`` microbatches the gradients are summed as ``summed_grads`` sums them
     (in ``accum_dtype``, in microbatch order, divided once): the rest's on the device, the
     stack's in host memory, added block by block."""
-    from jaxmem.step.train_step import _split_microbatches
-
     loss_fn = make_loss(streamed_layers_fn(layers_fn))
 
     def step(params, opt_state, loss_scale, batch):
@@ -206,11 +198,12 @@ def make_streamed_step(
         updates, new_state_rest = tx.update(g_rest, state_rest, rest)
         new_rest = optax.apply_updates(rest, updates)
         new_stack, new_state_stack, sq = _stack_update(tx, stack_h, g_stack, state_stack, n_tokens)
+        total_sq = _sum_squares(g_rest) + sq
         metrics = {
             "loss": loss_sum / n_tokens,
             "n_tokens": n_tokens,
-            "grad_norm": jnp.sqrt(_sum_squares(g_rest) + sq),
-            "grads_finite": jnp.isfinite(_sum_squares(g_rest) + sq),
+            "grad_norm": jnp.sqrt(total_sq),
+            "grads_finite": jnp.isfinite(total_sq),
         }
         return join(params, new_rest, new_stack), (new_state_rest, new_state_stack), None, metrics
 
@@ -237,5 +230,4 @@ def host_bytes(params: Any, opt_state: Any) -> int:
     """Bytes a streamed step keeps in host memory between steps (the stack's parameters and
     optimizer state), from shapes."""
     _, stack = split(params)
-    leaves = [*jax.tree_util.tree_leaves(stack), *jax.tree_util.tree_leaves(opt_state[1])]
-    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in leaves)
+    return tree_bytes(stack) + tree_bytes(opt_state[1])
