@@ -196,16 +196,9 @@ def check_stream(
     policy: MemoryPolicy,
     precision: Precision,
     accum: AccumConfig,
-    parallel: ParallelConfig | None = None,
-    framework: str = "jax",
 ) -> None:
     """``ConfigError`` naming what a streamed step (``optimizer.stream``) does not compose with
     yet."""
-    require(
-        framework == "jax",
-        "optimizer.stream runs in JAX; torch_ref's streaming (FSDP2's CPUOffloadPolicy) is not "
-        "part of the training job: use --framework jax",
-    )
     require(
         precision.loss_scale != "dynamic",
         f"optimizer.stream runs without fp16's dynamic loss scale (a skipped step would need "
@@ -217,16 +210,42 @@ def check_stream(
         "updates once per microbatch; use accum mode 'scan'",
     )
     require(
-        parallel is None or not parallel.sharded,
-        f"optimizer.stream runs on one device (--mesh {parallel.mesh_text() if parallel else ''}"
-        "): drop --mesh",
-    )
-    require(
         not (policy.unroll or not policy.layers.is_all or policy.nested or policy.rest),
         f"optimizer.stream runs the stack as one scan: policy {policy.name!r} unrolls, selects "
         "layers, nests or mixes; use a preset over every layer (none, full, selective, mlp, "
         "offload, or custom names)",
     )
+
+
+def torch_host_memory_refusal(job: JobConfig) -> str | None:
+    """Why torch_ref's job cannot keep ``job``'s state in host memory as asked (None: it can:
+    ``--stream`` through FSDP2's CPUOffloadPolicy, optimizer state through Megatron's hybrid
+    optimizer)."""
+    opt, parallel = job.optimizer, job.parallel
+    if opt.params_memory != "device":
+        return (
+            f"optimizer.params_memory={opt.params_memory!r}: torch_ref keeps parameters between "
+            "steps in host memory only by streaming them (--stream, FSDP2's CPUOffloadPolicy); "
+            "use --stream or --framework jax"
+        )
+    if opt.state_memory != "device" and parallel.sharded:
+        return (
+            f"optimizer.state_memory={opt.state_memory!r} with --mesh {parallel.mesh_text()}: "
+            "torch_ref's host optimizer (Megatron's hybrid) runs on one process; over a mesh "
+            "use --stream (FSDP2's CPUOffloadPolicy)"
+        )
+    if opt.state_memory != "device" and job.precision.loss_scale == "dynamic":
+        return (
+            f"optimizer.state_memory={opt.state_memory!r} with precision "
+            f"{job.precision.name!r}: torch_ref's host optimizer runs without GradScaler; use "
+            "bf16 or fp32"
+        )
+    if opt.stream and parallel.sharded and parallel.strategy == "dp":
+        return (
+            "--stream with --mesh dp: torch_ref streams with FSDP2's CPUOffloadPolicy, which "
+            "shards; use --mesh fsdp or zero1 (or --framework jax)"
+        )
+    return None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -276,7 +295,7 @@ class JobConfig:
             "them once per microbatch on the device)",
         )
         if self.optimizer.stream:
-            check_stream(self.memory, self.precision, self.accum, self.parallel, self.run.framework)
+            check_stream(self.memory, self.precision, self.accum)
         self.accum.check_batch(self.run.batch_size)
         self.parallel.check_batch(self.run.batch_size, self.accum.steps)
         if self.parallel.sharded:

@@ -61,20 +61,23 @@ def _is_stacked(path: tuple) -> bool:
     return any(getattr(k, "key", None) == "blocks" for k in path)
 
 
-def leaf_spec(path: tuple, shape: tuple[int, ...], n: int) -> P:
+def leaf_spec(shape: tuple[int, ...], n: int, stacked: bool) -> P:
     """Where one array lives on an ``n``-device axis when it is sharded (``shard_dim``)."""
-    best = shard_dim(shape, n, _is_stacked(path))
+    best = shard_dim(shape, n, stacked)
     if best is None:
         return P()
     return P(*(AXIS if d == best else None for d in range(len(shape))))
 
 
-def tree_shardings(tree: Any, m: Mesh, shard: bool, memory_kind: str = "device") -> Any:
-    """A ``NamedSharding`` per array leaf of ``tree``: sharded by ``leaf_spec`` or replicated."""
+def tree_shardings(
+    tree: Any, m: Mesh, shard: bool, memory_kind: str = "device", *, stacked: bool = False
+) -> Any:
+    """A ``NamedSharding`` per array leaf of ``tree``: sharded by ``leaf_spec`` or replicated.
+    ``stacked``: every leaf of ``tree`` is the block stack's (its first axis the layers')."""
     n = m.shape[AXIS]
 
     def one(path: tuple, x: Any) -> NamedSharding:
-        spec = leaf_spec(path, tuple(x.shape), n) if shard else P()
+        spec = leaf_spec(tuple(x.shape), n, stacked or _is_stacked(path)) if shard else P()
         return NamedSharding(m, spec, memory_kind=memory_kind)
 
     return jax.tree_util.tree_map_with_path(one, tree)

@@ -5,7 +5,7 @@ against jaxmem's sharded step: torchrun launches with gloo, as subprocesses with
   holds its share of parameters, gradients and optimizer state;
 - ``jaxmem train --framework torch --mesh fsdp=2`` under torchrun logs the losses of ``jaxmem
   train --mesh fsdp=2`` (JAX) over 10 steps, resumes bit-identically from its rank-0 checkpoint,
-  and only rank 0 writes the run's files.
+  and only rank 0 writes the run's files; streamed (``--stream``) it logs the same numbers.
 """
 
 from __future__ import annotations
@@ -120,6 +120,15 @@ def test_fsdp2_trains_as_jax_fsdp_and_resumes_bit_identically(tmp_path):
         "summary.json",
     ]
     assert sorted(p.name for p in (torch_run / "checkpoints").iterdir()) == ["10", "5"]
+    # streamed through host memory (FSDP2's CPUOffloadPolicy on both ranks): the same numbers
+    streamed = tmp_path / "streamed"
+    torchrun(
+        "--no-python",
+        *_jaxmem("train", "--framework", "torch", *common, "--stream", "--out", str(streamed)),
+    )
+    assert [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in _metrics(streamed)] == [
+        (r["loss"], r["grad_norm"], r.get("val_loss")) for r in t
+    ]
     # killed between the two checkpoints: the run without checkpoint 10 and the lines after 5
     split = tmp_path / "split"
     shutil.copytree(torch_run, split)

@@ -1,9 +1,12 @@
 """``jaxmem train --framework torch``: the same job, the same step loop and run files, in
-torch_ref; its losses against a JAX run of the same job, its resume, its non-finite stop."""
+torch_ref; its losses against a JAX run of the same job, its resume, its non-finite stop, and
+its state in host memory (streamed, or the hybrid optimizer's)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ import pytest
 from jaxmem import cli
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.train.layout import verify
-from tests.test_train import check_non_finite_stop, metrics, train
+from tests.test_train import TINY, check_non_finite_stop, metrics, train
 
 
 def test_non_finite_loss_stops_the_torch_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
@@ -36,16 +39,81 @@ def test_torch_framework_trains_the_same_job_to_the_same_losses(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 0
 
 
-def test_host_resident_optimizer_state_is_refused_not_ignored_by_torch(tmp_path, capsys):
-    """torch_ref's job keeps optimizer state on the device; asking for pinned_host exits 2 in
-    one line before anything is written, rather than training with the state on the device."""
+def _train_process(*args: str) -> int:
+    """``jaxmem train`` (the tests' tiny job) as a process of its own; its exit code."""
+    cmd = [sys.executable, "-m", "jaxmem.cli", "train", *TINY, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def unstreamed(tmp_path_factory):
+    """The reference: 6 steps of a bf16 selective torch run in 2 microbatches, state on the
+    device."""
+    out = tmp_path_factory.mktemp("unstreamed") / "run"
+    assert train(*HOST_RUN, "--steps", "6", "--framework", "torch", "--out", str(out)) == 0
+    return metrics(out)
+
+
+HOST_RUN = ["--precision", "bf16", "--policy", "selective", "--accum", "2", "--eval-every", "3"]
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        ["--stream"],  # FSDP2's CPUOffloadPolicy on a process group of one
+        ["--set", "optimizer.state_memory=pinned_host"],  # Megatron's hybrid optimizer
+    ],
+    ids=["stream", "hybrid"],
+)
+def test_torch_state_in_host_memory_trains_and_resumes_to_the_device_resident_losses(
+    unstreamed, host, tmp_path
+):
+    """torch_ref's host-memory strategies move tensors, not arithmetic: killed after its
+    checkpoint at step 3 and resumed to 6, each logs the device-resident run's losses, validation
+    losses and gradient norms bit for bit."""
+    out = tmp_path / "run"
+    common = [*HOST_RUN, "--framework", "torch", *host, "--checkpoint-every", "3"]
+    # a streamed run joins a process group (of one: FSDP2 needs one) and so ends its process
+    # past its records (torch_ref.distributed.end_worker): it runs in a process of its own
+    run = train if "--stream" not in host else _train_process
+    assert run(*common, "--steps", "3", "--out", str(out)) == 0
+    assert run("--resume", "--steps", "6", "--out", str(out)) == 0
+    got = metrics(out)
+    keys = ("step", "loss", "grad_norm", "val_loss")
+    assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in unstreamed]
+
+
+def test_torch_streams_the_jax_streamed_runs_losses(unstreamed, tmp_path):
+    """``--stream`` in both frameworks: the same losses within the table's bf16 entry."""
+    out = tmp_path / "jax"
+    assert train(*HOST_RUN, "--steps", "6", "--stream", "--out", str(out)) == 0
+    tol = tolerance("bfloat16", "loss")
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics(out)], [r["loss"] for r in unstreamed], **tol.kwargs()
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--set", "optimizer.params_memory=pinned_host"], "only by streaming them (--stream"),
+        (
+            ["--set", "optimizer.state_memory=pinned_host", "--precision", "fp16"],
+            "host optimizer runs without GradScaler",
+        ),
+    ],
+)
+def test_what_torch_keeps_in_host_memory_only_otherwise_is_one_line_exit_2(
+    extra, message, tmp_path, capsys
+):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
-        train(
-            "--framework", "torch", "--set", "optimizer.state_memory=pinned_host", "--out", str(out)
-        )
+        train("--framework", "torch", *extra, "--out", str(out))
     assert exc.value.code == 2
-    assert "torch_ref's training job keeps them on the device" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
     assert not out.exists()
 
 

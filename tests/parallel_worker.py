@@ -2,7 +2,9 @@
 backends start, so the N-device runs need a process of their own. Trains ``tiny`` for a few
 AdamW steps on one device and under each strategy over ``DEVICES`` CPU devices, from the same
 weights and batches, and prints JSON: per case and strategy, the losses and the per-device
-bytes of parameters and optimizer state actually resident on the first device.
+bytes of parameters and optimizer state actually resident on the first device. A case with
+``"stream": true`` also runs each strategy's streamed step (``jaxmem.step.stream``) as
+``"<strategy>+stream"``.
 
     python tests/parallel_worker.py '[{"policy": "full", "precision": "fp32", ...}]'
 """
@@ -28,14 +30,21 @@ from jaxmem.parallel import STRATEGIES, ParallelConfig  # noqa: E402
 from jaxmem.policy import get_policy  # noqa: E402
 from jaxmem.precision import PRECISIONS  # noqa: E402
 from jaxmem.sharding import parallel_loss, per_device_bytes, step_shardings  # noqa: E402
+from jaxmem.step import stream as streaming  # noqa: E402
 from jaxmem.step.scaling import init_loss_scale  # noqa: E402
-from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step, place  # noqa: E402
+from jaxmem.step.train_step import (  # noqa: E402
+    lm_loss_fn,
+    make_optimizer,
+    make_train_step,
+    place,
+    tree_bytes,
+)
 
 CFG = PRESETS["tiny"]
 BATCH, SEQ = 8, 32
 
 
-def run(case: dict, parallel: ParallelConfig) -> dict:
+def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
     precision = PRECISIONS[case["precision"]]
     opt_cfg = OptimizerConfig(state_memory=case.get("state_memory", "device"))
     accum = AccumConfig(steps=case.get("accum", 1))
@@ -56,6 +65,18 @@ def run(case: dict, parallel: ParallelConfig) -> dict:
     step = make_train_step(
         loss, tx, precision=precision, accum=accum, opt_cfg=opt_cfg, shardings=sh
     )
+    if stream:
+        where = streaming.placement(tx, params, sh, parallel)
+        params, opt_state = streaming.place(params, streaming.init_state(tx, params), where)
+        step = streaming.make_streamed_step(
+            lambda lf: parallel_loss(lambda f: lm_loss_fn(g, layers_fn=f), lf, parallel, sh.mesh),
+            layers,
+            tx,
+            accum_steps=accum.steps,
+            accum_dtype=jnp.dtype(precision.accum_dtype),
+            shardings=sh,
+            placement=where,
+        )
     scale = init_loss_scale(precision)
     losses = []
     for i in range(case["steps"]):
@@ -65,13 +86,23 @@ def run(case: dict, parallel: ParallelConfig) -> dict:
             batch = jax.device_put(batch, sh.batch)
         params, opt_state, scale, metrics = step(params, opt_state, scale, batch)
         losses.append(float(metrics["loss"]))
+    kinds = {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(opt_state)}
+    out = {}
+    if stream:
+        _, stack = streaming.split(params)
+        out = {
+            "stack_memory_kinds": sorted(
+                {x.sharding.memory_kind for x in jax.tree_util.tree_leaves((stack, opt_state[1]))}
+            ),
+            "stack_bytes": per_device_bytes((stack, opt_state[1])),
+            "stack_whole_bytes": tree_bytes((stack, opt_state[1])),
+        }
     return {
+        **out,
         "losses": losses,
         "params_bytes": per_device_bytes(params),
         "opt_state_bytes": per_device_bytes(opt_state),
-        "opt_state_memory_kinds": sorted(
-            {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(opt_state)}
-        ),
+        "opt_state_memory_kinds": sorted(kinds),
     }
 
 
@@ -80,7 +111,10 @@ def main() -> None:
     for case in json.loads(sys.argv[1]):
         row = {"case": case, "one_device": run(case, ParallelConfig())}
         for strategy in case.get("strategies", STRATEGIES):
-            row[strategy] = run(case, ParallelConfig(strategy=strategy, devices=DEVICES))
+            parallel = ParallelConfig(strategy=strategy, devices=DEVICES)
+            row[strategy] = run(case, parallel)
+            if case.get("stream"):
+                row[f"{strategy}+stream"] = run(case, parallel, stream=True)
         out.append(row)
     print(json.dumps(out))
 

@@ -40,6 +40,14 @@ CASES = [
         "steps": 5,
         "strategies": ["fsdp"],
     },
+    {  # the stack streamed through host memory (jaxmem.step.stream), over each strategy
+        "policy": "offload",
+        "precision": "bf16",
+        "accum": 2,
+        "stream": True,
+        "steps": 3,
+        "strategies": ["fsdp"],
+    },
 ]
 DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -97,6 +105,18 @@ def test_host_resident_optimizer_state_stays_on_the_host_when_sharded(runs):
     assert row["fsdp"]["opt_state_bytes"] == pytest.approx(
         row["one_device"]["opt_state_bytes"] / N, rel=0.05
     )
+
+
+@pytest.mark.slow
+def test_a_streamed_step_over_a_mesh_computes_the_unstreamed_steps_numbers(runs):
+    """Streaming composes with fsdp: the streamed step's losses are the unstreamed fsdp step's,
+    bit for bit (the same arithmetic, moved), the stack and its state stay in host memory, and
+    each device keeps 1/N of them (what cannot be split, AdamW's step count, is whole)."""
+    row = runs[2]
+    plain, streamed = row["fsdp"], row["fsdp+stream"]
+    assert streamed["losses"] == plain["losses"]
+    assert streamed["stack_memory_kinds"] == ["pinned_host"]
+    assert 0 <= streamed["stack_bytes"] - streamed["stack_whole_bytes"] / N <= 16
 
 
 def _free_port() -> int:

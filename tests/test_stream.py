@@ -149,7 +149,6 @@ def test_a_streamed_run_killed_with_sigkill_resumes_to_the_unstreamed_losses(tmp
         (["--accum", "2", "--accum-mode", "multisteps"], "sums microbatches in its own scan"),
         (["--unroll"], "runs the stack as one scan"),
         (["--state-memory", "pinned_host"], "leave state_memory and params_memory at 'device'"),
-        (["--framework", "torch"], "optimizer.stream runs in JAX"),
     ],
 )
 def test_what_streaming_does_not_compose_with_yet_is_one_line_exit_2(
@@ -169,6 +168,12 @@ def test_commands_that_do_not_measure_a_streamed_step_say_so(capsys):
         cli.main(["memory", "--preset", "tiny", "--stream"])
     assert e.value.code == 2
     assert "does not measure a streamed step (--stream) yet" in capsys.readouterr().err
+    # a streamed step trains over a mesh but is planned on one device (before any compile)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["peak", "--preset", "tiny", "--stream", "--mesh", "fsdp=2", "--target", "h100"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--stream trains (jaxmem train) but is not planned yet" in err[0]
 
 
 @pytest.mark.skipif(not GPU_PLAN, reason=NO_GPU_PLAN)
@@ -223,6 +228,8 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
         accum=(1,),
         state_memory=("device", "pinned_host", "stream"),
         precisions=("bf16",),
+        tags=False,  # the stacks a plan holds on the device: full alone, scanned
+        unroll=False,
     )
     result = search(Problem(cfg, 2, 32, h100, budget, OptimizerConfig()), space)
     assert result.chosen is not None, [o.as_dict() for o in result.outcomes]

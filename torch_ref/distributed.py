@@ -11,6 +11,13 @@ PyTorch a PyTorch user writes, on ``torch.distributed``, one process per device,
 - ``fsdp``: FSDP2 ``fully_shard`` (``reshard_after_forward=True``) on every block and the root:
   ZeRO-3, each block's parameters all-gathered for its forward and again for its backward.
 
+Streaming (``optimizer.stream``, jaxmem's ``--stream``): FSDP2 ``fully_shard`` with
+``CPUOffloadPolicy`` on every block and the root, on one process (a process group of one) or
+over ``--mesh zero1|fsdp=N``: parameters, gradients and optimizer state live in host memory
+(pinned on CUDA); each block's parameters are copied to the device for its forward and backward,
+its gradients go back to host memory, and the optimizer steps on the CPU. PyTorch's stock peer
+of ``jaxmem.step.stream``, which keeps the embeddings and head on the device and updates on it.
+
 The memory policy is applied first (``torch_ref.remat`` sets the stack's ``layers_fn``; a
 checkpointed block's recompute all-gathers its parameters again, as in torchtitan), then the
 sharding, from outside: the model does not change. Each rank trains on its rows of every batch;
@@ -108,31 +115,42 @@ def check_launch(parallel: ParallelConfig, launch: Launch, command: str) -> None
 _joined = False
 
 
-def initialize(launch: Launch) -> None:
-    """Join torchrun's process group (gloo on CPU, nccl on CUDA); a lone process does nothing."""
-    if launch.world_size == 1 or dist.is_initialized():
+def initialize(launch: Launch, *, group_of_one: bool = False) -> None:
+    """Join torchrun's process group (gloo on CPU, nccl on CUDA); a lone process does nothing,
+    or with ``group_of_one`` (FSDP2 needs a group) makes a group of itself, in memory."""
+    if dist.is_initialized() or (launch.world_size == 1 and not group_of_one):
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if launch.world_size == 1 and "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
     global _joined
     _joined = True
 
 
-def shard(model: nn.Module, parallel: ParallelConfig, launch: Launch) -> nn.Module:
+def shard(
+    model: nn.Module, parallel: ParallelConfig, launch: Launch, *, stream: bool = False
+) -> nn.Module:
     """``model`` (on this rank's device, memory policy applied) under ``parallel.strategy``;
-    returns the module to call (DDP wraps it; FSDP2 changes it in place)."""
-    if not parallel.sharded:
+    returns the module to call (DDP wraps it; FSDP2 changes it in place). ``stream``: FSDP2
+    with ``CPUOffloadPolicy`` (module docstring), on one process too."""
+    if not parallel.sharded and not stream:
         return model
-    if parallel.strategy == "dp":
+    if parallel.strategy == "dp" and not stream:
         device_ids = [launch.local_rank] if torch.cuda.is_available() else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    reshard = RESHARD_AFTER_FORWARD[parallel.strategy]
+    # one process: nothing to reshard (fsdp's default); dp has no FSDP2 form (refused upstream)
+    reshard = RESHARD_AFTER_FORWARD.get(parallel.strategy, True) if parallel.sharded else True
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if stream else None
+    policy = offload or OffloadPolicy()
     for block in model.blocks.layers:
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, offload_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard, offload_policy=policy)
     # Decoder returns its logits from an einsum, a view; FSDP2 warns that an in-place op on a
     # returned view would skip its pre-backward hook. Nothing here modifies logits in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -185,8 +203,11 @@ def grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
     it manages (``Shard(0)``, padded), so the squares of this rank's shards summed over ranks
     are the global sum; replicated gradients (one process, DDP) are taken as they are."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(hasattr(g, "to_local") for g in grads):
-        return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
+    alone = not dist.is_initialized() or dist.get_world_size() == 1
+    if alone or not any(hasattr(g, "to_local") for g in grads):
+        # whole gradients (one process, DDP, or FSDP2 on a group of one: its shard is the
+        # whole): the same arithmetic as an unsharded run
+        return torch.linalg.vector_norm(torch.stack([local(g).float().norm() for g in grads]))
     squares = torch.stack([local(g).float().pow(2).sum() for g in grads]).sum()
     return all_sum(squares).sqrt()
 

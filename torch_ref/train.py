@@ -104,6 +104,31 @@ class HybridDeviceOptimizer:
         if self.device is not None:
             self.device.step()
 
+    def state_dict(self) -> dict:
+        """The fp32 masters and both optimizers' state (a checkpoint's ``optimizer`` entry)."""
+        return {
+            "masters": [m.detach().clone() for _, m in self.offloaded],
+            "host": self.host.state_dict() if self.host is not None else None,
+            "device": self.device.state_dict() if self.device is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of ``state_dict``: the masters, their state, and the device copies of the
+        offloaded parameters made from the masters (as ``step`` leaves them)."""
+        masters = state["masters"]
+        if len(masters) != len(self.offloaded):
+            raise ValueError(
+                f"the checkpoint holds {len(masters)} master parameters, this optimizer "
+                f"offloads {len(self.offloaded)}: it was saved with another offload fraction"
+            )
+        for (p, master), saved in zip(self.offloaded, masters, strict=True):
+            master.copy_(saved)
+            p.copy_(master.to(p.device, p.dtype))
+        for opt, key in ((self.host, "host"), (self.device, "device")):
+            if opt is not None:
+                opt.load_state_dict(state[key])
+
     def state_tensors(self) -> list[torch.Tensor]:
         return [
             t

@@ -59,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
         with usage_errors():
             check_cpu_mesh(job.parallel.devices)
+    if job.optimizer.stream:
+        from jaxmem.planner.records import require_one_device
+
+        with usage_errors():
+            require_one_device(job.parallel)
     check_writable(args.json)
     if target.is_gpu:
         need_gpu_plan(target)

@@ -28,7 +28,7 @@ import torch_ref.distributed as tdist
 from jaxmem.compare.parity import torch_model_from
 from jaxmem.config import ConfigError
 from jaxmem.figures import Figure, format_bytes, rss_figure
-from jaxmem.job import JobConfig
+from jaxmem.job import JobConfig, torch_host_memory_refusal
 from jaxmem.model import make_model
 from jaxmem.train.layout import CHECKPOINT_DIR
 from jaxmem.train.loop import (
@@ -43,20 +43,21 @@ from torch_ref.checkpoint import TorchCheckpointer
 from torch_ref.generate import generate
 from torch_ref.loss import cross_entropy_sum
 from torch_ref.remat import apply_memory_policy, validate_for_torch
-from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer, make_scaler
+from torch_ref.train import (
+    TORCH_DTYPES,
+    HybridDeviceOptimizer,
+    accumulate_grads,
+    make_optimizer,
+    make_scaler,
+)
 
 
 def check_torch_backend(job: JobConfig) -> None:
     """Raise ``ConfigError`` for what torch_ref cannot express (e.g. q/k/v split choices)."""
     validate_for_torch(job.memory, cfg=job.model)
-    kept = {job.optimizer.state_memory, job.optimizer.params_memory} - {"device"}
-    if kept:
-        raise ConfigError(
-            f"optimizer state/params in {', '.join(sorted(kept))}: torch_ref's training job keeps "
-            "them on the device (torch_ref.train.HybridDeviceOptimizer is compared in the parity "
-            "suite, not wired into the job): use --framework jax or set optimizer.state_memory "
-            "and optimizer.params_memory to device"
-        )
+    refusal = torch_host_memory_refusal(job)
+    if refusal is not None:
+        raise ConfigError(refusal)
     _check_torch_resident(job)
 
 
@@ -102,7 +103,7 @@ class TorchTrainer:
         cfg, r = job.model, job.run
         self.parallel = job.parallel
         self.launch = launch_for(job)
-        tdist.initialize(self.launch)
+        tdist.initialize(self.launch, group_of_one=job.optimizer.stream)
         self.device = self.launch.device
         self.platform = self.device.split(":")[0]
         # a data-parallel rank reads only its rows of every batch (jaxmem.train.loop)
@@ -116,8 +117,17 @@ class TorchTrainer:
         model = torch_model_from(initial)
         model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
         self.runner = apply_memory_policy(model.blocks, job.memory)
-        self.model = tdist.shard(model, self.parallel, self.launch)  # after the policy
-        self.opt = make_optimizer(self.model, job.optimizer)  # over the shards, if sharded
+        # FSDP2 manages the model (sharded, or streamed through host memory on one process too)
+        self.streamed = job.optimizer.stream
+        self.fsdp = self.streamed or (self.parallel.sharded and self.parallel.strategy != "dp")
+        self.model = tdist.shard(model, self.parallel, self.launch, stream=self.streamed)
+        self.host_state = job.optimizer.state_memory != "device"
+        if self.host_state:
+            # Megatron's hybrid optimizer with everything offloaded: fp32 masters and state in
+            # host memory, updated there by a CPU optimizer
+            self.opt = HybridDeviceOptimizer(self.model.parameters(), job.optimizer, 1.0)
+        else:
+            self.opt = make_optimizer(self.model, job.optimizer)  # over the shards, if sharded
         self.scaler = make_scaler(job.precision, self.device.split(":")[0])
         if self.scaler is not None and self.parallel.shards_opt_state:
             # FSDP2's gradients are shards: ranks must agree on whether a step overflowed
@@ -139,6 +149,16 @@ class TorchTrainer:
                 f"; --mesh {self.parallel.mesh_text()} over {self.launch.world_size} torchrun "
                 f"processes: {tdist.DESCRIPTION[self.parallel.strategy]}"
             )
+        if self.streamed:
+            text += (
+                "; streamed: FSDP2 CPUOffloadPolicy (parameters, gradients and optimizer state "
+                "in host memory, the optimizer stepping on the CPU)"
+            )
+        if self.host_state:
+            text += (
+                "; optimizer state in host memory: Megatron's hybrid optimizer, fp32 masters "
+                "updated on the CPU (torch_ref.train.HybridDeviceOptimizer)"
+            )
         return text
 
     def transfer(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -152,7 +172,7 @@ class TorchTrainer:
 
     def restore(self, step: int) -> None:
         assert self.ckpt is not None
-        if self.parallel.sharded:
+        if self.parallel.sharded or self.fsdp:
             # rank 0 reads and verifies the checkpoint and broadcasts it; each rank keeps its
             # shards (and the GradScaler's few numbers)
             state = self.ckpt.load(step) if self.launch.primary else {}
@@ -213,7 +233,7 @@ class TorchTrainer:
 
     def save(self, step: int, extra: dict[str, Any]) -> None:
         assert self.ckpt is not None
-        if self.parallel.sharded:  # gathered whole on rank 0 (a collective), written there
+        if self.parallel.sharded or self.fsdp:  # gathered whole on rank 0 (a collective)
             state = tdist.full_state(self.model, self.opt)
         else:
             state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
@@ -237,17 +257,32 @@ class TorchTrainer:
         def nbytes(tensors: Any) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
 
-        state = [
-            t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-        ]
+        if self.host_state:
+            state = self.opt.state_tensors()
+        else:
+            state = [
+                t
+                for s in self.opt.state.values()
+                for t in s.values()
+                if isinstance(t, torch.Tensor)
+            ]
         source = "counted (tensors)"
-        if self.parallel.sharded:
+        if self.parallel.sharded or self.fsdp:
             nbytes = tdist.local_bytes
-            source = f"counted (this rank's shards, {self.parallel.mesh_text()})"
+            if self.parallel.sharded:
+                source = f"counted (this rank's shards, {self.parallel.mesh_text()})"
+        where = " (host memory)" if self.streamed else ""
         out = [
-            Figure("parameters", nbytes(self.model.parameters()), source),
-            Figure("optimizer state", nbytes(state), source),
+            Figure(f"parameters{where}", nbytes(self.model.parameters()), source),
+            Figure(
+                f"optimizer state{' (host memory)' if self.streamed or self.host_state else ''}",
+                nbytes(state),
+                source,
+            ),
         ]
+        if self.host_state:
+            masters = [m for _, m in self.opt.offloaded]
+            out.append(Figure("fp32 master parameters (host memory)", nbytes(masters), source))
         if self.device == "cuda":
             peak = torch.cuda.max_memory_allocated()
             out.append(Figure("device peak", peak, "runtime peak (max_memory_allocated)"))

@@ -311,9 +311,12 @@ def stream_transfers(
 
 
 def require_one_device(parallel: ParallelConfig | None) -> None:
-    """A streamed step runs on one device (``jaxmem.job.check_stream``)."""
+    """A streamed step is planned on one device (it trains over a mesh)."""
     if parallel is not None and parallel.sharded:
-        raise ConfigError(f"optimizer.stream plans one device (got --mesh {parallel.mesh_text()})")
+        raise ConfigError(
+            f"a streamed step's plan is one device's: --mesh {parallel.mesh_text()} with "
+            "--stream trains (jaxmem train) but is not planned yet; drop --mesh to plan it"
+        )
 
 
 def _compile_step(

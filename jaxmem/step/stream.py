@@ -16,6 +16,12 @@ Between steps the stack's fp32 master parameters and their optimizer state live 
 What stays on the device is then one or two blocks' parameters and their update's working set,
 the activations the memory policy keeps, and the embeddings and head with their state.
 
+Over a mesh (``--mesh dp|zero1|fsdp=N``, ``jaxmem.sharding``) every device keeps its shard of the
+stack in its host memory, placed as the unstreamed step places it: a block's shard is fetched to
+the device and then all-gathered (fsdp), its gradient reduce-scattered and the shard sent to host
+memory, and the update runs on each device's shards. XLA inserts the collectives, as it does for
+the unstreamed step.
+
 Written by hand (no library streams a scanned stack through JAX memory spaces): JAX types an
 array's memory space, so the transfers are explicit ``jax.device_put(x, jax.memory.Space.*)``.
 """
@@ -23,7 +29,7 @@ array's memory space, so the transfers are explicit ``jax.device_put(x, jax.memo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +37,8 @@ import optax
 
 from jaxmem.model import LayersFn
 from jaxmem.model.decoder import STACK_PATH
+from jaxmem.parallel import ParallelConfig
+from jaxmem.sharding import StepShardings, tree_shardings
 from jaxmem.step.train_step import _split_microbatches, _subtree, tree_bytes
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
@@ -144,6 +152,8 @@ def make_streamed_step(
     accum_steps: int = 1,
     accum_dtype: Any = jnp.float32,
     donate: bool = True,
+    shardings: StepShardings | None = None,
+    placement: Placement | None = None,
 ) -> Callable[..., tuple]:
     """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, None,
     metrics)`` like ``train_step.make_train_step``'s, streaming the stack (module docstring).
@@ -152,8 +162,13 @@ def make_streamed_step(
 
     With ``accum_steps`` microbatches the gradients are summed as ``summed_grads`` sums them
     (in ``accum_dtype``, in microbatch order, divided once): the rest's on the device, the
-    stack's in host memory, added block by block."""
+    stack's in host memory, added block by block.
+
+    Over a mesh: ``shardings`` (the unstreamed step's) and ``placement`` (``placement(...)`` of
+    them): the step's inputs and outputs are placed by it; ``make_loss`` gathers the weights at
+    use (``jaxmem.sharding.parallel_loss``), after each block's shard is fetched."""
     loss_fn = make_loss(streamed_layers_fn(layers_fn))
+    micro_sharding = shardings.micro() if shardings is not None else None
 
     def step(params, opt_state, loss_scale, batch):
         del loss_scale  # streaming runs without fp16's (jaxmem.job.check_stream)
@@ -171,6 +186,8 @@ def make_streamed_step(
             (g_rest, g_stack), (loss_sum, n_tokens) = grad_fn(rest, stack_h, batch)
         else:
             micro = _split_microbatches(batch, accum_steps)
+            if micro_sharding is not None:
+                micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
 
             def add(acc: Any, g: Any) -> Any:
                 return jax.tree_util.tree_map(lambda a, x: a + x.astype(accum_dtype), acc, g)
@@ -210,12 +227,56 @@ def make_streamed_step(
     # A deviceless compile drops the arguments' memory kinds, so the stack arrives there in
     # device memory; donating it to a host-memory output fails XLA's host-offload check: plans
     # compile with donate=False (``plan_bytes`` then counts the aliasing from shapes).
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    donated = (0, 1) if donate else ()
+    if shardings is None:
+        return jax.jit(step, donate_argnums=donated)
+    assert placement is not None, "a sharded streamed step needs its placement"
+    rep = shardings.replicated
+    return jax.jit(
+        step,
+        donate_argnums=donated,
+        in_shardings=(placement.params, placement.opt_state, rep, shardings.batch),
+        out_shardings=(placement.params, placement.opt_state, rep, rep),
+    )
 
 
-def place(params: Any, opt_state: tuple[Any, Any]) -> tuple[Any, tuple[Any, Any]]:
+class Placement(NamedTuple):
+    """Where a streamed step's parameters and optimizer state live (trees of shardings, as
+    ``place`` and ``make_streamed_step`` take them)."""
+
+    params: Any
+    opt_state: tuple[Any, Any]
+
+
+def placement(
+    tx: optax.GradientTransformation,
+    params: Any,
+    shardings: StepShardings,
+    parallel: ParallelConfig,
+) -> Placement:
+    """The shardings of a streamed step over ``shardings.mesh``: every array placed as the
+    unstreamed step places it (``jaxmem.sharding``: fsdp shards the parameters, zero1/fsdp the
+    optimizer state, never on the stacked layer axis), the stack's in ``pinned_host``."""
+    rest_sh, stack_sh = split(shardings.params)
+    stack_sh = jax.tree_util.tree_map(lambda s: s.with_memory_kind("pinned_host"), stack_sh)
+    state_rest, state_stack = jax.eval_shape(lambda p: init_state(tx, p), params)
+    m, sharded = shardings.mesh, parallel.shards_opt_state
+    return Placement(
+        params=join(shardings.params, rest_sh, stack_sh),
+        opt_state=(
+            tree_shardings(state_rest, m, sharded),
+            tree_shardings(state_stack, m, sharded, "pinned_host", stacked=True),
+        ),
+    )
+
+
+def place(
+    params: Any, opt_state: tuple[Any, Any], where: Placement | None = None
+) -> tuple[Any, tuple[Any, Any]]:
     """``params`` and ``opt_state`` where a streamed step takes them: the stack's parameters and
-    state in ``pinned_host`` of the first device, the rest on it."""
+    state in ``pinned_host``, the rest on the device; on the first device, or by ``where``."""
+    if where is not None:
+        return jax.device_put(params, where.params), jax.device_put(opt_state, where.opt_state)
     from jax.sharding import SingleDeviceSharding
 
     host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")

@@ -10,6 +10,7 @@ step; the host syncs only when the loop fetches metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -33,6 +34,7 @@ from jaxmem.sharding import (
     ensure_cpu_devices,
     mesh,
     parallel_loss,
+    per_device_bytes,
     sharded_bytes,
     step_shardings,
 )
@@ -243,9 +245,14 @@ class JaxTrainer:
         def make_loss(lf: Any) -> Any:
             return lm_loss_fn(self.graphdef, layers_fn=lf)
 
+        make_parallel_loss = make_loss  # the loss as the strategy runs it, of a layers_fn
         if self.shardings is not None:
             mesh_ = self.shardings.mesh
             loss_fn = parallel_loss(make_loss, layers, job.parallel, mesh_)
+
+            def make_parallel_loss(lf: Any) -> Any:
+                return parallel_loss(make_loss, lf, job.parallel, mesh_)
+
             self._where = self.shardings.params
             loss_into = stack_accumulating_loss(
                 lambda lf: parallel_loss(make_loss, lf, job.parallel, mesh_),
@@ -259,7 +266,9 @@ class JaxTrainer:
         self.streamed = job.optimizer.stream
         # parameters kept in host memory are brought to the device inside the jitted evaluation
         # (a streamed stack block by block, as the step does)
-        eval_loss = make_loss(stream.streamed_layers_fn(layers)) if self.streamed else loss_fn
+        eval_loss = (
+            make_parallel_loss(stream.streamed_layers_fn(layers)) if self.streamed else loss_fn
+        )
         self._eval = jax.jit(
             lambda p, b: eval_loss(
                 place(p, "device", self._where) if self.host_params and not self.streamed else p,
@@ -274,6 +283,7 @@ class JaxTrainer:
             f"{job.memory.name}, {job.precision.name}, batch {r.batch_size} x seq {r.seq_len}, "
             f"accum {job.accum.steps}) on {self.platform}..."
         )
+        where = None  # a streamed step's placement over the mesh
         try:
             if job.accum.mode == "multisteps":
                 self._step, opt_state = _multisteps(loss_fn, tx, job.accum.steps, params, first)
@@ -283,7 +293,9 @@ class JaxTrainer:
                 if self.streamed:
                     # the stack's parameters and state live in host memory between steps and
                     # stream through the step block by block (jaxmem.step.stream)
-                    params, opt_state = stream.place(params, stream.init_state(tx, params))
+                    if self.shardings is not None:
+                        where = stream.placement(tx, params, self.shardings, job.parallel)
+                    params, opt_state = stream.place(params, stream.init_state(tx, params), where)
                 elif self.shardings is not None:
                     opt_state = jax.jit(tx.init, out_shardings=self.shardings.opt_state)(params)
                 else:
@@ -291,11 +303,13 @@ class JaxTrainer:
                     params = place(params, job.optimizer.params_memory)
                 step_fn = (
                     stream.make_streamed_step(
-                        make_loss,
+                        make_parallel_loss,
                         layers,
                         tx,
                         accum_steps=job.accum.steps,
                         accum_dtype=jax.numpy.dtype(job.precision.accum_dtype),
+                        shardings=self.shardings,
+                        placement=where,
                     )
                     if self.streamed
                     else make_train_step(
@@ -328,9 +342,19 @@ class JaxTrainer:
             first,
             plan,
             job.accum.steps,
-            self.shardings,
+            self._placed_by(where) if self.streamed else self.shardings,
             job.parallel.mesh_text(),
         )
+        if self.streamed:
+            _, stack = stream.split(params)
+            self._figures.append(
+                Figure(
+                    "streamed stack in host memory (parameters + optimizer state)"
+                    + (", per device" if self.shardings is not None else ""),
+                    per_device_bytes((stack, opt_state[1])),
+                    "counted (arrays in pinned_host)",
+                )
+            )
         if target is not None and target.is_gpu:
             console.print(f"planning the same step for {target.description} (no GPU needed)...")
             self._figures += target_plan_figures(
@@ -344,6 +368,12 @@ class JaxTrainer:
             self.ckpt = RunCheckpointer(
                 os.path.join(prepared.out_dir, CHECKPOINT_DIR), r.keep_checkpoints
             )
+
+    def _placed_by(self, where: stream.Placement | None) -> Any:
+        """The step's shardings with a streamed step's placement (None: one device)."""
+        if self.shardings is None or where is None:
+            return None
+        return dataclasses.replace(self.shardings, params=where.params, opt_state=where.opt_state)
 
     def describe(self) -> str:
         where = ""
