@@ -185,6 +185,8 @@ def run_config(name: str, target) -> dict:
         )
     out = {
         "config": name,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "searched": "presets, mixes of two presets and per-tag policies (jaxmem.planner.tags)",
         "preset": preset,
         "devices": devices,
         "batch": batch,
@@ -273,6 +275,9 @@ def run_torch_peer() -> dict:
         )
     return {
         "config": "small/cpu",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": {"jax": jax.__version__, "torch": torch_version()},
+        "searched": "presets, mixes of two presets and per-tag policies (jaxmem.planner.tags)",
         "batch": batch,
         "seq_len": seq,
         "precision": "fp32",
@@ -306,10 +311,21 @@ def _greedy_answer(path: list, budget: int) -> dict | None:
     return next((p for p in path if p["compiled_bytes"] <= budget), None)
 
 
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def markdown(results: list, meta: dict) -> str:
+    gpu = [r for r in results if r["config"] != "small/cpu"]
+    # each part carries the date it was measured (parts are re-run apart: --parts)
+    date = gpu[0].get("date", meta["date"]) if gpu else meta["date"]
+    searched = gpu[0].get("searched", "presets and mixes of two presets") if gpu else ""
     lines = [
         "`jaxmem plan` on H100 plans (deviceless XLA:CUDA compiles on a 2-core CPU machine, "
-        f"{meta['date']}; jax {meta['jax']}). Precision {PRECISION} (fp32 master weights), "
+        f"{date}; jax {meta['jax']}; searched: {searched}). Precision {PRECISION} (fp32 master "
+        "weights), "
         "AdamW. Bytes: planned peak per device (arguments + outputs − aliased + temporaries; "
         "host-resident optimizer state subtracted, from shapes); predicted: the plan's fitted "
         "model (compiles at 8 and 16 blocks); FLOP overhead: executed matmul FLOPs (jaxpr, "
@@ -356,7 +372,10 @@ def markdown(results: list, meta: dict) -> str:
         lines += [
             "",
             "PyTorch's `activation_memory_budget` beside jaxmem plan (`small`, 8 × 128, fp32, "
-            "XLA:CPU plans, one microbatch; torch: `torch.compile` with AOTAutograd's min-cut "
+            f"XLA:CPU plans, one microbatch; measured {r.get('date', meta['date'])}, "
+            + ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items())
+            + f"; jaxmem searched {r.get('searched', 'presets and mixes of two presets')}; "
+            "torch: `torch.compile` with AOTAutograd's min-cut "
             "partitioner, graphs run eagerly, at the fraction of its save-everything bytes "
             f"({r['torch_save_everything']['saved_activation_bytes'] / 2**20:.1f} MiB) that "
             "jaxmem's choice saves). Saved: JAX residual accounting / torch saved-tensor hooks; "
@@ -431,7 +450,9 @@ def main() -> None:
     previous = {}
     if os.path.exists(path):
         with open(path) as f:
-            previous = {r["config"]: r for r in json.load(f)["results"]}
+            saved = json.load(f)
+        # parts measured before they carried their own date: the file's
+        previous = {r["config"]: {"date": saved["meta"]["date"], **r} for r in saved["results"]}
     for name in args.parts.split(","):
         previous[name] = run_torch_peer() if name == "small/cpu" else run_config(name, target)
         results = [_trim(previous[n]) for n in (*CONFIGS, "small/cpu") if n in previous]

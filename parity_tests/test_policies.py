@@ -709,3 +709,30 @@ def test_mixed_stack_numerics_and_flops_in_both_frameworks(case64, head, k, rest
         f_head, f_rest = (run(POLICIES[p])[2] for p in (head, rest))
         # per-block FLOPs of each preset: uniform stacks differ by n blocks' difference
         assert (flops - f_rest) * n == k * (f_head - f_rest)
+
+
+# ------------------------------------------------------------------------ per-tag policies
+def test_the_planners_per_tag_policies_execute_their_counted_flops_in_both_frameworks(case):
+    """Every per-tag policy ``jaxmem plan`` may choose (one block's Pareto frontier,
+    ``jaxmem.planner.tags``) executes in JAX and in torch_ref (stock selective checkpointing)
+    exactly the FLOPs the frontier counted for it (torch_ref's lean extension always; stock
+    checkpoint too, but for stored probabilities: its replay stops at the last tensor the
+    backward needs, not before the q·kᵀ matmul whose softmax it reads from storage, one
+    attention matmul per block); its first point keeps only the block input (``full``'s FLOPs)
+    and its last recomputes no matmul (``none``'s)."""
+    from jaxmem.planner.search import _flops_per_row
+    from jaxmem.planner.tags import frontier
+
+    cfg, L = case.cfg, case.cfg.n_layers
+    with dtype_context(case.dtype):
+        points = frontier(cfg, PRECISIONS["fp32"], S, _flops_per_row)
+    none = case.jax_flops(POLICIES["none"])
+    top = points[-1].flops_per_block
+    assert case.jax_flops(points[-1].policy) == none
+    assert case.jax_flops(points[0].policy) == case.jax_flops(POLICIES["full"])
+    for p in points:
+        want = none + L * B * (p.flops_per_block - top)
+        assert case.jax_flops(p.policy) == want, p.policy.save
+        assert case.torch(p.policy, "lean")[2] == want, p.policy.save
+        replay = L * 2 * B * S * S * cfg.d_model if "attn_probs" in p.policy.save else 0
+        assert case.torch(p.policy, "stock")[2] == want + replay, p.policy.save

@@ -29,6 +29,7 @@ from jaxmem.cli.flags import (
     not_streamed,
 )
 from jaxmem.files import write_json_atomic
+from jaxmem.job import torch_host_memory_refusal
 from jaxmem.parallel import STRATEGIES
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
@@ -42,8 +43,9 @@ def add_parser(sub) -> None:
         "plan",
         help="the cheapest training configuration that fits a memory budget, proved by "
         "compiling it for the target",
-        description="Searches the stack's memory policy (presets, and the first K blocks under "
-        "one preset with the rest under another: HEAD:K+REST), the microbatch count, "
+        description="Searches the stack's memory policy (presets, per-tag policies on one "
+        "block's bytes/FLOPs frontier, and the first K blocks under one preset with the rest "
+        "under another: HEAD:K+REST), the microbatch count, "
         "optimizer-state offload (GPU targets), the data-parallel strategy (with --mesh) and, "
         "when allowed, the precision; predicts each candidate's bytes from a few compiles, then "
         "compiles candidates for --target in order of estimated cost until one fits --budget, "
@@ -71,6 +73,20 @@ def add_parser(sub) -> None:
         dest="mix",
         action="store_false",
         help="only whole-stack presets (default: also HEAD:K+REST stacks)",
+    )
+    g.add_argument(
+        "--no-tags",
+        dest="tags",
+        action="store_false",
+        help="only presets and their mixes (default: also per-tag policies, the Pareto frontier "
+        "of one block's tags by bytes and FLOPs, each over the whole stack)",
+    )
+    g.add_argument(
+        "--no-unroll",
+        dest="unroll_search",
+        action="store_false",
+        help="only scanned stacks (default on GPU targets: each stack also unrolled, the same "
+        "FLOPs in another plan, chosen where the scanned one does not fit)",
     )
     g.add_argument("--accum", default="1,2,4,8", help="microbatch counts (default 1,2,4,8)")
     g.add_argument(
@@ -137,6 +153,8 @@ def _space(args: argparse.Namespace, job):
         if args.mix
         else (),
         accum=int_list(args.accum, "--accum"),
+        tags=args.tags,
+        unroll=args.unroll_search,
         state_memory=("device", "pinned_host", "stream") if args.state_offload else ("device",),
         strategies=tuple(parse_names(args.strategies, list(STRATEGIES), "strategies")),
         precisions=tuple(
@@ -223,13 +241,9 @@ def _commands(job, result) -> dict[str, str | None]:
     chosen = candidate_job(job, result.chosen.candidate, result.problem.devices)
     argv = job_argv(chosen)
     jax_cmd = shlex.join(["jaxmem", "train", *argv])
-    if chosen.optimizer.state_memory != "device" or chosen.optimizer.stream:
-        return {
-            "jax": jax_cmd,
-            "torch": None,
-            "torch_note": "torch_ref's job keeps parameters and optimizer state on the device "
-            "(FSDP2's CPUOffloadPolicy, the stock peer, is not wired into it)",
-        }
+    refusal = torch_host_memory_refusal(chosen)
+    if refusal is not None:
+        return {"jax": jax_cmd, "torch": None, "torch_note": refusal}
     torch = ["jaxmem", "train", "--framework", "torch", *argv]
     if chosen.parallel.sharded:
         n = chosen.parallel.devices

@@ -50,8 +50,16 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import NOMINAL, RATES, Rates, Target, rates_for  # noqa: F401  (re-exported)
 from jaxmem.model import make_model
 from jaxmem.parallel import ParallelConfig
+from jaxmem.planner import tags
 from jaxmem.planner.records import lm_step_batch, plan_step
-from jaxmem.policy import POLICIES, MemoryPolicy, mixed_policy, split_policy
+from jaxmem.policy import (
+    POLICIES,
+    QKV,
+    MemoryPolicy,
+    is_preset,
+    mixed_policy,
+    split_policy,
+)
 from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.step.train_step import lm_loss_fn
 
@@ -72,6 +80,12 @@ class PlanSpace:
     state_memory: tuple[str, ...] = ("device", "pinned_host")  # and STREAMED
     strategies: tuple[str, ...] = ("dp", "zero1", "fsdp")
     precisions: tuple[str, ...] = ("fp32",)
+    # also the per-tag policies on the Pareto frontier of one block (``jaxmem.planner.tags``),
+    # each over the whole stack
+    tags: bool = True
+    # also each stack unrolled (``MemoryPolicy.unroll``: the same FLOPs, another plan; GPU
+    # targets only: XLA:CPU reflects remat only under scan)
+    unroll: bool = True
 
     def __post_init__(self) -> None:
         for field in ("policies", "mix"):
@@ -102,10 +116,12 @@ class Candidate:
     def family(self) -> tuple:
         # a streamed step is another program: its plans fit apart
         streamed = ("streamed",) if self.state_memory == STREAMED else ()
-        return (self.accum, self.strategy, self.precision, *streamed)
+        unrolled = ("unrolled",) if self.policy.unroll else ()
+        return (self.accum, self.strategy, self.precision, *streamed, *unrolled)
 
     def describe(self) -> str:
-        parts = [self.policy.name, self.precision, f"accum {self.accum}"]
+        stack = policy_text(self.policy) + (" (unrolled)" if self.policy.unroll else "")
+        parts = [stack, self.precision, f"accum {self.accum}"]
         if self.state_memory == STREAMED:
             parts.append("streamed")
         elif self.state_memory != "device":
@@ -141,6 +157,25 @@ class Problem:
         return min(max(2, d2 // 2), d2), d2
 
 
+def policy_text(policy: MemoryPolicy) -> str:
+    """A candidate's stack in words: a preset's or mix's name, or what a per-tag policy keeps."""
+    if is_preset(policy) or policy.rest is not None or not policy.remat:
+        return policy.name
+    save = list(policy.save)
+    if all(n in save for n in QKV):
+        save = ["qkv", *(n for n in save if n not in QKV)]
+    short = {"attn_probs": "probs", "attn_context": "context", "attn_lse": "lse"}
+    return f"keep {'+'.join(short.get(n, n) for n in save) or 'block_input'}"
+
+
+def _part_key(policy: MemoryPolicy) -> str | tuple[str, ...]:
+    """What identifies one part of a stack: its preset's name, or a per-tag policy's saves
+    (scanned or unrolled alike)."""
+    policy = policy.replace(unroll=False)
+    name = next((n for n, p in POLICIES.items() if p == policy.replace(name=n)), None)
+    return name if name is not None else ("tags", *policy.save)
+
+
 # ---------------------------------------------------------------------------------- FLOPs
 def _flops_per_row(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int) -> int:
     """Matmul FLOPs of one row's gradient (forward, recompute, backward) under ``policy``."""
@@ -159,20 +194,27 @@ class FlopModel:
 
     def __init__(self, cfg: ModelConfig, seq_len: int):
         self.cfg, self.seq_len = cfg, seq_len
-        self._fit: dict[tuple[str, str], tuple[int, int]] = {}
+        self._fit: dict[tuple, tuple[int, int]] = {}
         self._nested: dict[str, int] = {}
+        self._tags: dict[str, list[tags.TagPoint]] = {}
 
-    def _preset(self, name: str, precision: Precision) -> tuple[int, int]:
-        key = (name, precision.name)
+    def _part(self, policy: MemoryPolicy, precision: Precision) -> tuple[int, int]:
+        key = (_part_key(policy), precision.name)
         if key not in self._fit:
             f1, f2 = (
-                _flops_per_row(
-                    self.cfg.replace(n_layers=d), POLICIES[name], precision, self.seq_len
-                )
+                _flops_per_row(self.cfg.replace(n_layers=d), policy, precision, self.seq_len)
                 for d in (1, 2)
             )
             self._fit[key] = (f1 - (f2 - f1), f2 - f1)
         return self._fit[key]
+
+    def tag_frontier(self, precision: Precision) -> list[tags.TagPoint]:
+        """The per-tag policies of one block on the bytes/FLOPs Pareto frontier."""
+        if precision.name not in self._tags:
+            self._tags[precision.name] = tags.frontier(
+                self.cfg, precision, self.seq_len, _flops_per_row
+            )
+        return self._tags[precision.name]
 
     def per_row(self, policy: MemoryPolicy, precision: Precision) -> int:
         if policy.nested:
@@ -183,13 +225,9 @@ class FlopModel:
             return self._nested[precision.name]
         total = None
         for n, part in split_policy(policy, self.cfg.n_layers):
-            c, s = self._preset(_preset_name(part), precision)
+            c, s = self._part(part, precision)
             total = (c if total is None else total) + n * s
         return total
-
-
-def _preset_name(policy: MemoryPolicy) -> str:
-    return next(n for n, p in POLICIES.items() if p == policy.replace(name=n))
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -211,8 +249,24 @@ class MemoryModel:
         self.residuals: dict[tuple, list[float]] = {}
         self.compiles = 0
 
-    def _family(self, name: str, cand: Candidate) -> tuple[float, float]:
-        key = (name, *cand.family)
+    def _family(self, part: MemoryPolicy, cand: Candidate) -> tuple[float, float]:
+        name = _part_key(part)
+        if not isinstance(name, str):
+            # a per-tag policy: selective's family, each block keeping the analytic difference
+            # in bytes per row (the compile of the candidate itself is the proof)
+            a, b = self._family(POLICIES["selective"], cand)
+            precision = PRECISIONS[cand.precision]
+            rows = self.problem.batch // (self.problem.devices * cand.accum)
+            cfg, seq = self.problem.cfg, self.problem.seq_len
+            delta = tags.block_bytes(cfg, part, seq, precision) - tags.block_bytes(
+                cfg, POLICIES["selective"], seq, precision
+            )
+            return a, b + rows * delta
+        # fitted on the scanned stack; an unrolled one is predicted from its scan's fit (it
+        # plans within ~20 % of it: 0.79x to 0.94x measured, offload 2.2x) and calibrated by
+        # its own compiles (``observe``): no unrolled fit compiles, which are the slowest
+        family = tuple(f for f in cand.family if f != "unrolled")
+        key = (name, *family)
         if key not in self.fits:
             d1, d2 = self.problem.fit_depths
             peaks = [
@@ -238,7 +292,7 @@ class MemoryModel:
         if cand.policy.nested:
             return None
         parts = split_policy(cand.policy, self.problem.cfg.n_layers)
-        fits = [(n, self._family(_preset_name(p), cand)) for n, p in parts]
+        fits = [(n, self._family(p, cand)) for n, p in parts]
         peak = max(a for _, (a, _) in fits) + sum(n * b for n, (_, b) in fits)
         return (
             peak
@@ -250,7 +304,8 @@ class MemoryModel:
         """Candidates whose prediction errs alike: the same presets in the same family."""
         parts = split_policy(cand.policy, self.problem.cfg.n_layers)
         return (
-            *sorted(_preset_name(p) for _, p in parts),
+            *sorted(str(_part_key(p)) for _, p in parts),
+            cand.policy.unroll,
             cand.accum,
             cand.strategy,
             cand.precision,
@@ -288,9 +343,14 @@ def state_host_bytes(problem: Problem, cand: Candidate) -> int:
 
 
 # ---------------------------------------------------------------------------------- lattice
-def _stacks(space: PlanSpace, n_layers: int, host: bool) -> list[MemoryPolicy]:
+def _stacks(
+    space: PlanSpace, n_layers: int, host: bool, tagged: Iterable[MemoryPolicy] = ()
+) -> list[MemoryPolicy]:
     usable = [p for p in space.policies if host or not POLICIES[p].offload]
     stacks = [POLICIES[p] for p in usable]
+    # per-tag policies that keep what no searched preset keeps (a frontier point may be one)
+    kept = {(p.remat, frozenset(p.save)) for p in stacks if not p.nested}
+    stacks += [p for p in tagged if (p.remat, frozenset(p.save)) not in kept]
     mix = [p for p in space.mix if host or not POLICIES[p].offload]
     for i, a in enumerate(mix):
         for b in mix[i + 1 :]:
@@ -315,7 +375,11 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
         state = analytic.opt_state_bytes(cfg, problem.opt_cfg, precision)
         offload_row = _offloaded_bytes_per_row(cfg, precision, problem.seq_len)
         rate = rates.matmul_flops.get(precision.compute_dtype, rates.matmul_flops["float32"])
-        for policy in _stacks(space, cfg.n_layers, host):
+        tagged = [t.policy for t in flops.tag_frontier(precision)] if space.tags else []
+        stacks = _stacks(space, cfg.n_layers, host, tagged)
+        if host and space.unroll:  # a GPU target: each stack unrolled too (nested scans)
+            stacks += [p.replace(unroll=True) for p in stacks if not p.nested]
+        for policy in stacks:
             per_row = flops.per_row(policy, precision)
             offloaded_blocks = _offloaded_blocks(policy, cfg.n_layers)
             for accum in space.accum:
@@ -358,7 +422,19 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                             )
                         )
     order = {p: i for i, p in enumerate(("device", "pinned_host", STREAMED))}
-    out.sort(key=lambda c: (c.seconds, c.accum, order[c.state_memory], c.policy.name))
+    # among equal costs: fewer microbatches, the state on the device, the scanned stack, then a
+    # preset before a per-tag policy (the cost counts matmuls only: a per-tag policy with
+    # none's FLOPs still recomputes the norms and activations)
+    out.sort(
+        key=lambda c: (
+            c.seconds,
+            c.accum,
+            order[c.state_memory],
+            c.policy.unroll,
+            c.policy.rest is None and not is_preset(c.policy),
+            policy_text(c.policy),
+        )
+    )
     return out
 
 
@@ -436,7 +512,8 @@ class Outcome:
         c = self.candidate
         return {
             "configuration": c.describe(),
-            "policy": c.policy.name,
+            "policy": policy_text(c.policy),
+            "save": list(c.policy.save),
             "accum": c.accum,
             "state_memory": c.state_memory,
             "strategy": c.strategy,
@@ -547,7 +624,8 @@ def search(
     for o in outcomes:
         c = o.candidate
         family = (c.family, c.state_memory)
-        probes = [p for p in lean if (p, *family) in outs]
+        twins = [p.replace(unroll=c.policy.unroll) for p in lean]  # scanned or unrolled
+        probes = [p for p in twins if (p, *family) in outs]
         if not c.policy.nested and c.policy not in probes and floors.get(family, 0) > budget:
             o.status = "over (family floor compiled over)"  # known: no fit compiles needed
             continue
