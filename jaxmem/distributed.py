@@ -78,15 +78,63 @@ def process_group(
     return ProcessGroup(coordinator=coordinator, num_processes=n or 1, process_id=i or 0)
 
 
-def initialize(group: ProcessGroup) -> None:
-    """Join the run's processes (``jax.distributed.initialize``); a single process does
-    nothing. Call before anything starts JAX's backends."""
+def _wait_for_coordinator(group: ProcessGroup, timeout_s: int) -> None:
+    """Wait until process 0's coordination service accepts connections, at most ``timeout_s``
+    seconds. Written by hand because XLA's client, once it tries to register and the deadline
+    passes, ends the process in a native abort (exit 134, a C++ stack dump) rather than an
+    error Python can report: this check fails first, in one line."""
+    import socket
+    import time
+
+    host, _, port = (group.coordinator or "").rpartition(":")
+    try:
+        address = (host.strip("[]") or "localhost", int(port))
+    except ValueError:
+        raise JoinFailed(
+            f"--coordinator {group.coordinator!r} must be HOST:PORT (process 0's address)"
+        ) from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(address, timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise JoinFailed(
+                    f"process {group.process_id} of {group.num_processes}: nothing answers at "
+                    f"{group.coordinator} after {timeout_s} s ({e.strerror or e}): start process "
+                    "0 (--process-id 0 runs the coordinator) with the same --coordinator, or "
+                    "raise --join-timeout"
+                ) from None
+            time.sleep(0.5)
+
+
+class JoinFailed(RuntimeError):
+    """The run's processes did not all join within the timeout (one line, for the user)."""
+
+
+def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:
+    """Join the run's processes (``jax.distributed.initialize``) within ``timeout_s`` seconds;
+    a single process does nothing. Call before anything starts JAX's backends. Raises
+    ``JoinFailed`` naming the coordinator and what to check when they do not all join."""
     if not group.multi:
         return
+    if not group.primary:
+        _wait_for_coordinator(group, timeout_s)
     import jax
 
-    jax.distributed.initialize(
-        coordinator_address=group.coordinator,
-        num_processes=group.num_processes,
-        process_id=group.process_id,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=group.coordinator,
+            num_processes=group.num_processes,
+            process_id=group.process_id,
+            initialization_timeout=timeout_s,
+        )
+    except Exception as e:  # XLA's coordination service raises its own error types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise JoinFailed(
+            f"process {group.process_id} of {group.num_processes} could not join the run's "
+            f"processes at {group.coordinator} within {timeout_s} s ({first[:200]}): start "
+            "every process (--process-id 0 runs the coordinator) with the same --coordinator "
+            "and --num-processes, or raise --join-timeout"
+        ) from None

@@ -712,7 +712,14 @@ def test_mixed_stack_numerics_and_flops_in_both_frameworks(case64, head, k, rest
 
 
 # ------------------------------------------------------------------------ per-tag policies
-def test_the_planners_per_tag_policies_execute_their_counted_flops_in_both_frameworks(case):
+@pytest.fixture(scope="module", params=["pre_causal", "llama_gqa", "pre_causal_fused"])
+def tag_case(request):
+    """The three tag graphs (naive GPT; Llama's RoPE, GQA and SwiGLU; fused attention's one
+    kernel) without the configurations that share them."""
+    return Case(CONFIGS[request.param], F32)
+
+
+def test_the_planners_per_tag_policies_execute_their_counted_flops_in_both_frameworks(tag_case):
     """Every per-tag policy ``jaxmem plan`` may choose (one block's Pareto frontier,
     ``jaxmem.planner.tags``) executes in JAX and in torch_ref (stock selective checkpointing)
     exactly the FLOPs the frontier counted for it (torch_ref's lean extension always; stock
@@ -723,6 +730,7 @@ def test_the_planners_per_tag_policies_execute_their_counted_flops_in_both_frame
     from jaxmem.planner.search import _flops_per_row
     from jaxmem.planner.tags import frontier
 
+    case = tag_case
     cfg, L = case.cfg, case.cfg.n_layers
     with dtype_context(case.dtype):
         points = frontier(cfg, PRECISIONS["fp32"], S, _flops_per_row)

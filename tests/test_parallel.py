@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -294,3 +295,22 @@ def test_two_processes_killed_with_sigkill_resume_bit_identically(tmp_path):
     assert all(p.returncode == -signal.SIGKILL for p in procs), "the run ended before the kill"
     _train(run, "--resume", "--steps", "8", processes=2)
     assert _losses(run) == _losses(tmp_path / "whole")
+
+
+@pytest.mark.multiprocess
+def test_a_process_whose_coordinator_never_answers_says_so_and_exits(tmp_path):
+    """Process 1 of 2 started without process 0: it says at once what it waits for, and after
+    --join-timeout exits 1 with one line naming the address and the fix (not XLA's native
+    abort), having written nothing."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxmem.cli", "train", "--preset", "tiny", "--mesh", "fsdp=2"]
+    cmd += ["--batch-size", "4", "--seq-len", "32", "--coordinator", f"localhost:{_free_port()}"]
+    cmd += ["--num-processes", "2", "--process-id", "1", "--join-timeout", "2", "--out", str(out)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("jaxmem train:")]
+    assert "joining the run's processes at localhost:" in lines[0]
+    assert "nothing answers at localhost:" in lines[1] and "--process-id 0" in lines[1]
+    assert time.monotonic() - start < 60
+    assert not out.exists()

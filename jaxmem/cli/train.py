@@ -100,11 +100,18 @@ def add_parser(sub) -> None:
     g.add_argument(
         "--process-id", type=int, default=None, help="multi-process (JAX): this process's index"
     )
+    g.add_argument(
+        "--join-timeout",
+        type=positive_int,
+        default=300,
+        help="multi-process (JAX): seconds a process waits for the others to join before it "
+        "gives up (default 300)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxmem.distributed import initialize, process_group
+    from jaxmem.distributed import JoinFailed, initialize, process_group
 
     with usage_errors():
         group = process_group(args.coordinator, args.num_processes, args.process_id)
@@ -112,7 +119,20 @@ def run(args: argparse.Namespace) -> int:
     if devices is not None:  # before joining the other processes: a bad layout fails fast
         _check_processes(devices, group.num_processes, args.mesh or f"{devices} device(s)")
     if group.multi:
-        initialize(group)  # before anything starts JAX's backends (reading a checkpoint does)
+        # before anything starts JAX's backends (reading a checkpoint does); said at once, so a
+        # process waiting for the others is not silent
+        print(
+            f"jaxmem train: process {group.process_id} of {group.num_processes}: joining the "
+            f"run's processes at {group.coordinator} (up to {args.join_timeout} s, "
+            "--join-timeout)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            initialize(group, timeout_s=args.join_timeout)
+        except JoinFailed as e:
+            print(f"jaxmem train: {e}", file=sys.stderr)
+            return EXIT_RUN_FAILED
     auto = _auto_requested(args)
     if devices is not None:  # the CPU device count is settled: start JAX now, quietly (reading
         need_jax_backend()  # a checkpoint would start it, and the CUDA plugin's lines with it)
