@@ -543,10 +543,12 @@ class PlanResult:
         return min(done, key=lambda o: o.compiled) if done else None
 
     def max_fit_error(self) -> float | None:
+        """The memory model's largest error on compiled candidates; unrolled stacks aside
+        (predicted as their scan, not fitted: ``MemoryModel._family``)."""
         errs = [
             abs(o.predicted - o.compiled) / o.compiled
             for o in self.outcomes
-            if o.predicted is not None and o.compiled
+            if o.predicted is not None and o.compiled and not o.candidate.policy.unroll
         ]
         return max(errs) if errs else None
 
