@@ -109,7 +109,9 @@ def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
 def main() -> None:
     out = []
     for case in json.loads(sys.argv[1]):
-        row = {"case": case, "one_device": run(case, ParallelConfig())}
+        row = {"case": case}
+        if case.get("one_device", True):
+            row["one_device"] = run(case, ParallelConfig())
         for strategy in case.get("strategies", STRATEGIES):
             parallel = ParallelConfig(strategy=strategy, devices=DEVICES)
             row[strategy] = run(case, parallel)

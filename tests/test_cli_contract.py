@@ -23,6 +23,7 @@ from jaxmem.figures import format_bytes
 from jaxmem.job import JobConfig
 from jaxmem.memory.analytic import model_state_bytes
 from jaxmem.parallel import ParallelConfig
+from jaxmem.planner.search import policy_text
 from jaxmem.policy import POLICIES, MemoryPolicy, parse_policy
 from jaxmem.precision import PRECISIONS
 
@@ -198,7 +199,9 @@ def test_the_commands_plan_prints_run_as_printed(plan_run, tmp_path):
         assert ran.returncode == 0, ran.stderr
         assert_no_stray_lines(ran.stderr)
         job = JobConfig.from_dict(json.loads((out / "summary.json").read_text())["config"])
-        assert job.memory.name == chosen["policy"] and job.accum.steps == chosen["accum"]
+        # the stack as the plan names it (a per-tag policy by what it keeps) and what it saves
+        assert policy_text(job.memory) == chosen["policy"] and job.accum.steps == chosen["accum"]
+        assert list(job.memory.save) == chosen["save"]
         assert (job.preset, job.run.batch_size, job.run.seq_len) == ("small", 8, 128)
         assert job.run.framework == framework
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -46,6 +45,7 @@ CASES = [
         "precision": "bf16",
         "accum": 2,
         "stream": True,
+        "one_device": False,  # compared with the unstreamed fsdp step
         "steps": 3,
         "strategies": ["fsdp"],
     },
@@ -66,6 +66,8 @@ def runs():
 def test_every_strategy_trains_as_one_device(runs):
     seen = []
     for row in runs:
+        if "one_device" not in row:  # the streamed case compares with the unstreamed fsdp step
+            continue
         tol = tolerance(DTYPE[row["case"]["precision"]], "data_parallel_loss")
         base = row["one_device"]["losses"]
         for strategy in row["case"].get("strategies", ("dp", "zero1", "fsdp")):
@@ -160,40 +162,33 @@ def _losses(run) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
+SHAPE = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--policy", "full"]
+TWO = [*SHAPE, "--mesh", f"fsdp={N}", "--checkpoint-every", "2", "--eval-every", "4"]
+TWO += ["--sample-tokens", "8", "--steps", "8"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """An uninterrupted ``--mesh fsdp=4`` run over 2 processes of 2 CPU devices each
+    (``jax.distributed``, gloo), 8 steps: the reference the tests below compare with."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    _train(out, *TWO, processes=2)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_processes_train_as_one_and_resume_bit_identically(tmp_path):
-    """``--mesh fsdp=4`` over 2 processes of 2 CPU devices each (``jax.distributed``, gloo):
-    the same losses as one device (within the data-parallel tolerance: the reduce-scatter adds
-    the partial sums in its own order); a run stopped at step 2 and resumed (each process
-    restoring its shards of the orbax checkpoint) logs exactly the uninterrupted run's losses;
-    only process 0 writes the run's files."""
-    shape = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--policy", "full"]
-    common = [*shape, "--mesh", f"fsdp={N}", "--checkpoint-every", "2", "--eval-every", "2"]
-    common += ["--sample-tokens", "8"]
+def test_two_processes_train_as_one(two_processes, tmp_path):
+    """The same losses as one device (within the data-parallel tolerance: the reduce-scatter
+    adds the partial sums in its own order); only process 0 writes the run's files (how a
+    resumed run restores each process's shards: the SIGKILL test below)."""
     # the one-device run in this process (the 4-device one in a process of 4 CPU devices is
     # what test_every_strategy_trains_as_one_device checks)
-    assert cli.main(["train", *shape, "--steps", "4", "--out", str(tmp_path / "one")]) == 0
-    _train(tmp_path / "two", *common, "--steps", "4", processes=2)
-    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    assert len(one) == 4
+    assert cli.main(["train", *SHAPE, "--steps", "8", "--out", str(tmp_path / "one")]) == 0
+    one, two = _losses(tmp_path / "one"), _losses(two_processes)
+    assert len(one) == 8
     np.testing.assert_allclose(two, one, **tolerance("float32", "data_parallel_loss").kwargs())
-    # "stopped" after step 2: a copy of the run without its step-4 checkpoint and the lines
-    # after step 2, as a run killed between the two checkpoints leaves it
-    split = tmp_path / "split"
-    shutil.copytree(tmp_path / "two", split)
-    shutil.rmtree(split / "checkpoints" / "4")
-    (split / "metrics.jsonl").write_text(
-        "".join(
-            line
-            for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines(keepends=True)
-            if json.loads(line)["step"] <= 2
-        )
-    )
-    (split / ".jaxmem.lock").unlink(missing_ok=True)
-    _train(split, "--resume", "--steps", "4", processes=2)
-    assert _losses(split) == two
-    files = sorted(p.name for p in (tmp_path / "two").iterdir() if not p.name.startswith("."))
+    files = sorted(p.name for p in two_processes.iterdir() if not p.name.startswith("."))
     assert files == [
         "checkpoints",
         "config.yaml",
@@ -202,7 +197,7 @@ def test_two_processes_train_as_one_and_resume_bit_identically(tmp_path):
         "sample.txt",
         "summary.json",
     ]
-    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["2", "4"]
+    assert sorted(p.name for p in (two_processes / "checkpoints").iterdir()) == ["6", "8"]
 
 
 @pytest.mark.slow
@@ -261,7 +256,7 @@ def test_bad_meshes_are_refused_naming_the_value(make, fragment):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_processes_killed_with_sigkill_resume_bit_identically(tmp_path):
+def test_two_processes_killed_with_sigkill_resume_bit_identically(two_processes, tmp_path):
     """Both processes of a 2-process fsdp run SIGKILLed once a checkpoint has been saved (the
     OS ends them mid-step, wherever they are); --resume restores each process's shards from the
     newest checkpoint that verifies and logs exactly what an uninterrupted run logs."""
@@ -270,12 +265,8 @@ def test_two_processes_killed_with_sigkill_resume_bit_identically(tmp_path):
 
     from jaxmem.train.layout import verify
 
-    shape = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--policy", "full"]
-    common = [*shape, "--mesh", f"fsdp={N}", "--checkpoint-every", "2", "--eval-every", "4"]
-    common += ["--sample-tokens", "0", "--steps", "8"]
-    _train(tmp_path / "whole", *common, processes=2)
     run = tmp_path / "killed"
-    procs = _launch(run, *common, processes=2)
+    procs = _launch(run, *TWO, processes=2)
     try:
         deadline = time.time() + 300
         saved: list[str] = []
@@ -294,7 +285,7 @@ def test_two_processes_killed_with_sigkill_resume_bit_identically(tmp_path):
     assert saved, "no checkpoint was saved before the run ended"
     assert all(p.returncode == -signal.SIGKILL for p in procs), "the run ended before the kill"
     _train(run, "--resume", "--steps", "8", processes=2)
-    assert _losses(run) == _losses(tmp_path / "whole")
+    assert _losses(run) == _losses(two_processes)
 
 
 @pytest.mark.multiprocess

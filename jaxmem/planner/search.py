@@ -36,6 +36,7 @@ bound); XLA:CPU erases host placements, so the local backend's lattice has no ho
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -196,7 +197,6 @@ class FlopModel:
         self.cfg, self.seq_len = cfg, seq_len
         self._fit: dict[tuple, tuple[int, int]] = {}
         self._nested: dict[str, int] = {}
-        self._tags: dict[str, list[tags.TagPoint]] = {}
 
     def _part(self, policy: MemoryPolicy, precision: Precision) -> tuple[int, int]:
         key = (_part_key(policy), precision.name)
@@ -210,11 +210,7 @@ class FlopModel:
 
     def tag_frontier(self, precision: Precision) -> list[tags.TagPoint]:
         """The per-tag policies of one block on the bytes/FLOPs Pareto frontier."""
-        if precision.name not in self._tags:
-            self._tags[precision.name] = tags.frontier(
-                self.cfg, precision, self.seq_len, _flops_per_row
-            )
-        return self._tags[precision.name]
+        return _tag_frontier(self.cfg, precision, self.seq_len)
 
     def per_row(self, policy: MemoryPolicy, precision: Precision) -> int:
         if policy.nested:
@@ -228,6 +224,14 @@ class FlopModel:
             c, s = self._part(part, precision)
             total = (c if total is None else total) + n * s
         return total
+
+
+@functools.lru_cache(maxsize=16)
+def _tag_frontier(cfg: ModelConfig, precision: Precision, seq_len: int) -> list[tags.TagPoint]:
+    """``tags.frontier`` once per model, precision and sequence length in a process (its
+    2^units jaxpr traces are the same for every search of that model: ``--policy auto``,
+    repeated budgets)."""
+    return tags.frontier(cfg, precision, seq_len, _flops_per_row)
 
 
 # ---------------------------------------------------------------------------------- memory
