@@ -138,11 +138,86 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# where the streamed stack's update runs (--stream-update): device block by block vs host memory
+UPDATE_ROWS = (("v100-32gb", "gpt3-13b"), ("a10-24gb", "gpt3-13b"))
+
+
+def update_rows() -> dict:
+    """The streamed step of ``UPDATE_ROWS`` with its update on the device and in host memory:
+    planned device peak, host memory, host-link bytes and their estimated seconds."""
+    out = {}
+    for target_name, preset in UPDATE_ROWS:
+        target, cfg = get_target(target_name), PRESETS[preset]
+        for update in ("device", "host"):
+            start = time.perf_counter()
+            opt = OptimizerConfig(stream=True, stream_update=update)
+            r = plan_step(cfg, POLICIES[POLICY], PRECISIONS["bf16"], opt, BATCH, SEQ, target)
+            info = r["stream"]
+            out[f"{target_name} {preset} {update}"] = {
+                "target": target_name,
+                "preset": preset,
+                "update": update,
+                "planned_peak_bytes": r["planned_peak_bytes"],
+                "host_bytes": info["host_peak_bytes"],
+                "transfer_bytes": info["transfers"]["total_bytes"],
+                "transfer_seconds": info["transfers"]["seconds"],
+                "transfer_source": info["transfers"]["source"],
+                "compiler": r["compiler"],
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+            print(
+                f"{target_name} {preset} update {update}: {out[f'{target_name} {preset} {update}']}"
+            )
+    return out
+
+
+def update_markdown(rows: dict, meta: dict) -> str:
+    lines = [
+        "# Where a streamed step updates: device or host memory",
+        "",
+        f"{meta['date']}, jax {meta['jax']}, on {meta['host']}. `--stream` with `--stream-update "
+        f"device` (the stack's AdamW update block by block on the device: parameters, gradient "
+        f"and both moments brought over and sent back) and `host` (in host memory, "
+        f'`compute_on("device_host")`: only parameters and gradients cross the link). One '
+        f"sequence of {SEQ} tokens, bf16 compute with fp32 master weights, policy `{POLICY}`. "
+        "Planned peak: the XLA:CUDA deviceless compile, corrected from shapes as in "
+        "`streaming.md`; transfers: host-link bytes from shapes over the datasheet bandwidth "
+        "(estimate); the host update's own time on the host's processors is not estimated.",
+        "",
+        "| target | model | update | planned peak GiB | host GiB | transfers GiB | transfers s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows.values():
+        lines.append(
+            f"| {r['target']} | {r['preset']} | {r['update']} | "
+            f"{r['planned_peak_bytes'] / GIB:,.2f} | {r['host_bytes'] / GIB:,.0f} | "
+            f"{r['transfer_bytes'] / GIB:,.1f} | {r['transfer_seconds']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/streaming")
+    parser.add_argument(
+        "--updates",
+        action="store_true",
+        help="only the device vs host update rows (host_update.json/.md)",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.updates:
+        meta = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "host": f"{platform.node()} ({os.cpu_count()} CPUs, no GPU needed)",
+            "jax": jax.__version__,
+        }
+        rows = update_rows()
+        stem = os.path.join(args.out, "host_update")
+        write_json_atomic(stem + ".json", {"rows": rows, "meta": meta})
+        write_atomic(stem + ".md", update_markdown(rows, meta))
+        print(f"wrote {stem}.json and .md")
+        return
     stem = os.path.join(args.out, "streaming")
     partial = stem + ".partial.json"
     rows: dict = {}

@@ -415,6 +415,9 @@ MEMORY_KINDS: tuple[str, ...] = ("device", "pinned_host")
 
 
 STREAM_OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")  # elementwise: updated block by block
+# where a streamed stack's optimizer update runs (None: the framework's own, JAX on the device
+# block by block, torch_ref's FSDP2 on the CPU)
+STREAM_UPDATES: tuple[str, ...] = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -435,6 +438,10 @@ class OptimizerConfig:
     and streams them through the step block by block: each block's parameters are brought to the
     device as the block runs, its gradient goes back as the backward makes it, and the update
     runs block by block (``jaxmem.step.stream``); the embeddings and head stay on the device.
+    ``stream_update`` says where the stack's update runs: ``device`` (block by block, the
+    parameters, gradient and state brought over and sent back) or ``host`` (in host memory,
+    where they live: only the parameters and gradients cross the link, ZeRO-Offload's way);
+    None: the framework's own (JAX: device; torch_ref: FSDP2's CPU offload steps on the host).
     """
 
     name: str = "adamw"
@@ -447,9 +454,19 @@ class OptimizerConfig:
     state_memory: str = "device"
     params_memory: str = "device"
     stream: bool = False
+    stream_update: str | None = None
 
     def __post_init__(self) -> None:
         require(self.name in OPTIMIZERS, f"optimizer={self.name!r} is not one of {OPTIMIZERS}")
+        require(
+            self.stream_update is None or self.stream_update in STREAM_UPDATES,
+            f"stream_update={self.stream_update!r} is not one of {STREAM_UPDATES}",
+        )
+        require(
+            self.stream_update is None or self.stream,
+            f"stream_update={self.stream_update!r} places a streamed stack's update: it goes "
+            "with stream (--stream)",
+        )
         require(
             isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0.0,
             f"lr={self.lr!r} must be a positive, finite float (e.g. 3e-4)",

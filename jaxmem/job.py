@@ -240,6 +240,11 @@ def torch_host_memory_refusal(job: JobConfig) -> str | None:
             f"{job.precision.name!r}: torch_ref's host optimizer runs without GradScaler; use "
             "bf16 or fp32"
         )
+    if opt.stream and opt.stream_update == "device":
+        return (
+            "--stream-update device: torch_ref streams with FSDP2's CPUOffloadPolicy, whose "
+            "optimizer steps on the CPU; drop --stream-update (or use host, or --framework jax)"
+        )
     if opt.stream and parallel.sharded and parallel.strategy == "dp":
         return (
             "--stream with --mesh dp: torch_ref streams with FSDP2's CPUOffloadPolicy, which "

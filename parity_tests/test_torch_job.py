@@ -99,6 +99,7 @@ def test_torch_streams_the_jax_streamed_runs_losses(unstreamed, tmp_path):
     "extra, message",
     [
         (["--set", "optimizer.params_memory=pinned_host"], "only by streaming them (--stream"),
+        (["--stream", "--stream-update", "device"], "whose optimizer steps on the CPU"),
         (
             ["--set", "optimizer.state_memory=pinned_host", "--precision", "fp16"],
             "host optimizer runs without GradScaler",

@@ -48,14 +48,17 @@ def _batches(n: int):
 
 
 @pytest.mark.parametrize(
-    "precision, policy, optimizer, accum",
+    "precision, policy, optimizer, accum, update",
     [
-        ("bf16", "offload", "adamw", 1),
-        ("bf16", "selective", "adamw", 2),  # microbatches summed: the stack's sum in host memory
-        ("fp32", "full", "sgd", 1),
+        ("bf16", "offload", "adamw", 1, "device"),
+        ("bf16", "selective", "adamw", 2, "device"),  # microbatches: the stack's sum on the host
+        ("fp32", "full", "sgd", 1, "device"),
+        ("bf16", "selective", "adamw", 2, "host"),  # the update in host memory
     ],
 )
-def test_a_streamed_step_computes_the_unstreamed_steps_numbers(precision, policy, optimizer, accum):
+def test_a_streamed_step_computes_the_unstreamed_steps_numbers(
+    precision, policy, optimizer, accum, update
+):
     prec, opt = PRECISIONS[precision], OptimizerConfig(name=optimizer)
     acc = AccumConfig(steps=accum)
     graphdef, params = nnx.split(make_model(CFG, prec, seed=0), nnx.Param)
@@ -74,7 +77,7 @@ def test_a_streamed_step_computes_the_unstreamed_steps_numbers(precision, policy
         loss_into=stack_accumulating_loss(make_loss, POLICIES[policy], CFG.n_layers, acc),
     )
     streamed = stream.make_streamed_step(
-        make_loss, lf, tx, accum_steps=accum, accum_dtype=jnp.dtype(prec.accum_dtype)
+        make_loss, lf, tx, accum_steps=accum, accum_dtype=jnp.dtype(prec.accum_dtype), update=update
     )
     p, o = params, tx.init(params)
     for batch in _batches(2):
@@ -149,6 +152,7 @@ def test_a_streamed_run_killed_with_sigkill_resumes_to_the_unstreamed_losses(tmp
         (["--accum", "2", "--accum-mode", "multisteps"], "sums microbatches in its own scan"),
         (["--unroll"], "runs the stack as one scan"),
         (["--state-memory", "pinned_host"], "leave state_memory and params_memory at 'device'"),
+        (["--stream-update", "cpu"], "stream_update='cpu' is not one of ('device', 'host')"),
     ],
 )
 def test_what_streaming_does_not_compose_with_yet_is_one_line_exit_2(
@@ -174,6 +178,11 @@ def test_commands_that_do_not_measure_a_streamed_step_say_so(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--stream trains (jaxmem train) but is not planned yet" in err[0]
+    # where a streamed update runs is asked only of a streamed step
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--preset", "tiny", "--stream-update", "host"])
+    assert e.value.code == 2
+    assert "it goes with stream (--stream)" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not GPU_PLAN, reason=NO_GPU_PLAN)
@@ -204,6 +213,15 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
         2 * stack_bytes + 2 * stack_bytes + 4
     ) + (stack_bytes + 2 * stack_bytes + 4)
     assert info["transfers"]["source"].startswith("estimate: bytes from shapes over 64 GB/s")
+    # the update in host memory: only the parameters and gradients cross the link, and the
+    # device no longer holds the block-by-block update's working set
+    host = plan_step(
+        cfg, policy, prec, OptimizerConfig(stream=True, stream_update="host"), 2, 32, h100
+    )
+    assert host["stream"]["update"] == "host"
+    assert host["stream"]["transfers"]["total_bytes"] == 2 * stack_bytes + stack_bytes
+    assert host["planned_peak_bytes"] < streamed["planned_peak_bytes"]
+    assert host["stream"]["host_resident_bytes"] == info["host_resident_bytes"]
 
 
 @pytest.mark.skipif(not GPU_PLAN, reason=NO_GPU_PLAN)

@@ -96,8 +96,15 @@ FLAGS: dict[str, Flag] = {
             "--stream",
             "optimizer.stream",
             "keep the block stack's parameters and optimizer state in host memory and stream "
-            "them through the step block by block (JAX, one device, adamw or sgd)",
+            "them through the step block by block (adamw or sgd; torch: FSDP2's "
+            "CPUOffloadPolicy)",
             action="store_const",
+        ),
+        Flag(
+            "--stream-update",
+            "optimizer.stream_update",
+            "with --stream, where the stack's update runs: device (block by block; JAX's "
+            "default) or host (in host memory: only parameters and gradients cross the link)",
         ),
         Flag("--accum", "accum.steps", "microbatches per step", positive_int),
         Flag("--accum-mode", "accum.mode", "accumulation: scan or multisteps (optax.MultiSteps)"),
@@ -145,6 +152,7 @@ STEP_FLAGS = (
     "optimizer",
     "state_memory",
     "stream",
+    "stream_update",
     "batch_size",
     "seq_len",
 )

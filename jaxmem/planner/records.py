@@ -237,6 +237,7 @@ def stream_plan(
     opt_state = jax.eval_shape(lambda p: stream.init_state(tx, p), params)
     data = lm_step_batch(cfg, batch, seq_len, abstract=True)
     _accum_config(accum, batch)
+    update = opt_cfg.stream_update or "device"
     step = stream.make_streamed_step(
         lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
         layers_fn(policy, cfg.n_layers),
@@ -244,6 +245,7 @@ def stream_plan(
         accum_steps=accum,
         accum_dtype=jnp.dtype(precision.accum_dtype),
         donate=False,
+        update=update,
     )
     compiled, compiler = _compile(step, (params, opt_state, None, data), target)
     plan = compiled_plan(compiled)
@@ -268,7 +270,10 @@ def stream_plan(
             "the stack's parameters and optimizer state live in host memory (left out of the "
             "device's arguments), the rest's updated parameters and state are written over "
             "their inputs (donation)",
-            "transfers": stream_transfers(params, opt_state, policy, precision, target, accum),
+            "update": update,
+            "transfers": stream_transfers(
+                params, opt_state, policy, precision, target, accum, update
+            ),
         },
     }
 
@@ -280,10 +285,12 @@ def stream_transfers(
     precision: Precision,
     target: Target,
     accum: int = 1,
+    update: str = "device",
 ) -> dict[str, Any]:
     """Bytes a streamed step moves between host and device memory, from shapes, and the time
     they take over the target's host link (an estimate: datasheet bandwidth, no overlap with
-    compute assumed or excluded)."""
+    compute assumed or excluded). A ``host`` update moves nothing: its time on the host's
+    processors and memory is not estimated here."""
     from jaxmem.memory.targets import rates_for
     from jaxmem.step import stream
 
@@ -294,9 +301,10 @@ def stream_transfers(
     moved = {
         "parameters to the device": accum * fetches * p,
         "gradients to host": accum * p,
-        "update: parameters, gradients and state to the device": 2 * p + state,
-        "update: parameters and state to host": p + state,
     }
+    if update == "device":
+        moved["update: parameters, gradients and state to the device"] = 2 * p + state
+        moved["update: parameters and state to host"] = p + state
     if accum > 1:  # each microbatch's gradient added to the running sum, block by block
         moved["accumulation: running sum and gradient in, sum out"] = accum * 3 * p
     total = sum(moved.values())

@@ -133,6 +133,24 @@ def _stack_update(tx, params_h, grads_h, state_h, divisor):
     return new_params, jax.tree_util.tree_unflatten(treedef, new_leaves), sq
 
 
+def _host_stack_update(tx, params_h, grads_h, state_h, divisor):
+    """The stack's update in host memory (``compute_on("device_host")``: XLA runs it on the
+    host, where the parameters, gradient and state live); returns (params, state) in host
+    memory and the divided gradient's sum of squares. The same arithmetic as on the device."""
+    from jax.experimental.compute_on import compute_on
+
+    @compute_on("device_host")
+    @jax.jit
+    def update(p, g, s, d):
+        g = jax.tree_util.tree_map(lambda t: (t / d).astype(t.dtype), g)
+        updates, new_s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), new_s, _sum_squares(g)
+
+    new_p, new_s, sq = update(params_h, grads_h, state_h, jax.device_put(divisor, HOST))
+    # a scalar the host computation returns (AdamW's count) may come back in device memory
+    return new_p, jax.device_put(new_s, HOST), jax.device_put(sq, DEVICE)
+
+
 def _blockwise(fn: Callable[..., Any], *trees_h: Any) -> Any:
     """``fn`` of stacked trees in host memory, block by block on the device, the result back in
     host memory (the stack's running gradient never exists whole on the device)."""
@@ -154,6 +172,7 @@ def make_streamed_step(
     donate: bool = True,
     shardings: StepShardings | None = None,
     placement: Placement | None = None,
+    update: str = "device",
 ) -> Callable[..., tuple]:
     """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, None,
     metrics)`` like ``train_step.make_train_step``'s, streaming the stack (module docstring).
@@ -166,7 +185,10 @@ def make_streamed_step(
 
     Over a mesh: ``shardings`` (the unstreamed step's) and ``placement`` (``placement(...)`` of
     them): the step's inputs and outputs are placed by it; ``make_loss`` gathers the weights at
-    use (``jaxmem.sharding.parallel_loss``), after each block's shard is fetched."""
+    use (``jaxmem.sharding.parallel_loss``), after each block's shard is fetched.
+
+    ``update``: where the stack's update runs, ``device`` (block by block) or ``host`` (in host
+    memory, ``_host_stack_update``)."""
     loss_fn = make_loss(streamed_layers_fn(layers_fn))
     micro_sharding = shardings.micro() if shardings is not None else None
 
@@ -214,7 +236,8 @@ def make_streamed_step(
         g_rest = jax.tree_util.tree_map(lambda g: (g / n_tokens).astype(g.dtype), g_rest)
         updates, new_state_rest = tx.update(g_rest, state_rest, rest)
         new_rest = optax.apply_updates(rest, updates)
-        new_stack, new_state_stack, sq = _stack_update(tx, stack_h, g_stack, state_stack, n_tokens)
+        stack_update = _host_stack_update if update == "host" else _stack_update
+        new_stack, new_state_stack, sq = stack_update(tx, stack_h, g_stack, state_stack, n_tokens)
         total_sq = _sum_squares(g_rest) + sq
         metrics = {
             "loss": loss_sum / n_tokens,

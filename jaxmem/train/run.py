@@ -310,6 +310,7 @@ class JaxTrainer:
                         accum_dtype=jax.numpy.dtype(job.precision.accum_dtype),
                         shardings=self.shardings,
                         placement=where,
+                        update=job.optimizer.stream_update or "device",
                     )
                     if self.streamed
                     else make_train_step(
