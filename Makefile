@@ -28,7 +28,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# The inner loop (under 2 minutes on 2 cores): every module's quick tests, without those marked
+# The inner loop (under 3 minutes on 2 cores): every module's quick tests, without those marked
 # slow, multiprocess or gpu (pyproject.toml lists the markers). `make test` runs everything and is
 # what CI runs.
 test-fast: $(STAMP)

@@ -719,6 +719,7 @@ def tag_case(request):
     return Case(CONFIGS[request.param], F32)
 
 
+@pytest.mark.slow
 def test_the_planners_per_tag_policies_execute_their_counted_flops_in_both_frameworks(tag_case):
     """Every per-tag policy ``jaxmem plan`` may choose (one block's Pareto frontier,
     ``jaxmem.planner.tags``) executes in JAX and in torch_ref (stock selective checkpointing)

@@ -59,6 +59,7 @@ def unstreamed(tmp_path_factory):
 HOST_RUN = ["--precision", "bf16", "--policy", "selective", "--accum", "2", "--eval-every", "3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "host",
     [
@@ -85,6 +86,7 @@ def test_torch_state_in_host_memory_trains_and_resumes_to_the_device_resident_lo
     assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in unstreamed]
 
 
+@pytest.mark.slow
 def test_torch_streams_the_jax_streamed_runs_losses(unstreamed, tmp_path):
     """``--stream`` in both frameworks: the same losses within the table's bf16 entry."""
     out = tmp_path / "jax"

@@ -320,6 +320,7 @@ def _block_residual_bytes(cfg, policy, batch: int, seq: int) -> int:
     return out[1] - out[0]
 
 
+@pytest.mark.slow
 def test_the_tag_frontier_is_pareto_optimal_and_its_bytes_are_what_jax_keeps():
     """One block's per-tag policies (``jaxmem.planner.tags``, on the Llama block: RoPE, GQA,
     SwiGLU): every subset's FLOPs are its blocks' (the planner's per-block fit agrees), fewer
@@ -348,6 +349,7 @@ def test_the_tag_frontier_is_pareto_optimal_and_its_bytes_are_what_jax_keeps():
         assert _block_residual_bytes(cfg, p.policy, 2, seq) == 2 * p.bytes_per_block, p.saves
 
 
+@pytest.mark.slow
 def test_the_planner_chooses_a_per_tag_policy_where_it_is_cheapest(tmp_path):
     """Between selective's and none's plans a per-tag policy (selective plus the attention
     context: one attention matmul less per block) is the cheapest that fits; ``--no-tags``

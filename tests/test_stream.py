@@ -50,10 +50,11 @@ def _batches(n: int):
 @pytest.mark.parametrize(
     "precision, policy, optimizer, accum, update",
     [
-        ("bf16", "offload", "adamw", 1, "device"),
-        ("bf16", "selective", "adamw", 2, "device"),  # microbatches: the stack's sum on the host
+        pytest.param("bf16", "offload", "adamw", 1, "device", marks=pytest.mark.slow),
+        # microbatches: the stack's running sum in host memory
+        pytest.param("bf16", "selective", "adamw", 2, "device", marks=pytest.mark.slow),
         ("fp32", "full", "sgd", 1, "device"),
-        ("bf16", "selective", "adamw", 2, "host"),  # the update in host memory
+        pytest.param("bf16", "selective", "adamw", 2, "host", marks=pytest.mark.slow),
     ],
 )
 def test_a_streamed_step_computes_the_unstreamed_steps_numbers(
@@ -185,6 +186,7 @@ def test_commands_that_do_not_measure_a_streamed_step_say_so(capsys):
     assert "it goes with stream (--stream)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GPU_PLAN, reason=NO_GPU_PLAN)
 def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
     from jaxmem.backend import contain_cuda_plugin
@@ -224,6 +226,7 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
     assert host["stream"]["host_resident_bytes"] == info["host_resident_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GPU_PLAN, reason=NO_GPU_PLAN)
 def test_the_planner_searches_streaming_where_host_memory_is_allowed():
     """A budget below every plan that keeps the stack on the device (state there or in host
