@@ -78,6 +78,10 @@ def process_group(
     return ProcessGroup(coordinator=coordinator, num_processes=n or 1, process_id=i or 0)
 
 
+class JoinFailed(RuntimeError):
+    """The run's processes did not all join within the timeout (one line, for the user)."""
+
+
 def _wait_for_coordinator(group: ProcessGroup, timeout_s: int) -> None:
     """Wait until process 0's coordination service accepts connections, at most ``timeout_s``
     seconds. Written by hand because XLA's client, once it tries to register and the deadline
@@ -107,10 +111,6 @@ def _wait_for_coordinator(group: ProcessGroup, timeout_s: int) -> None:
                     "raise --join-timeout"
                 ) from None
             time.sleep(0.5)
-
-
-class JoinFailed(RuntimeError):
-    """The run's processes did not all join within the timeout (one line, for the user)."""
 
 
 def initialize(group: ProcessGroup, timeout_s: int = 300) -> None:

@@ -146,8 +146,7 @@ def shard(
 
     # one process: nothing to reshard (fsdp's default); dp has no FSDP2 form (refused upstream)
     reshard = RESHARD_AFTER_FORWARD.get(parallel.strategy, True) if parallel.sharded else True
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if stream else None
-    policy = offload or OffloadPolicy()
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if stream else OffloadPolicy()
     for block in model.blocks.layers:
         fully_shard(block, reshard_after_forward=reshard, offload_policy=policy)
     fully_shard(model, reshard_after_forward=reshard, offload_policy=policy)

@@ -119,7 +119,9 @@ class TorchTrainer:
         self.runner = apply_memory_policy(model.blocks, job.memory)
         # FSDP2 manages the model (sharded, or streamed through host memory on one process too)
         self.streamed = job.optimizer.stream
-        self.fsdp = self.streamed or (self.parallel.sharded and self.parallel.strategy != "dp")
+        # ranks of a process group (one, streamed): state gathered on rank 0 for checkpoints,
+        # figures from each rank's shards
+        self.grouped = self.parallel.sharded or self.streamed
         self.model = tdist.shard(model, self.parallel, self.launch, stream=self.streamed)
         self.host_state = job.optimizer.state_memory != "device"
         if self.host_state:
@@ -172,7 +174,7 @@ class TorchTrainer:
 
     def restore(self, step: int) -> None:
         assert self.ckpt is not None
-        if self.parallel.sharded or self.fsdp:
+        if self.grouped:
             # rank 0 reads and verifies the checkpoint and broadcasts it; each rank keeps its
             # shards (and the GradScaler's few numbers)
             state = self.ckpt.load(step) if self.launch.primary else {}
@@ -233,7 +235,7 @@ class TorchTrainer:
 
     def save(self, step: int, extra: dict[str, Any]) -> None:
         assert self.ckpt is not None
-        if self.parallel.sharded or self.fsdp:  # gathered whole on rank 0 (a collective)
+        if self.grouped:  # gathered whole on rank 0 (a collective)
             state = tdist.full_state(self.model, self.opt)
         else:
             state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
@@ -267,17 +269,15 @@ class TorchTrainer:
                 if isinstance(t, torch.Tensor)
             ]
         source = "counted (tensors)"
-        if self.parallel.sharded or self.fsdp:
+        if self.grouped:
             nbytes = tdist.local_bytes
             if self.parallel.sharded:
                 source = f"counted (this rank's shards, {self.parallel.mesh_text()})"
-        where = " (host memory)" if self.streamed else ""
+        host = " (host memory)"
         out = [
-            Figure(f"parameters{where}", nbytes(self.model.parameters()), source),
+            Figure("parameters" + host * self.streamed, nbytes(self.model.parameters()), source),
             Figure(
-                f"optimizer state{' (host memory)' if self.streamed or self.host_state else ''}",
-                nbytes(state),
-                source,
+                "optimizer state" + host * (self.streamed or self.host_state), nbytes(state), source
             ),
         ]
         if self.host_state:

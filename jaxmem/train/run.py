@@ -239,7 +239,6 @@ class JaxTrainer:
             params = jax.device_put(params, self.shardings.params)
         layers = layers_fn(job.memory, cfg.n_layers)
         plain_loss = lm_loss_fn(self.graphdef, layers_fn=layers)
-        loss_fn = plain_loss
         self._where = None  # where host-resident parameters go on the device (None: device 0)
 
         def make_loss(lf: Any) -> Any:
@@ -248,20 +247,13 @@ class JaxTrainer:
         make_parallel_loss = make_loss  # the loss as the strategy runs it, of a layers_fn
         if self.shardings is not None:
             mesh_ = self.shardings.mesh
-            loss_fn = parallel_loss(make_loss, layers, job.parallel, mesh_)
+            self._where = self.shardings.params
 
             def make_parallel_loss(lf: Any) -> Any:
                 return parallel_loss(make_loss, lf, job.parallel, mesh_)
 
-            self._where = self.shardings.params
-            loss_into = stack_accumulating_loss(
-                lambda lf: parallel_loss(make_loss, lf, job.parallel, mesh_),
-                job.memory,
-                cfg.n_layers,
-                job.accum,
-            )
-        else:
-            loss_into = stack_accumulating_loss(make_loss, job.memory, cfg.n_layers, job.accum)
+        loss_fn = make_parallel_loss(layers)
+        loss_into = stack_accumulating_loss(make_parallel_loss, job.memory, cfg.n_layers, job.accum)
         self.host_params = job.optimizer.params_memory != "device" or job.optimizer.stream
         self.streamed = job.optimizer.stream
         # parameters kept in host memory are brought to the device inside the jitted evaluation
