@@ -162,6 +162,7 @@ def update_rows() -> dict:
                 "transfer_bytes": info["transfers"]["total_bytes"],
                 "transfer_seconds": info["transfers"]["seconds"],
                 "transfer_source": info["transfers"]["source"],
+                "host_update": info["transfers"].get("host_update"),
                 "compiler": r["compiler"],
                 "seconds": round(time.perf_counter() - start, 1),
             }
@@ -182,17 +183,28 @@ def update_markdown(rows: dict, meta: dict) -> str:
         f"sequence of {SEQ} tokens, bf16 compute with fp32 master weights, policy `{POLICY}`. "
         "Planned peak: the XLA:CUDA deviceless compile, corrected from shapes as in "
         "`streaming.md`; transfers: host-link bytes from shapes over the datasheet bandwidth "
-        "(estimate); the host update's own time on the host's processors is not estimated.",
+        "(estimate); host update: the bytes of host memory the update reads and writes, from "
+        "shapes, over an assumed rate (estimate; rates below). Neither assumes any overlap with "
+        "the device's compute; `jaxmem plan --state-offload` weighs the two the same way.",
         "",
-        "| target | model | update | planned peak GiB | host GiB | transfers GiB | transfers s |",
-        "|---|---|---|---|---|---|---|",
+        "| target | model | update | planned peak GiB | host GiB | transfers GiB | transfers s "
+        "| host update GiB | host update s | sum s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    sources = {}
     for r in rows.values():
+        host = r.get("host_update") or {"bytes": 0, "seconds": 0.0}
+        if r.get("host_update"):
+            sources[r["target"]] = host["source"]
         lines.append(
             f"| {r['target']} | {r['preset']} | {r['update']} | "
             f"{r['planned_peak_bytes'] / GIB:,.2f} | {r['host_bytes'] / GIB:,.0f} | "
-            f"{r['transfer_bytes'] / GIB:,.1f} | {r['transfer_seconds']:.1f} |"
+            f"{r['transfer_bytes'] / GIB:,.1f} | {r['transfer_seconds']:.1f} | "
+            f"{host['bytes'] / GIB:,.1f} | {host['seconds']:.1f} | "
+            f"{r['transfer_seconds'] + host['seconds']:.1f} |"
         )
+    lines.append("")
+    lines += [f"- {target}: {source}" for target, source in sources.items()]
     return "\n".join(lines) + "\n"
 
 

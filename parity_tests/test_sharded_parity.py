@@ -4,8 +4,9 @@ against jaxmem's sharded step: torchrun launches with gloo, as subprocesses with
 - every strategy trains as one device does (within the data-parallel tolerance), and each rank
   holds its share of parameters, gradients and optimizer state;
 - ``jaxmem train --framework torch --mesh fsdp=2`` under torchrun logs the losses of ``jaxmem
-  train --mesh fsdp=2`` (JAX) over 10 steps, resumes bit-identically from its rank-0 checkpoint,
-  and only rank 0 writes the run's files; streamed (``--stream``) it logs the same numbers.
+  train --mesh fsdp=2`` (JAX) over 10 steps, and only rank 0 writes the run's files; streamed
+  (``--stream``) it logs the same numbers; a rank SIGKILLed mid-run ends the other in one line
+  naming the checkpoint to resume from, and the resumed run logs the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from jaxmem.compare.tolerances import tolerance
+from tests.test_parallel import processes_running
 
 N = 2
 HERE = os.path.dirname(__file__)
@@ -129,17 +130,60 @@ def test_fsdp2_trains_as_jax_fsdp_and_resumes_bit_identically(tmp_path):
     assert [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in _metrics(streamed)] == [
         (r["loss"], r["grad_norm"], r.get("val_loss")) for r in t
     ]
-    # killed between the two checkpoints: the run without checkpoint 10 and the lines after 5
-    split = tmp_path / "split"
-    shutil.copytree(torch_run, split)
-    shutil.rmtree(split / "checkpoints" / "10")
-    (split / ".jaxmem.lock").unlink(missing_ok=True)
-    (split / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in t if r["step"] <= 5))
-    torchrun("--no-python", *_jaxmem("train", "--out", str(split), "--resume", "--steps", "10"))
-    resumed = _metrics(split)
+    # rank 1 lost mid-run (SIGKILL once checkpoint 5 verifies): rank 0 ends in one line naming
+    # the checkpoint, torchrun ends the run, nothing is left running, and the resumed run logs
+    # the uninterrupted run's numbers
+    lost = tmp_path / "lost"
+    agent, err, took = _lose_rank(lost, common, 1)
+    assert agent.returncode != 0 and took < 60, (took, err[-3000:])
+    lines = [ln for ln in err.splitlines() if ln.startswith("jaxmem train:")]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("jaxmem train: rank 0 of 2: another rank is gone"), lines[0]
+    assert f"last verified checkpoint: step 5 in {lost}/checkpoints" in lines[0]
+    resume = f"torchrun --standalone --nproc_per_node={N} --no-python jaxmem train --out {lost}"
+    assert f"(continue with: {resume} --resume)" in lines[0]
+    assert "[rank0]: Traceback" not in err  # torchrun's own report follows, as torchrun's
+    assert not processes_running(str(lost))
+    torchrun("--no-python", *_jaxmem("train", "--out", str(lost), "--resume", "--steps", "10"))
+    resumed = _metrics(lost)
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in t
     ]
+
+
+def _lose_rank(run, common: list[str], victim: int) -> tuple[subprocess.Popen, str, float]:
+    """torchrun the torch run; once checkpoint 5 verifies, stop rank ``victim`` where it is and
+    SIGKILL it. Returns torchrun, its stderr and the seconds it took to end after the kill."""
+    import signal
+    import time
+
+    from jaxmem.train.layout import verify
+
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={N}", "--no-python"]
+    cmd += _jaxmem("train", "--framework", "torch", *common, "--out", str(run))
+    agent = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
+    try:
+        deadline = time.time() + TIMEOUT
+        while time.time() < deadline and agent.poll() is None:
+            time.sleep(0.02)
+            if verify(str(run / "checkpoints" / "5")) is None:
+                break
+        ranks = {}
+        with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as f:
+            for pid in f.read().split():
+                with open(f"/proc/{pid}/environ", "rb") as env:
+                    values = dict(e.split(b"=", 1) for e in env.read().split(b"\0") if b"=" in e)
+                ranks[int(values[b"RANK"])] = int(pid)
+        os.kill(ranks[victim], signal.SIGSTOP)  # frozen mid-run: the kill cannot race the end
+        assert agent.poll() is None and len(ranks) == N, "the run ended before the kill"
+        os.kill(ranks[victim], signal.SIGKILL)
+        start = time.monotonic()
+        _, err = agent.communicate(timeout=120)
+        return agent, err, time.monotonic() - start
+    finally:
+        agent.kill()
 
 
 @pytest.mark.parametrize(

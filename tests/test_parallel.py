@@ -254,38 +254,110 @@ def test_bad_meshes_are_refused_naming_the_value(make, fragment):
     assert fragment in str(exc.value)
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_killed_with_sigkill_resume_bit_identically(two_processes, tmp_path):
-    """Both processes of a 2-process fsdp run SIGKILLed once a checkpoint has been saved (the
-    OS ends them mid-step, wherever they are); --resume restores each process's shards from the
-    newest checkpoint that verifies and logs exactly what an uninterrupted run logs."""
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def processes_running(fragment: str) -> list[str]:
+    """Command lines of this machine's processes that mention ``fragment`` (a run directory)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fragment in cmd:
+            found.append(cmd)
+    return found
+
+
+def _lose_one(run, victim: int, *, worker: bool) -> tuple[subprocess.Popen, str, float]:
+    """Start the 2-process run TWO in ``run``; once a checkpoint verifies, stop process
+    ``victim`` where it is and SIGKILL it (``worker``: the child doing its work, as the OS's
+    OOM killer would; else the process the user started). Returns the survivor, its stderr and
+    the seconds it took to exit after the kill."""
     import signal
-    import time
 
     from jaxmem.train.layout import verify
 
-    run = tmp_path / "killed"
     procs = _launch(run, *TWO, processes=2)
     try:
         deadline = time.time() + 300
         saved: list[str] = []
         while not saved and time.time() < deadline and all(p.poll() is None for p in procs):
-            time.sleep(0.05)
+            time.sleep(0.02)
             ckpts = run / "checkpoints"
             names = sorted(os.listdir(ckpts)) if ckpts.is_dir() else []
             saved = [n for n in names if n.isdigit() and verify(str(ckpts / n)) is None]
-        for p in procs:
-            p.send_signal(signal.SIGKILL)
-        for p in procs:
-            p.communicate(timeout=60)
+        target = procs[victim].pid
+        if worker:
+            (target,) = _children(target)
+        os.kill(target, signal.SIGSTOP)  # frozen mid-run: the kill below cannot race the end
+        assert saved and all(p.poll() is None for p in procs), "the run ended before the kill"
+        os.kill(target, signal.SIGKILL)
+        start = time.monotonic()
+        survivor = procs[1 - victim]
+        _, err = survivor.communicate(timeout=120)
+        took = time.monotonic() - start
+        procs[victim].communicate(timeout=60)
     finally:
         for p in procs:
             p.kill()
-    assert saved, "no checkpoint was saved before the run ended"
-    assert all(p.returncode == -signal.SIGKILL for p in procs), "the run ended before the kill"
+    return survivor, err, took
+
+
+def _lost_line(err: str, me: int, lost: str, run) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("jaxmem train:")]
+    assert len(lines) == 2, err[-3000:]  # "joining ..." and the one line
+    line = lines[-1]
+    assert line.startswith(f"jaxmem train: process {me} of 2 lost {lost}: "), line
+    assert "last verified checkpoint: step " in line and f"in {run}/checkpoints" in line
+    assert f"(continue with: jaxmem train --out {run} --resume, on every process" in line
+    return line
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_lost_process_ends_the_survivor_in_one_line_and_the_run_resumes_bit_identically(
+    two_processes, tmp_path
+):
+    """Process 1's worker SIGKILLed mid-run (after a checkpoint verified): process 0 exits 1
+    within seconds in one line naming process 1 and the checkpoint to resume from (not gloo's
+    traceback, not XLA's abort after its heartbeat timeout), leaves no process behind, and
+    --resume logs exactly what an uninterrupted run logs: nothing half-written was taken as
+    good."""
+    run = tmp_path / "lost"
+    survivor, err, took = _lose_one(run, 1, worker=True)
+    assert survivor.returncode == 1, err[-3000:]
+    assert took < 30, took  # gloo reports the closed connection; the heartbeats confirm it
+    _lost_line(err, 0, "process 1", run)
+    assert "Traceback" not in err and "Check failure" not in err
+    assert not processes_running(str(run))
     _train(run, "--resume", "--steps", "8", processes=2)
     assert _losses(run) == _losses(two_processes)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_losing_the_coordinator_ends_the_other_process_in_one_line(tmp_path):
+    """Process 0 (it runs the coordination service) SIGKILLed: XLA's client ends the other
+    process's work at once in a native abort; the process the user started reports it in one
+    line naming process 0 and the checkpoint, exits 1, and leaves no process behind."""
+    run = tmp_path / "lost"
+    survivor, err, took = _lose_one(run, 0, worker=False)
+    assert survivor.returncode == 1, err[-3000:]
+    assert took < 30, took
+    line = _lost_line(err, 1, "process 0 (the coordinator)", run)
+    assert "its coordination service stopped answering" in line
+    assert "Check failure" not in err and "@ 0x" not in err  # no C++ stack dump
+    assert not processes_running(str(run))
 
 
 @pytest.mark.multiprocess

@@ -5,6 +5,7 @@ keeps the stack off the device; what it does not compose with yet is one line, e
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import signal
@@ -252,7 +253,8 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
         tags=False,  # the stacks a plan holds on the device: full alone, scanned
         unroll=False,
     )
-    result = search(Problem(cfg, 2, 32, h100, budget, OptimizerConfig()), space)
+    problem = Problem(cfg, 2, 32, h100, budget, OptimizerConfig())
+    result = search(problem, space)
     assert result.chosen is not None, [o.as_dict() for o in result.outcomes]
     chosen = result.chosen.candidate
     assert chosen.state_memory == "stream" and chosen.describe().endswith("streamed")
@@ -261,3 +263,54 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
     assert all(o.status != "chosen" for o in unstreamed)
     job = candidate_job(resolve_job(defaults={"preset": "tiny"}), chosen, 1)
     assert job.optimizer.stream and job.optimizer.state_memory == "device"
+    assert job.optimizer.stream_update is None  # the device update: the default
+    # the update in host memory too: estimated cheaper on an H100's host (it reads and writes
+    # at the assumed host rate what the device update moves over the slower link), planned
+    # smaller, so chosen; its command asks for it
+    both = search(
+        problem, dataclasses.replace(space, state_memory=(*space.state_memory, "stream-host"))
+    )
+    chosen = both.chosen.candidate
+    assert chosen.describe().endswith("streamed, update on host"), chosen.describe()
+    assert both.chosen.compiled <= result.chosen.compiled
+    job = candidate_job(resolve_job(defaults={"preset": "tiny"}), chosen, 1)
+    assert job.optimizer.stream and job.optimizer.stream_update == "host"
+
+
+def test_the_planner_weighs_a_host_update_against_the_device_update_by_their_estimates(
+    monkeypatch,
+):
+    """A streamed step's update on the device moves parameters, gradient and state over the host
+    link; in host memory it reads and writes the same bytes there. The planner ranks the two by
+    those estimates (same FLOPs): the host update first where host memory is faster than the
+    link (every reference host), the device update first where it is not."""
+    from jaxmem.memory import targets
+    from jaxmem.memory.targets import get_target
+    from jaxmem.planner.search import FlopModel, PlanSpace, Problem, enumerate_candidates
+
+    cfg, v100 = PRESETS["tiny"], get_target("v100-32gb")
+    space = PlanSpace(
+        policies=("full",),
+        mix=(),
+        accum=(1,),
+        state_memory=("stream", "stream-host"),
+        precisions=("bf16",),
+        tags=False,
+        unroll=False,
+    )
+    problem = Problem(cfg, 2, 32, v100, 2**30, OptimizerConfig())
+
+    def ranked() -> list:
+        return enumerate_candidates(problem, space, FlopModel(cfg, 32))
+
+    device, host = sorted(ranked(), key=lambda c: c.state_memory)
+    assert (device.stream, host.stream) == ("device", "host") and device.flops == host.flops
+    rates = targets.rates_for(v100)
+    # the device update's link bytes are the host update's host-memory bytes
+    assert device.host_bytes - host.host_bytes == host.host_update_bytes > 0
+    gap = host.host_update_bytes / rates.host_link - host.host_update_bytes / rates.host_memory
+    assert device.seconds - host.seconds == pytest.approx(gap, rel=1e-9)
+    assert [c.stream for c in ranked()] == ["host", "device"]
+    slow_host = dataclasses.replace(rates, host_memory=rates.host_link / 2)
+    monkeypatch.setitem(targets.RATES, "v100-32gb", slow_host)
+    assert [c.stream for c in ranked()] == ["device", "host"]

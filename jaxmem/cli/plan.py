@@ -94,7 +94,8 @@ def add_parser(sub) -> None:
         action="store_true",
         help="also search host memory (GPU targets): optimizer state in pinned_host (counted as "
         "the plan minus the state: a deviceless compile drops argument memory kinds) and the "
-        "stack streamed through host memory (--stream)",
+        "stack streamed through host memory (--stream), updated on the device or in host "
+        "memory (--stream-update host), weighed by estimated link and host-memory time",
     )
     g.add_argument(
         "--precisions",
@@ -155,7 +156,9 @@ def _space(args: argparse.Namespace, job):
         accum=int_list(args.accum, "--accum"),
         tags=args.tags,
         unroll=args.unroll_search,
-        state_memory=("device", "pinned_host", "stream") if args.state_offload else ("device",),
+        state_memory=("device", "pinned_host", "stream", "stream-host")
+        if args.state_offload
+        else ("device",),
         strategies=tuple(parse_names(args.strategies, list(STRATEGIES), "strategies")),
         precisions=tuple(
             parse_names(args.precisions or job.precision.name, list(PRECISIONS), "precisions")

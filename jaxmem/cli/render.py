@@ -280,7 +280,8 @@ def plan_table(out, result, title: str, top: int, wide: bool) -> None:
     (print_wide if wide else lambda o, x: o.print(x))(out, t)
     out.print(
         "  TFLOP: matmul FLOPs per device and step (gradient's jaxpr); est. s: an estimate "
-        "(FLOPs over the peak rate, bytes over the links); predicted: the memory model; "
+        "(FLOPs over the peak rate, bytes over the links, a host update's bytes over the host "
+        "memory's assumed rate); predicted: the memory model; "
         "compiled: the plan; over (model): predicted over the budget, not compiled; over "
         "(plan): compiled over it; over (floor): its family's leanest stack compiled over it"
         + ("" if wide else "; host and collective bytes: --wide"),

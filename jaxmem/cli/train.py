@@ -107,11 +107,19 @@ def add_parser(sub) -> None:
         help="multi-process (JAX): seconds a process waits for the others to join before it "
         "gives up (default 300)",
     )
+    g.add_argument(
+        "--peer-timeout",
+        type=positive_int,
+        default=30,
+        help="multi-process (JAX): seconds without word from another process (its heartbeat) "
+        "before this one takes it for lost and exits, naming it and the checkpoint to resume "
+        "from (default 30)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxmem.distributed import JoinFailed, initialize, process_group
+    from jaxmem.distributed import JoinFailed, PeerWatch, initialize, process_group, supervise
 
     with usage_errors():
         group = process_group(args.coordinator, args.num_processes, args.process_id)
@@ -119,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     if devices is not None:  # before joining the other processes: a bad layout fails fast
         _check_processes(devices, group.num_processes, args.mesh or f"{devices} device(s)")
     if group.multi:
+        # a lost coordinator ends this process in a native abort no Python code sees: the work
+        # runs in a child, and this process reports how it ended
+        supervise(_native_end(group, args))
         # before anything starts JAX's backends (reading a checkpoint does); said at once, so a
         # process waiting for the others is not silent
         print(
@@ -133,6 +144,65 @@ def run(args: argparse.Namespace) -> int:
         except JoinFailed as e:
             print(f"jaxmem train: {e}", file=sys.stderr)
             return EXIT_RUN_FAILED
+        watch = PeerWatch(group, args.peer_timeout, _lost(group, args)).start()
+        code = EXIT_RUN_FAILED
+        try:
+            code = _run_joined(args, group, devices, watch)
+        finally:
+            watch.stop(finished=code == 0)
+        return code
+    return _run_joined(args, group, devices)
+
+
+def _lost_line(group, args: argparse.Namespace, process: int | None, detail: str) -> str:
+    """One line: which process this one lost (None: it ended itself, in a native abort), why,
+    and the checkpoint to resume from."""
+    from jaxmem.train.loop import last_verified
+
+    me = f"process {group.process_id} of {group.num_processes}"
+    if process is None:
+        what = f"{me} ended in XLA's native abort ({detail})"
+    else:
+        who = f"process {process}" + (" (the coordinator)" if process == 0 else "")
+        what = f"{me} lost {who}: {detail}"
+    good = last_verified(args.out, every_process=True) if args.out else "none (no --out)"
+    return f"jaxmem train: {what}; last verified checkpoint: {good}"
+
+
+def _lost(group, args: argparse.Namespace):
+    """What a process does when another is lost (``PeerWatch``): one line naming it and the
+    checkpoint to resume from, then exit at once (the step it waits in would never end, and
+    exiting normally would wait on the lost process again)."""
+
+    def on_lost(process: int, seconds: float) -> None:
+        detail = f"no word from it for {seconds:.0f} s (--peer-timeout {args.peer_timeout})"
+        print(_lost_line(group, args, process, detail), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_RUN_FAILED)
+
+    return on_lost
+
+
+def _native_end(group, args: argparse.Namespace):
+    """The line a supervising parent prints when its child ended in a native abort
+    (``jaxmem.distributed.supervise``): XLA's client ends a process that way when the
+    coordination service (process 0) goes or declares a process dead."""
+    from jaxmem.distributed import lost_process
+
+    def report(reason: str) -> str:
+        process = lost_process(reason, group.process_id)
+        if process == 0 and group.process_id != 0:
+            detail = "its coordination service stopped answering"
+        elif process is not None:
+            detail = "the coordination service found it dead (its heartbeats stopped)"
+        else:
+            detail = reason.strip().split(". ")[0][:160]
+        return _lost_line(group, args, process, detail)
+
+    return report
+
+
+def _run_joined(args: argparse.Namespace, group, devices: int | None, watch=None) -> int:
     auto = _auto_requested(args)
     if devices is not None:  # the CPU device count is settled: start JAX now, quietly (reading
         need_jax_backend()  # a checkpoint would start it, and the CUDA plugin's lines with it)
@@ -140,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     if auto:
         job = _auto_policy(job, args.memory_budget)
     target = _gpu_target(args, job)
-    return _train(args, job, group, target)
+    return _train(args, job, group, target, watch)
 
 
 def resolve(args: argparse.Namespace):
@@ -319,7 +389,7 @@ def _framework(job, group):
     return framework, primary
 
 
-def _train(args: argparse.Namespace, job, group, target) -> int:
+def _train(args: argparse.Namespace, job, group, target, watch=None) -> int:
     from jaxmem.data import DataError
     from jaxmem.train.layout import CheckpointError
     from jaxmem.train.loop import RunFailed, RunInterrupted
@@ -357,4 +427,10 @@ def _train(args: argparse.Namespace, job, group, target) -> int:
     except KeyboardInterrupt:
         print("jaxmem train: interrupted; nothing saved since the last checkpoint", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:
+        if watch is not None and any(word in str(e) for word in ("Gloo", "NCCL", "collective")):
+            # a collective failed (gloo reports a peer's closed connection at once): when a
+            # peer is gone, name it and exit (PeerWatch.confirm); else the error stands
+            watch.confirm()
+        raise
     return 0

@@ -33,8 +33,10 @@ from jaxmem.model import make_model
 from jaxmem.train.layout import CHECKPOINT_DIR
 from jaxmem.train.loop import (
     PreparedJob,
+    RunFailed,
     check_resident,
     host_available_bytes,
+    last_verified,
     prepare_job,
     run_job,
     val_batches,
@@ -292,12 +294,41 @@ class TorchTrainer:
         pass
 
 
+# What gloo and NCCL say when a peer rank's process is gone (its sockets closed, or a
+# collective timed out waiting for it)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL")
+
+
 def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
-    """Train ``prepared.job`` with torch_ref; returns the run summary."""
+    """Train ``prepared.job`` with torch_ref; returns the run summary. Under torchrun, a
+    collective that fails because another rank's process is gone ends this rank in one line
+    (``RunFailed``: which rank, and the checkpoint to resume from) instead of a traceback from
+    the collective and another from the teardown's barrier; torchrun's agent then names the
+    rank that died first and ends the others."""
+    import torch.distributed as dist
+
+    peer_gone = False
     try:
         return run_job(prepared, lambda: TorchTrainer(prepared), console or Console())
+    except Exception as e:
+        said = [words for words in PEER_GONE if words in str(e)]
+        if dist.is_initialized() and said:
+            peer_gone = True  # no teardown barrier: the lost rank would never meet it
+            n = dist.get_world_size()
+            launcher = f"torchrun --standalone --nproc_per_node={n} --no-python "
+            good = (
+                last_verified(prepared.out_dir, launcher=launcher)
+                if prepared.out_dir
+                else "none (no --out)"
+            )
+            raise RunFailed(
+                f"rank {dist.get_rank()} of {n}: another rank is gone (a collective failed: "
+                f"{said[0]}; torchrun's report names the rank); last verified checkpoint: {good}"
+            ) from None
+        raise
     finally:
-        tdist.shutdown()
+        if not peer_gone:
+            tdist.shutdown()
 
 
 def restored_model(run_dir: str, step: int, job: JobConfig) -> Any:

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 from importlib import resources
+from typing import Any
 
 from jaxmem.config import ConfigError
 
@@ -115,6 +116,24 @@ class Rates:
     host_link: float  # bytes/s each way, device <-> host
     interconnect: float  # bytes/s per device, device <-> device
     source: str
+    # bytes/s of host memory an optimizer update in host memory reads and writes: an assumption,
+    # not a datasheet figure (HOST_MEMORY_RULE)
+    host_memory: float = 0.0
+    host_source: str = ""
+
+
+# The host update's rate is assumed, from the reference server's DRAM: a third of its theoretical
+# bandwidth (channels x transfer rate x 8 bytes). An update streams its arrays once (AdamW reads
+# parameters, gradient and two moments, writes three), so it is bandwidth-bound, and it shares
+# the host with the link's DMA and the input pipeline; the third is a round figure, not measured.
+HOST_MEMORY_RULE = "a third of the reference host's theoretical DRAM bandwidth (an assumption)"
+
+
+def _host(gb_per_s: float, host: str) -> dict[str, Any]:
+    return {
+        "host_memory": gb_per_s / 3 * 1e9,
+        "host_source": f"{host}: {gb_per_s:.1f} GB/s theoretical; {HOST_MEMORY_RULE}",
+    }
 
 
 RATES: dict[str, Rates] = {
@@ -124,6 +143,7 @@ RATES: dict[str, Rates] = {
         450e9,
         "H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, fp32 matmuls as TF32 (XLA's default "
         "precision on GPU) 494.5; PCIe Gen5 x16 64 GB/s; NVLink 4 450 GB/s each way",
+        **_host(614.4, "DGX H100 host, 2 sockets x 8 channels DDR5-4800"),
     ),
     "a100-40gb": Rates(
         {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
@@ -131,6 +151,7 @@ RATES: dict[str, Rates] = {
         300e9,
         "A100 SXM4 datasheet: 312 TFLOP/s bf16/fp16 dense, TF32 156; PCIe Gen4 x16 32 GB/s; "
         "NVLink 3 300 GB/s each way",
+        **_host(409.6, "DGX A100 host, 2 sockets x 8 channels DDR4-3200"),
     ),
 }
 RATES["a100-80gb"] = RATES["a100-40gb"]
@@ -140,6 +161,7 @@ RATES["v100-32gb"] = Rates(
     150e9,
     "V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor cores, 15.7 fp32; no bf16 tensor cores "
     "(bf16 matmuls counted at the fp32 rate); PCIe Gen3 x16 16 GB/s; NVLink 2 150 GB/s each way",
+    **_host(153.6, "DGX-1 V100 host, 2 sockets x 4 channels DDR4-2400"),
 )
 RATES["a10-24gb"] = Rates(
     {"bfloat16": 125e12, "float16": 125e12, "float32": 62.5e12},
@@ -147,6 +169,7 @@ RATES["a10-24gb"] = Rates(
     32e9,
     "A10 datasheet: 125 TFLOP/s bf16/fp16 dense, TF32 62.5; PCIe Gen4 x16 32 GB/s, no NVLink "
     "(collectives over PCIe)",
+    **_host(204.8, "a one-socket server, 8 channels DDR4-3200"),
 )
 # The local backend: nominal rates (the estimate then ranks by FLOPs, host and collective bytes
 # weighed as on an H100's links); its plans have no host offload to weigh.
@@ -155,6 +178,7 @@ NOMINAL = Rates(
     64e9,
     450e9,
     "nominal (the local backend has no datasheet: FLOPs at 1 TFLOP/s)",
+    **_host(192.0, "nominal: the local backend plans no host update"),
 )
 
 

@@ -289,8 +289,9 @@ def stream_transfers(
 ) -> dict[str, Any]:
     """Bytes a streamed step moves between host and device memory, from shapes, and the time
     they take over the target's host link (an estimate: datasheet bandwidth, no overlap with
-    compute assumed or excluded). A ``host`` update moves nothing: its time on the host's
-    processors and memory is not estimated here."""
+    compute assumed or excluded). A ``host`` update moves none of the update's arrays over the
+    link: its reads and writes of host memory are estimated instead (``host_update``, at the
+    target's assumed host-memory rate)."""
     from jaxmem.memory.targets import rates_for
     from jaxmem.step import stream
 
@@ -309,13 +310,22 @@ def stream_transfers(
         moved["accumulation: running sum and gradient in, sum out"] = accum * 3 * p
     total = sum(moved.values())
     rates = rates_for(target)
-    return {
+    out = {
         "bytes": moved,
         "total_bytes": total,
         "seconds": total / rates.host_link,
         "source": f"estimate: bytes from shapes over {rates.host_link / 1e9:.0f} GB/s "
         f"({rates.source})",
     }
+    if update == "host":  # the same arrays read and written in host memory instead
+        touched = (2 * p + state) + (p + state)
+        out["host_update"] = {
+            "bytes": touched,
+            "seconds": touched / rates.host_memory,
+            "source": f"estimate: parameters, gradient and state read, parameters and state "
+            f"written, from shapes, at {rates.host_memory / 1e9:.0f} GB/s ({rates.host_source})",
+        }
+    return out
 
 
 def require_one_device(parallel: ParallelConfig | None) -> None:

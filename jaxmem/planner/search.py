@@ -65,9 +65,12 @@ from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.step.train_step import lm_loss_fn
 
 GIB = 2**30
-# a placement of the state beside device and pinned_host: the stack's parameters and state
-# streamed through host memory (optimizer.stream)
+# placements of the state beside device and pinned_host: the stack's parameters and state
+# streamed through host memory (optimizer.stream), updated block by block on the device or in
+# host memory (optimizer.stream_update)
 STREAMED = "stream"
+STREAMED_HOST = "stream-host"
+STREAM_UPDATE = {STREAMED: "device", STREAMED_HOST: "host"}
 USABLE_FRACTION = 0.9  # of a GPU's memory: the CUDA context, cuDNN/cuBLAS workspaces, fragmentation
 
 
@@ -78,7 +81,7 @@ class PlanSpace:
     policies: tuple[str, ...] = ("none", "selective", "mlp", "offload", "full", "nested")
     mix: tuple[str, ...] = ("none", "selective", "offload", "full")  # presets mixed in pairs
     accum: tuple[int, ...] = (1, 2, 4, 8)
-    state_memory: tuple[str, ...] = ("device", "pinned_host")  # and STREAMED
+    state_memory: tuple[str, ...] = ("device", "pinned_host")  # and STREAM_UPDATE's
     strategies: tuple[str, ...] = ("dp", "zero1", "fsdp")
     precisions: tuple[str, ...] = ("fp32",)
     # also the per-tag policies on the Pareto frontier of one block (``jaxmem.planner.tags``),
@@ -112,19 +115,29 @@ class Candidate:
     host_bytes: int  # per device and step over the host link (estimate: what offload moves)
     collective_bytes: int  # per device and step over the interconnect (ring estimate)
     seconds: float  # estimated step time (FLOPs / rate + bytes / bandwidths)
+    # bytes of host memory a host update reads and writes per step (estimate, from shapes)
+    host_update_bytes: int = 0
+
+    @property
+    def stream(self) -> str | None:
+        """Where a streamed stack's update runs (device | host); None: not streamed."""
+        return STREAM_UPDATE.get(self.state_memory)
 
     @property
     def family(self) -> tuple:
-        # a streamed step is another program: its plans fit apart
-        streamed = ("streamed",) if self.state_memory == STREAMED else ()
+        # a streamed step is another program (and its update placement another): its plans
+        # fit apart
+        streamed = ("streamed", self.stream) if self.stream else ()
         unrolled = ("unrolled",) if self.policy.unroll else ()
         return (self.accum, self.strategy, self.precision, *streamed, *unrolled)
 
     def describe(self) -> str:
         stack = policy_text(self.policy) + (" (unrolled)" if self.policy.unroll else "")
         parts = [stack, self.precision, f"accum {self.accum}"]
-        if self.state_memory == STREAMED:
+        if self.stream == "device":
             parts.append("streamed")
+        elif self.stream == "host":
+            parts.append("streamed, update on host")
         elif self.state_memory != "device":
             parts.append(f"state {self.state_memory}")
         if self.strategy is not None:
@@ -280,7 +293,7 @@ class MemoryModel:
                     cand.accum,
                     cand.strategy,
                     cand.precision,
-                    cand.state_memory == STREAMED,
+                    cand.stream,
                 )
                 for d in dict.fromkeys((d1, d2))
             ]
@@ -338,7 +351,7 @@ class MemoryModel:
 def state_host_bytes(problem: Problem, cand: Candidate) -> int:
     """Optimizer-state bytes per device a candidate keeps in host memory (from shapes); a
     streamed candidate's plan is already its device's (``records.stream_plan``)."""
-    if cand.state_memory in ("device", STREAMED):
+    if cand.state_memory == "device" or cand.stream:
         return 0
     precision = PRECISIONS[cand.precision]
     total = analytic.opt_state_bytes(problem.cfg, problem.opt_cfg, precision)
@@ -398,19 +411,25 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                     else:
                         collective = 0
                     for place in space.state_memory if host else ("device",):
-                        if place == STREAMED and not _streams(
-                            problem, policy, accum, strategy, precision
-                        ):
+                        update = STREAM_UPDATE.get(place)
+                        if update and not _streams(problem, policy, accum, strategy, precision):
                             continue
                         shards = n if strategy in ("zero1", "fsdp") else 1
                         moved = 2 * offload_row * rows * offloaded_blocks
-                        if place == STREAMED:
-                            moved += _streamed_bytes(cfg, problem.opt_cfg, precision, policy, accum)
+                        on_host = 0
+                        if update:
+                            link, on_host = _streamed_bytes(
+                                cfg, problem.opt_cfg, precision, policy, accum, update
+                            )
+                            moved += link
                         elif place != "device":
                             moved += 2 * state // shards
                         f = per_row * rows
                         seconds = (
-                            f / rate + moved / rates.host_link + collective / rates.interconnect
+                            f / rate
+                            + moved / rates.host_link
+                            + collective / rates.interconnect
+                            + on_host / rates.host_memory
                         )
                         out.append(
                             Candidate(
@@ -423,9 +442,10 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                                 moved,
                                 collective,
                                 seconds,
+                                on_host,
                             )
                         )
-    order = {p: i for i, p in enumerate(("device", "pinned_host", STREAMED))}
+    order = {p: i for i, p in enumerate(("device", "pinned_host", STREAMED, STREAMED_HOST))}
     # among equal costs: fewer microbatches, the state on the device, the scanned stack, then a
     # preset before a per-tag policy (the cost counts matmuls only: a per-tag policy with
     # none's FLOPs still recomputes the norms and activations)
@@ -468,10 +488,13 @@ def _streamed_bytes(
     precision: Precision,
     policy: MemoryPolicy,
     accum: int = 1,
-) -> int:
-    """Host-link bytes of a streamed step (from shapes, as ``records.stream_transfers``): the
-    stack's parameters in (twice under a replaying policy), its gradient out, the update's
-    parameters, gradient and state in and parameters and state out."""
+    update: str = "device",
+) -> tuple[int, int]:
+    """Bytes of a streamed step (from shapes, as ``records.stream_transfers``): over the host
+    link, the stack's parameters in (twice under a replaying policy), its gradient out and, for
+    a device update, the update's parameters, gradient and state in and parameters and state
+    out; and the bytes of host memory a host update reads and writes instead (the same arrays:
+    parameters, gradient and state read, parameters and state written)."""
     per_block = analytic.param_bytes(cfg.replace(n_layers=2), precision) - analytic.param_bytes(
         cfg.replace(n_layers=1), precision
     )
@@ -481,7 +504,9 @@ def _streamed_bytes(
     p, s = per_block * cfg.n_layers, state_block * cfg.n_layers
     fetches = 2 if policy.remat else 1
     summed = accum * 3 * p if accum > 1 else 0  # the running sum added to block by block
-    return accum * (fetches * p + p) + summed + (2 * p + s) + (p + s)
+    updated = (2 * p + s) + (p + s)
+    link = accum * (fetches * p + p) + summed
+    return (link + updated, 0) if update == "device" else (link, updated)
 
 
 def _offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:
@@ -495,9 +520,17 @@ def candidate_job(job: JobConfig, cand: Candidate, devices: int) -> JobConfig:
         memory=cand.policy,
         precision=PRECISIONS[cand.precision],
         accum=dataclasses.replace(job.accum, steps=cand.accum),
-        optimizer=dataclasses.replace(job.optimizer, state_memory="device", stream=True)
-        if cand.state_memory == STREAMED
-        else dataclasses.replace(job.optimizer, state_memory=cand.state_memory, stream=False),
+        optimizer=dataclasses.replace(
+            job.optimizer,
+            state_memory="device",
+            stream=True,
+            # the device update is the default: a streamed command names only the host one
+            stream_update="host" if cand.stream == "host" else None,
+        )
+        if cand.stream
+        else dataclasses.replace(
+            job.optimizer, state_memory=cand.state_memory, stream=False, stream_update=None
+        ),
         parallel=ParallelConfig()
         if cand.strategy is None
         else ParallelConfig(strategy=cand.strategy, devices=devices),
@@ -524,6 +557,7 @@ class Outcome:
             "precision": c.precision,
             "flops": c.flops,
             "host_bytes": c.host_bytes,
+            "host_update_bytes": c.host_update_bytes,
             "collective_bytes": c.collective_bytes,
             "estimated_seconds": c.seconds,
             "predicted_bytes": None if self.predicted is None else int(self.predicted),
@@ -566,7 +600,7 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
         accum: int,
         strategy: str | None,
         precision: str,
-        streamed: bool = False,
+        stream: str | None = None,
     ) -> tuple[int, str]:
         parallel = (
             None if strategy is None else ParallelConfig(strategy=strategy, devices=problem.devices)
@@ -575,7 +609,11 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
             cfg,
             policy,
             precision_of[precision],
-            dataclasses.replace(problem.opt_cfg, stream=streamed),
+            dataclasses.replace(
+                problem.opt_cfg,
+                stream=stream is not None,
+                stream_update="host" if stream == "host" else None,
+            ),
             problem.batch,
             problem.seq_len,
             target=problem.target,
@@ -611,11 +649,10 @@ def search(
     at_depth: dict[tuple, int] = {}  # compiled at the real depth, per candidate program
 
     def compile_candidate(c: Candidate, policy: MemoryPolicy) -> int:
-        streamed = c.state_memory == STREAMED
-        key = (policy, c.accum, c.strategy, c.precision, streamed)
+        key = (policy, c.accum, c.strategy, c.precision, c.stream)
         if key not in at_depth:
             at_depth[key] = peak_only(
-                problem.cfg, policy, c.accum, c.strategy, c.precision, streamed
+                problem.cfg, policy, c.accum, c.strategy, c.precision, c.stream
             )
         return at_depth[key] - state_host_bytes(problem, c)
 
@@ -678,7 +715,7 @@ def smallest_plan(result: PlanResult) -> Outcome | None:
                 c.accum,
                 c.strategy,
                 c.precision,
-                c.state_memory == STREAMED,
+                c.stream,
             )
             best.compiled = peak - state_host_bytes(result.problem, c)
             best.status = "over (compiled)"

@@ -626,13 +626,19 @@ class _StopRequests:
             self._pipe = None
 
 
-def _verified(out_dir: str) -> str:
-    """The newest checkpoint of a run that verifies, in words (for a message)."""
+def last_verified(out_dir: str, every_process: bool = False, launcher: str = "") -> str:
+    """The newest checkpoint of a run that verifies, in words, with the command that continues
+    from it (for a message): ``every_process``: a JAX multi-process run (each process resumes);
+    ``launcher``: what the command runs under (torchrun's)."""
     directory = os.path.join(out_dir, CHECKPOINT_DIR)
     step = newest_verified(directory)[0] if os.path.isdir(directory) else None
     if step is None:
         return "none"
-    return f"step {step} in {directory} (continue with: jaxmem train --out {out_dir} --resume)"
+    where = ", on every process with its --coordinator/--num-processes/--process-id"
+    return (
+        f"step {step} in {directory} (continue with: {launcher}jaxmem train --out {out_dir} "
+        f"--resume{where if every_process else ''})"
+    )
 
 
 def disk_error(error: BaseException) -> OSError | None:
@@ -847,7 +853,7 @@ class _Run:
                 raise
             except KeyboardInterrupt:
                 # a second signal, wherever it landed (a save it cut short is never verified)
-                good = _verified(self.prepared.out_dir) if self.saves else "none (no --out)"
+                good = last_verified(self.prepared.out_dir) if self.saves else "none (no --out)"
                 raise RunInterrupted(
                     f"a second {self.stop.signal or 'signal'} aborted the run without saving; "
                     f"last verified checkpoint: {good}"
