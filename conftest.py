@@ -62,16 +62,22 @@ def pytest_unconfigure(config) -> None:
 # the classic fix for that tail). The files holding the slowest tests of a full run on 2 cores
 # (pytest --durations), longest first; the rest keep their order. Only the order changes.
 LONGEST_FIRST = (
-    "tests/test_parallel.py",
-    "parity_tests/test_sharded_parity.py",
-    "tests/test_stream.py",
+    "parity_tests/test_policies.py",
     "tests/test_cli_contract.py",
-    "tests/test_train.py",
-    "parity_tests/test_compare_cli.py",
-    "tests/test_own_step.py",
-    "tests/test_chaos.py",
     "tests/test_plan.py",
+    "tests/test_parallel.py",
+    "parity_tests/test_training_parity.py",
+    "tests/test_stream.py",
+    "parity_tests/test_compare_cli.py",
+    "parity_tests/test_memory_parity.py",
+    "parity_tests/test_hf_checkpoints.py",
+    "tests/test_readme.py",
+    "parity_tests/test_model_parity.py",
     "tests/test_gpu_plan.py",
+    "parity_tests/test_sharded_parity.py",
+    "parity_tests/test_torch_measure.py",
+    "tests/test_chaos.py",
+    "tests/test_train.py",
 )
 
 

@@ -217,6 +217,16 @@ def check_stream(
     )
 
 
+def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
+    """Why torch_ref's job cannot run ``job``'s mesh (None: it can)."""
+    if not job.parallel.tensor_parallel:
+        return None
+    return (
+        f"--mesh {job.parallel.mesh_text()}: torch_ref has no tensor parallelism yet (DTensor's "
+        "ColwiseParallel/RowwiseParallel); train it with --framework jax"
+    )
+
+
 def torch_host_memory_refusal(job: JobConfig) -> str | None:
     """Why torch_ref's job cannot keep ``job``'s state in host memory as asked (None: it can:
     ``--stream`` through FSDP2's CPUOffloadPolicy, optimizer state through Megatron's hybrid
@@ -303,6 +313,14 @@ class JobConfig:
             check_stream(self.memory, self.precision, self.accum)
         self.accum.check_batch(self.run.batch_size)
         self.parallel.check_batch(self.run.batch_size, self.accum.steps)
+        m = self.model
+        self.parallel.check_model(m.n_heads, m.kv_heads, m.d_ff, self.run.seq_len)
+        if self.parallel.tensor_parallel:
+            require(
+                not (self.optimizer.stream or self.memory.unroll or self.memory.nested),
+                f"--mesh {self.parallel.mesh_text()} (tensor parallelism) runs a scanned stack "
+                "with its state on the device: drop --stream, --unroll or the nested policy",
+            )
         if self.parallel.sharded:
             require(
                 self.accum.mode == "scan",

@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 from jaxmem.config import ConfigError
 from jaxmem.parallel import ParallelConfig, shard_dim
 
-AXIS = "data"  # the mesh's one axis: every strategy here is data parallel
+AXIS = "data"  # the data-parallel axis (dp, zero1, fsdp)
+TENSOR = "tensor"  # the tensor-parallel axis (--mesh ...,tp=N): a second mesh axis
 
 
 def ensure_cpu_devices(n: int) -> None:
@@ -40,7 +41,9 @@ def ensure_cpu_devices(n: int) -> None:
 
 
 def mesh(cfg: ParallelConfig, devices: list[jax.Device] | None = None) -> Mesh:
-    """The one-axis mesh over the first ``cfg.devices`` devices (``devices``: a target's)."""
+    """The mesh over the first ``cfg.devices`` devices (``devices``: a target's): one data axis,
+    or data x tensor with tensor parallelism (neighbouring devices on the tensor axis, whose
+    collectives run every block, as NVLink domains are laid out)."""
     available = devices if devices is not None else jax.devices()
     if len(available) < cfg.devices:
         platform = available[0].platform if available else "?"
@@ -54,30 +57,70 @@ def mesh(cfg: ParallelConfig, devices: list[jax.Device] | None = None) -> Mesh:
             f"--mesh {cfg.mesh_text()} needs {cfg.devices} devices; this process sees "
             f"{len(available)} {platform} device(s){hint}"
         )
-    return Mesh(np.array(available[: cfg.devices]), (AXIS,))
+    chosen = np.array(available[: cfg.devices])
+    if cfg.tp == 1:
+        return Mesh(chosen, (AXIS,))
+    return Mesh(chosen.reshape(cfg.data, cfg.tp), (AXIS, TENSOR))
 
 
 def _is_stacked(path: tuple) -> bool:
     return any(getattr(k, "key", None) == "blocks" for k in path)
 
 
-def leaf_spec(shape: tuple[int, ...], n: int, stacked: bool) -> P:
-    """Where one array lives on an ``n``-device axis when it is sharded (``shard_dim``)."""
-    best = shard_dim(shape, n, stacked)
-    if best is None:
-        return P()
-    return P(*(AXIS if d == best else None for d in range(len(shape))))
+def leaf_spec(shape: tuple[int, ...], n: int, stacked: bool, tensor_dim: int | None = None) -> P:
+    """Where one array lives when it is sharded over an ``n``-device data axis (``shard_dim``,
+    never the dimension the tensor axis splits) and, given ``tensor_dim``, over the tensor
+    axis there."""
+    dims: list[str | None] = [None] * len(shape)
+    if tensor_dim is not None:
+        dims[tensor_dim] = TENSOR
+    if n > 1:
+        free = tuple(1 if d == tensor_dim else x for d, x in enumerate(shape))
+        best = shard_dim(free, n, stacked)
+        if best is not None:
+            dims[best] = AXIS
+    return P(*dims)
+
+
+# Megatron's layout of a block's weights over the tensor axis, by parameter name: column-
+# parallel (the output dimension split: each device computes its heads or MLP columns) or
+# row-parallel (the input dimension split: each device's partial sums are reduced). The fused
+# q/k/v projection (``in_proj``, HF GPT-2's c_attn layout [q | k | v]) is split in contiguous
+# column blocks: its heads do not line up with the devices' shares, so XLA moves q, k and v into
+# the heads layout the attention runs in (``tag_spec``) with a collective that Megatron's
+# interleaved layout avoids.
+COLUMN = ("in_proj", "up", "gate")
+ROW = ("out_proj", "down")
+
+
+def tensor_dim(path: tuple, shape: tuple[int, ...], stacked: bool) -> int | None:
+    """The dimension the tensor axis splits a parameter on (None: replicated over it)."""
+    keys = [k.key for k in path if hasattr(k, "key")]  # names, not nnx's trailing .value
+    if not stacked or len(keys) < 2:
+        return None
+    layer, leaf = keys[-2], keys[-1]
+    if layer in COLUMN:  # kernel [L, in, out] or bias [L, out]: the output columns
+        return len(shape) - 1
+    if layer in ROW and leaf == "kernel":  # kernel [L, in, out]: the input rows
+        return len(shape) - 2
+    return None  # norms, the row-parallel biases (added once, after the reduction)
 
 
 def tree_shardings(
     tree: Any, m: Mesh, shard: bool, memory_kind: str = "device", *, stacked: bool = False
 ) -> Any:
-    """A ``NamedSharding`` per array leaf of ``tree``: sharded by ``leaf_spec`` or replicated.
-    ``stacked``: every leaf of ``tree`` is the block stack's (its first axis the layers')."""
+    """A ``NamedSharding`` per array leaf of ``tree``: sharded by ``leaf_spec`` or replicated
+    over the data axis (``shard``), and split over the tensor axis by Megatron's layout when the
+    mesh has one. ``stacked``: every leaf of ``tree`` is the block stack's (its first axis the
+    layers')."""
     n = m.shape[AXIS]
+    tp = TENSOR in m.axis_names
 
     def one(path: tuple, x: Any) -> NamedSharding:
-        spec = leaf_spec(tuple(x.shape), n, stacked or _is_stacked(path)) if shard else P()
+        shape = tuple(x.shape)
+        in_stack = stacked or _is_stacked(path)
+        dim = tensor_dim(path, shape, in_stack) if tp else None
+        spec = leaf_spec(shape, n if shard else 1, in_stack, dim)
         return NamedSharding(m, spec, memory_kind=memory_kind)
 
     return jax.tree_util.tree_map_with_path(one, tree)
@@ -157,13 +200,29 @@ def _replicated(tree: Any, m: Mesh) -> Any:
     return jax.lax.with_sharding_constraint(tree, NamedSharding(m, P()))
 
 
+def _layer_specs(tree: Any, m: Mesh) -> Any:
+    """One block's weights gathered over the data axis: replicated there, still split over the
+    tensor axis (Megatron's layout) when the mesh has one."""
+    tp = TENSOR in m.axis_names
+
+    def one(path: tuple, x: Any) -> NamedSharding:
+        dim = tensor_dim(path, (1, *x.shape), stacked=True) if tp else None
+        dims = [None] * x.ndim
+        if dim is not None:
+            dims[dim - 1] = TENSOR
+        return NamedSharding(m, P(*dims))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def gather_at_use(layers: Any, m: Mesh) -> Any:
-    """A ``layers_fn`` that runs ``layers`` with each block's weights all-gathered as the block
-    starts (wrapping the block function: the model is unchanged)."""
+    """A ``layers_fn`` that runs ``layers`` with each block's weights all-gathered over the data
+    axis as the block starts (wrapping the block function: the model is unchanged)."""
 
     def run(layer_fn: Any, x: jax.Array, stacked: Any) -> jax.Array:
         def gathered_layer(x: jax.Array, layer_params: Any) -> jax.Array:
-            return layer_fn(x, _replicated(layer_params, m))
+            specs = _layer_specs(layer_params, m)
+            return layer_fn(x, jax.lax.with_sharding_constraint(layer_params, specs))
 
         return layers(gathered_layer, x, stacked)
 
@@ -183,9 +242,112 @@ def gather_outside_blocks(loss: Any, m: Mesh) -> Any:
     return wrapped
 
 
+# ------------------------------------------------- tensor parallelism: the activations' layout
+# The block's activations are laid out by the tags the model already puts on them
+# (``checkpoint_name``): each tagged tensor is constrained to Megatron's layout over the tensor
+# axis just before it is tagged, so what a memory policy saves is the constrained tensor. Heads
+# and MLP columns are split over the tensor axis; the residual stream, the norms' outputs and
+# the row-parallel outputs are split by sequence (sequence parallelism) or replicated on each
+# tensor device. XLA's SPMD partitioner inserts the all-gathers and reduce-scatters between.
+HEADS = ("query_proj", "key_proj", "value_proj", "query_rope", "key_rope")  # [B, S, H, K]
+SCORES = ("attn_scores", "attn_probs")  # [B, H, S, S]
+COLUMNS = ("attn_context", "mlp_up", "mlp_gate", "mlp_act")  # [B, S, D or F]: the columns
+STREAM = (  # [B, S, D]: the residual stream and what the row-parallel matmuls return
+    "block_input",
+    "norm1_out",
+    "attn_out",
+    "attn_residual",
+    "norm2_out",
+    "mlp_down",
+    "mlp_residual",
+)
+
+
+def tag_spec(name: str, shape: tuple[int, ...], tp: int, sequence_parallel: bool) -> P | None:
+    """Where a tagged activation of ``shape`` lives on the data x tensor mesh (None: left to
+    XLA, e.g. a tag this layout does not name)."""
+    dims: list[str | None] = [AXIS] + [None] * (len(shape) - 1)
+
+    def split(d: int) -> bool:
+        if shape[d] % tp:
+            return False
+        dims[d] = TENSOR
+        return True
+
+    if name in HEADS:  # [B, S, H, K], or grouped [B, S, Hkv, G, K]: the (grouped) heads
+        split(2) or (len(shape) == 5 and split(3))
+    elif name in SCORES:  # [B, H, S, S], or grouped [B, Hkv, G, S, S]
+        split(1) or (len(shape) == 5 and split(2))
+    elif name in COLUMNS:
+        split(len(shape) - 1)
+    elif name in STREAM:
+        if sequence_parallel:
+            split(1)
+    else:
+        return None
+    return P(*dims)
+
+
+def tensor_parallel_layers(layers: Any, m: Mesh, cfg: ParallelConfig) -> Any:
+    """A ``layers_fn`` that runs ``layers`` with each block's tagged activations laid out over
+    the tensor axis (``tag_spec``), by re-evaluating the block's jaxpr with a sharding
+    constraint before each tag. Written by hand: JAX has no hook on ``checkpoint_name``, and the
+    tags are the one contract between the model and what applies policies to it (MaxText puts
+    logical-axis constraints in its model instead)."""
+
+    def run(layer_fn: Any, x: jax.Array, stacked: Any) -> jax.Array:
+        def constrained_layer(x: jax.Array, layer_params: Any) -> jax.Array:
+            args, in_tree = jax.tree_util.tree_flatten((x, layer_params))
+            closed, out_shape = jax.make_jaxpr(
+                lambda *a: layer_fn(*jax.tree_util.tree_unflatten(in_tree, a)),
+                return_shape=True,
+            )(*args)
+            out = _eval_constrained(closed.jaxpr, closed.consts, args, m, cfg)
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
+
+        return layers(constrained_layer, x, stacked)
+
+    return run
+
+
+def _eval_constrained(jaxpr: Any, consts: list, args: list, m: Mesh, cfg: ParallelConfig) -> list:
+    """``jax.core.eval_jaxpr`` with each ``name`` equation's input constrained by ``tag_spec``
+    (the equations re-bound as they are, so every tag stays where policies look for it)."""
+    from jax.extend.core import Literal
+
+    env: dict = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name == "name":
+            (value,) = invals
+            spec = tag_spec(eqn.params["name"], tuple(value.shape), cfg.tp, cfg.sequence_parallel)
+            if spec is not None:
+                invals = [jax.lax.with_sharding_constraint(value, NamedSharding(m, spec))]
+        with eqn.ctx.manager:  # as jax.core.eval_jaxpr binds (this JAX's bind parameters)
+            outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        if not eqn.primitive.multiple_results:
+            outvals = [outvals]
+        for v, x in zip(eqn.outvars, outvals, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
 def parallel_loss(make_loss: Any, layers: Any, cfg: ParallelConfig, m: Mesh | None) -> Any:
-    """``make_loss(layers_fn)`` as the strategy runs it: under ``fsdp`` on more than one device
-    the weights are gathered at use; otherwise unchanged."""
-    if m is None or not cfg.shards_params:
+    """``make_loss(layers_fn)`` as the strategy runs it: with tensor parallelism the blocks'
+    activations laid out over the tensor axis; under ``fsdp`` over more than one data device
+    the weights gathered at use; otherwise unchanged."""
+    if m is None or not cfg.sharded:
+        return make_loss(layers)
+    if cfg.tensor_parallel:
+        layers = tensor_parallel_layers(layers, m, cfg)
+    if not cfg.shards_params:
         return make_loss(layers)
     return gather_outside_blocks(make_loss(gather_at_use(layers, m)), m)

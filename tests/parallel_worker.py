@@ -4,7 +4,10 @@ AdamW steps on one device and under each strategy over ``DEVICES`` CPU devices, 
 weights and batches, and prints JSON: per case and strategy, the losses and the per-device
 bytes of parameters and optimizer state actually resident on the first device. A case with
 ``"stream": true`` also runs each strategy's streamed step (``jaxmem.step.stream``) as
-``"<strategy>+stream"``.
+``"<strategy>+stream"``. A case with ``"tp": T`` runs each strategy on a data x tensor mesh
+(``DEVICES // T`` x ``T``: Megatron's tensor parallelism on the second axis) and, with
+``"tp_alone": true``, tensor parallelism alone over ``T`` devices as ``"tp"``; ``"preset"``
+names the model (default ``tiny``).
 
     python tests/parallel_worker.py '[{"policy": "full", "precision": "fp32", ...}]'
 """
@@ -40,7 +43,6 @@ from jaxmem.step.train_step import (  # noqa: E402
     tree_bytes,
 )
 
-CFG = PRESETS["tiny"]
 BATCH, SEQ = 8, 32
 
 
@@ -48,9 +50,10 @@ def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
     precision = PRECISIONS[case["precision"]]
     opt_cfg = OptimizerConfig(state_memory=case.get("state_memory", "device"))
     accum = AccumConfig(steps=case.get("accum", 1))
-    g, params = nnx.split(make_model(CFG, precision, seed=0), nnx.Param)
+    cfg = PRESETS[case.get("preset", "tiny")]
+    g, params = nnx.split(make_model(cfg, precision, seed=0), nnx.Param)
     tx = make_optimizer(opt_cfg)
-    layers = layers_fn(get_policy(case["policy"]), CFG.n_layers)
+    layers = layers_fn(get_policy(case["policy"]), cfg.n_layers)
     loss = lm_loss_fn(g, layers_fn=layers)
     sh = None
     if parallel.sharded:
@@ -80,7 +83,7 @@ def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
     scale = init_loss_scale(precision)
     losses = []
     for i in range(case["steps"]):
-        x, y = lm_batch(CFG, BATCH, SEQ, seed=100 + i)
+        x, y = lm_batch(cfg, BATCH, SEQ, seed=100 + i)
         batch = {"inputs": jnp.asarray(x), "targets": jnp.asarray(y)}
         if sh is not None:
             batch = jax.device_put(batch, sh.batch)
@@ -112,8 +115,11 @@ def main() -> None:
         row = {"case": case}
         if case.get("one_device", True):
             row["one_device"] = run(case, ParallelConfig())
+        tp = case.get("tp", 1)  # a data x tensor mesh of DEVICES: DEVICES // tp x tp
+        if tp > 1 and case.get("tp_alone"):  # tensor parallelism over tp devices, no data axis
+            row["tp"] = run(case, ParallelConfig(devices=tp, tp=tp))
         for strategy in case.get("strategies", STRATEGIES):
-            parallel = ParallelConfig(strategy=strategy, devices=DEVICES)
+            parallel = ParallelConfig(strategy=strategy, devices=DEVICES, tp=tp)
             row[strategy] = run(case, parallel)
             if case.get("stream"):
                 row[f"{strategy}+stream"] = run(case, parallel, stream=True)

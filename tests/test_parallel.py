@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -49,6 +50,23 @@ CASES = [
         "steps": 3,
         "strategies": ["fsdp"],
     },
+    {  # Megatron's tensor (and sequence) parallelism: tp=2 alone, and fsdp/zero1 x tp=2
+        "policy": "selective",
+        "precision": "fp32",
+        "accum": 2,
+        "steps": 4,
+        "tp": 2,
+        "tp_alone": True,
+        "strategies": ["fsdp", "zero1"],
+    },
+    {  # the Llama block (RoPE, grouped-query attention, SwiGLU) over fsdp x tp
+        "preset": "tiny-llama",
+        "policy": "full",
+        "precision": "bf16",
+        "steps": 3,
+        "tp": 2,
+        "strategies": ["fsdp"],
+    },
 ]
 DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -64,16 +82,49 @@ def runs():
 
 @pytest.mark.slow
 def test_every_strategy_trains_as_one_device(runs):
+    """Every strategy, with and without tensor parallelism, for a GPT and a Llama block: the
+    one-device losses within the data-parallel tolerance (the collectives add partial sums in
+    their own order)."""
     seen = []
     for row in runs:
         if "one_device" not in row:  # the streamed case compares with the unstreamed fsdp step
             continue
         tol = tolerance(DTYPE[row["case"]["precision"]], "data_parallel_loss")
         base = row["one_device"]["losses"]
-        for strategy in row["case"].get("strategies", ("dp", "zero1", "fsdp")):
-            np.testing.assert_allclose(row[strategy]["losses"], base, **tol.kwargs())
-            seen.append(strategy)
-    assert {"dp", "zero1", "fsdp"} <= set(seen)
+        tp = row["case"].get("tp", 1)
+        names = list(row["case"].get("strategies", ("dp", "zero1", "fsdp")))
+        for name in names + (["tp"] if "tp" in row else []):
+            np.testing.assert_allclose(row[name]["losses"], base, **tol.kwargs())
+            seen.append((row["case"].get("preset", "tiny"), name if tp == 1 else f"{name},tp"))
+    assert {("tiny", s) for s in ("dp", "zero1", "fsdp", "tp,tp", "fsdp,tp")} <= set(seen)
+    assert ("tiny-llama", "fsdp,tp") in seen
+
+
+@pytest.mark.slow
+def test_tensor_parallelism_splits_the_blocks_columns_and_rows_over_tp(runs):
+    """Megatron's layout: each tensor device holds half of every column-parallel (q/k/v, up,
+    gate) and row-parallel (out, down) weight and of its optimizer state; norms, row-parallel
+    biases and the embeddings stay whole on it (fsdp then halves what it can on the data
+    axis)."""
+    from flax import nnx
+
+    from jaxmem.model import make_model
+
+    row = runs[3]
+    one, tp = row["one_device"], row["tp"]
+    _, params = nnx.split(nnx.eval_shape(lambda: make_model(PRESETS["tiny"], FP32)), nnx.Param)
+    split = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        keys = [k.key for k in path if hasattr(k, "key")]
+        if "blocks" in keys and (
+            keys[-2] in ("in_proj", "up", "gate")
+            or (keys[-2] in ("out_proj", "down") and keys[-1] == "kernel")
+        ):
+            split += x.size * x.dtype.itemsize
+    assert split > 0
+    assert tp["params_bytes"] == one["params_bytes"] - split // 2
+    # AdamW's two moments follow the parameters; its step counter is the few bytes beyond
+    assert 0 <= tp["opt_state_bytes"] - 2 * tp["params_bytes"] <= 16
 
 
 @pytest.mark.slow
@@ -226,7 +277,21 @@ def test_memory_command_plans_per_device_records(tmp_path):
 @pytest.mark.parametrize(
     ("make", "fragment"),
     [
-        (lambda: parse_mesh("fsdp"), "must be one STRATEGY=DEVICES axis"),
+        (lambda: parse_mesh("fsdp"), "must be STRATEGY=N, tp=N, or both"),
+        (lambda: parse_mesh("fsdp=2,zero1=2"), "must be STRATEGY=N, tp=N, or both"),
+        (lambda: parse_mesh("tp=2,tp=2"), "must be STRATEGY=N, tp=N, or both"),
+        (lambda: parse_mesh("fsdp=2,tp=0"), "tp=0 must be a positive device count"),
+        (lambda: ParallelConfig(devices=6, tp=4), "devices=6 is not a multiple of tp=4"),
+        (
+            lambda: JobConfig.from_dict({"preset": "tiny", "parallel": {"devices": 3, "tp": 3}}),
+            "the model's 4 query heads do not split over tp=3; use a tp that divides 4",
+        ),
+        (
+            lambda: JobConfig.from_dict(
+                {"preset": "tiny", "run": {"seq_len": 30}, "parallel": {"devices": 4, "tp": 4}}
+            ),
+            "sequence parallelism splits the 30 positions over tp=4",
+        ),
         (lambda: parse_mesh("fsdp=four"), "'four' is not a device count"),
         (lambda: parse_mesh("zero3=4"), "strategy='zero3' is not one of dp, zero1, fsdp"),
         (lambda: ParallelConfig(devices=0), "devices=0 must be a positive integer"),
@@ -377,3 +442,54 @@ def test_a_process_whose_coordinator_never_answers_says_so_and_exits(tmp_path):
     assert "nothing answers at localhost:" in lines[1] and "--process-id 0" in lines[1]
     assert time.monotonic() - start < 60
     assert not out.exists()
+
+
+def test_a_mesh_with_a_tensor_axis_reads_and_prints_back():
+    for text, (strategy, devices, tp, data) in {
+        "fsdp=2,tp=2": ("fsdp", 4, 2, 2),
+        "tp=2,zero1=4": ("zero1", 8, 2, 4),
+        "tp=4": ("dp", 4, 4, 1),
+        "dp=8": ("dp", 8, 1, 8),
+    }.items():
+        p = parse_mesh(text)
+        assert (p.strategy, p.devices, p.tp, p.data) == (strategy, devices, tp, data)
+        assert parse_mesh(p.mesh_text()) == p
+    assert parse_mesh("fsdp=2,tp=2").shards_params and not parse_mesh("fsdp=1,tp=2").shards_params
+
+
+def test_tagged_activations_take_megatrons_layout_over_the_tensor_axis():
+    """Heads and MLP columns split over the tensor axis; the residual stream split by sequence
+    with sequence parallelism, replicated without; the batch on the data axis throughout; what
+    does not divide stays whole."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxmem.sharding import AXIS, TENSOR, tag_spec
+
+    assert tag_spec("query_proj", (8, 32, 4, 16), 2, True) == P(AXIS, None, TENSOR, None)
+    assert tag_spec("query_proj", (8, 32, 2, 2, 16), 4, True) == P(AXIS, None, None, None, None)
+    assert tag_spec("query_proj", (8, 32, 2, 4, 16), 4, True) == P(AXIS, None, None, TENSOR, None)
+    assert tag_spec("attn_probs", (8, 4, 32, 32), 2, True) == P(AXIS, TENSOR, None, None)
+    assert tag_spec("mlp_up", (8, 32, 256), 2, True) == P(AXIS, None, TENSOR)
+    assert tag_spec("attn_context", (8, 32, 64), 2, False) == P(AXIS, None, TENSOR)
+    assert tag_spec("norm1_out", (8, 32, 64), 2, True) == P(AXIS, TENSOR, None)
+    assert tag_spec("mlp_residual", (8, 32, 64), 2, False) == P(AXIS, None, None)
+    assert tag_spec("something_else", (8, 32, 64), 2, True) is None
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_train_runs_tensor_parallelism_from_the_command_line(tmp_path):
+    """``--mesh tp=2`` without sequence parallelism: the run's config says so, its command
+    resumes it, and it logs the one-device run's losses (within the data-parallel tolerance)."""
+    import yaml
+
+    args = [*SHAPE, "--steps", "3", "--sample-tokens", "0"]
+    _train(tmp_path / "tp", *args, "--mesh", "tp=2", "--set", "parallel.sequence_parallel=false")
+    saved = yaml.safe_load((tmp_path / "tp" / "config.yaml").read_text())["parallel"]
+    assert (saved["devices"], saved["tp"], saved["sequence_parallel"]) == (2, 2, False)
+    assert cli.main(["train", *args, "--out", str(tmp_path / "one")]) == 0
+    np.testing.assert_allclose(
+        _losses(tmp_path / "tp"),
+        _losses(tmp_path / "one"),
+        **tolerance("float32", "data_parallel_loss").kwargs(),
+    )

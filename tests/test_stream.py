@@ -231,8 +231,10 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
 @pytest.mark.skipif(not GPU_PLAN, reason=NO_GPU_PLAN)
 def test_the_planner_searches_streaming_where_host_memory_is_allowed():
     """A budget below every plan that keeps the stack on the device (state there or in host
-    memory): with host memory allowed the planner chooses a streamed step, and its command
-    trains it (--stream)."""
+    memory): with host memory allowed the planner chooses a streamed step, with its update in
+    host memory (estimated cheaper on an H100's host than moving the update's arrays over the
+    link, and planned smaller), and its command trains it (--stream --stream-update host); the
+    device update's command is plain --stream."""
     from jaxmem.backend import contain_cuda_plugin
 
     contain_cuda_plugin()
@@ -248,33 +250,25 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
         policies=("full",),
         mix=(),
         accum=(1,),
-        state_memory=("device", "pinned_host", "stream"),
+        state_memory=("device", "pinned_host", "stream", "stream-host"),
         precisions=("bf16",),
         tags=False,  # the stacks a plan holds on the device: full alone, scanned
         unroll=False,
     )
-    problem = Problem(cfg, 2, 32, h100, budget, OptimizerConfig())
-    result = search(problem, space)
+    result = search(Problem(cfg, 2, 32, h100, budget, OptimizerConfig()), space)
     assert result.chosen is not None, [o.as_dict() for o in result.outcomes]
     chosen = result.chosen.candidate
-    assert chosen.state_memory == "stream" and chosen.describe().endswith("streamed")
-    assert result.chosen.compiled <= budget
-    unstreamed = [o for o in result.outcomes if o.candidate.state_memory != "stream"]
-    assert all(o.status != "chosen" for o in unstreamed)
-    job = candidate_job(resolve_job(defaults={"preset": "tiny"}), chosen, 1)
-    assert job.optimizer.stream and job.optimizer.state_memory == "device"
-    assert job.optimizer.stream_update is None  # the device update: the default
-    # the update in host memory too: estimated cheaper on an H100's host (it reads and writes
-    # at the assumed host rate what the device update moves over the slower link), planned
-    # smaller, so chosen; its command asks for it
-    both = search(
-        problem, dataclasses.replace(space, state_memory=(*space.state_memory, "stream-host"))
-    )
-    chosen = both.chosen.candidate
     assert chosen.describe().endswith("streamed, update on host"), chosen.describe()
-    assert both.chosen.compiled <= result.chosen.compiled
+    assert result.chosen.compiled <= budget
+    unstreamed = [o for o in result.outcomes if not o.candidate.stream]
+    assert unstreamed and all(o.status != "chosen" for o in unstreamed)
     job = candidate_job(resolve_job(defaults={"preset": "tiny"}), chosen, 1)
     assert job.optimizer.stream and job.optimizer.stream_update == "host"
+    assert job.optimizer.state_memory == "device"
+    (device,) = [o.candidate for o in result.outcomes if o.candidate.stream == "device"]
+    assert device.describe().endswith("streamed") and device.seconds > chosen.seconds
+    job = candidate_job(resolve_job(defaults={"preset": "tiny"}), device, 1)
+    assert job.optimizer.stream and job.optimizer.stream_update is None  # the default
 
 
 def test_the_planner_weighs_a_host_update_against_the_device_update_by_their_estimates(

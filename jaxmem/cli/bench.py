@@ -19,7 +19,14 @@ from jaxmem.cli.common import (
     usage_errors,
 )
 from jaxmem.cli.common import names as parse_names
-from jaxmem.cli.flags import MODEL_FLAGS, TARGETS_HELP, add_flags, job_from_args, not_streamed
+from jaxmem.cli.flags import (
+    MODEL_FLAGS,
+    TARGETS_HELP,
+    add_flags,
+    job_from_args,
+    not_streamed,
+    not_tensor_parallel,
+)
 from jaxmem.policy import POLICIES
 
 NAMES = (*MODEL_FLAGS, "batch_size", "seq_len")
@@ -76,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     )
     presets.check("bench", job.preset, job.model)
     not_streamed(job, "bench")
+    not_tensor_parallel(job, "bench")
     plan = _sweep_plan(args, base, job)
     _check_out(args.out)
     if args.threads is not None and args.threads > usable_cores():

@@ -114,8 +114,9 @@ FLAGS: dict[str, Flag] = {
         Flag(
             "--mesh",
             "parallel",
-            "data-parallel strategy over devices, STRATEGY=N: dp=4 (replicated), zero1=4 "
-            "(optimizer state sharded), fsdp=4 (parameters, gradients and state sharded)",
+            "devices, STRATEGY=N[,tp=M]: dp=4 (replicated), zero1=4 (optimizer state sharded), "
+            "fsdp=4 (parameters, gradients and state sharded), and tp=M Megatron tensor "
+            "parallelism on a second axis (fsdp=2,tp=2: 4 devices; tp=2 alone)",
         ),
         Flag("--target", None, f"plan the step for: {TARGETS_HELP}"),
         Flag("--wide", None, "every column (default: the essential ones)", action="store_true"),
@@ -216,7 +217,7 @@ def flag_settings(args: argparse.Namespace, names: Sequence[str]) -> dict[str, A
             value = [n.strip() for n in value.split(",") if n.strip()]
         if name == "mesh":
             parallel = parse_mesh(value)
-            value = {"strategy": parallel.strategy, "devices": parallel.devices}
+            value = {"strategy": parallel.strategy, "devices": parallel.devices, "tp": parallel.tp}
         section, _, key = flag.path.partition(".")
         if key:
             out.setdefault(section, {})[key] = value
@@ -302,6 +303,8 @@ def job_argv(job) -> list[str]:
         argv += ["--seed", str(job.run.seed)]
     if job.parallel.sharded:
         argv += ["--mesh", job.parallel.mesh_text()]
+    if job.parallel.tensor_parallel and not job.parallel.sequence_parallel:
+        argv += ["--set", "parallel.sequence_parallel=false"]
     return argv
 
 
@@ -316,6 +319,17 @@ def not_streamed(job: Any, command: str) -> None:
         raise UsageError(
             f"jaxmem {command} does not measure a streamed step (--stream) yet; use "
             f"{STREAM_COMMANDS}"
+        )
+
+
+def not_tensor_parallel(job: Any, command: str) -> None:
+    """A usage error for a command that does not measure a tensor-parallel step yet."""
+    from jaxmem.cli.common import UsageError
+
+    if job.parallel.tensor_parallel:
+        raise UsageError(
+            f"jaxmem {command} does not measure a tensor-parallel step (--mesh "
+            f"{job.parallel.mesh_text()}) per device yet; jaxmem train runs it (JAX)"
         )
 
 

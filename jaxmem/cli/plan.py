@@ -27,6 +27,7 @@ from jaxmem.cli.flags import (
     job_from_args,
     max_seq_len,
     not_streamed,
+    not_tensor_parallel,
 )
 from jaxmem.files import write_json_atomic
 from jaxmem.job import torch_host_memory_refusal
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
     not_streamed(job, "plan")
+    not_tensor_parallel(job, "plan")
     with usage_errors():
         target = get_target(args.target or "cpu")
         if args.budget is not None:

@@ -391,9 +391,12 @@ def _framework(job, group):
 
 def _train(args: argparse.Namespace, job, group, target, watch=None) -> int:
     from jaxmem.data import DataError
+    from jaxmem.job import torch_tensor_parallel_refusal
     from jaxmem.train.layout import CheckpointError
     from jaxmem.train.loop import RunFailed, RunInterrupted
 
+    if job.run.framework == "torch" and torch_tensor_parallel_refusal(job):
+        raise UsageError(torch_tensor_parallel_refusal(job))
     framework, primary = _framework(job, group)
     if group.multi and job.run.framework != "jax":
         raise UsageError(

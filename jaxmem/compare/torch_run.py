@@ -28,7 +28,7 @@ import torch_ref.distributed as tdist
 from jaxmem.compare.parity import torch_model_from
 from jaxmem.config import ConfigError
 from jaxmem.figures import Figure, format_bytes, rss_figure
-from jaxmem.job import JobConfig, torch_host_memory_refusal
+from jaxmem.job import JobConfig, torch_host_memory_refusal, torch_tensor_parallel_refusal
 from jaxmem.model import make_model
 from jaxmem.train.layout import CHECKPOINT_DIR
 from jaxmem.train.loop import (
@@ -57,7 +57,7 @@ from torch_ref.train import (
 def check_torch_backend(job: JobConfig) -> None:
     """Raise ``ConfigError`` for what torch_ref cannot express (e.g. q/k/v split choices)."""
     validate_for_torch(job.memory, cfg=job.model)
-    refusal = torch_host_memory_refusal(job)
+    refusal = torch_tensor_parallel_refusal(job) or torch_host_memory_refusal(job)
     if refusal is not None:
         raise ConfigError(refusal)
     _check_torch_resident(job)
