@@ -311,9 +311,15 @@ def _summary(out, args, job, result, commands: dict) -> None:
         out.print(shell_lines(commands["torch"]), soft_wrap=True, highlight=False, markup=False)
     else:
         out.print(f"PyTorch: not in torch_ref: {commands['torch_note']}")
+    rates = rates_for(problem.target)
+    host = (
+        f"; a host update's bytes at {rates.host_memory / 1e9:.0f} GB/s: {rates.host_source}"
+        if result.chosen.candidate.stream == "host"
+        else ""
+    )
     out.print(
         f"cost: an estimate (matmul FLOPs over the peak rate, bytes over the links): "
-        f"{rates_for(problem.target).source}",
+        f"{rates.source}{host}",
         style="dim",
     )
 
@@ -338,6 +344,7 @@ def _json(job, problem, result, budget_source: str, commands: dict) -> dict:
         "candidate_compiles": result.candidate_compiles,
         "max_fit_error": result.max_fit_error(),
         "cost_source": "estimate: " + rates_for(problem.target).source,
+        "host_update_source": "estimate: " + rates_for(problem.target).host_source,
         "memory_source": "compiled plan (arguments + outputs - aliased + temporaries), per "
         f"device; predicted: affine fit in depth from compiles at depths {problem.fit_depths}",
     }
