@@ -306,6 +306,9 @@ def supervise(report) -> None:
         os.close(read)
         os.dup2(write, 2)
         os.close(write)
+        # its own process group: a terminal's Ctrl-C reaches the parent alone, which forwards it
+        # once (twice would be the "second signal" that aborts without saving)
+        os.setpgid(0, 0)
         _die_with_parent()
         if os.getppid() != parent:  # the parent died before the line above
             os._exit(1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -179,19 +180,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(out, *args, processes: int = 1) -> list[subprocess.Popen]:
+def _launch(out, *args, processes: int = 1, new_session: bool = False) -> list[subprocess.Popen]:
     """``jaxmem train --out OUT ARGS`` as one process, or as ``processes`` processes of one
-    run on JAX's multi-process runtime (each with its share of the mesh's CPU devices)."""
+    run on JAX's multi-process runtime (each with its share of the mesh's CPU devices);
+    ``new_session``: each in a process group of its own, as a terminal would start it."""
     cmd = [sys.executable, "-m", "jaxmem.cli", "train", "--out", str(out), *args]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if processes == 1:
-        return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+        return [subprocess.Popen(cmd, **pipes, start_new_session=new_session)]
     group = ["--coordinator", f"localhost:{_free_port()}", "--num-processes", str(processes)]
     return [
         subprocess.Popen(
-            [*cmd, *group, "--process-id", str(i)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            [*cmd, *group, "--process-id", str(i)], **pipes, start_new_session=new_session
         )
         for i in range(processes)
     ]
@@ -493,3 +493,32 @@ def test_train_runs_tensor_parallelism_from_the_command_line(tmp_path):
         _losses(tmp_path / "one"),
         **tolerance("float32", "data_parallel_loss").kwargs(),
     )
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ctrl_c_stops_every_process_after_the_step_and_saves_it(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to each process's whole process group) reaches each run's
+    work once, through the process the user started: both stop after the same step, save it,
+    and exit 130 (twice would abort without saving)."""
+    import signal
+
+    run = tmp_path / "run"
+    args = [*SHAPE, "--mesh", f"fsdp={N}", "--steps", "100000", "--checkpoint-every", "1000"]
+    procs = _launch(run, *args, "--sample-tokens", "0", processes=2, new_session=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            if (run / "metrics.jsonl").exists() and len(_losses(run)) >= 2:
+                break
+            time.sleep(0.1)
+        for p in procs:
+            os.killpg(p.pid, signal.SIGINT)
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [130, 130], errs
+    steps = {re.search(r"SIGINT at step (\d+): saved checkpoint", e).group(1) for e in errs}
+    (step,) = steps
+    assert sorted(os.listdir(run / "checkpoints")) == [step]
