@@ -313,8 +313,7 @@ class JobConfig:
             check_stream(self.memory, self.precision, self.accum)
         self.accum.check_batch(self.run.batch_size)
         self.parallel.check_batch(self.run.batch_size, self.accum.steps)
-        m = self.model
-        self.parallel.check_model(m.n_heads, m.kv_heads, m.d_ff, self.run.seq_len)
+        self.parallel.check_model(self.model, self.run.seq_len)
         if self.parallel.tensor_parallel:
             require(
                 not (self.optimizer.stream or self.memory.unroll or self.memory.nested),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jaxmem.config import ConfigError, require
+from jaxmem.config import ConfigError, ModelConfig, require
 
 STRATEGIES: dict[str, str] = {
     "dp": "parameters, gradients and optimizer state replicated; gradients all-reduced",
@@ -108,28 +108,82 @@ class ParallelConfig:
             f"{self.data * accum_steps}",
         )
 
-    def check_model(self, n_heads: int, kv_heads: int, d_ff: int, seq_len: int) -> None:
-        """Tensor parallelism splits whole query heads and MLP columns (and, with sequence
-        parallelism, the sequence) evenly over ``tp`` devices."""
+    def check_model(self, cfg: ModelConfig, seq_len: int) -> None:
+        """Tensor parallelism splits whole attention heads (in the layout the attention runs:
+        under grouped-query attention either the key/value heads or each one's group of query
+        heads), the MLP's columns and, with sequence parallelism, the sequence evenly over
+        ``tp`` devices."""
         if self.tp == 1:
             return
-        for what, n in (("query heads", n_heads), ("MLP width d_ff", d_ff)):
-            require(
-                n % self.tp == 0,
-                f"--mesh {self.mesh_text()}: the model's {n} {what} do not split over tp="
-                f"{self.tp}; use a tp that divides {n}",
-            )
+        mesh = f"--mesh {self.mesh_text()}"
         require(
-            kv_heads % self.tp == 0 or self.tp % kv_heads == 0,
-            f"--mesh {self.mesh_text()}: the model's {kv_heads} key/value heads neither split "
-            f"over tp={self.tp} nor divide it; use a tp that divides {kv_heads} or a multiple",
+            cfg.n_heads % self.tp == 0,
+            f"{mesh}: the model's {cfg.n_heads} query heads do not split over tp={self.tp}; use "
+            f"a tp that divides {cfg.n_heads}",
+        )
+        require(
+            cfg.d_ff % self.tp == 0,
+            f"{mesh}: the model's MLP width d_ff={cfg.d_ff} does not split over tp={self.tp}; "
+            f"use a tp that divides {cfg.d_ff}",
+        )
+        groups = cfg.n_heads // cfg.kv_heads
+        require(
+            not grouped_heads(cfg) or cfg.kv_heads % self.tp == 0 or groups % self.tp == 0,
+            f"{mesh}: grouped-query attention runs {cfg.kv_heads} key/value heads of {groups} "
+            f"query heads each; neither splits over tp={self.tp}: use a tp that divides "
+            f"{cfg.kv_heads} or {groups}",
         )
         require(
             not self.sequence_parallel or seq_len % self.tp == 0,
-            f"--mesh {self.mesh_text()}: sequence parallelism splits the {seq_len} positions "
-            f"over tp={self.tp}; use a --seq-len that is a multiple of {self.tp} or set "
+            f"{mesh}: sequence parallelism splits the {seq_len} positions over tp={self.tp}; "
+            f"use a --seq-len that is a multiple of {self.tp} or set "
             "parallel.sequence_parallel=false",
         )
+
+
+# Megatron's layout of a block's tagged activations over ``tp`` devices, by tag (the same layout
+# ``jaxmem.sharding.tag_spec`` constrains the step to, here as the share of each tensor one
+# device holds): heads and MLP columns split; the residual stream and what the row-parallel
+# matmuls return split by sequence with sequence parallelism, whole without.
+QUERY_TAGS = ("query_proj", "query_rope")  # [B, S, H, K] (grouped: [B, S, Hkv, G, K])
+SCORE_TAGS = ("attn_scores", "attn_probs", "attn_lse")  # [B, H, S, S] (grouped [B, Hkv, G, S, S])
+HEAD_TAGS = QUERY_TAGS + SCORE_TAGS
+KV_TAGS = ("key_proj", "value_proj", "key_rope")
+COLUMN_TAGS = ("attn_context", "mlp_up", "mlp_gate", "mlp_act")
+STREAM_TAGS = (
+    "block_input",
+    "norm1_out",
+    "attn_out",
+    "attn_residual",
+    "norm2_out",
+    "mlp_down",
+    "mlp_residual",
+    "<layer input>",  # what residual accounting calls a scanned block's untagged input
+    "<stack output>",
+)
+
+
+def grouped_heads(cfg: ModelConfig) -> bool:
+    """The naive attention core runs grouped-query attention as [Hkv, G] heads."""
+    return cfg.kv_heads < cfg.n_heads and cfg.attention != "fused"
+
+
+def tensor_share(name: str | None, cfg: ModelConfig, parallel: ParallelConfig) -> int:
+    """How many of a tagged activation's parts one device's holds one of: ``tp`` where the
+    layout splits it, 1 where each tensor device holds it whole (a tag the layout does not name,
+    or an untagged residual: an upper bound)."""
+    tp = parallel.tp
+    if tp == 1 or name is None:
+        return 1
+    if name in HEAD_TAGS:
+        return tp  # check_model: the query heads split in the attention's layout
+    if name in KV_TAGS:
+        return tp if cfg.kv_heads % tp == 0 else 1
+    if name in COLUMN_TAGS:
+        return tp
+    if name in STREAM_TAGS:
+        return tp if parallel.sequence_parallel else 1
+    return 1
 
 
 def max_local_devices() -> int:

@@ -22,7 +22,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.config import ConfigError
-from jaxmem.parallel import ParallelConfig, shard_dim
+from jaxmem.parallel import (
+    COLUMN_TAGS,
+    KV_TAGS,
+    QUERY_TAGS,
+    SCORE_TAGS,
+    STREAM_TAGS,
+    ParallelConfig,
+    shard_dim,
+)
 
 AXIS = "data"  # the data-parallel axis (dp, zero1, fsdp)
 TENSOR = "tensor"  # the tensor-parallel axis (--mesh ...,tp=N): a second mesh axis
@@ -248,21 +256,8 @@ def gather_outside_blocks(loss: Any, m: Mesh) -> Any:
 # axis just before it is tagged, so what a memory policy saves is the constrained tensor. Heads
 # and MLP columns are split over the tensor axis; the residual stream, the norms' outputs and
 # the row-parallel outputs are split by sequence (sequence parallelism) or replicated on each
-# tensor device. XLA's SPMD partitioner inserts the all-gathers and reduce-scatters between.
-HEADS = ("query_proj", "key_proj", "value_proj", "query_rope", "key_rope")  # [B, S, H, K]
-SCORES = ("attn_scores", "attn_probs")  # [B, H, S, S]
-COLUMNS = ("attn_context", "mlp_up", "mlp_gate", "mlp_act")  # [B, S, D or F]: the columns
-STREAM = (  # [B, S, D]: the residual stream and what the row-parallel matmuls return
-    "block_input",
-    "norm1_out",
-    "attn_out",
-    "attn_residual",
-    "norm2_out",
-    "mlp_down",
-    "mlp_residual",
-)
-
-
+# tensor device (the tags of each kind: ``jaxmem.parallel``, which also counts each device's
+# share). XLA's SPMD partitioner inserts the all-gathers and reduce-scatters between.
 def tag_spec(name: str, shape: tuple[int, ...], tp: int, sequence_parallel: bool) -> P | None:
     """Where a tagged activation of ``shape`` lives on the data x tensor mesh (None: left to
     XLA, e.g. a tag this layout does not name)."""
@@ -274,13 +269,13 @@ def tag_spec(name: str, shape: tuple[int, ...], tp: int, sequence_parallel: bool
         dims[d] = TENSOR
         return True
 
-    if name in HEADS:  # [B, S, H, K], or grouped [B, S, Hkv, G, K]: the (grouped) heads
+    if name in QUERY_TAGS or name in KV_TAGS:  # [B, S, H, K], grouped [B, S, Hkv, G, K]
         split(2) or (len(shape) == 5 and split(3))
-    elif name in SCORES:  # [B, H, S, S], or grouped [B, Hkv, G, S, S]
+    elif name in SCORE_TAGS:  # [B, H, S, S], grouped [B, Hkv, G, S, S]; the lse [B, H, S]
         split(1) or (len(shape) == 5 and split(2))
-    elif name in COLUMNS:
+    elif name in COLUMN_TAGS:
         split(len(shape) - 1)
-    elif name in STREAM:
+    elif name in STREAM_TAGS:
         if sequence_parallel:
             split(1)
     else:

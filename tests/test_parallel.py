@@ -24,7 +24,7 @@ from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
 from jaxmem.job import JobConfig
 from jaxmem.memory import analytic
-from jaxmem.parallel import ParallelConfig, parse_mesh
+from jaxmem.parallel import STREAM_TAGS, ParallelConfig, parse_mesh
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import get_policy
 from jaxmem.precision import PRECISIONS
@@ -272,6 +272,47 @@ def test_memory_command_plans_per_device_records(tmp_path):
     assert rec["flops"] == one["flops"] // N
     assert rec["planned_peak_bytes"] < one["planned_peak_bytes"]
     assert "per device of fsdp=4" in rec["compiler"]
+
+
+@pytest.mark.slow
+def test_memory_command_plans_a_tensor_parallel_step_per_device(tmp_path):
+    """``jaxmem memory --mesh tp=2``: residual accounting counts each tensor device's share of
+    every tagged activation, equal to the analytic model's (both Megatron's layout); sequence
+    parallelism splits the residual stream too, and the compiled plans agree that it saves
+    memory; the blocks' FLOPs split over tp, the LM head's not."""
+    args = ["--preset", "tiny", "--policies", "none,full", "--batch-size", "8", "--seq-len", "32"]
+    records = {}
+    for sp in ("true", "false"):
+        out = tmp_path / f"{sp}.json"
+        cmd = [sys.executable, "-m", "jaxmem.cli", "memory", *args, "--frameworks", "jax"]
+        cmd += ["--mesh", "tp=2", "--set", f"parallel.sequence_parallel={sp}"]
+        proc = subprocess.run(
+            [*cmd, "--json", str(out)], capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[sp] = {r["policy"]: r for r in json.loads(out.read_text())}
+    cfg = PRESETS["tiny"]
+    for sp, by_policy in records.items():
+        for policy, rec in by_policy.items():
+            one = jax_record(cfg, get_policy(policy), FP32, OptimizerConfig(), 8, 32, abstract=True)
+            tagged = {n: b for n, b in rec["saved_by_name"].items() if n in one["saved_by_name"]}
+            blocks = sum(b for n, b in tagged.items() if n not in ("<untagged>", "<stack output>"))
+            assert blocks == rec["analytic_activation_bytes"], (sp, policy)
+            whole = {"<untagged>"} | (set(STREAM_TAGS) if sp == "false" else set())
+            for name, b in tagged.items():  # a share of 1/2 where the layout splits
+                kept = one["saved_by_name"][name]
+                assert b == (kept if name in whole else kept // 2), (sp, policy, name)
+            head = 6 * 8 * 32 * cfg.d_model * cfg.vocab_size
+            assert rec["flops"] == head + (one["flops"] - head) // 2
+    # sequence parallelism: the stream's tags split, and the plans are smaller
+    none_sp, none_full = records["true"]["none"], records["false"]["none"]
+    assert none_sp["saved_by_name"]["norm1_out"] * 2 == none_full["saved_by_name"]["norm1_out"]
+    assert none_sp["saved_by_name"]["mlp_up"] == none_full["saved_by_name"]["mlp_up"]
+    for policy in ("none", "full"):
+        assert (
+            records["true"][policy]["planned_peak_bytes"]
+            < (records["false"][policy]["planned_peak_bytes"])
+        )
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from jaxmem.cli.common import (
     usage_errors,
 )
 from jaxmem.cli.common import names as parse_names
-from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, not_streamed, not_tensor_parallel
+from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, not_streamed
 from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.files import write_json_atomic
 from jaxmem.policy import parse_policy
@@ -89,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
 
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=seq_default)
     not_streamed(job, "memory")
-    not_tensor_parallel(job, "memory")
     setup = _setup(args, job, target)
     check_writable(args.json)
     if "jax" in setup.frameworks:

@@ -18,7 +18,7 @@ from jaxmem.cli.common import (
     positive_int,
     usage_errors,
 )
-from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, max_seq_len, not_tensor_parallel
+from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, max_seq_len
 from jaxmem.files import write_json_atomic
 
 NAMES = (*STEP_FLAGS, "policy", "unroll", "accum", "mesh")
@@ -50,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
     if args.fn is not None:
         return own_step.peak(args, NAMES)
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
-    not_tensor_parallel(job, "peak")
     with usage_errors():
         target = get_target(args.target or "cpu")
         if target.is_gpu:

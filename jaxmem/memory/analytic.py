@@ -51,7 +51,7 @@ import dataclasses
 import math
 
 from jaxmem.config import ModelConfig, OptimizerConfig
-from jaxmem.parallel import ParallelConfig, shard_elements
+from jaxmem.parallel import ParallelConfig, shard_elements, tensor_share
 from jaxmem.policy import (
     CHECKPOINT_NAMES,
     MemoryPolicy,
@@ -117,7 +117,12 @@ class ActivationEstimate:
 
 
 def saved_activation_bytes(
-    cfg: ModelConfig, policy: MemoryPolicy, batch: int, seq_len: int, precision: Precision
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    batch: int,
+    seq_len: int,
+    precision: Precision,
+    parallel: ParallelConfig | None = None,
 ) -> ActivationEstimate:
     """What the blocks keep for the backward pass at the end of the forward, by policy.
 
@@ -130,9 +135,13 @@ def saved_activation_bytes(
     - ``save_dots`` (custom policies: every matmul without batch dimensions): q, k, v and
       mlp_up;
     - nested: one input per segment (``nested_segment_size``: about √L blocks).
-    Embeddings, the LM head and the loss are outside this model.
+    Embeddings, the LM head and the loss are outside this model. With tensor parallelism
+    (``parallel.tp``) each tag is one device's share of it (``jaxmem.parallel.tensor_share``:
+    Megatron's layout, with or without sequence parallelism); ``batch`` is one device's rows.
     """
     sizes = tag_bytes(cfg, batch, seq_len, precision)
+    if parallel is not None and parallel.tensor_parallel:
+        sizes = {n: b // tensor_share(n, cfg, parallel) for n, b in sizes.items()}
     reads = backward_reads(cfg)
     everything = sum(sizes[n] + _fp32_softmax_extra(n, sizes, precision) for n in reads)
     if policy.nested:

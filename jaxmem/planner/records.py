@@ -37,7 +37,7 @@ from jaxmem.memory.residuals import (
 from jaxmem.memory.targets import LOCAL, Target
 from jaxmem.model import make_model
 from jaxmem.model.flash import KERNEL_NAMES
-from jaxmem.parallel import ParallelConfig
+from jaxmem.parallel import ParallelConfig, tensor_share
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
 from jaxmem.sharding import mesh, parallel_loss, sharded_bytes, step_shardings
@@ -466,7 +466,7 @@ def jax_record(
     opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
     accum_cfg = _accum_config(accum, batch)
     data = lm_step_batch(cfg, batch, seq_len, abstract)
-    n_dev = parallel.devices if sharded else 1
+    n_dev = parallel.data if sharded else 1  # the batch splits over the data axis only
     if sharded:
         parallel.check_batch(batch, accum)
     # one microbatch of one device (its shapes are what the accounting needs)
@@ -482,6 +482,11 @@ def jax_record(
         return loss(p, b)[0]
 
     saved = saved_residuals(f, params, micro)
+    if sharded and parallel.tensor_parallel:  # one tensor device's share of each residual
+        saved = [
+            dataclasses.replace(r, nbytes=r.nbytes // tensor_share(r.name, cfg, parallel))
+            for r in saved
+        ]
     residuals = summarize_residuals(saved)
     flops_of = f
     if kernel == "cudnn":  # an opaque custom call: count its matmuls as the blockwise kernel's
@@ -518,8 +523,16 @@ def jax_record(
         peak = planned_peak
         peak_source = f"compiled plan ({compiler}): arguments + outputs - aliased + temporaries"
     estimate = analytic.saved_activation_bytes(
-        cfg, policy, batch // accum // n_dev, seq_len, precision
+        cfg, policy, batch // accum // n_dev, seq_len, precision, parallel if sharded else None
     )
+    flops = accum * grad_matmul_flops(flops_of, params, micro)
+    model_flops = analytic.model_flops(cfg, batch // n_dev, seq_len)
+    if sharded and parallel.tensor_parallel:
+        # every block matmul splits over the tensor devices (heads, columns, rows); the LM head
+        # (forward and its two backward matmuls) runs whole on each
+        head = accum * 6 * (batch // accum // n_dev) * seq_len * cfg.d_model * cfg.vocab_size
+        flops = head + (flops - head) // parallel.tp
+        model_flops = model_flops // parallel.tp
     sizes = {"params": tree_bytes(params), "grads": tree_bytes(grads), "opt": tree_bytes(opt_state)}
     if shardings is not None:  # per device: each leaf's shard
         grads_sharding = shardings.params  # zero1/dp: replicated like the parameters
@@ -547,7 +560,14 @@ def jax_record(
         "per_device": sharded,
         "saved_activation_bytes_device": residuals.activation_bytes_device,
         "saved_activation_bytes_host": residuals.activation_bytes_host,
-        "saved_source": "residual accounting (jaxpr of jax.vjp; parameters excluded)",
+        "saved_source": "residual accounting (jaxpr of jax.vjp; parameters excluded)"
+        + (
+            f"; one tensor device's share by tag (Megatron's layout over tp={parallel.tp}, "
+            f"sequence parallel: {'yes' if parallel.sequence_parallel else 'no'}; untagged "
+            "residuals whole)"
+            if sharded and parallel.tensor_parallel
+            else ""
+        ),
         "saved_by_name": bytes_by_name(saved),
         "saved_argument_bytes": residuals.argument_bytes,
         "saved_parameter_copy_bytes": residuals.parameter_copy_bytes,
@@ -555,15 +575,20 @@ def jax_record(
         "analytic_source": analytic.ANALYTIC_SOURCE,
         "compiled_temp_bytes": plan["temp_bytes"],
         "compiled_plan": plan,
-        "flops": accum * grad_matmul_flops(flops_of, params, micro),  # per device when sharded
+        "flops": flops,  # per device when sharded
         "flops_source": "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)"
+        + (
+            "; per tensor device: the blocks' matmuls over tp, the LM head's whole"
+            if sharded and parallel.tensor_parallel
+            else ""
+        )
         + (
             "; cuDNN's attention counted as the blockwise kernel's (the same FlashAttention-2 "
             "matmuls)"
             if kernel == "cudnn"
             else ""
         ),
-        "model_flops": analytic.model_flops(cfg, batch // n_dev, seq_len),
+        "model_flops": model_flops,
         "peak_bytes": peak,
         "peak_source": peak_source,
         "target": target.name,

@@ -1,0 +1,186 @@
+# ruff: noqa: E402  (JAX is configured before it starts, on purpose)
+"""Per-device activation memory under Megatron's tensor parallelism, with and without sequence
+parallelism, beside the analytic model and Korthikanti et al. (2022)'s formulas.
+
+- ``h100``: gpt3-6.7b (bf16, AdamW), one row of 2048 tokens, tensor parallelism over t = 1, 2,
+  4, 8 H100s (no data axis), compiled for one host of H100s without any GPU.
+- ``cpu``: small (fp32), 8 rows of 128 tokens, t = 1, 2, 4 CPU devices in this process (XLA:CPU
+  plans of the same step).
+
+Per row, per device: the saved activations of the blocks by residual accounting (each tensor
+device's share of each tag: ``jaxmem.parallel.tensor_share``), the analytic model's, the
+paper's formula with its dropout terms removed (bf16 only: the paper counts 2-byte activations),
+the compiled plan's peak and the matmul FLOPs.
+
+The paper's per-layer bytes (s sequence, b batch, h hidden, a heads), with dropout: sbh(34 +
+5as/h) without parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism, sbh(34/t +
+5as/(ht)) with sequence parallelism added. jaxmem has no dropout: its two sbh masks and the
+attention's as²b mask go, and the attention's dropout output (2as²b) is the softmax output
+already counted: sbh(32 + 2as/h), sbh(8 + 24/t + 2as/(ht)), sbh(32/t + 2as/(ht)); the paper's
+selective recomputation drops the as² term; full recomputation keeps the block input, 2sbh
+(2sbh/t with sequence parallelism).
+
+Writes ``benchmarks/results/tensor_parallel/{tensor_parallel.json,tensor_parallel.md}``.
+
+    python benchmarks/tensor_parallel.py [--parts h100,cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import time
+
+from jaxmem.backend import contain_cuda_plugin
+
+contain_cuda_plugin()
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from jaxmem.config import OptimizerConfig, get_preset
+from jaxmem.files import write_atomic, write_json_atomic
+from jaxmem.memory.targets import LOCAL, get_target
+from jaxmem.parallel import ParallelConfig
+from jaxmem.planner.records import jax_record
+from jaxmem.policy import POLICIES
+from jaxmem.precision import PRECISIONS
+
+PARTS = {
+    "h100": {
+        "preset": "gpt3-6.7b",
+        "precision": "bf16",
+        "batch": 1,
+        "seq": 2048,
+        "tps": (1, 2, 4, 8),
+    },
+    "cpu": {"preset": "small", "precision": "fp32", "batch": 8, "seq": 128, "tps": (1, 2, 4)},
+}
+POLICY_NAMES = ("none", "selective", "full")
+MIB = 1 << 20
+
+
+def paper_bytes(policy: str, s: int, b: int, h: int, a: int, t: int, sp: bool) -> int:
+    """Korthikanti et al.'s activation bytes per layer without dropout (2-byte activations)."""
+    attention = 2 * a * s * s * b // t  # softmax output (the dropout output is the same tensor)
+    if policy == "full":
+        return 2 * s * b * h // (t if sp else 1)
+    stream = 32 * s * b * h // t if sp or t == 1 else 8 * s * b * h + 24 * s * b * h // t
+    return stream + (attention if policy == "none" else 0)
+
+
+def measure(part: str) -> list[dict]:
+    spec = PARTS[part]
+    cfg = get_preset(spec["preset"])
+    precision = PRECISIONS[spec["precision"]]
+    target = get_target("h100") if part == "h100" else LOCAL
+    rows = []
+    for t in spec["tps"]:
+        for sp in (True, False) if t > 1 else (True,):
+            parallel = ParallelConfig(devices=t, tp=t, sequence_parallel=sp) if t > 1 else None
+            for name in POLICY_NAMES:
+                start = time.perf_counter()
+                rec = jax_record(
+                    cfg,
+                    POLICIES[name],
+                    precision,
+                    OptimizerConfig(),
+                    spec["batch"],
+                    spec["seq"],
+                    target=target,
+                    parallel=parallel,
+                    abstract=True,
+                )
+                by_name = rec["saved_by_name"]
+                blocks = sum(
+                    v for k, v in by_name.items() if k not in ("<untagged>", "<stack output>")
+                )
+                row = {
+                    "part": part,
+                    "preset": spec["preset"],
+                    "precision": spec["precision"],
+                    "tp": t,
+                    "sequence_parallel": sp,
+                    "policy": name,
+                    "blocks_saved_bytes": blocks,
+                    "per_layer_saved_bytes": blocks // cfg.n_layers,
+                    "analytic_bytes": rec["analytic_activation_bytes"],
+                    "paper_per_layer_bytes": paper_bytes(
+                        name,
+                        spec["seq"],
+                        spec["batch"],
+                        cfg.d_model,
+                        cfg.n_heads,
+                        t,
+                        sp,
+                    )
+                    if spec["precision"] == "bf16"
+                    else None,
+                    "planned_peak_bytes": rec["planned_peak_bytes"],
+                    "flops": rec["flops"],
+                    "compiler": rec["compiler"],
+                    "seconds": round(time.perf_counter() - start, 1),
+                }
+                rows.append(row)
+                print(
+                    f"{part} tp={t} sp={sp} {name}: per layer "
+                    f"{row['per_layer_saved_bytes'] / MIB:.1f} MiB, paper "
+                    f"{(row['paper_per_layer_bytes'] or 0) / MIB:.1f}, peak "
+                    f"{row['planned_peak_bytes'] / MIB:,.0f} MiB ({row['seconds']} s)",
+                    flush=True,
+                )
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        "# Tensor and sequence parallelism: activation memory per device",
+        "",
+        f"{meta['date']}, jax {meta['jax']}, on {meta['host']}. Per device: the blocks' saved "
+        "activations per layer by residual accounting (each tensor device's share of each "
+        "tag, Megatron's layout; the embeddings' and head's residuals excluded), the analytic "
+        "model's (all layers), the paper's per-layer formula without dropout (bf16 rows), the "
+        "compiled plan's peak (arguments + outputs - aliased + temporaries: parameters, "
+        "gradients, AdamW state and temporaries included), and matmul FLOPs. `h100`: XLA:CUDA "
+        "deviceless compiles for one host of H100s; `cpu`: XLA:CPU plans on this machine's CPU "
+        "devices. Tensor parallelism alone (no data axis).",
+        "",
+        "| part | model | t | SP | policy | saved per layer MiB | paper per layer MiB | "
+        "analytic (all layers) MiB | planned peak MiB | TFLOP |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        paper = r["paper_per_layer_bytes"]
+        lines.append(
+            f"| {r['part']} | {r['preset']} {r['precision']} | {r['tp']} | "
+            f"{'yes' if r['sequence_parallel'] and r['tp'] > 1 else '-' if r['tp'] == 1 else 'no'} "
+            f"| {r['policy']} | {r['per_layer_saved_bytes'] / MIB:,.1f} | "
+            f"{'-' if paper is None else f'{paper / MIB:,.1f}'} | "
+            f"{r['analytic_bytes'] / MIB:,.1f} | {r['planned_peak_bytes'] / MIB:,.0f} | "
+            f"{r['flops'] / 1e12:,.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="h100,cpu")
+    parser.add_argument("--out", default="benchmarks/results/tensor_parallel")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": f"{platform.node()} ({os.cpu_count()} CPUs, no GPU needed)",
+        "jax": jax.__version__,
+    }
+    rows = [r for part in args.parts.split(",") for r in measure(part.strip())]
+    stem = os.path.join(args.out, "tensor_parallel")
+    write_json_atomic(stem + ".json", {"rows": rows, "meta": meta})
+    write_atomic(stem + ".md", markdown(rows, meta))
+    print(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
