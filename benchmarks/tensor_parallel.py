@@ -20,9 +20,11 @@ already counted: sbh(32 + 2as/h), sbh(8 + 24/t + 2as/(ht)), sbh(32/t + 2as/(ht))
 selective recomputation drops the as² term; full recomputation keeps the block input, 2sbh
 (2sbh/t with sequence parallelism).
 
-Writes ``benchmarks/results/tensor_parallel/{tensor_parallel.json,tensor_parallel.md}``.
+- ``plan``: what ``jaxmem plan``'s search chooses for llama-3-70b on 8 H100s (``PLAN``).
 
-    python benchmarks/tensor_parallel.py [--parts h100,cpu]
+Writes ``benchmarks/results/tensor_parallel/{tensor_parallel,plan_llama-3-70b_8xh100}.{json,md}``.
+
+    python benchmarks/tensor_parallel.py [--parts h100,cpu,plan]
 """
 
 from __future__ import annotations
@@ -134,6 +136,89 @@ def measure(part: str) -> list[dict]:
     return rows
 
 
+# ``plan``: what jaxmem plan chooses for a 70B-class model on one host of 8 H100s when the batch
+# (4 rows) is smaller than the devices, so every layout has a tensor axis: fsdp x tp, state on
+# the device or in host memory
+PLAN = {
+    "preset": "llama-3-70b",
+    "batch": 4,
+    "seq": 4096,
+    "devices": 8,
+    "precision": "bf16",
+    "policies": ("full", "selective"),
+}
+
+
+def plan_part() -> dict:
+    from jaxmem.memory.targets import get_target
+    from jaxmem.planner.search import PlanSpace, Problem, default_budget, search
+
+    target = get_target("h100")
+    budget, budget_source = default_budget(target)
+    cfg = get_preset(PLAN["preset"])
+    problem = Problem(
+        cfg, PLAN["batch"], PLAN["seq"], target, budget, OptimizerConfig(), PLAN["devices"]
+    )
+    space = PlanSpace(
+        policies=PLAN["policies"],
+        mix=(),
+        accum=(1,),
+        state_memory=("device", "pinned_host"),
+        strategies=("fsdp",),
+        tensor=(1, 2, 4, 8),
+        precisions=(PLAN["precision"],),
+        tags=False,
+        unroll=False,
+    )
+    start = time.perf_counter()
+    result = search(problem, space, progress=lambda t: print(t, flush=True))
+    chosen = result.chosen
+    return {
+        **PLAN,
+        "budget_bytes": budget,
+        "budget_source": budget_source,
+        "compiler": result.compiler,
+        "chosen": None if chosen is None else chosen.as_dict(),
+        "candidates": [o.as_dict() for o in result.outcomes if o.status != "not reached"],
+        "fit_compiles": result.fit_compiles,
+        "candidate_compiles": result.candidate_compiles,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def plan_markdown(plan: dict, meta: dict) -> str:
+    lines = [
+        f"# jaxmem plan: {plan['preset']} on {plan['devices']} H100s, {plan['batch']} x "
+        f"{plan['seq']} tokens",
+        "",
+        f"{meta['date']}, jax {meta['jax']}, on {meta['host']}; {plan['seconds']} s. "
+        f"{plan['precision']}, AdamW, budget {plan['budget_bytes'] / 2**30:.1f} GiB per device "
+        f"({plan['budget_source']}). The batch (4 rows) is smaller than the devices, so every "
+        "layout has a tensor axis (fsdp over the rest). Searched: policies "
+        f"{', '.join(plan['policies'])}, tp 2, 4, 8 (1 cannot split the batch), AdamW state on "
+        "the device or in host memory. Planned peaks: XLA:CUDA deviceless compiles "
+        f"({plan['compiler']}); est. s: matmul FLOPs and bytes over datasheet rates (an "
+        f"estimate). {plan['fit_compiles']} fit compiles, {plan['candidate_compiles']} "
+        "candidate compiles.",
+        "",
+        "| configuration | TFLOP per device | est. s | predicted GiB | compiled GiB | status |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in plan["candidates"]:
+        pred = "-" if c["predicted_bytes"] is None else f"{c['predicted_bytes'] / 2**30:,.2f}"
+        comp = "-" if c["compiled_bytes"] is None else f"{c['compiled_bytes'] / 2**30:,.2f}"
+        lines.append(
+            f"| {c['configuration']} | {c['flops'] / 1e12:,.1f} | "
+            f"{c['estimated_seconds']:.3g} | {pred} | {comp} | {c['status']} |"
+        )
+    chosen = plan["chosen"]
+    lines += [
+        "",
+        f"Chosen: {chosen['configuration']}" if chosen else "Nothing fits the budget.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         "# Tensor and sequence parallelism: activation memory per device",
@@ -175,11 +260,19 @@ def main() -> None:
         "host": f"{platform.node()} ({os.cpu_count()} CPUs, no GPU needed)",
         "jax": jax.__version__,
     }
-    rows = [r for part in args.parts.split(",") for r in measure(part.strip())]
-    stem = os.path.join(args.out, "tensor_parallel")
-    write_json_atomic(stem + ".json", {"rows": rows, "meta": meta})
-    write_atomic(stem + ".md", markdown(rows, meta))
-    print(f"wrote {stem}.json and .md")
+    parts = [p.strip() for p in args.parts.split(",")]
+    if "plan" in parts:
+        plan = plan_part()
+        stem = os.path.join(args.out, "plan_llama-3-70b_8xh100")
+        write_json_atomic(stem + ".json", {"plan": plan, "meta": meta})
+        write_atomic(stem + ".md", plan_markdown(plan, meta))
+        print(f"wrote {stem}.json and .md")
+    rows = [r for part in parts if part != "plan" for r in measure(part)]
+    if rows:
+        stem = os.path.join(args.out, "tensor_parallel")
+        write_json_atomic(stem + ".json", {"rows": rows, "meta": meta})
+        write_atomic(stem + ".md", markdown(rows, meta))
+        print(f"wrote {stem}.json and .md")
 
 
 if __name__ == "__main__":

@@ -208,10 +208,10 @@ class PeerWatch:
             count += 1
             try:
                 client.key_value_set(ALIVE.format(me), str(count), allow_overwrite=True)
-                seen = {}
-                for i in self.others:
-                    done = _try_get(client, DONE.format(i)) is not None
-                    seen[i] = "done" if done else _try_get(client, ALIVE.format(i))
+                # every process's counter and stop mark in two calls, however many there are
+                alive = _by_process(client.key_value_dir_get(ALIVE.format("")))
+                done = _by_process(client.key_value_dir_get(DONE.format("")))
+                seen = {i: "done" if i in done else alive.get(i) for i in self.others}
             except Exception:  # the service does not answer: the judge times it out
                 self._stop.wait(HEARTBEAT_S)
                 continue
@@ -271,13 +271,14 @@ def _client():
     return client
 
 
-def _try_get(client, key: str) -> str | None:
-    try:
-        return client.key_value_try_get(key)
-    except Exception as e:  # NOT_FOUND: not published yet
-        if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
-            return None
-        raise
+def _by_process(entries: list[tuple[str, str]]) -> dict[int, str]:
+    """``[("jaxmem/alive/3", "17"), ...]`` -> ``{3: "17", ...}``."""
+    out = {}
+    for key, value in entries:
+        tail = key.rstrip("/").rsplit("/", 1)[-1]
+        if tail.isdigit():
+            out[int(tail)] = value
+    return out
 
 
 # ------------------------------------------------------- what XLA's client ends in an abort

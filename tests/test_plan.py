@@ -403,3 +403,47 @@ def test_on_a_gpu_target_the_planner_unrolls_a_stack_whose_scan_does_not_fit():
         problem, dataclasses.replace(space, tags=False, unroll=False), compile_peak=compile_peak
     )
     assert not off.chosen.candidate.policy.unroll and off.chosen.candidate.policy.remat
+
+
+def test_the_planner_searches_tensor_parallel_layouts_where_data_parallelism_does_not_fit():
+    """Over 4 devices the lattice holds each data x tensor layout the model allows (tp = 1, 2,
+    4 for tiny: 4 heads; not 3, which divides neither); a budget that only a layout splitting
+    the activations over tensor devices meets gets one, its FLOPs per device the blocks' over
+    tp plus the LM head whole, and its command trains that mesh. Compiles are stood in for
+    (activations, weights and state over the tensor devices) so the search alone is tested."""
+    from jaxmem.cli.flags import job_argv
+    from jaxmem.job import JobConfig, RunConfig
+    from jaxmem.memory import analytic
+    from jaxmem.memory.targets import LOCAL
+    from jaxmem.planner.search import FlopModel, candidate_job, enumerate_candidates, tensor_sizes
+
+    cfg, batch, seq = PRESETS["tiny"], 4, 32
+
+    def compile_peak(c, policy, accum, strategy, precision, stream=None, tp=1):
+        # dp replicates the weights, gradients and AdamW state; tensor devices split them
+        data = 4 // tp if strategy or tp > 1 else 1
+        est = analytic.saved_activation_bytes(c, policy, batch // accum // data, seq, FP32)
+        state = 4 * analytic.param_bytes(c, FP32)
+        return int(2**20 + (est.device_bytes + state) // tp), "stand-in"
+
+    space = PlanSpace(
+        policies=("none",), mix=(), accum=(1,), strategies=("dp",), tensor=(1, 2, 3, 4)
+    )
+    problem = Problem(cfg, batch, seq, LOCAL, 0, OptimizerConfig(), devices=4)
+    assert tensor_sizes(problem, space) == [1, 2, 4]
+    dp_only, _ = compile_peak(cfg, POLICIES["none"], 1, "dp", "fp32")
+    problem.budget_bytes = dp_only - 1  # data parallelism alone (one row each) is over
+    result = search(problem, dataclasses.replace(space, tags=False), compile_peak=compile_peak)
+    chosen = result.chosen.candidate
+    assert chosen.tp > 1, [o.as_dict() for o in result.outcomes]
+    flops = FlopModel(cfg, seq)
+    per_row = flops.per_row(POLICIES["none"], FP32)
+    head = 6 * seq * cfg.d_model * cfg.vocab_size
+    rows = batch // (4 // chosen.tp)
+    assert chosen.flops == head * rows + (per_row - head) * rows // chosen.tp
+    cands = enumerate_candidates(problem, dataclasses.replace(space, tags=False), flops)
+    assert {c.tp for c in cands} == {1, 2, 4}
+    job = candidate_job(JobConfig(preset="tiny", model=cfg, run=RunConfig(seq_len=seq)), chosen, 4)
+    assert job.parallel.tp == chosen.tp and job.parallel.devices == 4
+    argv = job_argv(job)
+    assert argv[argv.index("--mesh") + 1].endswith(f"tp={chosen.tp}")

@@ -27,7 +27,6 @@ from jaxmem.cli.flags import (
     job_from_args,
     max_seq_len,
     not_streamed,
-    not_tensor_parallel,
 )
 from jaxmem.files import write_json_atomic
 from jaxmem.job import torch_host_memory_refusal
@@ -64,6 +63,13 @@ def add_parser(sub) -> None:
         "memory; required for cpu)",
     )
     g.add_argument("--strategies", default="dp,zero1,fsdp", help="with --mesh (default all)")
+    g.add_argument(
+        "--tp",
+        default=None,
+        help="with --mesh: tensor-parallel sizes to search, comma-separated (default: every "
+        "size that divides the mesh's devices and the model's heads, MLP and sequence; 1: "
+        "data parallelism only; a --mesh with tp=T: T alone)",
+    )
     g.add_argument(
         "--policies",
         default="none,selective,mlp,offload,full,nested",
@@ -122,7 +128,6 @@ def run(args: argparse.Namespace) -> int:
 
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
     not_streamed(job, "plan")
-    not_tensor_parallel(job, "plan")
     with usage_errors():
         target = get_target(args.target or "cpu")
         if args.budget is not None:
@@ -162,10 +167,24 @@ def _space(args: argparse.Namespace, job):
         if args.state_offload
         else ("device",),
         strategies=tuple(parse_names(args.strategies, list(STRATEGIES), "strategies")),
+        tensor=_tensor_sizes(args, job),
         precisions=tuple(
             parse_names(args.precisions or job.precision.name, list(PRECISIONS), "precisions")
         ),
     )
+
+
+def _tensor_sizes(args: argparse.Namespace, job) -> tuple[int, ...]:
+    n = job.parallel.devices
+    if args.tp is not None:
+        sizes = int_list(args.tp, "--tp")
+        bad = [t for t in sizes if n % t]
+        if bad:
+            raise UsageError(f"--tp {args.tp}: {bad} do not divide the mesh's {n} device(s)")
+        return sizes
+    if job.parallel.tensor_parallel:
+        return (job.parallel.tp,)
+    return tuple(t for t in range(1, n + 1) if n % t == 0)
 
 
 def _start_backend(job, target) -> None:

@@ -290,6 +290,15 @@ class TorchTrainer:
             out.append(Figure("device peak", peak, "runtime peak (max_memory_allocated)"))
         return [*out, rss_figure()]
 
+    def any_process(self, flag: bool) -> bool:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
     def close(self) -> None:
         pass
 

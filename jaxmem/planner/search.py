@@ -83,6 +83,9 @@ class PlanSpace:
     accum: tuple[int, ...] = (1, 2, 4, 8)
     state_memory: tuple[str, ...] = ("device", "pinned_host")  # and STREAM_UPDATE's
     strategies: tuple[str, ...] = ("dp", "zero1", "fsdp")
+    # tensor-parallel sizes (Megatron's layout with sequence parallelism, ``--mesh ...,tp=T``):
+    # each that divides the devices and the model (``ParallelConfig.check_model``) is searched
+    tensor: tuple[int, ...] = (1,)
     precisions: tuple[str, ...] = ("fp32",)
     # also the per-tag policies on the Pareto frontier of one block (``jaxmem.planner.tags``),
     # each over the whole stack
@@ -117,6 +120,7 @@ class Candidate:
     seconds: float  # estimated step time (FLOPs / rate + bytes / bandwidths)
     # bytes of host memory a host update reads and writes per step (estimate, from shapes)
     host_update_bytes: int = 0
+    tp: int = 1  # tensor-parallel devices (the rest of the mesh is the strategy's data axis)
 
     @property
     def stream(self) -> str | None:
@@ -129,7 +133,8 @@ class Candidate:
         # fit apart
         streamed = ("streamed", self.stream) if self.stream else ()
         unrolled = ("unrolled",) if self.policy.unroll else ()
-        return (self.accum, self.strategy, self.precision, *streamed, *unrolled)
+        tensor = (f"tp={self.tp}",) if self.tp > 1 else ()
+        return (self.accum, self.strategy, *tensor, self.precision, *streamed, *unrolled)
 
     def describe(self) -> str:
         stack = policy_text(self.policy) + (" (unrolled)" if self.policy.unroll else "")
@@ -142,7 +147,15 @@ class Candidate:
             parts.append(f"state {self.state_memory}")
         if self.strategy is not None:
             parts.append(self.strategy)
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
         return ", ".join(parts)
+
+    def parallel(self, devices: int) -> ParallelConfig:
+        """The mesh the candidate runs on (one device: the default)."""
+        if self.strategy is None and self.tp == 1:
+            return ParallelConfig()
+        return ParallelConfig(strategy=self.strategy or "dp", devices=devices, tp=self.tp)
 
 
 @dataclasses.dataclass
@@ -273,12 +286,12 @@ class MemoryModel:
             # in bytes per row (the compile of the candidate itself is the proof)
             a, b = self._family(POLICIES["selective"], cand)
             precision = PRECISIONS[cand.precision]
-            rows = self.problem.batch // (self.problem.devices * cand.accum)
+            rows = self.problem.batch // (self.problem.devices // cand.tp * cand.accum)
             cfg, seq = self.problem.cfg, self.problem.seq_len
             delta = tags.block_bytes(cfg, part, seq, precision) - tags.block_bytes(
                 cfg, POLICIES["selective"], seq, precision
             )
-            return a, b + rows * delta
+            return a, b + rows * delta / cand.tp  # the tags' bytes split over tensor devices
         # fitted on the scanned stack; an unrolled one is predicted from its scan's fit (it
         # plans within ~20 % of it: 0.79x to 0.94x measured, offload 2.2x) and calibrated by
         # its own compiles (``observe``): no unrolled fit compiles, which are the slowest
@@ -294,6 +307,7 @@ class MemoryModel:
                     cand.strategy,
                     cand.precision,
                     cand.stream,
+                    **_tensor(cand),
                 )
                 for d in dict.fromkeys((d1, d2))
             ]
@@ -325,6 +339,7 @@ class MemoryModel:
             cand.policy.unroll,
             cand.accum,
             cand.strategy,
+            cand.tp,
             cand.precision,
         )
 
@@ -355,7 +370,8 @@ def state_host_bytes(problem: Problem, cand: Candidate) -> int:
         return 0
     precision = PRECISIONS[cand.precision]
     total = analytic.opt_state_bytes(problem.cfg, problem.opt_cfg, precision)
-    shards = problem.devices if cand.strategy in ("zero1", "fsdp") else 1
+    data = problem.devices // cand.tp
+    shards = (data if cand.strategy in ("zero1", "fsdp") else 1) * cand.tp
     return total // shards
 
 
@@ -376,6 +392,26 @@ def _stacks(
     return stacks
 
 
+def tensor_sizes(problem: Problem, space: PlanSpace) -> list[int]:
+    """The tensor-parallel sizes searched: those of ``space.tensor`` that divide the devices
+    and split the model's heads, MLP and sequence (``ParallelConfig.check_model``)."""
+    out = []
+    for tp in space.tensor:
+        if tp < 1 or problem.devices % tp:
+            continue
+        try:
+            ParallelConfig(devices=problem.devices, tp=tp).check_model(problem.cfg, problem.seq_len)
+        except ConfigError:
+            continue
+        out.append(tp)
+    return out
+
+
+def _tensor(cand: Candidate) -> dict[str, int]:
+    """The compile function's tensor-parallel argument, given only where there is one."""
+    return {"tp": cand.tp} if cand.tp > 1 else {}
+
+
 def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -> list[Candidate]:
     """Every candidate of the lattice with its cost, cheapest first (ties: fewer microbatches,
     state on the device, then the stack's name)."""
@@ -383,8 +419,8 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
     rates = rates_for(target)
     host = target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
     n = problem.devices
-    strategies: Iterable[str | None] = space.strategies if n > 1 else (None,)
-    rows = problem.batch // n
+    sizes = tensor_sizes(problem, space)
+    head_per_row = 6 * problem.seq_len * cfg.d_model * cfg.vocab_size  # the LM head's matmuls
     out = []
     for precision_name in space.precisions:
         precision = PRECISIONS[precision_name]
@@ -399,52 +435,81 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
         for policy in stacks:
             per_row = flops.per_row(policy, precision)
             offloaded_blocks = _offloaded_blocks(policy, cfg.n_layers)
-            for accum in space.accum:
-                if problem.batch % (n * accum):
-                    continue
-                for strategy in strategies:
-                    ring = 2 * (n - 1) / n if n > 1 else 0.0
-                    if strategy in ("dp", "zero1"):  # all-reduce (or reduce-scatter + gather)
-                        collective = int(ring * param_bytes)
-                    elif strategy == "fsdp":  # gather twice, reduce-scatter, per microbatch
-                        collective = int(1.5 * ring * param_bytes * accum)
-                    else:
-                        collective = 0
-                    for place in space.state_memory if host else ("device",):
-                        update = STREAM_UPDATE.get(place)
-                        if update and not _streams(problem, policy, accum, strategy, precision):
-                            continue
-                        shards = n if strategy in ("zero1", "fsdp") else 1
-                        moved = 2 * offload_row * rows * offloaded_blocks
-                        on_host = 0
-                        if update:
-                            link, on_host = _streamed_bytes(
-                                cfg, problem.opt_cfg, precision, policy, accum, update
+            for tp in sizes:
+                if tp > 1 and (policy.unroll or policy.nested):
+                    continue  # tensor parallelism runs a scanned stack (JobConfig)
+                data = n // tp
+                rows = problem.batch // data
+                strategies: Iterable[str | None] = space.strategies if data > 1 else (None,)
+                # per tensor device: the blocks' matmuls split, the LM head's whole
+                f = (
+                    per_row * rows
+                    if tp == 1
+                    else head_per_row * rows + (per_row - head_per_row) * rows // tp
+                )
+                # Megatron-SP's all-gathers and reduce-scatters of one row's [S, D] activations:
+                # 4 per block forward, 4 backward (4 more when the block is replayed)
+                passes = 12 if policy.remat else 8
+                tensor_bytes = int(
+                    passes
+                    * (tp - 1)
+                    / tp
+                    * rows
+                    * problem.seq_len
+                    * cfg.d_model
+                    * precision.compute_bytes
+                    * cfg.n_layers
+                )
+                for accum in space.accum:
+                    if problem.batch % (data * accum):
+                        continue
+                    for strategy in strategies:
+                        ring = 2 * (data - 1) / data if data > 1 else 0.0
+                        shard = param_bytes / tp  # one tensor group member's weights
+                        if strategy in ("dp", "zero1"):  # all-reduce (or reduce-scatter + gather)
+                            collective = int(ring * shard)
+                        elif strategy == "fsdp":  # gather twice, reduce-scatter, per microbatch
+                            collective = int(1.5 * ring * shard * accum)
+                        else:
+                            collective = 0
+                        collective += tensor_bytes
+                        for place in space.state_memory if host else ("device",):
+                            update = STREAM_UPDATE.get(place)
+                            if update and (
+                                tp > 1 or not _streams(problem, policy, accum, strategy, precision)
+                            ):
+                                continue
+                            shards = (data if strategy in ("zero1", "fsdp") else 1) * tp
+                            moved = 2 * offload_row * rows * offloaded_blocks // tp
+                            on_host = 0
+                            if update:
+                                link, on_host = _streamed_bytes(
+                                    cfg, problem.opt_cfg, precision, policy, accum, update
+                                )
+                                moved += link
+                            elif place != "device":
+                                moved += 2 * state // shards
+                            seconds = (
+                                f / rate
+                                + moved / rates.host_link
+                                + collective / rates.interconnect
+                                + on_host / rates.host_memory
                             )
-                            moved += link
-                        elif place != "device":
-                            moved += 2 * state // shards
-                        f = per_row * rows
-                        seconds = (
-                            f / rate
-                            + moved / rates.host_link
-                            + collective / rates.interconnect
-                            + on_host / rates.host_memory
-                        )
-                        out.append(
-                            Candidate(
-                                policy,
-                                accum,
-                                place,
-                                strategy,
-                                precision_name,
-                                f,
-                                moved,
-                                collective,
-                                seconds,
-                                on_host,
+                            out.append(
+                                Candidate(
+                                    policy,
+                                    accum,
+                                    place,
+                                    strategy,
+                                    precision_name,
+                                    f,
+                                    moved,
+                                    collective,
+                                    seconds,
+                                    on_host,
+                                    tp,
+                                )
                             )
-                        )
     order = {p: i for i, p in enumerate(("device", "pinned_host", STREAMED, STREAMED_HOST))}
     # among equal costs: fewer microbatches, the state on the device, the scanned stack, then a
     # preset before a per-tag policy (the cost counts matmuls only: a per-tag policy with
@@ -531,9 +596,7 @@ def candidate_job(job: JobConfig, cand: Candidate, devices: int) -> JobConfig:
         else dataclasses.replace(
             job.optimizer, state_memory=cand.state_memory, stream=False, stream_update=None
         ),
-        parallel=ParallelConfig()
-        if cand.strategy is None
-        else ParallelConfig(strategy=cand.strategy, devices=devices),
+        parallel=cand.parallel(devices),
     )
 
 
@@ -554,6 +617,7 @@ class Outcome:
             "accum": c.accum,
             "state_memory": c.state_memory,
             "strategy": c.strategy,
+            "tp": c.tp,
             "precision": c.precision,
             "flops": c.flops,
             "host_bytes": c.host_bytes,
@@ -601,9 +665,12 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
         strategy: str | None,
         precision: str,
         stream: str | None = None,
+        tp: int = 1,
     ) -> tuple[int, str]:
         parallel = (
-            None if strategy is None else ParallelConfig(strategy=strategy, devices=problem.devices)
+            None
+            if strategy is None and tp == 1
+            else ParallelConfig(strategy=strategy or "dp", devices=problem.devices, tp=tp)
         )
         r = plan_step(
             cfg,
@@ -637,9 +704,9 @@ def search(
     compile_peak = compile_peak or _compiler(problem)
     compiler = ""
 
-    def peak_only(*args: Any) -> int:
+    def peak_only(*args: Any, **kwargs: Any) -> int:
         nonlocal compiler
-        peak, compiler = compile_peak(*args)
+        peak, compiler = compile_peak(*args, **kwargs)
         return peak
 
     flops = FlopModel(problem.cfg, problem.seq_len)
@@ -649,10 +716,10 @@ def search(
     at_depth: dict[tuple, int] = {}  # compiled at the real depth, per candidate program
 
     def compile_candidate(c: Candidate, policy: MemoryPolicy) -> int:
-        key = (policy, c.accum, c.strategy, c.precision, c.stream)
+        key = (policy, c.accum, c.strategy, c.tp, c.precision, c.stream)
         if key not in at_depth:
             at_depth[key] = peak_only(
-                problem.cfg, policy, c.accum, c.strategy, c.precision, c.stream
+                problem.cfg, policy, c.accum, c.strategy, c.precision, c.stream, **_tensor(c)
             )
         return at_depth[key] - state_host_bytes(problem, c)
 
@@ -716,6 +783,7 @@ def smallest_plan(result: PlanResult) -> Outcome | None:
                 c.strategy,
                 c.precision,
                 c.stream,
+                **_tensor(c),
             )
             best.compiled = peak - state_host_bytes(result.problem, c)
             best.status = "over (compiled)"

@@ -103,6 +103,10 @@ class Trainer(Protocol):
     def figures(self) -> list[Figure]:
         """The memory table printed at the end, every figure with how it was obtained."""
 
+    def any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` is set in any of the run's processes (one process: ``flag``; several:
+        a small collective every call, so that they all decide the same at the same step)."""
+
     def close(self) -> None: ...
 
 
@@ -870,7 +874,9 @@ class _Run:
         host syncs only then)."""
         r, out_dir = self.job.run, self.prepared.out_dir
         is_last = step == r.steps
-        interrupted = self.stop.signal is not None
+        # every process of a multi-process run stops after the same step, wherever the signal
+        # arrived (a process saving while another steps on would wait for it forever)
+        interrupted = self.trainer.any_process(self.stop.signal is not None)
         evaluate = step % r.eval_every == 0 or is_last
         save = self.saves and (step % r.checkpoint_every == 0 or is_last or interrupted)
         if step % r.refresh_every and not (evaluate or save or interrupted):
@@ -898,7 +904,7 @@ class _Run:
         )
         if interrupted:
             raise RunInterrupted(
-                f"{self.stop.signal} at step {step}: "
+                f"{self.stop.signal or 'a stop signal to another process'} at step {step}: "
                 + (
                     f"saved checkpoint {step} in {out_dir}/{CHECKPOINT_DIR}; continue with: "
                     f"jaxmem train --out {out_dir} --resume"

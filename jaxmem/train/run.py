@@ -469,6 +469,13 @@ class JaxTrainer:
     def figures(self) -> list[Figure]:
         return [*self._figures, *device_peak_figures(), rss_figure()]
 
+    def any_process(self, flag: bool) -> bool:
+        if jax.process_count() == 1:
+            return flag
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.array([int(flag)]))))
+
     def close(self) -> None:
         jax.block_until_ready(self.params)
         if self.ckpt is not None:
