@@ -138,13 +138,13 @@ def measure(part: str) -> list[dict]:
 
 # ``plan``: what jaxmem plan chooses for a 70B-class model on one host of 8 H100s when the batch
 # (4 rows) is smaller than the devices, so every layout has a tensor axis: fsdp x tp, state on
-# the device or in host memory
+# the device or in host memory, bf16 with fp32 master weights or pure bf16
 PLAN = {
     "preset": "llama-3-70b",
     "batch": 4,
     "seq": 4096,
     "devices": 8,
-    "precision": "bf16",
+    "precisions": ("bf16", "pure-bf16"),
     "policies": ("full", "selective"),
 }
 
@@ -166,7 +166,7 @@ def plan_part() -> dict:
         state_memory=("device", "pinned_host"),
         strategies=("fsdp",),
         tensor=(1, 2, 4, 8),
-        precisions=(PLAN["precision"],),
+        precisions=PLAN["precisions"],
         tags=False,
         unroll=False,
     )
@@ -192,7 +192,8 @@ def plan_markdown(plan: dict, meta: dict) -> str:
         f"{plan['seq']} tokens",
         "",
         f"{meta['date']}, jax {meta['jax']}, on {meta['host']}; {plan['seconds']} s. "
-        f"{plan['precision']}, AdamW, budget {plan['budget_bytes'] / 2**30:.1f} GiB per device "
+        f"{' or '.join(plan['precisions'])}, AdamW, budget "
+        f"{plan['budget_bytes'] / 2**30:.1f} GiB per device "
         f"({plan['budget_source']}). The batch (4 rows) is smaller than the devices, so every "
         "layout has a tensor axis (fsdp over the rest). Searched: policies "
         f"{', '.join(plan['policies'])}, tp 2, 4, 8 (1 cannot split the batch), AdamW state on "
@@ -214,7 +215,10 @@ def plan_markdown(plan: dict, meta: dict) -> str:
     chosen = plan["chosen"]
     lines += [
         "",
-        f"Chosen: {chosen['configuration']}" if chosen else "Nothing fits the budget.",
+        f"Chosen: {chosen['configuration']}, {chosen['compiled_bytes'] / 2**30:,.2f} GiB per "
+        "device (compiled plan)"
+        if chosen
+        else "Nothing fits the budget.",
     ]
     return "\n".join(lines) + "\n"
 
