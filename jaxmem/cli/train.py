@@ -395,8 +395,9 @@ def _train(args: argparse.Namespace, job, group, target, watch=None) -> int:
     from jaxmem.train.layout import CheckpointError
     from jaxmem.train.loop import RunFailed, RunInterrupted
 
-    if job.run.framework == "torch" and torch_tensor_parallel_refusal(job):
-        raise UsageError(torch_tensor_parallel_refusal(job))
+    refusal = torch_tensor_parallel_refusal(job) if job.run.framework == "torch" else None
+    if refusal is not None:
+        raise UsageError(refusal)
     framework, primary = _framework(job, group)
     if group.multi and job.run.framework != "jax":
         raise UsageError(

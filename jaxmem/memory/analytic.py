@@ -273,6 +273,12 @@ def korthikanti_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int) -> i
     return int(sbh * (34 + 5 * cfg.n_heads * seq_len / cfg.d_model))
 
 
+def head_flops(cfg: ModelConfig, rows: int, seq_len: int) -> int:
+    """Matmul FLOPs of the LM head in one training step: the forward's logits and the
+    backward's two matmuls, 6·tokens·D·V (tensor parallelism keeps it whole on each device)."""
+    return 6 * rows * seq_len * cfg.d_model * cfg.vocab_size
+
+
 def model_flops(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     """Matmul FLOPs of one training step without remat (forward + backward = 3 × forward):
     projections 2·tokens·(D·(D + 2·D_kv) + D² + m·D·F) per layer (D_kv = kv_heads·head_dim:

@@ -530,7 +530,7 @@ def jax_record(
     if sharded and parallel.tensor_parallel:
         # every block matmul splits over the tensor devices (heads, columns, rows); the LM head
         # (forward and its two backward matmuls) runs whole on each
-        head = accum * 6 * (batch // accum // n_dev) * seq_len * cfg.d_model * cfg.vocab_size
+        head = accum * analytic.head_flops(cfg, batch // accum // n_dev, seq_len)
         flops = head + (flops - head) // parallel.tp
         model_flops = model_flops // parallel.tp
     sizes = {"params": tree_bytes(params), "grads": tree_bytes(grads), "opt": tree_bytes(opt_state)}

@@ -420,7 +420,7 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
     host = target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
     n = problem.devices
     sizes = tensor_sizes(problem, space)
-    head_per_row = 6 * problem.seq_len * cfg.d_model * cfg.vocab_size  # the LM head's matmuls
+    head_per_row = analytic.head_flops(cfg, 1, problem.seq_len)
     out = []
     for precision_name in space.precisions:
         precision = PRECISIONS[precision_name]
