@@ -218,13 +218,29 @@ def check_stream(
 
 
 def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
-    """Why torch_ref's job cannot run ``job``'s mesh (None: it can)."""
-    if not job.parallel.tensor_parallel:
+    """Why torch_ref's job cannot run ``job``'s tensor-parallel mesh (None: it can)."""
+    return torch_mesh_refusal(job.parallel, job.model)
+
+
+def torch_mesh_refusal(parallel: ParallelConfig, model: ModelConfig) -> str | None:
+    """Why torch_ref cannot split ``model`` over ``parallel``'s tensor axis (None: it can:
+    ``torch_ref.distributed.parallelize``, then FSDP2 over the data axis)."""
+    if not parallel.tensor_parallel:
         return None
-    return (
-        f"--mesh {job.parallel.mesh_text()}: torch_ref has no tensor parallelism yet (DTensor's "
-        "ColwiseParallel/RowwiseParallel); train it with --framework jax"
-    )
+    mesh = f"--mesh {parallel.mesh_text()}"
+    if parallel.strategy == "dp" and parallel.data > 1:
+        return (
+            f"{mesh}: torch_ref has no dp over a tensor axis (PyTorch's DDP does not take "
+            f"DTensor parameters); use --mesh zero1={parallel.data},tp={parallel.tp} or "
+            f"fsdp={parallel.data},tp={parallel.tp} (FSDP2), or --framework jax"
+        )
+    if model.kv_heads % parallel.tp:
+        return (
+            f"{mesh}: torch_ref splits whole key/value heads over the tensor axis; the model's "
+            f"{model.kv_heads} key/value heads do not split over tp={parallel.tp}: use a tp "
+            f"that divides {model.kv_heads}, or --framework jax"
+        )
+    return None
 
 
 def torch_host_memory_refusal(job: JobConfig) -> str | None:

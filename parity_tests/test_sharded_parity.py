@@ -6,7 +6,11 @@ against jaxmem's sharded step: torchrun launches with gloo, as subprocesses with
 - ``jaxmem train --framework torch --mesh fsdp=2`` under torchrun logs the losses of ``jaxmem
   train --mesh fsdp=2`` (JAX) over 10 steps, and only rank 0 writes the run's files; streamed
   (``--stream``) it logs the same numbers; a rank SIGKILLed mid-run ends the other in one line
-  naming the checkpoint to resume from, and the resumed run logs the uninterrupted run's.
+  naming the checkpoint to resume from, and the resumed run logs the uninterrupted run's;
+- tensor parallelism (``tp=2`` on 2 ranks, ``fsdp=2,tp=2`` on 4) trains as one device, each
+  rank holding its share of the split weights and their AdamW moments, and ``jaxmem train
+  --framework torch --mesh tp=2`` logs the losses of ``jaxmem train --mesh tp=2`` (JAX) and
+  resumes to the uninterrupted run's numbers.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -34,8 +39,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(*args: str) -> subprocess.CompletedProcess:
-    cmd = [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={N}", *args]
+def torchrun(*args: str, nproc: int = N) -> subprocess.CompletedProcess:
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -76,6 +81,108 @@ def test_each_rank_holds_its_share(strategies):
     assert strategies["fsdp"]["ranks"][0]["peak_bytes"] < one["peak_bytes"]
 
 
+def _worker(nproc: int, mesh: str, *presets: str) -> dict:
+    proc = torchrun(
+        os.path.join(HERE, "torch_tensor_parallel_worker.py"), mesh, *presets, nproc=nproc
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# mesh -> (ranks, presets): tp alone on the GPT and the Llama preset, fsdp x tp on the Llama
+# one (grouped key/value heads split over the tensor axis)
+TENSOR_MESHES = {"tp=2": (2, ("tiny", "tiny-llama")), "fsdp=2,tp=2": (4, ("tiny-llama",))}
+SHARE = {"tp=2": 2, "fsdp=2,tp=2": 4}  # of a split weight, per rank
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel():
+    return {mesh: _worker(n, mesh, *presets) for mesh, (n, presets) in TENSOR_MESHES.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torch_tensor_parallelism_trains_as_one_device(tensor_parallel):
+    """Losses and gradient norms (sequence-parallel norms' gradients reduced, nothing counted
+    twice) of 6 AdamW steps over ``tp=2`` and ``fsdp=2,tp=2`` equal one device's; the state
+    gathered for a checkpoint is the one-device state bit for bit (the fused q/k/v rows back in
+    [q | k | v] order)."""
+    tol = tolerance("float32", "data_parallel_loss")
+    for mesh, runs in tensor_parallel.items():
+        for preset, run in runs.items():
+            for key in ("losses", "grad_norms"):
+                np.testing.assert_allclose(
+                    run["mesh"][key], run["one_device"][key], **tol.kwargs(), err_msg=mesh
+                )
+            assert run["ranks"][0]["state_in_qkv_order"] is True, (mesh, preset)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_each_tensor_rank_holds_its_share_of_the_split_weights(tensor_parallel):
+    """Each rank holds exactly 1/tp (1/4 over fsdp=2 x tp=2) of the fused q/k/v, the out
+    projection, the MLP's matrices and the column-parallel biases, and of their AdamW moments;
+    over ``tp=2`` alone every other parameter is whole, so a rank's parameter, gradient and
+    AdamW bytes are one device's less the halves it does not hold."""
+    for mesh, runs in tensor_parallel.items():
+        for preset, run in runs.items():
+            one = run["one_record"]
+            for r in run["ranks"]:
+                held = r["holdings"]
+                assert held, (mesh, preset)
+                for name, (whole, mine, *moments) in held.items():
+                    assert mine * SHARE[mesh] == whole and moments == [mine, mine], (mesh, name)
+                rec = r["record"]
+                assert f"per rank of {mesh}" in rec["peak_source"]
+                if mesh == "tp=2":
+                    missing = 4 * sum(whole - mine for whole, mine, *_ in held.values())  # fp32
+                    assert rec["params_bytes"] == one["params_bytes"] - missing
+                    assert rec["grads_bytes"] == one["grads_bytes"] - missing
+                    assert rec["opt_state_bytes"] == one["opt_state_bytes"] - 2 * missing
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("preset", "resume"), [("tiny", False), ("tiny-llama", True)])
+def test_torch_tensor_parallel_job_logs_jax_losses_and_resumes(tmp_path, preset, resume):
+    """``jaxmem train --framework torch --mesh tp=2`` (2 torchrun ranks, sequence parallelism)
+    logs the losses of ``jaxmem train --mesh tp=2``; the run cut back to its step-5 checkpoint
+    and resumed logs the uninterrupted run's losses and gradient norms (one preset: each run
+    is a torchrun launch)."""
+    common = ["--preset", preset, "--mesh", "tp=2", "--batch-size", "8", "--seq-len", "32"]
+    common += ["--policy", "full", "--steps", "10", "--checkpoint-every", "5"]
+    common += ["--eval-every", "5", "--sample-tokens", "8"]
+    torch_run = tmp_path / "torch"
+    out, t = _torch_logs_jax_losses(tmp_path, common)
+    assert "DTensor tensor parallelism over tp=2" in out.stdout
+    if not resume:
+        return
+    resumed = tmp_path / "resumed"
+    shutil.copytree(torch_run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "10")
+    torchrun("--no-python", *_jaxmem("train", "--out", str(resumed), "--resume"))
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(resumed)] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in t
+    ]
+
+
+def test_key_value_heads_that_do_not_split_over_tp_are_refused_for_torch():
+    """Fused attention runs grouped heads whole in JAX; torch_ref splits whole key/value heads
+    (``HeadAlignedColwise``), so 2 of them over tp=4 is refused in one line."""
+    from jaxmem.config import PRESETS
+    from jaxmem.job import torch_mesh_refusal
+    from jaxmem.parallel import parse_mesh
+
+    cfg = PRESETS["tiny-llama"].replace(attention="fused")
+    parse_mesh("tp=4").check_model(cfg, 32)  # JAX runs it
+    text = torch_mesh_refusal(parse_mesh("tp=4"), cfg)
+    assert text == (
+        "--mesh tp=4: torch_ref splits whole key/value heads over the tensor axis; the model's "
+        "2 key/value heads do not split over tp=4: use a tp that divides 2, or --framework jax"
+    )
+    assert torch_mesh_refusal(parse_mesh("tp=2"), cfg) is None
+    assert torch_mesh_refusal(parse_mesh("fsdp=2,tp=2"), cfg) is None
+
+
 def _jaxmem(*args: str) -> list[str]:
     return [os.path.join(BIN, "jaxmem"), *args]
 
@@ -85,12 +192,12 @@ def _metrics(run) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_fsdp2_trains_as_jax_fsdp_and_resumes_bit_identically(tmp_path):
-    common = ["--preset", "tiny", "--mesh", f"fsdp={N}", "--batch-size", "8", "--seq-len", "32"]
-    common += ["--policy", "full", "--steps", "10", "--checkpoint-every", "5"]
-    common += ["--eval-every", "5", "--sample-tokens", "8"]
+def _torch_logs_jax_losses(
+    tmp_path, common: list[str]
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """``jaxmem train *common`` in JAX (``tmp_path/jax``) and under torchrun with ``--framework
+    torch`` (``tmp_path/torch``): the torch run logs steps 1..10 with JAX's losses (bound
+    ``adamw_loss``). Returns torchrun's process and the torch run's metrics."""
     jax_run, torch_run = tmp_path / "jax", tmp_path / "torch"
     proc = subprocess.run(
         _jaxmem("train", *common, "--out", str(jax_run)),
@@ -103,7 +210,6 @@ def test_fsdp2_trains_as_jax_fsdp_and_resumes_bit_identically(tmp_path):
     out = torchrun(
         "--no-python", *_jaxmem("train", "--framework", "torch", *common, "--out", str(torch_run))
     )
-    assert out.stdout.count("jaxmem train (torch)") == 1  # rank 0's console only
     j, t = _metrics(jax_run), _metrics(torch_run)
     assert [r["step"] for r in t] == list(range(1, 11))
     np.testing.assert_allclose(
@@ -111,6 +217,18 @@ def test_fsdp2_trains_as_jax_fsdp_and_resumes_bit_identically(tmp_path):
         [r["loss"] for r in j],
         **tolerance("float32", "adamw_loss").kwargs(),
     )
+    return out, t
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_trains_as_jax_fsdp_and_resumes_bit_identically(tmp_path):
+    common = ["--preset", "tiny", "--mesh", f"fsdp={N}", "--batch-size", "8", "--seq-len", "32"]
+    common += ["--policy", "full", "--steps", "10", "--checkpoint-every", "5"]
+    common += ["--eval-every", "5", "--sample-tokens", "8"]
+    torch_run = tmp_path / "torch"
+    out, t = _torch_logs_jax_losses(tmp_path, common)
+    assert out.stdout.count("jaxmem train (torch)") == 1  # rank 0's console only
     files = sorted(p.name for p in torch_run.iterdir() if not p.name.startswith("."))
     assert files == [
         "checkpoints",
@@ -203,16 +321,31 @@ def test_a_torch_mesh_without_its_processes_is_refused_naming_the_launch(world, 
     assert fragment in str(exc.value)
 
 
-def test_torch_mesh_outside_torchrun_exits_2_before_writing(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    ("mesh", "fragment"),
+    [
+        ("fsdp=2", "--nproc_per_node=2 --no-python jaxmem train --framework torch"),
+        (
+            "dp=2,tp=2",
+            "--mesh dp=2,tp=2: torch_ref has no dp over a tensor axis (PyTorch's DDP does not "
+            "take DTensor parameters); use --mesh zero1=2,tp=2 or fsdp=2,tp=2 (FSDP2), or "
+            "--framework jax",
+        ),
+    ],
+)
+def test_torch_mesh_it_cannot_launch_exits_2_before_writing(
+    tmp_path, capsys, monkeypatch, mesh, fragment
+):
+    """Outside torchrun a mesh names its torchrun command; dp over a tensor axis names the
+    FSDP2 meshes that run it (before any process starts)."""
     from jaxmem import cli
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
-        cli.main(["train", "--framework", "torch", "--mesh", "fsdp=2", "--out", str(out)])
+        cli.main(["train", "--framework", "torch", "--mesh", mesh, "--out", str(out)])
     assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "--nproc_per_node=2 --no-python jaxmem train --framework torch" in err
+    assert fragment in capsys.readouterr().err
     assert not out.exists()
 
 

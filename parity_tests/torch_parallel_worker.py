@@ -78,6 +78,11 @@ def main() -> None:
     out["one_device_record"] = measure(
         CFG, get_policy("full"), FP32, OptimizerConfig(), BATCH, SEQ, ParallelConfig(), launch
     )
+    finish(out, launch)
+
+
+def finish(out: dict, launch: tdist.Launch) -> None:
+    """Rank 0 prints ``out`` as one JSON line; every rank leaves its group and ends."""
     if launch.primary:
         print(json.dumps(out))
     tdist.shutdown()

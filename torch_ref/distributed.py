@@ -33,12 +33,23 @@ import logging
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from jaxmem.config import ConfigError
 from jaxmem.parallel import ParallelConfig
@@ -53,6 +64,20 @@ DESCRIPTION = {
     "PyTorch has no FSDP2 ZeRO-1; gradients sharded too)",
     "fsdp": "FSDP2 fully_shard per block + root (ZeRO-3: reshard after forward)",
 }
+
+
+def describe(parallel: ParallelConfig) -> str:
+    """What runs ``parallel``'s mesh, in words (records, the run's console)."""
+    if not parallel.tensor_parallel:
+        return DESCRIPTION[parallel.strategy]
+    sp = " + SequenceParallel norms" if parallel.sequence_parallel else ""
+    text = (
+        f"DTensor tensor parallelism over tp={parallel.tp} (ColwiseParallel, RowwiseParallel"
+        f"{sp}; fused q/k/v rows head-aligned: torch_ref's HeadAlignedColwise extension)"
+    )
+    if parallel.data > 1:
+        text += f", then {DESCRIPTION[parallel.strategy]} over {parallel.data} data ranks"
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +96,15 @@ class Launch:
     def device(self) -> str:
         return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
 
-    def rows(self, batch_size: int) -> slice | None:
-        """This rank's rows of a global batch (None: a single process reads them all)."""
-        if self.world_size == 1:
+    def rows(self, batch_size: int, tp: int = 1) -> slice | None:
+        """This rank's rows of a global batch (None: one data rank reads them all). Ranks are
+        laid out ``data x tensor`` (``device_mesh``): the ``tp`` tensor ranks of one data rank
+        read the same rows."""
+        data = self.world_size // tp
+        if data == 1:
             return None
-        n = batch_size // self.world_size
-        return slice(self.rank * n, (self.rank + 1) * n)
+        n, index = batch_size // data, self.rank // tp
+        return slice(index * n, (index + 1) * n)
 
 
 def from_environment() -> Launch:
@@ -103,10 +131,14 @@ def check_launch(parallel: ParallelConfig, launch: Launch, command: str) -> None
             f"{mesh} with --framework torch runs one process per device: launch it with "
             f"torchrun --standalone --nproc_per_node={parallel.devices} --no-python {command}"
         )
+    if parallel.tensor_parallel:
+        other = f"a --mesh of {launch.world_size} devices"
+    else:
+        other = f"--mesh {parallel.strategy}={launch.world_size}"
     raise ConfigError(
         f"torchrun started {launch.world_size} processes but the run's mesh is "
         f"{parallel.mesh_text()} ({parallel.devices} device(s)): use --nproc_per_node="
-        f"{parallel.devices} or --mesh {parallel.strategy}={launch.world_size}"
+        f"{parallel.devices} or {other}"
     )
 
 
@@ -136,10 +168,19 @@ def shard(
 ) -> nn.Module:
     """``model`` (on this rank's device, memory policy applied) under ``parallel.strategy``;
     returns the module to call (DDP wraps it; FSDP2 changes it in place). ``stream``: FSDP2
-    with ``CPUOffloadPolicy`` (module docstring), on one process too."""
+    with ``CPUOffloadPolicy`` (module docstring), on one process too. With ``parallel.tp > 1``
+    the blocks are split over the mesh's tensor axis first (``parallelize``), then FSDP2 shards
+    over its data axis (``zero1``, ``fsdp``; ``dp`` over a tensor axis is refused upstream,
+    ``jaxmem.job.torch_tensor_parallel_refusal``)."""
     if not parallel.sharded and not stream:
         return model
-    if parallel.strategy == "dp" and not stream:
+    mesh = None
+    if parallel.tensor_parallel:
+        mesh = device_mesh(parallel, launch)
+        parallelize(model, mesh["tensor"], sequence_parallel=parallel.sequence_parallel)
+        if parallel.data == 1:
+            return model
+    elif parallel.strategy == "dp" and not stream:
         device_ids = [launch.local_rank] if torch.cuda.is_available() else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -147,13 +188,154 @@ def shard(
     # one process: nothing to reshard (fsdp's default); dp has no FSDP2 form (refused upstream)
     reshard = RESHARD_AFTER_FORWARD.get(parallel.strategy, True) if parallel.sharded else True
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if stream else OffloadPolicy()
+    data_mesh = None if mesh is None else mesh["data"]
     for block in model.blocks.layers:
-        fully_shard(block, reshard_after_forward=reshard, offload_policy=policy)
-    fully_shard(model, reshard_after_forward=reshard, offload_policy=policy)
+        fully_shard(block, mesh=data_mesh, reshard_after_forward=reshard, offload_policy=policy)
+    fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard, offload_policy=policy)
     # Decoder returns its logits from an einsum, a view; FSDP2 warns that an in-place op on a
     # returned view would skip its pre-backward hook. Nothing here modifies logits in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     return model
+
+
+MESH_AXES = ("data", "tensor")
+
+
+@functools.cache
+def _mesh(device_type: str, data: int, tp: int) -> DeviceMesh:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (data, tp), mesh_dim_names=MESH_AXES)
+
+
+def device_mesh(parallel: ParallelConfig, launch: Launch) -> DeviceMesh:
+    """The run's ``data x tensor`` device mesh (``parallel.data`` by ``parallel.tp`` ranks, rank
+    = data index x tp + tensor index, as ``Launch.rows`` reads it); made once per process (a
+    collective: every rank asks for it at the same point)."""
+    return _mesh(launch.device.split(":")[0], parallel.data, parallel.tp)
+
+
+def head_aligned_rows(d_model: int, kv_dim: int, tp: int) -> torch.Tensor:
+    """The order of the fused ``in_proj`` rows (q ``[0, D)``, k ``[D, D + Hkv K)``, v after)
+    in which a contiguous ``Shard(0)`` over ``tp`` ranks gives each rank its heads' q rows, then
+    its key/value heads' k rows, then their v rows: rank-major, q/k/v within a rank."""
+    q = torch.arange(d_model).reshape(tp, -1)
+    k = (d_model + torch.arange(kv_dim)).reshape(tp, -1)
+    v = (d_model + kv_dim + torch.arange(kv_dim)).reshape(tp, -1)
+    return torch.cat((q, k, v), dim=1).reshape(-1)
+
+
+# head_aligned_rows of each SelfAttention a HeadAlignedColwise split (full_state's conversions)
+_ROWS: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+class HeadAlignedColwise(ColwiseParallel):
+    """torch_ref's extension, not stock PyTorch: ``ColwiseParallel`` for the fused q/k/v
+    projection that ``SelfAttention`` holds as a parameter (``in_proj_weight``, rows
+    ``[q | k | v]``, ``nn.MultiheadAttention``'s name), not as an ``nn.Linear``.
+
+    Its rows are reordered head-aligned (``head_aligned_rows``) and then ``Shard(0)`` over the
+    tensor axis, so rank r holds its q heads' rows, then its key/value heads' k and v rows (a
+    plain ``Shard(0)`` would give rank 0 the first q rows of every kind). During the module's
+    forward the parameters are this rank's local rows (``to_local``: their gradients come back
+    as the DTensor's ``Shard(0)``), and the input is all-gathered (its sequence shards, under
+    sequence parallelism) and handed over as the whole ``[B, S, D]`` whose gradient is a
+    ``Partial`` sum, reduced back over the tensor axis: Megatron's ``f``. The attention runs on
+    plain local tensors and infers its local head counts from their shapes. The global tensor
+    is the reordered one: ``full_state`` and ``load_full_state`` put the rows back in
+    ``[q | k | v]`` order, so checkpoints equal a one-device run's.
+    """
+
+    PARAMS = ("in_proj_weight", "in_proj_bias")
+
+    def __init__(self, *, d_model: int, kv_dim: int, input_layout: Placement) -> None:
+        super().__init__(input_layouts=input_layout)
+        self.d_model, self.kv_dim = d_model, kv_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rows = head_aligned_rows(self.d_model, self.kv_dim, device_mesh.size())
+        for name in self.PARAMS:
+            param = getattr(module, name)
+            if param is None:
+                continue
+            whole = param.detach()[rows.to(param.device)]
+            placed = distribute_tensor(whole, device_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(placed, param.requires_grad))
+        _ROWS[module] = rows
+        held: list[dict[str, Any]] = []
+
+        def enter(mod: nn.Module, args: tuple) -> tuple:
+            x = self._prepare_input_fn(
+                self.input_layouts, self.desired_input_layouts, mod, args, device_mesh
+            )
+            # every rank's heads read the whole input: its gradient is their sum
+            x = x.to_local(grad_placements=(Partial(),))
+            # FSDP2 may have set the parameters (its unsharded ones): put back what was there
+            held.append({n: mod._parameters[n] for n in self.PARAMS if n in mod._parameters})
+            for n, p in held[-1].items():
+                if p is not None:
+                    mod._parameters[n] = p.to_local()
+            return (x, *args[1:])
+
+        def leave(mod: nn.Module, args: tuple, out: Any) -> Any:
+            mod._parameters.update(held.pop())
+            return out
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+        return module
+
+
+def parallelize(model: nn.Module, tensor_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+    """Megatron's tensor parallelism on ``model``'s blocks over ``tensor_mesh``, in place, as
+    torchtitan's Llama plan writes it with ``torch.distributed.tensor.parallel``: q/k/v (the
+    fused ``in_proj``: ``HeadAlignedColwise``), the MLP's up and gate column-parallel, the
+    attention's out projection and the MLP's down row-parallel. With ``sequence_parallel`` the
+    residual stream between them is split by sequence (``Shard(1)``): the stack's input is cut
+    into sequence shards, each norm runs on its shard (``SequenceParallel``), the attention and
+    MLP all-gather their input (``PrepareModuleInput``) and the row-parallel outputs are
+    reduce-scattered back to shards; the stack's output is all-gathered whole. Without it the
+    residual stream and norms are replicated and the row-parallel outputs all-reduced.
+    Embeddings, the final norm and the LM head stay whole on every tensor rank (as in
+    ``jaxmem.sharding``), so every tensor rank computes the same loss."""
+    cfg = model.cfg
+    stream = Shard(1) if sequence_parallel else Replicate()
+    mlp = ("gate", "up", "down") if cfg.mlp == "gated" else ("0", None, "2")
+    for block in model.blocks.layers:
+        plan: dict[str, Any] = {
+            "self_attn": HeadAlignedColwise(
+                d_model=cfg.d_model, kv_dim=cfg.kv_dim, input_layout=stream
+            ),
+            "self_attn.out_proj": RowwiseParallel(
+                output_layouts=stream, use_local_output=not sequence_parallel
+            ),
+            f"ffn.{mlp[0]}": ColwiseParallel(),
+            f"ffn.{mlp[2]}": RowwiseParallel(
+                output_layouts=stream, use_local_output=not sequence_parallel
+            ),
+        }
+        if mlp[1] is not None:
+            plan[f"ffn.{mlp[1]}"] = ColwiseParallel()
+        if sequence_parallel:
+            plan["norm1"] = SequenceParallel()
+            plan["norm2"] = SequenceParallel()
+            plan["ffn"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+        parallelize_module(block, tensor_mesh, plan)
+    if sequence_parallel:
+        parallelize_module(
+            model.blocks,
+            tensor_mesh,
+            PrepareModuleInputOutput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Shard(1),),
+                use_local_input=False,
+                output_layouts=(Shard(1),),
+                desired_output_layouts=(Replicate(),),
+                use_local_output=True,
+            ),
+        )
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -172,20 +354,37 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(local(t).numel() * t.element_size() for t in tensors)
 
 
-def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of ``t`` over every rank (``t`` itself on a lone process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum of ``t`` over every rank of ``group`` (default: all of them; ``t`` itself on a lone
+    process)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return t
     out = t.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
-def local_token_divisor(n_local: torch.Tensor, world_size: int) -> torch.Tensor:
+def data_group(parallel: ParallelConfig, launch: Launch) -> dist.ProcessGroup | None:
+    """The ranks of this rank's data axis (None: every rank, when there is no tensor axis)."""
+    if not parallel.tensor_parallel:
+        return None
+    return device_mesh(parallel, launch)["data"].get_group()
+
+
+def data_sum(t: torch.Tensor, parallel: ParallelConfig, launch: Launch) -> torch.Tensor:
+    """Sum of ``t`` over the data axis: the whole batch's, once (the tensor ranks of one data
+    rank hold the same rows' losses and counts)."""
+    return all_sum(t, data_group(parallel, launch))
+
+
+def local_token_divisor(
+    n_local: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """What each rank divides its summed loss by so that DDP's and FSDP2's gradient *average*
-    over ranks is the whole batch's mean-loss gradient: the global token count / world size
-    (for a power-of-two world an exact float scaling)."""
-    return all_sum(n_local) / world_size
+    over the data ranks (``world_size`` of them, in ``group``) is the whole batch's mean-loss
+    gradient: the global token count / data ranks (for a power of two an exact float
+    scaling)."""
+    return all_sum(n_local, group) / world_size
 
 
 def token_divisor(
@@ -194,20 +393,55 @@ def token_divisor(
     """``accumulate_grads``'s ``divisor`` for this rank (None: one device, the plain count)."""
     if not parallel.sharded:
         return None
-    return functools.partial(local_token_divisor, world_size=launch.world_size)
+    return functools.partial(
+        local_token_divisor,
+        world_size=launch.world_size // parallel.tp,
+        group=data_group(parallel, launch),
+    )
+
+
+@torch.no_grad()
+def reduce_partial_grads(params: Iterable[nn.Parameter]) -> None:
+    """Sum gradients left as ``Partial`` sums over the tensor axis into their parameter's
+    placement: the norms' weights (and a row-parallel layer's bias) under sequence
+    parallelism, whose every rank saw its sequence shard only (Megatron's all-reduce of the
+    sequence-parallel gradients). Call it after the backward, before the norm and the update
+    (an optimizer would otherwise reduce them inside every op that reads them)."""
+    for p in params:
+        g = p.grad
+        if g is not None and any(pl.is_partial() for pl in getattr(g, "placements", ())):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+
+
+def _copies(g: torch.Tensor, world_size: int) -> int:
+    """How many ranks hold each element of gradient ``g``: a plain tensor is on every rank; a
+    DTensor's shards are distinct along its mesh's ``Shard`` dimensions only (replicated along
+    the others and on ranks outside its mesh, e.g. the tensor ranks of FSDP2's data mesh)."""
+    if not hasattr(g, "placements"):
+        return world_size
+    distinct = 1
+    for size, placement in zip(g.device_mesh.shape, g.placements, strict=True):
+        if placement.is_partial():
+            raise ValueError(f"a gradient is still a Partial sum ({g.placements}): reduce it")
+        if not placement.is_replicate():  # Shard, or FSDP2's _StridedShard over a tensor axis
+            distinct *= size
+    return world_size // distinct
 
 
 def grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
     """The L2 norm of the whole gradient, in fp32, on every rank. FSDP2 shards every gradient
     it manages (``Shard(0)``, padded), so the squares of this rank's shards summed over ranks
-    are the global sum; replicated gradients (one process, DDP) are taken as they are."""
+    are the global sum; replicated gradients (one process, DDP) are taken as they are. Over a
+    tensor axis some gradients are shards and some replicated: each rank's squares are divided
+    by how many ranks hold the same elements (``_copies``) before the sum, so nothing counts
+    twice."""
     grads = [p.grad for p in params if p.grad is not None]
-    alone = not dist.is_initialized() or dist.get_world_size() == 1
-    if alone or not any(hasattr(g, "to_local") for g in grads):
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1 or not any(hasattr(g, "to_local") for g in grads):
         # whole gradients (one process, DDP, or FSDP2 on a group of one: its shard is the
         # whole): the same arithmetic as an unsharded run
         return torch.linalg.vector_norm(torch.stack([local(g).float().norm() for g in grads]))
-    squares = torch.stack([local(g).float().pow(2).sum() for g in grads]).sum()
+    squares = torch.stack([local(g).float().pow(2).sum() / _copies(g, world) for g in grads]).sum()
     return all_sum(squares).sqrt()
 
 
@@ -231,10 +465,40 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     )
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {
+    # FSDP2 over a tensor axis gathers a 2-D shard in two all-gathers; DTensor logs a
+    # performance warning for each such parameter on every checkpoint
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    state = {
         "model": get_model_state_dict(model, options=options),
         "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
     }
+    return _reorder_rows(model, state, inverse=True)
+
+
+def _reorder_rows(model: nn.Module, state: dict, *, inverse: bool) -> dict:
+    """``state`` (full state dicts: model, optimizer) with the fused ``in_proj`` rows of every
+    ``HeadAlignedColwise`` attention, and their optimizer moments, put back in ``[q | k | v]``
+    order (``inverse``) or into its head-aligned order (copies: ``state`` stays as it is)."""
+    state = {**state, "model": dict(state.get("model", {}))}
+    optimizer = {**state.get("optimizer", {})}
+    optimizer["state"] = {k: dict(v) for k, v in optimizer.get("state", {}).items()}
+    if "optimizer" in state:
+        state["optimizer"] = optimizer
+    model_state, optim_state = state["model"], optimizer["state"]
+    for name, module in unwrap(model).named_modules():
+        rows = _ROWS.get(module)
+        if rows is None:
+            continue
+        order = torch.argsort(rows) if inverse else rows
+        for param in HeadAlignedColwise.PARAMS:
+            key = f"{name}.{param}"
+            if key in model_state:
+                model_state[key] = model_state[key][order]
+            moments = optim_state.get(key, {})
+            for k, t in moments.items():
+                if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == rows.numel():
+                    moments[k] = t[order]
+    return state
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -247,6 +511,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: d
     )
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    state = _reorder_rows(model, state, inverse=False)
     set_model_state_dict(model, state.get("model", {}), options=options)
     set_optimizer_state_dict(model, optimizer, state.get("optimizer", {}), options=options)
 

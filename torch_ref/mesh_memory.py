@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch_ref
 import torch_ref.distributed as tdist
 from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig
+from jaxmem.job import torch_mesh_refusal
 from jaxmem.parallel import ParallelConfig, parse_mesh
 from jaxmem.policy import MemoryPolicy, parse_policy
 from jaxmem.precision import PRECISIONS, Precision
@@ -58,7 +59,7 @@ def measure(
     opt = make_optimizer(model, opt_cfg)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
-    rows = launch.rows(batch) or slice(None)
+    rows = launch.rows(batch, parallel.tp) or slice(None)
     data = {"inputs": tokens[rows, :-1].to(device), "targets": tokens[rows, 1:].to(device)}
     divisor = tdist.token_divisor(parallel, launch)
 
@@ -66,6 +67,7 @@ def measure(
         """One training step; returns this rank's gradient bytes before the update."""
         opt.zero_grad(set_to_none=True)
         accumulate_grads(model, data, precision=precision, divisor=divisor)
+        tdist.reduce_partial_grads(model.parameters())
         grads = tdist.local_bytes(p.grad for p in model.parameters() if p.grad is not None)
         opt.step()
         return grads
@@ -96,7 +98,7 @@ def measure(
         "framework": "torch",
         "rank": launch.rank,
         "mesh": parallel.mesh_text() if parallel.sharded else None,
-        "strategy": tdist.DESCRIPTION[parallel.strategy] if parallel.sharded else "one device",
+        "strategy": tdist.describe(parallel) if parallel.sharded else "one device",
         "policy": policy.name,
         "translation": runner.description,
         "optimizer": opt_cfg.name,
@@ -137,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = PRESETS[args.preset]
     if args.attention is not None:
         cfg = cfg.replace(attention=args.attention)
+    try:
+        parallel.check_model(cfg, args.seq_len)
+        refusal = torch_mesh_refusal(parallel, cfg)
+        if refusal is not None:
+            raise ConfigError(refusal)
+    except ConfigError as e:
+        print(f"torch_ref.mesh_memory: error: {e}", file=sys.stderr)
+        return 2
     rec = measure(
         cfg,
         policy,

@@ -153,9 +153,13 @@ class SelfAttention(nn.Module):
         b, s, d = x_bsd.shape
         hd = self.head_dim
         qkv = F.linear(x_bsd, self.in_proj_weight, self.in_proj_bias)  # [B, S, D + 2 Hkv K]
-        q, k, v = qkv.split([d, self.kv_dim, self.kv_dim], dim=-1)
-        q = q.reshape(b, s, self.n_heads, hd)  # [B, S, H, K]
-        k, v = (t.reshape(b, s, self.kv_heads, hd) for t in (k, v))  # [B, S, Hkv, K]
+        # A tensor-parallel rank holds 1/T of the rows, its heads' q, k and v rows in that order
+        # (torch_ref.distributed.HeadAlignedColwise): the same split by the q:k:v ratio, and
+        # the head counts read from the shapes, run the whole layer and one rank's part.
+        parts = (d + 2 * self.kv_dim) // qkv.shape[-1]  # T (1: the whole layer)
+        q, k, v = qkv.split([d // parts, self.kv_dim // parts, self.kv_dim // parts], dim=-1)
+        q = q.reshape(b, s, -1, hd)  # [B, S, H, K]
+        k, v = (t.reshape(b, s, -1, hd) for t in (k, v))  # [B, S, Hkv, K]
         if self.rope:
             if rope is None:
                 raise ValueError("positions='rope': pass RoPE's tables (rope_tables(...))")
@@ -164,16 +168,16 @@ class SelfAttention(nn.Module):
             # [B, H, S, K] views in, [B, H, S, K] out; the CPU flash kernel lays its output out
             # as [B, S, H, K], so merging the heads below is a view, not a copy
             qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-            grouped = self.kv_heads < self.n_heads
+            grouped = kh.shape[1] < qh.shape[1]
             context = F.scaled_dot_product_attention(
                 qh, kh, vh, is_causal=self.causal, enable_gqa=grouped
             )
-            return self.out_proj(context.transpose(1, 2).reshape(b, s, d))
+            return self.out_proj(context.transpose(1, 2).reshape(b, s, -1))
         scores = _scores(q, k) / math.sqrt(hd)  # [B, H, S, S] fp32
         if mask_ss is not None:
             scores = scores.masked_fill(~mask_ss, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [B, H, S, S]
-        context = _context(probs, v).reshape(b, s, d)
+        context = _context(probs, v).reshape(b, s, -1)  # [B, S, H K]
         return self.out_proj(context)
 
 

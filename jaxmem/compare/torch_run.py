@@ -109,7 +109,7 @@ class TorchTrainer:
         self.device = self.launch.device
         self.platform = self.device.split(":")[0]
         # a data-parallel rank reads only its rows of every batch (jaxmem.train.loop)
-        self.local_rows = self.launch.rows(r.batch_size)
+        self.local_rows = self.launch.rows(r.batch_size, self.parallel.tp)
         torch.manual_seed(r.seed)
         initial = make_model(cfg, seed=r.seed)  # jaxmem's initial weights, or a checkpoint's
         if r.init_from is not None and prepared.resume_step is None:
@@ -133,8 +133,11 @@ class TorchTrainer:
         else:
             self.opt = make_optimizer(self.model, job.optimizer)  # over the shards, if sharded
         self.scaler = make_scaler(job.precision, self.device.split(":")[0])
-        if self.scaler is not None and self.parallel.shards_opt_state:
-            # FSDP2's gradients are shards: ranks must agree on whether a step overflowed
+        if self.scaler is not None and (
+            self.parallel.shards_opt_state or self.parallel.tensor_parallel
+        ):
+            # FSDP2's and tensor parallelism's gradients are shards: ranks must agree on whether
+            # a step overflowed
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(self.device.split(":")[0])
@@ -151,7 +154,7 @@ class TorchTrainer:
         if self.parallel.sharded:
             text += (
                 f"; --mesh {self.parallel.mesh_text()} over {self.launch.world_size} torchrun "
-                f"processes: {tdist.DESCRIPTION[self.parallel.strategy]}"
+                f"processes: {tdist.describe(self.parallel)}"
             )
         if self.streamed:
             text += (
@@ -200,7 +203,10 @@ class TorchTrainer:
             scaler=self.scaler,
             divisor=self.divisor,
         )
-        loss_sum, n = tdist.all_sum(loss_sum), tdist.all_sum(n)  # the whole batch's
+        # the whole batch's, summed over the data axis
+        loss_sum = tdist.data_sum(loss_sum, self.parallel, self.launch)
+        n = tdist.data_sum(n, self.parallel, self.launch)
+        tdist.reduce_partial_grads(self.model.parameters())  # sequence-parallel norms' sums
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         grad_norm = tdist.grad_norm(self.model.parameters())
