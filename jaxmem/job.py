@@ -219,7 +219,16 @@ def check_stream(
 
 def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
     """Why torch_ref's job cannot run ``job``'s tensor-parallel mesh (None: it can)."""
-    return torch_mesh_refusal(job.parallel, job.model)
+    parallel = job.parallel
+    if parallel.tensor_parallel and parallel.data == 1 and job.precision.loss_scale == "dynamic":
+        return (
+            f"--mesh {parallel.mesh_text()} with precision {job.precision.name!r}: PyTorch's "
+            "GradScaler cannot unscale tensor parallelism's split (DTensor) gradients beside "
+            "the whole ones of the embeddings and head in one step; use bf16 or fp32, a data "
+            f"axis (--mesh fsdp=2,tp={parallel.tp}: FSDP2 makes every gradient a DTensor), or "
+            "--framework jax"
+        )
+    return torch_mesh_refusal(parallel, job.model)
 
 
 def torch_mesh_refusal(parallel: ParallelConfig, model: ModelConfig) -> str | None:

@@ -322,28 +322,34 @@ def test_a_torch_mesh_without_its_processes_is_refused_naming_the_launch(world, 
 
 
 @pytest.mark.parametrize(
-    ("mesh", "fragment"),
+    ("args", "fragment"),
     [
-        ("fsdp=2", "--nproc_per_node=2 --no-python jaxmem train --framework torch"),
+        (["--mesh", "fsdp=2"], "--nproc_per_node=2 --no-python jaxmem train --framework torch"),
         (
-            "dp=2,tp=2",
+            ["--mesh", "dp=2,tp=2"],
             "--mesh dp=2,tp=2: torch_ref has no dp over a tensor axis (PyTorch's DDP does not "
             "take DTensor parameters); use --mesh zero1=2,tp=2 or fsdp=2,tp=2 (FSDP2), or "
             "--framework jax",
         ),
+        (
+            ["--mesh", "tp=2", "--precision", "fp16"],
+            "--mesh tp=2 with precision 'fp16': PyTorch's GradScaler cannot unscale tensor "
+            "parallelism's split (DTensor) gradients beside the whole ones",
+        ),
     ],
 )
 def test_torch_mesh_it_cannot_launch_exits_2_before_writing(
-    tmp_path, capsys, monkeypatch, mesh, fragment
+    tmp_path, capsys, monkeypatch, args, fragment
 ):
     """Outside torchrun a mesh names its torchrun command; dp over a tensor axis names the
-    FSDP2 meshes that run it (before any process starts)."""
+    FSDP2 meshes that run it, fp16 over a tensor axis alone bf16 or a data axis (before any
+    process starts)."""
     from jaxmem import cli
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
-        cli.main(["train", "--framework", "torch", "--mesh", mesh, "--out", str(out)])
+        cli.main(["train", "--framework", "torch", *args, "--out", str(out)])
     assert exc.value.code == 2
     assert fragment in capsys.readouterr().err
     assert not out.exists()

@@ -11,6 +11,12 @@ PyTorch a PyTorch user writes, on ``torch.distributed``, one process per device,
 - ``fsdp``: FSDP2 ``fully_shard`` (``reshard_after_forward=True``) on every block and the root:
   ZeRO-3, each block's parameters all-gathered for its forward and again for its backward.
 
+Tensor parallelism (``--mesh tp=T``, ``zero1|fsdp=N,tp=T``): a ``data x tensor`` device mesh;
+Megatron's layout on the blocks with stock ``torch.distributed.tensor.parallel`` styles as
+torchtitan's Llama plan writes them, sequence parallelism included (``parallelize``), the fused
+q/k/v split head-aligned by torch_ref's ``HeadAlignedColwise`` extension; then FSDP2 over the
+data axis. ``dp`` over a tensor axis is refused (``jaxmem.job.torch_mesh_refusal``).
+
 Streaming (``optimizer.stream``, jaxmem's ``--stream``): FSDP2 ``fully_shard`` with
 ``CPUOffloadPolicy`` on every block and the root, on one process (a process group of one) or
 over ``--mesh zero1|fsdp=N``: parameters, gradients and optimizer state live in host memory
@@ -20,9 +26,9 @@ of ``jaxmem.step.stream``, which keeps the embeddings and head on the device and
 
 The memory policy is applied first (``torch_ref.remat`` sets the stack's ``layers_fn``; a
 checkpointed block's recompute all-gathers its parameters again, as in torchtitan), then the
-sharding, from outside: the model does not change. Each rank trains on its rows of every batch;
-the loss is divided by the *global* valid-token count, so the gradient is the whole batch's
-(``local_token_divisor``).
+sharding, from outside: the model does not change. Each data rank trains on its rows of every
+batch; the loss is divided by the *global* valid-token count, so the gradient is the whole
+batch's (``local_token_divisor``).
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ and accumulation, and the same step loop and run files as a JAX run
 Checkpoints: ``torch_ref.checkpoint.TorchCheckpointer``.
 
 Over a mesh (``--mesh fsdp=N``) the job runs as N torchrun processes, one per device
-(``torch_ref.distributed``: DDP for ``dp``, FSDP2 for ``zero1``/``fsdp``): each rank trains on its
-rows of every batch, rank 0 owns the run directory and the console, and checkpoints hold the
-full state dicts gathered on rank 0 (``torch.distributed.checkpoint.state_dict``), restored by
+(``torch_ref.distributed``: DDP for ``dp``, FSDP2 for ``zero1``/``fsdp``, DTensor tensor
+parallelism for ``tp=T`` and FSDP2 beside it): each data rank trains on its rows of every
+batch, rank 0 owns the run directory and the console, and checkpoints hold the full state
+dicts gathered on rank 0 (``torch.distributed.checkpoint.state_dict``), restored by
 broadcasting them from rank 0.
 """
 
