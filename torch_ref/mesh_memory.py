@@ -1,5 +1,5 @@
-"""Per-rank memory of one torch_ref training step over a data-parallel mesh (DDP or FSDP2,
-``torch_ref.distributed``), measured at run time: the PyTorch column beside
+"""Per-rank memory of one torch_ref training step over a mesh (DDP or FSDP2, with or without a
+tensor axis: ``torch_ref.distributed``), measured at run time: the PyTorch column beside
 ``jaxmem memory --mesh`` (compiled plans, per device).
 
 Run under torchrun, one process per device::
@@ -9,8 +9,9 @@ Run under torchrun, one process per device::
 
 Each rank runs one untracked step (so the measured one holds AdamW's state), then one step under
 PyTorch's tracker: ``FSDPMemTracker`` for FSDP2 (``zero1``, ``fsdp``), ``MemTracker`` for DDP
-(``dp``), with the optimizer's state tracked. Rank 0 writes one record per rank: this rank's
-parameter, gradient and optimizer-state bytes (its shards), and the tracker's peak (on CUDA:
+(``dp``) and a tensor axis alone, with the optimizer's state tracked. Rank 0 writes one record
+per rank: this rank's parameter, gradient and optimizer-state bytes (its shards), and the
+tracker's peak (on CUDA:
 ``max_memory_allocated``). DDP's gradient buckets are communication buffers the trackers see as
 tensors of the process; FSDP2's all-gathered parameters appear while a block runs.
 """
