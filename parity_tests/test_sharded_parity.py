@@ -118,6 +118,18 @@ def test_torch_tensor_parallelism_trains_as_one_device(tensor_parallel):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_name_based_policies_name_the_same_ops_over_a_tensor_axis(tensor_parallel):
+    """A block's stream of the op kinds ``torch_ref.remat.block_ops`` counts is the one-device
+    stream over the mesh (the collectives and layout ops DTensor and FSDP2 add are of other
+    kinds), so a selective policy's table names the same ops."""
+    for mesh, runs in tensor_parallel.items():
+        for preset, run in runs.items():
+            ops = run["counted_ops"]
+            assert ops["mesh"] == ops["one_device"] and ops["mesh"], (mesh, preset)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_each_tensor_rank_holds_its_share_of_the_split_weights(tensor_parallel):
     """Each rank holds exactly 1/tp (1/4 over fsdp=2 x tp=2) of the fused q/k/v, the out
     projection, the MLP's matrices and the column-parallel biases, and of their AdamW moments;

@@ -9,7 +9,8 @@ taking the gradient norm as the job does. Rank 0 prints one JSON line:
 ``{preset: {"one_device": {"losses", "grad_norms"}, "mesh": {...}, "ranks": [per rank]}}``,
 where a rank's entry holds its local element counts of the split weights and their AdamW
 moments beside the whole weights', whether the initial state gathered on rank 0 (``full_state``)
-equals the one-device model's bit for bit, and ``torch_ref.mesh_memory.measure``'s record.
+equals the one-device model's bit for bit, and ``torch_ref.mesh_memory.measure``'s record; and
+the op kinds a name-based policy counts as a block runs, on one device and over the mesh.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_ref
 import torch_ref.distributed as tdist
@@ -27,7 +29,7 @@ from jaxmem.parallel import ParallelConfig, parse_mesh
 from jaxmem.policy import get_policy
 from jaxmem.precision import PRECISIONS
 from torch_ref.mesh_memory import measure
-from torch_ref.remat import apply_memory_policy
+from torch_ref.remat import _op_kind, apply_memory_policy, block_ops
 from torch_ref.train import accumulate_grads, make_optimizer
 
 # run as a script: its own directory is on the path
@@ -87,6 +89,40 @@ def holdings(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, li
     return out
 
 
+class _OpKinds(TorchDispatchMode):
+    """The kinds (``torch_ref.remat``'s names) of the ops a block runs, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.kinds.append(_op_kind(func))
+        return func(*args, **(kwargs or {}))
+
+
+def counted_ops(model: torch.nn.Module) -> list[str]:
+    """The op kinds ``torch_ref.remat.block_ops`` counts, as the first block's forward runs
+    them (what a name-based policy's table names ops by)."""
+    counted = {kind for kind, _ in block_ops(model.cfg)}
+    record = _OpKinds()
+    block = model.blocks.layers[0]
+
+    def start(*_) -> None:  # a hook returns None: it changes nothing
+        record.__enter__()
+
+    def stop(*_) -> None:
+        record.__exit__(None, None, None)
+
+    enter = block.register_forward_pre_hook(start)
+    leave = block.register_forward_hook(stop)
+    with torch.no_grad():
+        model(batches(model.cfg.vocab_size)[0]["inputs"])
+    enter.remove()
+    leave.remove()
+    return [kind for kind in record.kinds if kind in counted]
+
+
 def main() -> None:
     torch.set_num_threads(1)
     mesh, presets = sys.argv[1], sys.argv[2:]
@@ -104,6 +140,7 @@ def main() -> None:
         state = tdist.full_state(fresh, make_optimizer(fresh, OptimizerConfig()))["model"]
         whole = initial.state_dict()  # full_state gathers on rank 0 only
         same = state.keys() == whole.keys() and all(torch.equal(state[k], whole[k]) for k in whole)
+        ops = {"one_device": counted_ops(initial), "mesh": counted_ops(fresh)}
         model, opt, run = train(copy.deepcopy(initial), parallel, launch)
         record = measure(cfg, POLICY, FP32, OptimizerConfig(), BATCH, SEQ, parallel, launch)
         rank = {
@@ -117,7 +154,13 @@ def main() -> None:
         one_record = measure(
             cfg, POLICY, FP32, OptimizerConfig(), BATCH, SEQ, ParallelConfig(), launch
         )
-        out[preset] = {"one_device": one, "mesh": run, "ranks": ranks, "one_record": one_record}
+        out[preset] = {
+            "one_device": one,
+            "mesh": run,
+            "ranks": ranks,
+            "one_record": one_record,
+            "counted_ops": ops,
+        }
     finish(out, launch)
 
 
