@@ -317,20 +317,71 @@ def _lose_rank(run, common: list[str], victim: int) -> tuple[subprocess.Popen, s
 
 
 @pytest.mark.parametrize(
-    ("world", "fragment"),
+    ("mesh", "world", "fragment"),
     [
-        (1, "runs one process per device: launch it with torchrun --standalone --nproc_per_node=4"),
-        (2, "torchrun started 2 processes but the run's mesh is fsdp=4 (4 device(s))"),
+        (
+            "fsdp=4",
+            1,
+            "runs one process per device: launch it with torchrun --standalone --nproc_per_node=4",
+        ),
+        ("fsdp=4", 2, "torchrun started 2 processes but the run's mesh is fsdp=4 (4 device(s))"),
+        (
+            "fsdp=2,tp=2",
+            2,
+            "the run's mesh is fsdp=2,tp=2 (4 device(s)): use --nproc_per_node=4 or a --mesh of "
+            "2 devices",
+        ),
     ],
 )
-def test_a_torch_mesh_without_its_processes_is_refused_naming_the_launch(world, fragment):
+def test_a_torch_mesh_without_its_processes_is_refused_naming_the_launch(mesh, world, fragment):
     from jaxmem.config import ConfigError
-    from jaxmem.parallel import ParallelConfig
+    from jaxmem.parallel import parse_mesh
     from torch_ref.distributed import Launch, check_launch
 
     with pytest.raises(ConfigError) as exc:
-        check_launch(ParallelConfig(strategy="fsdp", devices=4), Launch(world_size=world), "x")
+        check_launch(parse_mesh(mesh), Launch(world_size=world), "x")
     assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_head_aligned_rows_give_each_rank_whole_heads_of_the_fused_projection(preset):
+    """``HeadAlignedColwise``'s order: the fused q/k/v rows cut into ``tp`` contiguous parts
+    are each rank's heads' q, k and v rows, and the same ``SelfAttention.forward`` run on one
+    part (with its out projection's columns) gives that rank's heads' share: the parts' outputs
+    sum to the whole layer's (float64), as the row-parallel reduction sums them."""
+    import torch
+
+    import torch_ref
+    from jaxmem.config import PRESETS
+    from torch_ref.distributed import head_aligned_rows
+
+    cfg = PRESETS[preset]
+    tp = 2
+    torch.manual_seed(0)
+    attn = torch_ref.model.Block(cfg).self_attn.double()
+    x = torch.randn(2, 16, cfg.d_model, dtype=torch.float64)
+    mask = torch_ref.model.causal_mask(cfg, 16, x.device)
+    rope = torch_ref.model.rope_tables(cfg, 16, x.device, torch.float64)
+    whole = attn(x, mask, rope)
+    rows = head_aligned_rows(cfg.d_model, cfg.kv_dim, tp).reshape(tp, -1)
+    columns = torch.arange(cfg.d_model).reshape(tp, -1)  # the context's heads, in rank order
+    total = torch.zeros_like(whole)
+    for r in range(tp):
+        part = torch_ref.model.SelfAttention(cfg).double()
+        with torch.no_grad():
+            part.in_proj_weight = torch.nn.Parameter(attn.in_proj_weight[rows[r]])
+            if attn.in_proj_bias is not None:
+                part.in_proj_bias = torch.nn.Parameter(attn.in_proj_bias[rows[r]])
+            part.out_proj.weight = torch.nn.Parameter(attn.out_proj.weight[:, columns[r]])
+            part.out_proj.bias = None  # added once, after the sum
+        total += part(x, mask, rope)
+    if attn.out_proj.bias is not None:
+        total += attn.out_proj.bias
+    np.testing.assert_allclose(
+        total.detach().numpy(),
+        whole.detach().numpy(),
+        **tolerance("float64", "block_output").kwargs(),
+    )
 
 
 @pytest.mark.parametrize(
