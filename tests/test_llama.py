@@ -188,7 +188,9 @@ def test_fused_decoder_equals_naive_in_float64(cfg):
             graphdef, params = make(c, "float64")
             loss = lm_loss_fn(graphdef, layers_fn=layers_fn(POLICIES["none"], c.n_layers))
             batch = batch_of(c)
-            value, grads = jax.value_and_grad(lambda p, f=loss, b=batch: f(p, b)[0])(params)
+            value, grads = jax.jit(jax.value_and_grad(lambda p, f=loss, b=batch: f(p, b)[0]))(
+                params
+            )
             out[attention] = (float(value), jax.tree.leaves(grads))
     tol = tolerance("float64", "fused_vs_naive")
     np.testing.assert_allclose(out["fused"][0], out["naive"][0], rtol=tol.rtol, atol=tol.atol)
@@ -210,7 +212,7 @@ def test_every_policy_gives_the_no_remat_gradients_in_float64(attention):
 
         def grads(policy):
             loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
-            return jax.tree.leaves(jax.grad(lambda p: loss(p, batch)[0])(params))
+            return jax.tree.leaves(jax.jit(jax.grad(lambda p: loss(p, batch)[0]))(params))
 
         base = grads(POLICIES["none"])
         tol = tolerance("float64", "remat_vs_none")

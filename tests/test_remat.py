@@ -99,10 +99,10 @@ def test_a_mixed_stack_is_written_one_way_everywhere():
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_gradients_equal_the_no_remat_run(setup, name):
     graphdef, params, batch = setup
-    base_loss, base_grads = jax.value_and_grad(scalar_loss(graphdef, POLICIES["none"]))(
+    base_loss, base_grads = jax.jit(jax.value_and_grad(scalar_loss(graphdef, POLICIES["none"])))(
         params, batch
     )
-    loss, grads = jax.value_and_grad(scalar_loss(graphdef, POLICIES[name]))(params, batch)
+    loss, grads = jax.jit(jax.value_and_grad(scalar_loss(graphdef, POLICIES[name])))(params, batch)
     tol = tolerance("float32", "remat_vs_none")
     np.testing.assert_allclose(float(loss), float(base_loss), rtol=tol.rtol, atol=tol.atol)
     for a, b in zip(
@@ -236,7 +236,7 @@ def test_layer_selection_checkpoints_only_the_chosen_layers(setup):
     # Half the layers recomputed: half of full remat's extra FLOPs.
     assert flops[1] - flops[0] == (flops[2] - flops[0]) // 2
     tol = tolerance("float32", "remat_vs_none")
-    g1, g0 = jax.grad(f)(params, batch), jax.grad(base)(params, batch)
+    g1, g0 = jax.jit(jax.grad(f))(params, batch), jax.jit(jax.grad(base))(params, batch)
     for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol.rtol, atol=tol.atol)
 
@@ -251,7 +251,9 @@ def test_an_unrolled_stack_computes_and_keeps_what_the_scan_does(setup, name):
         scalar_loss(graphdef, POLICIES[name].replace(unroll=u)) for u in (False, True)
     )
     tol = tolerance("float32", "remat_vs_none")
-    (loss0, g0), (loss1, g1) = (jax.value_and_grad(f)(params, batch) for f in (scanned, unrolled))
+    (loss0, g0), (loss1, g1) = (
+        jax.jit(jax.value_and_grad(f))(params, batch) for f in (scanned, unrolled)
+    )
     np.testing.assert_allclose(float(loss1), float(loss0), rtol=tol.rtol, atol=tol.atol)
     for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol.rtol, atol=tol.atol)

@@ -93,11 +93,36 @@ def target_devices(target: Target, n: int) -> list[Any]:
 def compile_placed(jitted: Any, args: tuple) -> Any:
     """``jitted`` compiled from ``args`` already placed on a target's devices (shape structs
     with shardings, e.g. over ``target_devices``)."""
+    return compile_lowered(lower_placed(jitted, args))
+
+
+def lower_placed(jitted: Any, args: tuple) -> Any:
+    """``jitted`` lowered from ``args`` placed on a target's devices (``compile_lowered``
+    compiles it)."""
+    with quiet_native_stderr():
+        return jitted.lower(*args)
+
+
+def compile_lowered(lowered: Any) -> Any:
+    """A program lowered for a target's devices, compiled deviceless."""
     import warnings
 
     with warnings.catch_warnings(), quiet_native_stderr():
+        # with JAX's persistent compilation cache on, a deviceless executable is written to it
+        # but cannot be read back ("PjRtCompiler must be constructed with a Client"): JAX warns
+        # and compiles again, which is what a plan needs anyway
         warnings.filterwarnings("ignore", "Error reading persistent compilation cache entry")
-        return jitted.lower(*args).compile()
+        return lowered.compile()
+
+
+def plan_key(target: Target, devices: int = 1) -> str:
+    """What a deviceless plan is compiled for, for ``residuals.plan_of_lowered``: the target's
+    configuration and the device count."""
+    import hashlib
+
+    assert target.config_text is not None, target
+    digest = hashlib.sha256(target.config_text.encode()).hexdigest()[:16]
+    return f"{target.name}:{digest}:{devices}"
 
 
 def target_sharding(target: Target) -> NamedSharding:
@@ -121,15 +146,7 @@ def on_target(tree: Any, target: Target) -> Any:
 
 def compile_for(jitted: Any, args: tuple, target: Target) -> Any:
     """``jitted`` compiled for ``target`` from ``args`` (arrays or shape structs)."""
-    import warnings
-
-    placed = on_target(args, target)
-    with warnings.catch_warnings(), quiet_native_stderr():
-        # with JAX's persistent compilation cache on, a deviceless executable is written to it
-        # but cannot be read back ("PjRtCompiler must be constructed with a Client"): JAX warns
-        # and compiles again, which is what a plan needs anyway
-        warnings.filterwarnings("ignore", "Error reading persistent compilation cache entry")
-        return jitted.lower(*placed).compile()
+    return compile_lowered(lower_placed(jitted, on_target(args, target)))
 
 
 def capture_target_config() -> str:

@@ -259,6 +259,37 @@ def compiled_plan(compiled: Any) -> dict[str, int]:
     }
 
 
+# The plans of programs compiled in this process, by platform and program text (at most
+# ``_PLANS_KEPT``, oldest dropped first): see ``plan_of_lowered``.
+_PLANS: dict[tuple[str, str], dict[str, int]] = {}
+_PLANS_KEPT = 4096
+
+
+def plan_of_lowered(
+    lowered: Any, where: str, compile: Callable[[Any], Any] | None = None
+) -> dict[str, int]:
+    """``compiled_plan`` of ``lowered`` compiled for ``where`` (a platform or target and device
+    count), memoised in this process by the lowered program's text: its StableHLO with its
+    shardings, memory kinds and donations, which is everything XLA compiles from. jaxmem
+    compiles the same program many times over in one process (``jaxmem plan`` compiles a
+    candidate to fit the memory model and again at its depth, ``memory`` and ``peak`` plan what
+    ``plan`` planned), each time from a step function built afresh, which JAX's own in-memory
+    cache (keyed by the function) misses, and a deviceless GPU executable cannot be read back
+    from JAX's persistent cache. XLA compiles one program to one plan (checked for XLA:CUDA by
+    ``tests/test_gpu_plan``), so a repeat returns the plan the first compile made. ``compile``
+    (default: ``lowered.compile()``) compiles it on a miss."""
+    import hashlib
+
+    key = (where, hashlib.sha256(lowered.as_text().encode()).hexdigest())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = compiled_plan(compile(lowered) if compile is not None else lowered.compile())
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return dict(plan)
+
+
 def device_peak_bytes() -> int | None:
     """Peak bytes in use on the default device, or None where the backend does not say (CPU)."""
     stats = jax.local_devices()[0].memory_stats()

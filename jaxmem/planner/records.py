@@ -26,8 +26,8 @@ from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.residuals import (
     bytes_by_name,
-    compiled_plan,
     device_peak_bytes,
+    plan_of_lowered,
     saved_residuals,
     summarize_residuals,
 )
@@ -82,13 +82,21 @@ def lm_step_batch(cfg: ModelConfig, batch: int, seq_len: int, abstract: bool) ->
     return {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
 
 
-def _compile(step: Any, args: tuple, target: Target) -> tuple[Any, str]:
-    """``step`` compiled for ``target`` (deviceless for a GPU target), and which compiler did it."""
-    if target.is_gpu:
-        from jaxmem.memory.gpu_plan import compile_for
+def _local_key(devices: int = 1) -> str:
+    """What a local plan is compiled for (``residuals.plan_of_lowered``)."""
+    return f"local:{jax.devices()[0].platform}:{devices}"
 
-        return compile_for(step, args, target), target.compiler()
-    return step.lower(*args).compile(), f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
+
+def _compile(step: Any, args: tuple, target: Target) -> tuple[dict[str, int], str]:
+    """The compiled plan of ``step`` for ``target`` (deviceless for a GPU target;
+    ``compiled_plan``), and which compiler made it."""
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import compile_lowered, lower_placed, on_target, plan_key
+
+        lowered = lower_placed(step, on_target(args, target))
+        return plan_of_lowered(lowered, plan_key(target), compile_lowered), target.compiler()
+    plan = plan_of_lowered(step.lower(*args), _local_key())
+    return plan, f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
 
 
 def _compile_sharded(
@@ -104,7 +112,8 @@ def _compile_sharded(
     target: Target,
 ) -> tuple[Any, Any, str]:
     """The train step over a mesh of ``parallel.devices`` devices (this backend's, or a GPU
-    target's without any GPU), compiled from shapes: ``(shardings, compiled, compiler)``."""
+    target's without any GPU), compiled from shapes: ``(shardings, plan, compiler)`` (the plan:
+    ``compiled_plan``, per device)."""
     params, opt_state, scale, data = args
     devices = None
     if target.is_gpu:
@@ -151,17 +160,18 @@ def _compile_sharded(
         everywhere(data, shardings.batch),
     )
     if target.is_gpu:
-        from jaxmem.memory.gpu_plan import compile_placed
+        from jaxmem.memory.gpu_plan import compile_lowered, lower_placed, plan_key
 
-        compiled = compile_placed(step, placed_args)
+        lowered = lower_placed(step, placed_args)
+        plan = plan_of_lowered(lowered, plan_key(target, parallel.devices), compile_lowered)
         compiler = f"{target.compiler()}, per device of {parallel.mesh_text()}"
     else:
-        compiled = step.lower(*placed_args).compile()
+        plan = plan_of_lowered(step.lower(*placed_args), _local_key(parallel.devices))
         compiler = (
             f"XLA:{jax.devices()[0].platform.upper()} (local backend), per device of "
             f"{parallel.mesh_text()}"
         )
-    return shardings, compiled, compiler
+    return shardings, plan, compiler
 
 
 def _platform(target: Target) -> str:
@@ -197,10 +207,9 @@ def plan_step(
     args = (params, opt_state, init_loss_scale(precision), data)
     if parallel is not None and parallel.sharded:
         parallel.check_batch(batch, accum)
-    *_, compiled, compiler = _compile_step(
+    *_, plan, compiler = _compile_step(
         graphdef, cfg.n_layers, policy, tx, precision, opt_cfg, accum_cfg, args, target, parallel
     )
-    plan = compiled_plan(compiled)
     return {
         "compiler": compiler,
         "compiled_plan": plan,
@@ -247,8 +256,7 @@ def stream_plan(
         donate=False,
         update=update,
     )
-    compiled, compiler = _compile(step, (params, opt_state, None, data), target)
-    plan = compiled_plan(compiled)
+    plan, compiler = _compile(step, (params, opt_state, None, data), target)
     host_resident = stream.host_bytes(params, opt_state)
     rest, _ = stream.split(params)
     donated = tree_bytes(rest) + tree_bytes(opt_state[0])  # written over in place when donated
@@ -350,10 +358,11 @@ def _compile_step(
     parallel: ParallelConfig | None,
 ) -> tuple[Any, Any, Any, str]:
     """The train step compiled from ``args`` for ``target``, on one device or over
-    ``parallel``'s mesh: ``(step, shardings, compiled, compiler)`` (``step``: the one-device
-    jitted step, None when sharded; ``shardings``: None on one device)."""
+    ``parallel``'s mesh: ``(step, shardings, plan, compiler)`` (``step``: the one-device
+    jitted step, None when sharded; ``shardings``: None on one device; ``plan``:
+    ``compiled_plan``)."""
     if parallel is not None and parallel.sharded:
-        shardings, compiled, compiler = _compile_sharded(
+        shardings, plan, compiler = _compile_sharded(
             parallel,
             lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
             policy,
@@ -365,10 +374,10 @@ def _compile_step(
             args,
             target,
         )
-        return None, shardings, compiled, compiler
+        return None, shardings, plan, compiler
     step = _one_device_step(graphdef, policy, n_layers, tx, precision, opt_cfg, accum_cfg)
-    compiled, compiler = _compile(step, args, target)
-    return step, None, compiled, compiler
+    plan, compiler = _compile(step, args, target)
+    return step, None, plan, compiler
 
 
 def _one_device_step(
@@ -498,7 +507,7 @@ def jax_record(
 
     grads = jax.eval_shape(jax.grad(f), params, micro)
     scale = init_loss_scale(precision)
-    step, shardings, compiled, compiler = _compile_step(
+    step, shardings, plan, compiler = _compile_step(
         graphdef,
         cfg.n_layers,
         policy,
@@ -510,7 +519,6 @@ def jax_record(
         target,
         parallel if sharded else None,
     )
-    plan = compiled_plan(compiled)
     planned_peak = peak_of_plan(plan)
     peak, peak_source = None, None
     if not abstract and jax.devices()[0].platform != "cpu":
