@@ -214,13 +214,15 @@ def _losses(run) -> list[float]:
 
 
 SHAPE = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--policy", "full"]
-TWO = [*SHAPE, "--mesh", f"fsdp={N}", "--checkpoint-every", "2", "--eval-every", "4"]
+# fsdp x tp over the two processes: each process's 2 CPU devices are one tensor group (the
+# tensor axis within a host, as on a GPU node) and the data axis spans the processes
+TWO = [*SHAPE, "--mesh", "fsdp=2,tp=2", "--checkpoint-every", "2", "--eval-every", "4"]
 TWO += ["--sample-tokens", "8", "--steps", "8"]
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-    """An uninterrupted ``--mesh fsdp=4`` run over 2 processes of 2 CPU devices each
+    """An uninterrupted ``--mesh fsdp=2,tp=2`` run over 2 processes of 2 CPU devices each
     (``jax.distributed``, gloo), 8 steps: the reference the tests below compare with."""
     out = tmp_path_factory.mktemp("two") / "run"
     _train(out, *TWO, processes=2)
