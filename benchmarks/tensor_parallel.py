@@ -6,6 +6,10 @@ parallelism, beside the analytic model and Korthikanti et al. (2022)'s formulas.
   4, 8 H100s (no data axis), compiled for one host of H100s without any GPU.
 - ``cpu``: small (fp32), 8 rows of 128 tokens, t = 1, 2, 4 CPU devices in this process (XLA:CPU
   plans of the same step).
+- ``torch``: the same small step in torch_ref over t = 1, 2, 4 torchrun processes (gloo, DTensor
+  tensor parallelism: ``torch_ref.distributed``), measured on rank 0: what the forward leaves
+  alive for the backward, by tag (``torch_ref.mesh_memory``; a DTensor counted at its local
+  shard), and the runtime peak of a step (PyTorch's MemTracker).
 
 Per row, per device: the saved activations of the blocks by residual accounting (each tensor
 device's share of each tag: ``jaxmem.parallel.tensor_share``), the analytic model's, the
@@ -24,7 +28,7 @@ selective recomputation drops the as² term; full recomputation keeps the block 
 
 Writes ``benchmarks/results/tensor_parallel/{tensor_parallel,plan_llama-3-70b_8xh100}.{json,md}``.
 
-    python benchmarks/tensor_parallel.py [--parts h100,cpu,plan]
+    python benchmarks/tensor_parallel.py [--parts h100,cpu,torch,plan]
 """
 
 from __future__ import annotations
@@ -136,6 +140,56 @@ def measure(part: str) -> list[dict]:
     return rows
 
 
+def measure_torch() -> list[dict]:
+    """The ``cpu`` part's step in torch_ref, per rank (rank 0's record)."""
+    from jaxmem.compare.records import torch_rank_records
+
+    spec = PARTS["cpu"]
+    cfg = get_preset(spec["preset"])
+    rows = []
+    for t in spec["tps"]:
+        for sp in (True, False) if t > 1 else (True,):
+            parallel = ParallelConfig(devices=t, tp=t, sequence_parallel=sp)
+            for name in POLICY_NAMES:
+                start = time.perf_counter()
+                (rec, *_) = torch_rank_records(
+                    spec["preset"],
+                    name,
+                    parallel,
+                    precision=spec["precision"],
+                    batch=spec["batch"],
+                    seq_len=spec["seq"],
+                )
+                blocks = sum(
+                    v for k, v in rec["saved_by_name"].items() if "outside the stack" not in k
+                )
+                row = {
+                    "part": "torch",
+                    "preset": spec["preset"],
+                    "precision": spec["precision"],
+                    "tp": t,
+                    "sequence_parallel": sp,
+                    "policy": name,
+                    "blocks_saved_bytes": blocks,
+                    "per_layer_saved_bytes": blocks // cfg.n_layers,
+                    "saved_by_name": rec["saved_by_name"],
+                    "runtime_peak_bytes": rec["peak_bytes"],
+                    "translation": rec["translation"],
+                    "strategy": rec["strategy"],
+                    "peak_source": rec["peak_source"],
+                    "saved_source": rec["saved_source"],
+                    "seconds": round(time.perf_counter() - start, 1),
+                }
+                rows.append(row)
+                print(
+                    f"torch tp={t} sp={sp} {name}: per layer "
+                    f"{row['per_layer_saved_bytes'] / MIB:.2f} MiB, runtime peak "
+                    f"{row['runtime_peak_bytes'] / MIB:,.1f} MiB ({row['seconds']} s)",
+                    flush=True,
+                )
+    return rows
+
+
 # ``plan``: what jaxmem plan chooses for a 70B-class model on one host of 8 H100s when the batch
 # (4 rows) is smaller than the devices, so every layout has a tensor axis: fsdp x tp, state on
 # the device or in host memory, bf16 with fp32 master weights or pure bf16
@@ -241,6 +295,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r["part"] == "torch":
+            continue
         paper = r["paper_per_layer_bytes"]
         lines.append(
             f"| {r['part']} | {r['preset']} {r['precision']} | {r['tp']} | "
@@ -250,7 +306,54 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"{r['analytic_bytes'] / MIB:,.1f} | {r['planned_peak_bytes'] / MIB:,.0f} | "
             f"{r['flops'] / 1e12:,.2f} |"
         )
+    torch_rows = [r for r in rows if r["part"] == "torch"]
+    if torch_rows:
+        lines += torch_markdown(torch_rows, [r for r in rows if r["part"] == "cpu"])
     return "\n".join(lines) + "\n"
+
+
+def _sp(r: dict) -> str:
+    return "-" if r["tp"] == 1 else "yes" if r["sequence_parallel"] else "no"
+
+
+def torch_markdown(rows: list[dict], jax_rows: list[dict]) -> list[str]:
+    """torch_ref's ranks beside the ``cpu`` part's JAX devices (same step)."""
+    jax_of = {(r["tp"], r["sequence_parallel"], r["policy"]): r for r in jax_rows}
+    first = rows[0]
+    lines = [
+        "",
+        "## torch_ref per rank (the `cpu` part's step)",
+        "",
+        f"small fp32, 8 x 128, AdamW, torchrun ranks on this machine (gloo), rank 0. torch "
+        f"saved: {first['saved_source']}, the block stack's storages (the embeddings' and "
+        f"head's apart), per layer; by tag: the stack's largest tags, all layers. Runtime "
+        f"peak: {first['peak_source']}. Policies in stock PyTorch (torch_ref.remat: "
+        "`checkpoint` for full, `create_selective_checkpoint_contexts` for selective, which "
+        "keeps every output it is told to save, read by the backward or not). JAX saved per "
+        "layer: the `cpu` rows above.",
+        "",
+        "| t | SP | policy | JAX saved per layer MiB | torch saved per layer MiB | torch by tag "
+        "(MiB, all layers) | torch runtime peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        j = jax_of.get((r["tp"], r["sequence_parallel"] or r["tp"] == 1, r["policy"]))
+        tags = sorted(
+            (
+                (v, k)
+                for k, v in r["saved_by_name"].items()
+                if "outside the stack" not in k and v >= MIB // 4
+            ),
+            reverse=True,
+        )
+        by_tag = ", ".join(f"{k} {v / MIB:.1f}" for v, k in tags[:6]) or "-"
+        jax_saved = "-" if j is None else f"{j['per_layer_saved_bytes'] / MIB:,.2f}"
+        lines.append(
+            f"| {r['tp']} | {_sp(r)} | {r['policy']} | {jax_saved} | "
+            f"{r['per_layer_saved_bytes'] / MIB:,.2f} | {by_tag} | "
+            f"{r['runtime_peak_bytes'] / MIB:,.1f} |"
+        )
+    return lines
 
 
 def main() -> None:
@@ -271,7 +374,9 @@ def main() -> None:
         write_json_atomic(stem + ".json", {"plan": plan, "meta": meta})
         write_atomic(stem + ".md", plan_markdown(plan, meta))
         print(f"wrote {stem}.json and .md")
-    rows = [r for part in parts if part != "plan" for r in measure(part)]
+    rows = [r for part in parts if part in PARTS for r in measure(part)]
+    if "torch" in parts:
+        rows += measure_torch()
     if rows:
         stem = os.path.join(args.out, "tensor_parallel")
         write_json_atomic(stem + ".json", {"rows": rows, "meta": meta})

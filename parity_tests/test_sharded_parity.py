@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from jaxmem.compare.tolerances import tolerance
+from jaxmem.config import PRESETS
 from tests.test_parallel import processes_running
 
 N = 2
@@ -67,7 +68,8 @@ def test_every_torch_strategy_trains_as_one_device(strategies):
 def test_each_rank_holds_its_share(strategies):
     """FSDP2 (``fsdp``, and ``zero1``'s ZeRO-2-like mode) keeps 1/N of the parameters,
     gradients and AdamW state per rank between steps (dimension 0 padded to N: within 5 %); DDP
-    replicates them and holds more at its peak than one device (its gradient buckets)."""
+    replicates them and holds more at its peak than one device on a rank's rows (its gradient
+    buckets)."""
     one = strategies["one_device_record"]
     for strategy, share in (("dp", 1), ("zero1", 1 / N), ("fsdp", 1 / N)):
         ranks = strategies[strategy]["ranks"]
@@ -92,6 +94,7 @@ def _worker(nproc: int, mesh: str, *presets: str) -> dict:
 # one (grouped key/value heads split over the tensor axis)
 TENSOR_MESHES = {"tp=2": (2, ("tiny", "tiny-llama")), "fsdp=2,tp=2": (4, ("tiny-llama",))}
 SHARE = {"tp=2": 2, "fsdp=2,tp=2": 4}  # of a split weight, per rank
+WORKER_ROWS, WORKER_SEQ = 8, 32  # torch_tensor_parallel_worker's batch
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +137,8 @@ def test_each_tensor_rank_holds_its_share_of_the_split_weights(tensor_parallel):
     """Each rank holds exactly 1/tp (1/4 over fsdp=2 x tp=2) of the fused q/k/v, the out
     projection, the MLP's matrices and the column-parallel biases, and of their AdamW moments;
     over ``tp=2`` alone every other parameter is whole, so a rank's parameter, gradient and
-    AdamW bytes are one device's less the halves it does not hold."""
+    AdamW bytes are one device's less the halves it does not hold, and its saved activations
+    one device's less half of every block's input."""
     for mesh, runs in tensor_parallel.items():
         for preset, run in runs.items():
             one = run["one_record"]
@@ -150,6 +154,13 @@ def test_each_tensor_rank_holds_its_share_of_the_split_weights(tensor_parallel):
                     assert rec["params_bytes"] == one["params_bytes"] - missing
                     assert rec["grads_bytes"] == one["grads_bytes"] - missing
                     assert rec["opt_state_bytes"] == one["opt_state_bytes"] - 2 * missing
+                    # full remat with sequence parallelism: each rank keeps its half of every
+                    # block's input (a DTensor counted at its local shard), the rest as one
+                    # device does
+                    cfg = PRESETS[preset]
+                    halves = cfg.n_layers * WORKER_ROWS * WORKER_SEQ * cfg.d_model * 4 // 2
+                    saved = "saved_activation_bytes_device"
+                    assert one[saved] - rec[saved] == halves, (preset, one[saved], rec[saved])
 
 
 @pytest.mark.slow

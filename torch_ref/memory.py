@@ -28,11 +28,20 @@ from torch.utils._pytree import tree_leaves
 from jaxmem.config import ModelConfig
 
 
+def physical(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this rank: a DTensor's local shard (a
+    DTensor is a wrapper whose own storage has the *global* shape's size: counting it would
+    count every rank's shards, e.g. a column-parallel output at its whole width), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def storage_key(t: torch.Tensor) -> int:
-    """Identity of ``t``'s storage, shared by its views: the address of the ``StorageImpl``.
-    Not ``data_ptr()``, which is 0 for every storage of a meta or fake tensor (the accounting
-    also runs under ``FakeTensorMode``, where no memory exists)."""
-    return t.untyped_storage()._cdata
+    """Identity of ``t``'s storage, shared by its views: the address of the ``StorageImpl``
+    (a DTensor's: its local shard's). Not ``data_ptr()``, which is 0 for every storage of a
+    meta or fake tensor (the accounting also runs under ``FakeTensorMode``, where no memory
+    exists)."""
+    return physical(t).untyped_storage()._cdata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +150,7 @@ class _TrackAllocations(TorchDispatchMode):
         self.live: dict[int, tuple[int, str, str]] = {}
 
     def _track(self, t: torch.Tensor, label: str) -> None:
+        t = physical(t)
         storage = t.untyped_storage()
         key = storage._cdata  # = storage_key(t)
         if key in self.live or storage.nbytes() == 0:
@@ -240,7 +250,7 @@ def saved_tensor_bytes(forward: Callable[[], Any], arguments: Any = ()) -> tuple
     compute: list[str] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = physical(t).untyped_storage()
         seen.setdefault(storage._cdata, (storage.nbytes(), t.device.type))
         return t
 

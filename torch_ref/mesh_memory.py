@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import json
 import sys
 from typing import Any
@@ -60,7 +62,9 @@ def measure(
     opt = make_optimizer(model, opt_cfg)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
-    rows = launch.rows(batch, parallel.tp) or slice(None)
+    # a mesh's ranks read their data rank's rows; an unsharded record the whole batch (also
+    # when measured inside a torchrun world, beside the mesh's)
+    rows = (launch.rows(batch, parallel.tp) if parallel.sharded else None) or slice(None)
     data = {"inputs": tokens[rows, :-1].to(device), "targets": tokens[rows, 1:].to(device)}
     divisor = tdist.token_divisor(parallel, launch)
 
@@ -74,6 +78,7 @@ def measure(
         return grads
 
     step()  # AdamW's state exists from here on
+    saved = _saved_activations(model, runner, data, precision)
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -111,10 +116,49 @@ def measure(
         "grads_bytes": grads,
         "opt_state_bytes": tdist.local_bytes(state),
         "state_source": f"counted (this rank's tensors, {how}; after the step)",
+        "saved_activation_bytes_device": saved.device_bytes,
+        "saved_activation_bytes_host": saved.host_bytes,
+        "saved_by_name": saved.by_name,
+        "saved_source": f"live after the forward (torch_ref.memory.forward_live_bytes; this "
+        f"rank's storages, a DTensor's local shard; {how})",
         "peak_bytes": peak,
         "peak_source": f"runtime peak ({kind}, {device.split(':')[0]}; a second step: "
         f"optimizer state included; {how})",
     }
+
+
+def _saved_activations(
+    model: torch.nn.Module, runner: Any, data: dict[str, torch.Tensor], precision: Precision
+) -> Any:
+    """What one forward of this rank's rows leaves alive for the backward
+    (``torch_ref.memory.forward_live_bytes``, grouped by jaxmem tag over the block stack); the
+    backward then runs and its gradients are dropped."""
+    from torch_ref.loss import cross_entropy_sum
+    from torch_ref.memory import forward_live_bytes
+
+    device = data["inputs"].device.type
+
+    def forward() -> torch.Tensor:
+        with torch.autocast(
+            device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
+        ):
+            logits = model(data["inputs"])
+        loss_sum, n = cross_entropy_sum(logits, data["targets"])
+        # collectives still in flight hold buffers that their completion frees: let them
+        # finish (and what they released go) before the live storages are read
+        tdist.barrier()
+        gc.collect()
+        return loss_sum / n
+
+    loss, live = forward_live_bytes(
+        forward,
+        host_storages=getattr(runner, "host_storages", None),
+        stack=tdist.unwrap(model).blocks,
+        kept_names=getattr(runner, "kept_names", None),
+    )
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return live
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd", "adafactor"))
     p.add_argument("--attention", default=None, choices=("naive", "fused"))
     p.add_argument("--mesh", default=None, help="STRATEGY=N (default: one process, no mesh)")
+    p.add_argument(
+        "--sequence-parallel",
+        default="true",
+        choices=("true", "false"),
+        help="with a tensor axis: split the residual stream by sequence (default true)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--json", required=True, help="where rank 0 writes the per-rank records")
@@ -132,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = tdist.from_environment()
     try:
         parallel = parse_mesh(args.mesh) if args.mesh else ParallelConfig()
+        parallel = dataclasses.replace(parallel, sequence_parallel=args.sequence_parallel == "true")
         tdist.check_launch(parallel, launch, "python -m torch_ref.mesh_memory ...")
         policy = parse_policy(args.policy)
     except ConfigError as e:

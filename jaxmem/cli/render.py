@@ -217,7 +217,7 @@ def rank_table(out, records: list[dict], job) -> None:
     t = table(
         f"torch_ref per rank: {job.preset}, batch {job.run.batch_size} x {job.run.seq_len} "
         f"({first['mesh']}, CPU processes, {first['precision']})",
-        ("framework", "policy", "rank", "params", "grads", "opt state", "runtime peak"),
+        ("framework", "policy", "rank", "params", "grads", "opt state", "saved", "runtime peak"),
         left=("framework", "policy"),
     )
     for r in records:
@@ -227,13 +227,24 @@ def rank_table(out, records: list[dict], job) -> None:
             str(r["rank"]),
             *(
                 format_bytes(r[k])
-                for k in ("params_bytes", "grads_bytes", "opt_state_bytes", "peak_bytes")
+                for k in (
+                    "params_bytes",
+                    "grads_bytes",
+                    "opt_state_bytes",
+                    "saved_activation_bytes_device",
+                    "peak_bytes",
+                )
             ),
         )
     out.print(t)
     out.print(f"  what ran: {first['strategy']}")
-    for state, peak in sorted({(r["state_source"], r["peak_source"]) for r in records}):
-        out.print(f"  params, grads, opt state = {state}; runtime peak = {peak}")
+    for state, saved, peak in sorted(
+        {(r["state_source"], r["saved_source"], r["peak_source"]) for r in records}
+    ):
+        out.print(
+            f"  params, grads, opt state = {state}; saved = activations {saved}; "
+            f"runtime peak = {peak}"
+        )
     out.print(
         "  a runtime peak of torch_ref's step, not a compiled plan: compare each framework "
         "with its own one-device figure"

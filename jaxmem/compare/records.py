@@ -248,7 +248,10 @@ def torch_rank_records(
         cmd += ["-m", "torch_ref.mesh_memory", "--preset", preset, "--policy", policy]
         cmd += ["--precision", precision, "--optimizer", optimizer, "--attention", attention]
         cmd += ["--batch-size", str(batch), "--seq-len", str(seq_len), "--json", out]
-        cmd += ["--mesh", parallel.mesh_text()]
+        if parallel.sharded:  # else one process, no mesh
+            cmd += ["--mesh", parallel.mesh_text()]
+        if parallel.tensor_parallel:
+            cmd += ["--sequence-parallel", "true" if parallel.sequence_parallel else "false"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode:
