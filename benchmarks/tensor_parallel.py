@@ -77,6 +77,20 @@ def paper_bytes(policy: str, s: int, b: int, h: int, a: int, t: int, sp: bool) -
     return stream + (attention if policy == "none" else 0)
 
 
+def _row(part: str, spec: dict, t: int, sp: bool, policy: str, blocks: int, layers: int) -> dict:
+    """What identifies a row, and its blocks' saved bytes (all layers and per layer)."""
+    return {
+        "part": part,
+        "preset": spec["preset"],
+        "precision": spec["precision"],
+        "tp": t,
+        "sequence_parallel": sp,
+        "policy": policy,
+        "blocks_saved_bytes": blocks,
+        "per_layer_saved_bytes": blocks // layers,
+    }
+
+
 def measure(part: str) -> list[dict]:
     spec = PARTS[part]
     cfg = get_preset(spec["preset"])
@@ -104,14 +118,9 @@ def measure(part: str) -> list[dict]:
                     v for k, v in by_name.items() if k not in ("<untagged>", "<stack output>")
                 )
                 row = {
-                    "part": part,
-                    "preset": spec["preset"],
-                    "precision": spec["precision"],
-                    "tp": t,
-                    "sequence_parallel": sp,
-                    "policy": name,
-                    "blocks_saved_bytes": blocks,
-                    "per_layer_saved_bytes": blocks // cfg.n_layers,
+                    **_row(part, spec, t, sp, name, blocks, cfg.n_layers),
+                    "saved_bytes": rec["saved_activation_bytes_device"]
+                    + rec["saved_activation_bytes_host"],
                     "analytic_bytes": rec["analytic_activation_bytes"],
                     "paper_per_layer_bytes": paper_bytes(
                         name,
@@ -164,14 +173,9 @@ def measure_torch() -> list[dict]:
                     v for k, v in rec["saved_by_name"].items() if "outside the stack" not in k
                 )
                 row = {
-                    "part": "torch",
-                    "preset": spec["preset"],
-                    "precision": spec["precision"],
-                    "tp": t,
-                    "sequence_parallel": sp,
-                    "policy": name,
-                    "blocks_saved_bytes": blocks,
-                    "per_layer_saved_bytes": blocks // cfg.n_layers,
+                    **_row("torch", spec, t, sp, name, blocks, cfg.n_layers),
+                    "saved_bytes": rec["saved_activation_bytes_device"]
+                    + rec["saved_activation_bytes_host"],
                     "saved_by_name": rec["saved_by_name"],
                     "runtime_peak_bytes": rec["peak_bytes"],
                     "translation": rec["translation"],
@@ -319,22 +323,24 @@ def _sp(r: dict) -> str:
 def torch_markdown(rows: list[dict], jax_rows: list[dict]) -> list[str]:
     """torch_ref's ranks beside the ``cpu`` part's JAX devices (same step)."""
     jax_of = {(r["tp"], r["sequence_parallel"], r["policy"]): r for r in jax_rows}
-    first = rows[0]
+    first = rows[-1]  # a rank of the largest mesh: its sources say "per rank of ..."
     lines = [
         "",
         "## torch_ref per rank (the `cpu` part's step)",
         "",
-        f"small fp32, 8 x 128, AdamW, torchrun ranks on this machine (gloo), rank 0. torch "
-        f"saved: {first['saved_source']}, the block stack's storages (the embeddings' and "
-        f"head's apart), per layer; by tag: the stack's largest tags, all layers. Runtime "
-        f"peak: {first['peak_source']}. Policies in stock PyTorch (torch_ref.remat: "
-        "`checkpoint` for full, `create_selective_checkpoint_contexts` for selective, which "
-        "keeps every output it is told to save, read by the backward or not). JAX saved per "
-        "layer: the `cpu` rows above.",
+        f"small fp32, 8 x 128, AdamW, torchrun ranks on this machine (gloo), rank 0. Saved: "
+        "the whole step's activations kept for the backward, per device or rank (JAX: "
+        "residual accounting of the `cpu` rows above, each device's share; torch: "
+        f"{first['saved_source']}); by tag: torch's largest, all layers (a tag is the op "
+        "jaxmem's table names at that place of a block: DTensor's collectives add ops, so a "
+        "block's first input can be named outside the stack). Runtime peak: "
+        f"{first['peak_source']}; JAX: the compiled plan's peak. Policies in stock PyTorch "
+        "(torch_ref.remat: `checkpoint` for full, `create_selective_checkpoint_contexts` for "
+        "selective, which keeps every output it is told to save, read by the backward or not).",
         "",
-        "| t | SP | policy | JAX saved per layer MiB | torch saved per layer MiB | torch by tag "
-        "(MiB, all layers) | torch runtime peak MiB |",
-        "|---|---|---|---|---|---|---|",
+        "| t | SP | policy | JAX saved MiB | torch saved MiB | torch by tag (MiB, all layers) "
+        "| JAX planned peak MiB | torch runtime peak MiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         j = jax_of.get((r["tp"], r["sequence_parallel"] or r["tp"] == 1, r["policy"]))
@@ -347,10 +353,11 @@ def torch_markdown(rows: list[dict], jax_rows: list[dict]) -> list[str]:
             reverse=True,
         )
         by_tag = ", ".join(f"{k} {v / MIB:.1f}" for v, k in tags[:6]) or "-"
-        jax_saved = "-" if j is None else f"{j['per_layer_saved_bytes'] / MIB:,.2f}"
+        jax_saved = "-" if j is None else f"{j['saved_bytes'] / MIB:,.1f}"
+        jax_peak = "-" if j is None else f"{j['planned_peak_bytes'] / MIB:,.1f}"
         lines.append(
             f"| {r['tp']} | {_sp(r)} | {r['policy']} | {jax_saved} | "
-            f"{r['per_layer_saved_bytes'] / MIB:,.2f} | {by_tag} | "
+            f"{r['saved_bytes'] / MIB:,.1f} | {by_tag} | {jax_peak} | "
             f"{r['runtime_peak_bytes'] / MIB:,.1f} |"
         )
     return lines
