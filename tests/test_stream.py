@@ -24,6 +24,7 @@ from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig
 from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
+from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 from jaxmem.step import stream
@@ -174,12 +175,12 @@ def test_commands_that_do_not_measure_a_streamed_step_say_so(capsys):
         cli.main(["memory", "--preset", "tiny", "--stream"])
     assert e.value.code == 2
     assert "does not measure a streamed step (--stream) yet" in capsys.readouterr().err
-    # a streamed step trains over a mesh but is planned on one device (before any compile)
+    # peak explains one device's streamed step (plan plans it over a mesh; before any compile)
     with pytest.raises(SystemExit) as e:
         cli.main(["peak", "--preset", "tiny", "--stream", "--mesh", "fsdp=2", "--target", "h100"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--stream trains (jaxmem train) but is not planned yet" in err[0]
+    assert len(err) == 1 and "jaxmem peak explains a streamed step on one device" in err[0]
     # where a streamed update runs is asked only of a streamed step
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "--preset", "tiny", "--stream-update", "host"])
@@ -225,6 +226,25 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
     assert host["stream"]["transfers"]["total_bytes"] == 2 * stack_bytes + stack_bytes
     assert host["planned_peak_bytes"] < streamed["planned_peak_bytes"]
     assert host["stream"]["host_resident_bytes"] == info["host_resident_bytes"]
+    # over fsdp=2 (two H100s): each device keeps half of the stack's parameters and state in
+    # its host memory (the step count whole), fetches and returns half, and plans less device
+    # memory than one device does
+    fsdp = plan_step(
+        cfg,
+        policy,
+        prec,
+        OptimizerConfig(stream=True),
+        2,
+        32,
+        h100,
+        parallel=ParallelConfig(strategy="fsdp", devices=2),
+    )
+    assert "per device of fsdp=2" in fsdp["compiler"]
+    half = fsdp["stream"]
+    assert half["host_resident_bytes"] == 3 * stack_bytes // 2 + 4
+    assert half["transfers"]["bytes"]["parameters to the device"] == stack_bytes
+    assert fsdp["planned_peak_bytes"] < streamed["planned_peak_bytes"]
+    assert fsdp["compiled_plan"]["host_temp_bytes"] >= half["host_resident_bytes"]
 
 
 @pytest.mark.slow
@@ -269,6 +289,41 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
     assert device.describe().endswith("streamed") and device.seconds > chosen.seconds
     job = candidate_job(resolve_job(defaults={"preset": "tiny"}), device, 1)
     assert job.optimizer.stream and job.optimizer.stream_update is None  # the default
+
+
+def test_the_planner_streams_over_a_data_parallel_mesh_counting_each_devices_shards():
+    """Over 2 devices the lattice holds a streamed step per data-parallel strategy, each moving
+    one device's shards over its host link: fsdp half of dp's bytes (parameters and state
+    sharded), zero1 in between (state sharded); its command trains it over the mesh."""
+    from jaxmem.job import resolve_job
+    from jaxmem.memory.targets import get_target
+    from jaxmem.planner.search import (
+        FlopModel,
+        PlanSpace,
+        Problem,
+        candidate_job,
+        enumerate_candidates,
+    )
+
+    cfg = PRESETS["tiny"]
+    space = PlanSpace(
+        policies=("full",),
+        mix=(),
+        accum=(1,),
+        state_memory=("stream",),
+        strategies=("dp", "zero1", "fsdp"),
+        precisions=("bf16",),
+        tags=False,
+        unroll=False,
+    )
+    problem = Problem(cfg, 2, 32, get_target("h100"), 1 << 40, OptimizerConfig(), 2)
+    found = enumerate_candidates(problem, space, FlopModel(cfg, 32))
+    streamed = {c.strategy: c for c in found if c.stream}
+    assert set(streamed) == {"dp", "zero1", "fsdp"}
+    dp, zero1, fsdp = (streamed[s].host_bytes for s in ("dp", "zero1", "fsdp"))
+    assert fsdp * 2 == dp and fsdp < zero1 < dp
+    job = candidate_job(resolve_job(defaults={"preset": "tiny"}), streamed["fsdp"], 2)
+    assert job.optimizer.stream and job.parallel.mesh_text() == "fsdp=2"
 
 
 def test_the_planner_weighs_a_host_update_against_the_device_update_by_their_estimates(

@@ -196,8 +196,7 @@ def plan_step(
     search for the largest batch that fits, or for ``jaxmem plan``'s candidates. A streamed
     step (``opt_cfg.stream``) is ``stream_plan``'s."""
     if opt_cfg.stream:
-        require_one_device(parallel)
-        return stream_plan(cfg, policy, precision, opt_cfg, batch, seq_len, target, accum)
+        return stream_plan(cfg, policy, precision, opt_cfg, batch, seq_len, target, accum, parallel)
     model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=_platform(target)))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(opt_cfg)
@@ -226,9 +225,11 @@ def stream_plan(
     seq_len: int,
     target: Target = LOCAL,
     accum: int = 1,
+    parallel: ParallelConfig | None = None,
 ) -> dict[str, Any]:
     """The compiled plan of a streamed step (``optimizer.stream``, ``jaxmem.step.stream``), with
-    what a deviceless plan cannot show counted from shapes.
+    what a deviceless plan cannot show counted from shapes; over ``parallel``'s mesh (dp, zero1,
+    fsdp: ``jaxmem.step.stream.placement``), one device's, every figure from its shards.
 
     XLA compiles the step with the stack's parameters and state arriving in device memory (a
     deviceless compile drops argument memory kinds) and moving them to host memory inside; the
@@ -247,19 +248,33 @@ def stream_plan(
     data = lm_step_batch(cfg, batch, seq_len, abstract=True)
     _accum_config(accum, batch)
     update = opt_cfg.stream_update or "device"
-    step = stream.make_streamed_step(
-        lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
-        layers_fn(policy, cfg.n_layers),
-        tx,
-        accum_steps=accum,
-        accum_dtype=jnp.dtype(precision.accum_dtype),
-        donate=False,
-        update=update,
-    )
-    plan, compiler = _compile(step, (params, opt_state, None, data), target)
-    host_resident = stream.host_bytes(params, opt_state)
-    rest, _ = stream.split(params)
-    donated = tree_bytes(rest) + tree_bytes(opt_state[0])  # written over in place when donated
+
+    def make_loss(lf: Any) -> Any:
+        return lm_loss_fn(graphdef, layers_fn=lf)
+
+    def streamed(loss: Any, **where: Any) -> Any:
+        return stream.make_streamed_step(
+            loss,
+            layers_fn(policy, cfg.n_layers),
+            tx,
+            accum_steps=accum,
+            accum_dtype=jnp.dtype(precision.accum_dtype),
+            donate=False,
+            update=update,
+            **where,
+        )
+
+    if parallel is None or not parallel.sharded:
+        plan, compiler = _compile(streamed(make_loss), (params, opt_state, None, data), target)
+        host_resident = stream.host_bytes(params, opt_state)
+        rest, _ = stream.split(params)
+        # written over in place when donated
+        donated = tree_bytes(rest) + tree_bytes(opt_state[0])
+        local = (params, opt_state)
+    else:
+        plan, compiler, (host_resident, donated), local = _stream_plan_sharded(
+            parallel, make_loss, streamed, tx, params, opt_state, data, batch, accum, target
+        )
     device_peak = peak_of_plan(plan) - host_resident - donated
     # the plan's host temporaries hold its in-step copy of the resident stack (not made on a
     # real run, where it already lives in host memory) and the stack's new values (written over
@@ -279,11 +294,77 @@ def stream_plan(
             "device's arguments), the rest's updated parameters and state are written over "
             "their inputs (donation)",
             "update": update,
-            "transfers": stream_transfers(
-                params, opt_state, policy, precision, target, accum, update
-            ),
+            # one device's: its shards of the stack over a mesh
+            "transfers": stream_transfers(*local, policy, precision, target, accum, update),
         },
     }
+
+
+def _stream_plan_sharded(
+    parallel: ParallelConfig,
+    make_loss: Any,
+    streamed: Any,
+    tx: Any,
+    params: Any,
+    opt_state: Any,
+    data: Any,
+    batch: int,
+    accum: int,
+    target: Target,
+) -> tuple[dict[str, int], str, tuple[int, int], tuple[Any, Any]]:
+    """A streamed step over ``parallel``'s mesh (this backend's devices, or a GPU target's
+    without any GPU), compiled from shapes placed as ``jaxmem train`` places them: its plan, the
+    compiler, one device's host-resident and donated bytes, and its shards of the parameters and
+    optimizer state (shapes)."""
+    from jaxmem.step import stream
+
+    parallel.check_batch(batch, accum)
+    devices = None
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import target_devices
+
+        devices = target_devices(target, parallel.devices)
+    m = mesh(parallel, devices)
+    shardings = step_shardings(parallel, params, jax.eval_shape(tx.init, params), m=m)
+    where = stream.placement(tx, params, shardings, parallel)
+    step = streamed(
+        lambda lf: parallel_loss(make_loss, lf, parallel, m),
+        shardings=shardings,
+        placement=where,
+    )
+
+    def placed(tree: Any, sh: Any) -> Any:
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh
+        )
+
+    data_sh = jax.tree_util.tree_map(lambda _: shardings.batch, data)
+    args = (placed(params, where.params), placed(opt_state, where.opt_state), None)
+    args += (placed(data, data_sh),)
+    if target.is_gpu:
+        from jaxmem.memory.gpu_plan import compile_lowered, lower_placed, plan_key
+
+        lowered = lower_placed(step, args)
+        plan = plan_of_lowered(lowered, plan_key(target, parallel.devices), compile_lowered)
+        compiler = f"{target.compiler()}, per device of {parallel.mesh_text()}"
+    else:
+        plan = plan_of_lowered(step.lower(*args), _local_key(parallel.devices))
+        compiler = (
+            f"XLA:{jax.devices()[0].platform.upper()} (local backend), per device of "
+            f"{parallel.mesh_text()}"
+        )
+    rest_sh, stack_sh = stream.split(where.params)
+    rest, stack = stream.split(params)
+    host_resident = sharded_bytes(stack, stack_sh) + sharded_bytes(opt_state[1], where.opt_state[1])
+    donated = sharded_bytes(rest, rest_sh) + sharded_bytes(opt_state[0], where.opt_state[0])
+
+    def shards(tree: Any, sh: Any) -> Any:
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(s.shard_shape(tuple(x.shape)), x.dtype), tree, sh
+        )
+
+    local = (shards(params, where.params), shards(opt_state, where.opt_state))
+    return plan, compiler, (host_resident, donated), local
 
 
 def stream_transfers(
@@ -337,11 +418,13 @@ def stream_transfers(
 
 
 def require_one_device(parallel: ParallelConfig | None) -> None:
-    """A streamed step is planned on one device (it trains over a mesh)."""
+    """``jaxmem peak`` explains a streamed step on one device (``stream_plan`` plans it over a
+    mesh)."""
     if parallel is not None and parallel.sharded:
         raise ConfigError(
-            f"a streamed step's plan is one device's: --mesh {parallel.mesh_text()} with "
-            "--stream trains (jaxmem train) but is not planned yet; drop --mesh to plan it"
+            f"jaxmem peak explains a streamed step on one device: --mesh {parallel.mesh_text()} "
+            "with --stream is planned by jaxmem plan (--state-offload) and trained by jaxmem "
+            "train; drop --mesh to explain one device's"
         )
 
 

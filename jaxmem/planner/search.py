@@ -483,8 +483,16 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                             moved = 2 * offload_row * rows * offloaded_blocks // tp
                             on_host = 0
                             if update:
+                                # one device's shards of the stack (jaxmem.sharding's layout)
                                 link, on_host = _streamed_bytes(
-                                    cfg, problem.opt_cfg, precision, policy, accum, update
+                                    cfg,
+                                    problem.opt_cfg,
+                                    precision,
+                                    policy,
+                                    accum,
+                                    update,
+                                    param_shards=data if strategy == "fsdp" else 1,
+                                    state_shards=data if strategy in ("zero1", "fsdp") else 1,
                                 )
                                 moved += link
                             elif place != "device":
@@ -530,14 +538,14 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
 def _streams(
     problem: Problem, policy: MemoryPolicy, accum: int, strategy: str | None, precision: Precision
 ) -> bool:
-    """A streamed step applies (``jaxmem.job.check_stream``): one device, a preset over the
-    whole scanned stack, an elementwise optimizer, no fp16 loss scale."""
+    """A streamed step applies (``jaxmem.job.check_stream``): one device or a data-parallel
+    mesh (dp, zero1, fsdp), a preset over the whole scanned stack, an elementwise optimizer, no
+    fp16 loss scale."""
     from jaxmem.config import STREAM_OPTIMIZERS
 
     del accum  # a streamed step sums microbatches in its own scan
     return (
-        strategy is None
-        and problem.devices == 1
+        (strategy is None) == (problem.devices == 1)
         and policy.rest is None
         and not policy.nested
         and policy.layers.is_all
@@ -554,19 +562,24 @@ def _streamed_bytes(
     policy: MemoryPolicy,
     accum: int = 1,
     update: str = "device",
+    *,
+    param_shards: int = 1,
+    state_shards: int = 1,
 ) -> tuple[int, int]:
     """Bytes of a streamed step (from shapes, as ``records.stream_transfers``): over the host
     link, the stack's parameters in (twice under a replaying policy), its gradient out and, for
     a device update, the update's parameters, gradient and state in and parameters and state
     out; and the bytes of host memory a host update reads and writes instead (the same arrays:
-    parameters, gradient and state read, parameters and state written)."""
+    parameters, gradient and state read, parameters and state written). Over a mesh, one
+    device's: its shards of the stack's parameters (and gradient) and state."""
     per_block = analytic.param_bytes(cfg.replace(n_layers=2), precision) - analytic.param_bytes(
         cfg.replace(n_layers=1), precision
     )
     state_block = analytic.opt_state_bytes(
         cfg.replace(n_layers=2), opt_cfg, precision
     ) - analytic.opt_state_bytes(cfg.replace(n_layers=1), opt_cfg, precision)
-    p, s = per_block * cfg.n_layers, state_block * cfg.n_layers
+    p = per_block * cfg.n_layers // param_shards
+    s = state_block * cfg.n_layers // state_shards
     fetches = 2 if policy.remat else 1
     summed = accum * 3 * p if accum > 1 else 0  # the running sum added to block by block
     updated = (2 * p + s) + (p + s)
