@@ -159,19 +159,24 @@ def _compile_sharded(
         everywhere(scale, shardings.replicated),  # None (no loss scaling) stays None
         everywhere(data, shardings.batch),
     )
+    plan, compiler = _compile_on_mesh(step, placed_args, target, parallel)
+    return shardings, plan, compiler
+
+
+def _compile_on_mesh(
+    step: Any, placed_args: tuple, target: Target, parallel: ParallelConfig
+) -> tuple[dict[str, int], str]:
+    """The plan of ``step`` from ``placed_args`` (shape structs placed on the mesh's devices) and
+    which compiler made it, per device of ``parallel``'s mesh."""
     if target.is_gpu:
         from jaxmem.memory.gpu_plan import compile_lowered, lower_placed, plan_key
 
         lowered = lower_placed(step, placed_args)
         plan = plan_of_lowered(lowered, plan_key(target, parallel.devices), compile_lowered)
-        compiler = f"{target.compiler()}, per device of {parallel.mesh_text()}"
-    else:
-        plan = plan_of_lowered(step.lower(*placed_args), _local_key(parallel.devices))
-        compiler = (
-            f"XLA:{jax.devices()[0].platform.upper()} (local backend), per device of "
-            f"{parallel.mesh_text()}"
-        )
-    return shardings, plan, compiler
+        return plan, f"{target.compiler()}, per device of {parallel.mesh_text()}"
+    plan = plan_of_lowered(step.lower(*placed_args), _local_key(parallel.devices))
+    platform = jax.devices()[0].platform.upper()
+    return plan, f"XLA:{platform} (local backend), per device of {parallel.mesh_text()}"
 
 
 def _platform(target: Target) -> str:
@@ -341,18 +346,7 @@ def _stream_plan_sharded(
     data_sh = jax.tree_util.tree_map(lambda _: shardings.batch, data)
     args = (placed(params, where.params), placed(opt_state, where.opt_state), None)
     args += (placed(data, data_sh),)
-    if target.is_gpu:
-        from jaxmem.memory.gpu_plan import compile_lowered, lower_placed, plan_key
-
-        lowered = lower_placed(step, args)
-        plan = plan_of_lowered(lowered, plan_key(target, parallel.devices), compile_lowered)
-        compiler = f"{target.compiler()}, per device of {parallel.mesh_text()}"
-    else:
-        plan = plan_of_lowered(step.lower(*args), _local_key(parallel.devices))
-        compiler = (
-            f"XLA:{jax.devices()[0].platform.upper()} (local backend), per device of "
-            f"{parallel.mesh_text()}"
-        )
+    plan, compiler = _compile_on_mesh(step, args, target, parallel)
     rest_sh, stack_sh = stream.split(where.params)
     rest, stack = stream.split(params)
     host_resident = sharded_bytes(stack, stack_sh) + sharded_bytes(opt_state[1], where.opt_state[1])
