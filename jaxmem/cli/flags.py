@@ -329,7 +329,8 @@ def not_tensor_parallel(job: Any, command: str) -> None:
     if job.parallel.tensor_parallel:
         raise UsageError(
             f"jaxmem {command} does not measure a tensor-parallel step (--mesh "
-            f"{job.parallel.mesh_text()}) per device yet; jaxmem train runs it (JAX)"
+            f"{job.parallel.mesh_text()}) yet; jaxmem memory --mesh measures one per device and "
+            "jaxmem train runs it (JAX or torch_ref)"
         )
 
 
