@@ -121,6 +121,7 @@ def measure(part: str) -> list[dict]:
                     **_row(part, spec, t, sp, name, blocks, cfg.n_layers),
                     "saved_bytes": rec["saved_activation_bytes_device"]
                     + rec["saved_activation_bytes_host"],
+                    "saved_by_name": by_name,
                     "analytic_bytes": rec["analytic_activation_bytes"],
                     "paper_per_layer_bytes": paper_bytes(
                         name,
@@ -320,6 +321,15 @@ def _sp(r: dict) -> str:
     return "-" if r["tp"] == 1 else "yes" if r["sequence_parallel"] else "no"
 
 
+def _largest_tags(by_name: dict[str, int], outside: tuple[str, ...]) -> str:
+    """The six largest tags of a stack (what is named ``outside`` left out), MiB, all layers."""
+    tags = sorted(
+        ((v, k) for k, v in by_name.items() if not any(o in k for o in outside) and v >= MIB // 4),
+        reverse=True,
+    )
+    return ", ".join(f"{k} {v / MIB:.1f}" for v, k in tags[:6]) or "-"
+
+
 def torch_markdown(rows: list[dict], jax_rows: list[dict]) -> list[str]:
     """torch_ref's ranks beside the ``cpu`` part's JAX devices (same step)."""
     jax_of = {(r["tp"], r["sequence_parallel"], r["policy"]): r for r in jax_rows}
@@ -331,33 +341,26 @@ def torch_markdown(rows: list[dict], jax_rows: list[dict]) -> list[str]:
         f"small fp32, 8 x 128, AdamW, torchrun ranks on this machine (gloo), rank 0. Saved: "
         "the whole step's activations kept for the backward, per device or rank (JAX: "
         "residual accounting of the `cpu` rows above, each device's share; torch: "
-        f"{first['saved_source']}); by tag: torch's largest, all layers (a tag is the op "
+        f"{first['saved_source']}); by tag: the largest, all layers (torch's tag is the op "
         "jaxmem's table names at that place of a block: DTensor's collectives add ops, so a "
         "block's first input can be named outside the stack). Runtime peak: "
         f"{first['peak_source']}; JAX: the compiled plan's peak. Policies in stock PyTorch "
         "(torch_ref.remat: `checkpoint` for full, `create_selective_checkpoint_contexts` for "
         "selective, which keeps every output it is told to save, read by the backward or not).",
         "",
-        "| t | SP | policy | JAX saved MiB | torch saved MiB | torch by tag (MiB, all layers) "
-        "| JAX planned peak MiB | torch runtime peak MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| t | SP | policy | JAX saved MiB | torch saved MiB | JAX by tag (MiB, all layers) "
+        "| torch by tag | JAX planned peak MiB | torch runtime peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         j = jax_of.get((r["tp"], r["sequence_parallel"] or r["tp"] == 1, r["policy"]))
-        tags = sorted(
-            (
-                (v, k)
-                for k, v in r["saved_by_name"].items()
-                if "outside the stack" not in k and v >= MIB // 4
-            ),
-            reverse=True,
-        )
-        by_tag = ", ".join(f"{k} {v / MIB:.1f}" for v, k in tags[:6]) or "-"
+        by_tag = _largest_tags(r["saved_by_name"], ("outside the stack",))
+        jax_tags = "-" if j is None else _largest_tags(j["saved_by_name"], ("<untagged>",))
         jax_saved = "-" if j is None else f"{j['saved_bytes'] / MIB:,.1f}"
         jax_peak = "-" if j is None else f"{j['planned_peak_bytes'] / MIB:,.1f}"
         lines.append(
             f"| {r['tp']} | {_sp(r)} | {r['policy']} | {jax_saved} | "
-            f"{r['saved_bytes'] / MIB:,.1f} | {by_tag} | {jax_peak} | "
+            f"{r['saved_bytes'] / MIB:,.1f} | {jax_tags} | {by_tag} | {jax_peak} | "
             f"{r['runtime_peak_bytes'] / MIB:,.1f} |"
         )
     return lines
