@@ -143,24 +143,28 @@ def _compile_sharded(
         loss_into=loss_into,
     )
 
-    def placed(tree: Any, where: Any) -> Any:
-        return jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, where
-        )
-
-    def everywhere(tree: Any, sharding: Any) -> Any:
-        return jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
-        )
-
     placed_args = (
-        placed(params, shardings.params),
-        placed(opt_state, shardings.opt_state),
-        everywhere(scale, shardings.replicated),  # None (no loss scaling) stays None
-        everywhere(data, shardings.batch),
+        _placed(params, shardings.params),
+        _placed(opt_state, shardings.opt_state),
+        _everywhere(scale, shardings.replicated),  # None (no loss scaling) stays None
+        _everywhere(data, shardings.batch),
     )
     plan, compiler = _compile_on_mesh(step, placed_args, target, parallel)
     return shardings, plan, compiler
+
+
+def _placed(tree: Any, where: Any) -> Any:
+    """``tree``'s leaves as shape structs placed by the matching shardings of ``where``."""
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, where
+    )
+
+
+def _everywhere(tree: Any, sharding: Any) -> Any:
+    """``tree``'s leaves as shape structs all placed by ``sharding``."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+    )
 
 
 def _compile_on_mesh(
@@ -338,14 +342,12 @@ def _stream_plan_sharded(
         placement=where,
     )
 
-    def placed(tree: Any, sh: Any) -> Any:
-        return jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh
-        )
-
-    data_sh = jax.tree_util.tree_map(lambda _: shardings.batch, data)
-    args = (placed(params, where.params), placed(opt_state, where.opt_state), None)
-    args += (placed(data, data_sh),)
+    args = (
+        _placed(params, where.params),
+        _placed(opt_state, where.opt_state),
+        None,
+        _everywhere(data, shardings.batch),
+    )
     plan, compiler = _compile_on_mesh(step, args, target, parallel)
     rest_sh, stack_sh = stream.split(where.params)
     rest, stack = stream.split(params)
