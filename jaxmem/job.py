@@ -217,6 +217,23 @@ def check_stream(
     )
 
 
+def check_loss_chunks(policy: MemoryPolicy, precision: Precision, seq_len: int) -> None:
+    """``ConfigError`` when ``policy.loss_chunks`` cannot split this step's loss."""
+    chunks = policy.loss_chunks
+    if not chunks:
+        return
+    require(
+        seq_len % chunks == 0,
+        f"loss_chunks={chunks} does not divide seq_len={seq_len}: use a divisor of {seq_len}",
+    )
+    require(
+        precision.loss_scale != "dynamic",
+        f"loss_chunks={chunks} forms the loss's gradients in the forward, before fp16's dynamic "
+        f"loss scale multiplies them (what underflowed unscaled stays lost); precision "
+        f"{precision.name!r}: use bf16, or loss_chunks=0",
+    )
+
+
 def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
     """Why torch_ref's job cannot run ``job``'s tensor-parallel mesh (None: it can)."""
     parallel = job.parallel
@@ -336,6 +353,7 @@ class JobConfig:
         )
         if self.optimizer.stream:
             check_stream(self.memory, self.precision, self.accum)
+        check_loss_chunks(self.memory, self.precision, self.run.seq_len)
         self.accum.check_batch(self.run.batch_size)
         self.parallel.check_batch(self.run.batch_size, self.accum.steps)
         self.parallel.check_model(self.model, self.run.seq_len)
@@ -397,6 +415,8 @@ class JobConfig:
         """The step in words: preset, batch, precision, policy, optimizer (report headers)."""
         micro = f" in {self.accum.steps} microbatches" if self.accum.steps > 1 else ""
         stack = self.memory.name + (" (unrolled)" if self.memory.unroll else "")
+        if self.memory.loss_chunks:
+            stack += f", loss in {self.memory.loss_chunks} chunks"
         mesh = f", {self.parallel.mesh_text()}" if self.parallel.sharded else ""
         return (
             f"{self.preset}, batch {self.run.batch_size} x {self.run.seq_len}{micro}, "

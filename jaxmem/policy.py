@@ -191,6 +191,13 @@ class MemoryPolicy:
         k blocks under this policy, the other L - k under ``rest``; ``jaxmem plan``'s mixed
         stacks). JAX runs the two parts as consecutive scans, with one gradient buffer for the
         whole stack. None: the left-out layers keep everything (no remat), the stack unrolled.
+      loss_chunks: 0 (default): the loss reads the whole ``[B, S, V]`` logits and its backward
+        keeps them (fp32; at a 128k vocabulary the largest activation a step makes). N >= 1: the
+        final norm, LM head and loss run over N sequence chunks, each chunk's gradients formed
+        in the forward where its logits exist (Liger-Kernel's fused linear cross-entropy), so no
+        logits are kept and one chunk's exist at a time, at no recomputed FLOP: the backward
+        keeps the stack output's gradient and the head's instead (``jaxmem.model.loss
+        .chunked_lm_loss``, ``torch_ref.loss.ChunkedLMLoss``). N must divide the sequence length.
 
     Why two switches that only one framework reads (``use_reentrant``, ``unroll``) live here
     rather than in each framework's translation: a run's ``[memory]`` section records the whole
@@ -212,6 +219,7 @@ class MemoryPolicy:
     use_reentrant: bool = False
     unroll: bool = False
     rest: str | None = None
+    loss_chunks: int = 0
 
     def __post_init__(self) -> None:
         for field in ("save", "offload"):
@@ -245,6 +253,13 @@ class MemoryPolicy:
             f"use_reentrant={self.use_reentrant!r} must be True or False",
         )
         require(isinstance(self.unroll, bool), f"unroll={self.unroll!r} must be True or False")
+        require(
+            isinstance(self.loss_chunks, int)
+            and not isinstance(self.loss_chunks, bool)
+            and self.loss_chunks >= 0,
+            f"loss_chunks={self.loss_chunks!r} must be 0 (the whole logits, kept for the "
+            "backward) or a number of sequence chunks >= 1",
+        )
         if self.rest is not None:
             presets = [n for n in POLICIES if n != "nested"]
             require(
@@ -339,6 +354,7 @@ def _as_preset(policy: MemoryPolicy) -> MemoryPolicy:
         use_reentrant=False,
         unroll=False,
         rest=None,
+        loss_chunks=0,
     )
 
 
@@ -453,6 +469,8 @@ def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
     modes = {"use_reentrant": policy.use_reentrant, "unroll": policy.unroll}
     if policy.rest is not None:
         modes["rest"] = policy.rest
+    if policy.loss_chunks:
+        modes["loss_chunks"] = policy.loss_chunks
     if is_preset(policy):
         return {"policy": base_preset_name(policy), **layers, **modes}
     require(
@@ -472,7 +490,16 @@ def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
 def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
     """A ``MemoryPolicy`` from a ``[memory]`` section (see ``policy_to_dict``); bad names, a tag
     both saved and offloaded and bad layer selections raise ``ConfigError``."""
-    known = {"policy", "save", "offload", "use_reentrant", "unroll", "rest", *LAYER_FIELDS}
+    known = {
+        "policy",
+        "save",
+        "offload",
+        "use_reentrant",
+        "unroll",
+        "rest",
+        "loss_chunks",
+        *LAYER_FIELDS,
+    }
     unknown = sorted(set(section) - known)
     require(not unknown, f"unknown setting(s) {unknown} in [memory]; valid: {', '.join(known)}")
     name = section.get("policy", "none")
@@ -494,8 +521,11 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
         "unroll": section.get("unroll", False),
         "rest": section.get("rest"),
     }
+    chunks = {"loss_chunks": section.get("loss_chunks", 0)}
     if name == "custom":
-        return MemoryPolicy(name="custom", save=save, offload=offload, layers=selection, **modes)
+        return MemoryPolicy(
+            name="custom", save=save, offload=offload, layers=selection, **modes, **chunks
+        )
     if ":" in name:  # HEAD:K+REST, as the command line writes it
         require(
             selection.is_all and modes["rest"] is None,
@@ -503,11 +533,11 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
             "layers_every/layers_first/layers/rest",
         )
         mixed = parse_policy(name)
-        return mixed.replace(use_reentrant=modes["use_reentrant"], unroll=modes["unroll"])
+        return mixed.replace(use_reentrant=modes["use_reentrant"], unroll=modes["unroll"], **chunks)
     preset = get_policy(name)
     if modes["rest"] is not None and selection.first is not None:
         preset = preset.replace(name=f"{preset.name}:{selection.first}+{modes['rest']}")
-    return preset.replace(layers=selection, **modes)
+    return preset.replace(layers=selection, **modes, **chunks)
 
 
 # ------------------------------------------------------------------------- the block's backward

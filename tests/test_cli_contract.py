@@ -221,6 +221,15 @@ def test_the_commands_plan_prints_run_as_printed(plan_run, tmp_path):
             "--mesh asks for 4096 CPU devices on this machine",
         ),
         (["plan", "--preset", "tiny", "--budget", "1GiB"], "plan a model of at least 4"),
+        (
+            ["train", "--preset", "tiny", "--seq-len", "32", "--loss-chunks", "5"],
+            "loss_chunks=5 does not divide seq_len=32",
+        ),
+        (
+            ["train", "--preset", "tiny", "--precision", "fp16", "--loss-chunks", "2"],
+            "before fp16's dynamic loss scale",
+        ),
+        (["peak", "--preset", "tiny", "--loss-chunks", "-1"], "loss_chunks=-1 must be 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):

@@ -103,8 +103,13 @@ def test_bad_optimizer_values_are_named(kwargs, fragment):
         MemoryPolicy.custom({"mlp_up": "device"}, unroll=True),
         MemoryPolicy.custom({"mlp_up": "device", "norm1_out": "offload"}),
         MemoryPolicy.custom({"attn_out": "offload"}, layers=LayerSelection(first=1)),
+        POLICIES["selective"].replace(loss_chunks=4),
+        MemoryPolicy.custom({"mlp_up": "device"}).replace(loss_chunks=2),
     ],
-    ids=lambda p: f"{p.name}-{p.layers}{'-unrolled' if p.unroll else ''}",
+    ids=lambda p: (
+        f"{p.name}-{p.layers}{'-unrolled' if p.unroll else ''}"
+        f"{f'-loss{p.loss_chunks}' if p.loss_chunks else ''}"
+    ),
 )
 def test_memory_policies_round_trip_through_the_run_config(policy):
     """Names at the file boundary only: a run config's [memory] section reads back to the very

@@ -326,19 +326,57 @@ class Decoder(nn.Module):
         self.lm_head = (
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
+        # MemoryPolicy.loss_chunks, set by torch_ref.remat.apply_loss_policy: 0 computes the whole
+        # logits (autograd keeps them for the loss's backward); N runs the head and loss over N
+        # sequence chunks (torch_ref.loss.chunked_lm_loss, an extension)
+        self.loss_chunks = 0
         init_weights(self, cfg)
 
-    def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32 (float64 for a float64 model)."""
+    def forward(
+        self,
+        tokens_bs: torch.Tensor,
+        targets_bs: torch.Tensor | None = None,
+        mask_bs: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32 (float64 for a float64 model);
+        given targets, the summed next-token loss and its token count instead
+        (``torch_ref.loss.cross_entropy_sum``; over ``loss_chunks`` chunks when set), computed
+        inside the module's forward so that wrappers (FSDP, DDP) see the head's use."""
+        x = self.features(tokens_bs)
+        if targets_bs is None:
+            return self.head_logits(x)
+        from torch_ref.loss import chunked_lm_loss, cross_entropy_sum
+
+        if self.loss_chunks:
+            return chunked_lm_loss(
+                self.head_logits,
+                self.head_parameters(),
+                x,
+                targets_bs,
+                mask_bs,
+                chunks=self.loss_chunks,
+            )
+        return cross_entropy_sum(self.head_logits(x), targets_bs, mask_bs)
+
+    def features(self, tokens_bs: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[B, S]`` → the block stack's output ``[B, S, D]`` (compute dtype)."""
         x = self.wte(tokens_bs)  # [B, S, D]
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(tokens_bs.shape[1], device=tokens_bs.device))[None]
         x = x.to(compute_dtype_of(x))  # the residual stream runs in the compute dtype, as in jaxmem
-        x = self.blocks(x)
+        return self.blocks(x)
+
+    def head_logits(self, x_bsd: torch.Tensor) -> torch.Tensor:
+        """The final norm (if any) and the LM head: ``[B, S, D]`` → fp32 logits ``[B, S, V]``."""
         if self.norm_f is not None:
-            x = self.norm_f(x)
+            x_bsd = self.norm_f(x_bsd)
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
-        return fp32_einsum("bsd,vd->bsv", x, head)  # fp32 logits
+        return fp32_einsum("bsd,vd->bsv", x_bsd, head)  # fp32 logits
+
+    def head_parameters(self) -> list[nn.Parameter]:
+        """The parameters ``head_logits`` reads."""
+        params = [] if self.norm_f is None else list(self.norm_f.parameters())
+        return params + [self.wte.weight if self.lm_head is None else self.lm_head.weight]
 
 
 # Output projections on the residual branch (GPT-2's 1/sqrt(2 L) scaling; jaxmem's out_std).

@@ -553,6 +553,13 @@ def apply_memory_policy(
     return runner
 
 
+def apply_loss_policy(decoder: nn.Module, policy: MemoryPolicy) -> None:
+    """Run ``decoder``'s head and loss (``torch_ref.Decoder.forward`` given targets) as
+    ``policy.loss_chunks`` says: the whole logits (0), or over N sequence chunks with each chunk's
+    gradients formed in the forward (``torch_ref.loss.chunked_lm_loss``, an extension)."""
+    decoder.loss_chunks = policy.loss_chunks
+
+
 def save_on_cpu_layers_fn(selection: LayerSelection, n_layers: int) -> Callable[..., Any]:
     """Every tensor the selected blocks save for backward goes to host memory
     (``torch.autograd.graph.save_on_cpu``; pinned when CUDA is present). No recompute."""

@@ -174,13 +174,19 @@ def accumulate_grads(
     )
     divide_by = n_total if divisor is None else divisor(n_total)
     device = batch["inputs"].device.type
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    chunked = bool(getattr(inner, "loss_chunks", 0))
     loss_sum_total = None  # summed on the device, in the loss's dtype
     for micro in split_microbatches(batch, accum_steps):
         with torch.autocast(
             device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
         ):
-            logits = model(micro["inputs"])
-        loss_sum, _ = cross_entropy_sum(logits, micro["targets"], micro.get("mask"))
+            if chunked:  # the loss inside the module's forward (torch_ref.Decoder.forward)
+                loss_sum, _ = model(micro["inputs"], micro["targets"], micro.get("mask"))
+            else:
+                logits = model(micro["inputs"])
+        if not chunked:
+            loss_sum, _ = cross_entropy_sum(logits, micro["targets"], micro.get("mask"))
         loss = loss_sum / divide_by
         (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum = loss_sum.detach()

@@ -83,6 +83,15 @@ FLAGS: dict[str, Flag] = {
             "residuals after its backward; compiles slower; XLA:CPU drops remat when unrolled)",
             action="store_const",
         ),
+        Flag(
+            "--loss-chunks",
+            "memory.loss_chunks",
+            "run the LM head and loss over N sequence chunks, each chunk's gradients formed in "
+            "the forward: no [B, S, vocab] logits kept for the backward, no FLOP recomputed "
+            "(0: the whole logits, kept; default)",
+            int,
+            metavar="N",
+        ),
         Flag("--precision", "precision", f"one of {', '.join(PRECISIONS)}"),
         Flag("--optimizer", "optimizer.name", f"one of {', '.join(OPTIMIZERS)}"),
         Flag("--lr", "optimizer.lr", "learning rate", positive_float),
@@ -293,6 +302,7 @@ def job_argv(job) -> list[str]:
         if memory[key] is not None and not mixed:
             argv += ["--set", f"memory.{key}={_yaml(memory[key])}"]
     argv += ["--unroll"] if job.memory.unroll else []
+    argv += ["--loss-chunks", str(job.memory.loss_chunks)] if job.memory.loss_chunks else []
     if job.memory.use_reentrant:
         argv += ["--set", "memory.use_reentrant=true"]
     argv += ["--precision", job.precision.name, "--optimizer", job.optimizer.name]

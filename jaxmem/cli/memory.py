@@ -29,7 +29,7 @@ from jaxmem.files import write_json_atomic
 from jaxmem.policy import parse_policy
 
 FRAMEWORKS = ("jax", "torch", "torch-lean")
-NAMES = (*STEP_FLAGS, "accum", "unroll", "mesh")
+NAMES = (*STEP_FLAGS, "accum", "unroll", "loss_chunks", "mesh")
 DEFAULTS = {"preset": "tiny", "run": {"batch_size": 8}}
 DEFAULT_POLICIES = "none,full,selective,offload"
 
@@ -126,6 +126,8 @@ def _policies(args: argparse.Namespace, job) -> list:
         )
     if unroll:
         policies = [p.replace(unroll=True) for p in policies]
+    if job.memory.loss_chunks:
+        policies = [p.replace(loss_chunks=job.memory.loss_chunks) for p in policies]
     from jaxmem.policy import check_policy
 
     with usage_errors():

@@ -31,6 +31,7 @@ NAMES = (
     "save",
     "offload",
     "unroll",
+    "loss_chunks",
     "lr",
     "weight_decay",
     "accum",

@@ -191,7 +191,9 @@ def memory_point(
     graphdef, params = nnx.split(model, nnx.Param)
     inputs, targets = lm_batch(cfg, batch, seq_len)
     data = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    loss = lm_loss_fn(
+        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss_chunks
+    )
     f = lambda p, b: loss(p, b)[0]  # noqa: E731
     res = summarize_residuals(saved_residuals(f, params, data))
     row: dict[str, Any] = {
@@ -267,7 +269,9 @@ def step_fns(
     tx = make_optimizer(opt_cfg)
     opt_state = tx.init(params)
     jax_batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    loss = lm_loss_fn(
+        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss_chunks
+    )
     step = make_train_step(loss, tx, precision=prec)
     step = step.lower(params, opt_state, None, jax_batch).compile()
     torch_opt = make_torch_optimizer(torch_model, opt_cfg)

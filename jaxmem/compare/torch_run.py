@@ -45,7 +45,7 @@ from jaxmem.train.loop import (
 from torch_ref.checkpoint import TorchCheckpointer
 from torch_ref.generate import generate
 from torch_ref.loss import cross_entropy_sum
-from torch_ref.remat import apply_memory_policy, validate_for_torch
+from torch_ref.remat import apply_loss_policy, apply_memory_policy, validate_for_torch
 from torch_ref.train import (
     TORCH_DTYPES,
     HybridDeviceOptimizer,
@@ -120,6 +120,7 @@ class TorchTrainer:
         model = torch_model_from(initial)
         model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
         self.runner = apply_memory_policy(model.blocks, job.memory)
+        apply_loss_policy(model, job.memory)
         # FSDP2 manages the model (sharded, or streamed through host memory on one process too)
         self.streamed = job.optimizer.stream
         # ranks of a process group (one, streamed): state gathered on rank 0 for checkpoints,

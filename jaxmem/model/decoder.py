@@ -15,6 +15,7 @@ standard or gated MLP, grouped-query attention, biases per part; GPT-2 and Llama
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -394,6 +395,12 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_bs: Array, *, layers_fn: LayersFn | None = None) -> Array:
         """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32 (float64 for a float64 model)."""
+        head, head_params = self.head()
+        return head(head_params, self.features(tokens_bs, layers_fn=layers_fn))
+
+    def features(self, tokens_bs: Array, *, layers_fn: LayersFn | None = None) -> Array:
+        """Token ids ``[B, S]`` → the block stack's output ``[B, S, D]`` (compute dtype), what
+        the head (``head``) turns into logits."""
         seq_len = tokens_bs.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(
@@ -403,15 +410,57 @@ class Decoder(nnx.Module):
         if self.wpe is not None:
             x = x + self.wpe(jnp.arange(seq_len))[None]
         x = x.astype(self.dtype)
-        x = self.blocks(x, layers_fn=layers_fn)
+        return self.blocks(x, layers_fn=layers_fn)
+
+    def head(self) -> tuple[HeadFn, dict[str, Array]]:
+        """The final norm and LM head as a pure function and its parameters:
+        ``fn(head_params, x_bsd) -> logits_bsv`` (fp32, or float64 for a float64 model).
+
+        ``head_params`` holds the parameters as they are (the final norm's scale and bias, the
+        tied embedding table or the head's kernel), so a loss that runs the head itself
+        (``jaxmem.model.loss.chunked_lm_loss``) differentiates them like any other use."""
+        params: dict[str, Array] = {}
         if self.norm_f is not None:
-            x = self.norm_f(x)
+            params["norm_scale"] = self.norm_f.norm.scale[...]
+            if getattr(self.norm_f.norm, "bias", None) is not None:
+                params["norm_bias"] = self.norm_f.norm.bias[...]
         if self.lm_head is None:
-            table = self.wte.embedding[...].astype(self.dtype)  # [V, D]
-            logits = jnp.einsum("bsd,vd->bsv", x, table, preferred_element_type=wide(self.dtype))
+            params["table"] = self.wte.embedding[...]  # [V, D]
         else:
-            logits = self.lm_head(x)
-        return logits.astype(wide(self.dtype))
+            params["kernel"] = self.lm_head.kernel[...]  # [D, V]
+        fn = functools.partial(
+            head_logits,
+            norm_type=None if self.norm_f is None else self.cfg.norm_type,
+            eps=self.cfg.layer_norm_eps,
+            dtype=self.dtype,
+        )
+        return fn, params
+
+
+HeadFn = Callable[[dict[str, Array], Array], Array]
+
+
+def head_logits(
+    params: dict[str, Array], x_bsd: Array, *, norm_type: str | None, eps: float, dtype: Any
+) -> Array:
+    """The final norm (if any) and the LM head of ``Decoder.head``: the norm computed in fp32 and
+    cast back, the head multiplying in the compute dtype with fp32 accumulation, as the blocks'
+    linear layers do."""
+    x = x_bsd
+    if norm_type == "rmsnorm":
+        x = ops.rms_norm(x, params["norm_scale"], eps).astype(dtype)
+    elif norm_type is not None:
+        x = ops.layer_norm(x, params["norm_scale"], params.get("norm_bias"), eps).astype(dtype)
+    acc = wide(dtype)
+    if "table" in params:
+        table = params["table"].astype(dtype)  # [V, D]
+        logits = jnp.einsum("bsd,vd->bsv", x, table, preferred_element_type=acc)
+    else:  # nnx.Linear's own contraction of a [D, V] kernel
+        kernel = params["kernel"].astype(dtype)
+        logits = jax.lax.dot_general(
+            x, kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=acc
+        )
+    return logits.astype(acc)
 
 
 def make_model(

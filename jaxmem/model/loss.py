@@ -4,6 +4,9 @@ whenever microbatches hold different numbers of valid tokens)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -72,3 +75,105 @@ def mse_sum(pred: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
     acc = wide(pred.dtype)
     err = pred.astype(acc) - target.astype(acc)
     return jnp.sum(err * err), jnp.asarray(err.size, acc)
+
+
+# ---------------------------------------------------------------- the head and loss in chunks
+# Kept whole, the loss's backward reads the [B, S, V] logits (fp32) the forward made: the largest
+# activation of a model with a big vocabulary (Llama 3's 128,256 tokens: 8.4 GB for 8 x 2,048
+# tokens) and, in the backward, its gradient beside them. ``chunked_lm_loss`` runs the final norm,
+# the head and the loss over sequence chunks and forms each chunk's gradients (with respect to the
+# stack's output and the head's parameters) in the forward, where its logits exist: no logits are
+# kept for the backward and one chunk's exist at a time, at no recomputed FLOP. The backward only
+# scales what the forward formed by the loss's cotangent. The same idea as Liger-Kernel's fused
+# linear cross-entropy, written here over any head of ``Decoder.head`` in jax.numpy.
+def chunked_lm_loss(
+    head: Callable[[dict, jax.Array], jax.Array],
+    head_params: dict,
+    x_bsd: jax.Array,
+    targets_bs: jax.Array,
+    mask_bs: jax.Array | None = None,
+    *,
+    chunks: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``cross_entropy_sum(head(head_params, x_bsd), targets_bs, mask_bs)`` computed over
+    ``chunks`` equal sequence chunks, each chunk's gradients formed in the forward.
+
+    The loss is the same sum; gradients agree with the whole loss's up to the order in which the
+    head's parameter gradient adds chunk partials (in the wide dtype) and, in 16-bit compute, one
+    rounding per chunk. Its cotangent multiplies the stored gradients, so a loss scaled by a
+    factor unknown in the forward (fp16's dynamic loss scale) would lose what the forward's
+    unscaled gradients underflowed: ``jaxmem.job`` refuses fp16 with chunks.
+
+    Args:
+      head: ``fn(head_params, x) -> logits`` (``Decoder.head``), pure.
+      head_params: its parameters (any pytree of arrays).
+      x_bsd: ``[B, S, D]`` the stack's output.
+      targets_bs: ``[B, S]`` target ids; ``mask_bs``: optional ``[B, S]`` weights.
+      chunks: sequence chunks, dividing ``S``.
+
+    Returns:
+      ``(loss_sum, n_tokens)`` as ``cross_entropy_sum`` returns them.
+    """
+    seq = x_bsd.shape[1]
+    if not (isinstance(chunks, int) and chunks >= 1 and seq % chunks == 0):
+        raise ValueError(f"loss chunks={chunks!r} must be a positive divisor of seq_len={seq}")
+    acc = wide(x_bsd.dtype)
+    weights = jnp.ones(targets_bs.shape, acc) if mask_bs is None else mask_bs.astype(acc)
+    loss_sum = _chunked_nll_sum(head, chunks, head_params, x_bsd, targets_bs, weights)
+    return loss_sum, weights.sum()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_nll_sum(head, chunks, head_params, x_bsd, targets_bs, weights_bs):
+    return _chunked_fwd(head, chunks, head_params, x_bsd, targets_bs, weights_bs)[0]
+
+
+def _chunk_major(a: jax.Array, chunks: int) -> jax.Array:
+    """``[B, S, ...]`` -> ``[chunks, B, S / chunks, ...]`` (the batch axis, and its sharding over
+    data-parallel devices, stays whole in every chunk)."""
+    b, s = a.shape[:2]
+    return jnp.moveaxis(a.reshape(b, chunks, s // chunks, *a.shape[2:]), 1, 0)
+
+
+def _chunked_fwd(head, chunks, head_params, x_bsd, targets_bs, weights_bs):
+    def chunk_loss(p, x, t, w):
+        logits = head(p, x)
+        nll = token_nll(logits.astype(wide(logits.dtype)), t)
+        return (nll * w.astype(nll.dtype)).sum()
+
+    def one(p, x, t, w):
+        loss, pull = jax.vjp(lambda p_, x_: chunk_loss(p_, x_, t, w), p, x)
+        dp, dx = pull(jnp.ones_like(loss))
+        return loss, dp, dx
+
+    if chunks == 1:
+        loss, dp, dx = one(head_params, x_bsd, targets_bs, weights_bs)
+        return loss, (dp, dx)
+    acc_dtype = lambda a: jnp.promote_types(a.dtype, wide(x_bsd.dtype))  # noqa: E731
+
+    def body(carry, chunk):
+        dp_acc, loss_acc = carry
+        loss, dp, dx = one(head_params, *chunk)
+        dp_acc = jax.tree_util.tree_map(lambda a, d: a + d.astype(a.dtype), dp_acc, dp)
+        return (dp_acc, loss_acc + loss), dx
+
+    zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, acc_dtype(a)), head_params)
+    init = (zeros, jnp.zeros((), wide(x_bsd.dtype)))
+    xs = tuple(_chunk_major(a, chunks) for a in (x_bsd, targets_bs, weights_bs))
+    (dp, loss), dx_c = jax.lax.scan(body, init, xs)
+    dx = jnp.moveaxis(dx_c, 0, 1).reshape(x_bsd.shape)
+    dp = jax.tree_util.tree_map(lambda d, a: d.astype(a.dtype), dp, head_params)
+    return loss, (dp, dx)
+
+
+def _chunked_bwd(head, chunks, res, g):
+    del head, chunks
+    dp, dx = res
+
+    def scale(d):  # in the wide dtype: a 16-bit copy of the cotangent would round it
+        return (d.astype(jnp.promote_types(d.dtype, g.dtype)) * g).astype(d.dtype)
+
+    return jax.tree_util.tree_map(scale, dp), scale(dx), None, None
+
+
+_chunked_nll_sum.defvjp(_chunked_fwd, _chunked_bwd)

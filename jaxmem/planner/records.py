@@ -259,7 +259,7 @@ def stream_plan(
     update = opt_cfg.stream_update or "device"
 
     def make_loss(lf: Any) -> Any:
-        return lm_loss_fn(graphdef, layers_fn=lf)
+        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks)
 
     def streamed(loss: Any, **where: Any) -> Any:
         return stream.make_streamed_step(
@@ -443,7 +443,7 @@ def _compile_step(
     if parallel is not None and parallel.sharded:
         shardings, plan, compiler = _compile_sharded(
             parallel,
-            lambda lf: lm_loss_fn(graphdef, layers_fn=lf),
+            lambda lf: lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks),
             policy,
             n_layers,
             tx,
@@ -471,7 +471,7 @@ def _one_device_step(
     """The jitted train step on one device (accumulating the stack's gradient in place)."""
 
     def make_loss(lf: Any) -> Any:
-        return lm_loss_fn(graphdef, layers_fn=lf)
+        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks)
 
     return make_train_step(
         make_loss(layers_fn(policy, n_layers)),
@@ -564,7 +564,7 @@ def jax_record(
         else lm_step_batch(cfg, batch // accum // n_dev, seq_len, abstract)
     )
     layers = layers_fn(policy, cfg.n_layers)
-    loss = lm_loss_fn(graphdef, layers_fn=layers)
+    loss = lm_loss_fn(graphdef, layers_fn=layers, loss_chunks=policy.loss_chunks)
 
     def f(p, b):
         return loss(p, b)[0]
@@ -579,7 +579,9 @@ def jax_record(
     flops_of = f
     if kernel == "cudnn":  # an opaque custom call: count its matmuls as the blockwise kernel's
         blockwise = nnx.eval_shape(lambda: make_model(cfg, precision, platform="cpu"))
-        blockwise_loss = lm_loss_fn(nnx.split(blockwise, nnx.Param)[0], layers_fn=layers)
+        blockwise_loss = lm_loss_fn(
+            nnx.split(blockwise, nnx.Param)[0], layers_fn=layers, loss_chunks=policy.loss_chunks
+        )
 
         def flops_of(p, b):
             return blockwise_loss(p, b)[0]

@@ -209,7 +209,9 @@ def _flops_per_row(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision,
     model = nnx.eval_shape(lambda: make_model(cfg, precision))
     graphdef, params = nnx.split(model, nnx.Param)
     micro = lm_step_batch(cfg, 1, seq, abstract=True)
-    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
+    loss = lm_loss_fn(
+        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss_chunks
+    )
     return grad_matmul_flops(lambda p, b: loss(p, b)[0], params, micro)
 
 

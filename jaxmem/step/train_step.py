@@ -23,7 +23,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxmem.config import AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.memory.remat import accumulates_in_place, accumulating_layers_fn
 from jaxmem.model import STACK_PATH
-from jaxmem.model.loss import cross_entropy_sum
+from jaxmem.model.loss import chunked_lm_loss, cross_entropy_sum
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.step.scaling import all_finite
@@ -78,16 +78,28 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     raise ValueError(f"optimizer={cfg.name!r} is not supported")
 
 
-def lm_loss_fn(graphdef: nnx.GraphDef, **model_kwargs: Any) -> Callable[..., tuple]:
+def lm_loss_fn(
+    graphdef: nnx.GraphDef, *, loss_chunks: int = 0, **model_kwargs: Any
+) -> Callable[..., tuple]:
     """``loss(params, batch) -> (mean_loss, (loss_sum, n_tokens))`` for next-token prediction.
 
     ``batch`` is ``{"inputs": [B, S] ids, "targets": [B, S] ids, "mask": [B, S] (optional)}``.
+    ``loss_chunks`` (``MemoryPolicy.loss_chunks``): 0 computes the whole logits and keeps them
+    for the backward; N runs the head and loss over N sequence chunks with each chunk's gradients
+    formed in the forward (``chunked_lm_loss``).
     """
 
     def loss(params: nnx.State, batch: dict[str, jax.Array]):
         model = nnx.merge(graphdef, params)
-        logits = model(batch["inputs"], **model_kwargs)
-        loss_sum, n_tokens = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
+        if loss_chunks:
+            head, head_params = model.head()
+            x = model.features(batch["inputs"], **model_kwargs)
+            loss_sum, n_tokens = chunked_lm_loss(
+                head, head_params, x, batch["targets"], batch.get("mask"), chunks=loss_chunks
+            )
+        else:
+            logits = model(batch["inputs"], **model_kwargs)
+            loss_sum, n_tokens = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
         return loss_sum / n_tokens, (loss_sum, n_tokens)
 
     return loss

@@ -238,11 +238,12 @@ class JaxTrainer:
             )
             params = jax.device_put(params, self.shardings.params)
         layers = layers_fn(job.memory, cfg.n_layers)
-        plain_loss = lm_loss_fn(self.graphdef, layers_fn=layers)
+        chunks = job.memory.loss_chunks
+        plain_loss = lm_loss_fn(self.graphdef, layers_fn=layers, loss_chunks=chunks)
         self._where = None  # where host-resident parameters go on the device (None: device 0)
 
         def make_loss(lf: Any) -> Any:
-            return lm_loss_fn(self.graphdef, layers_fn=lf)
+            return lm_loss_fn(self.graphdef, layers_fn=lf, loss_chunks=chunks)
 
         make_parallel_loss = make_loss  # the loss as the strategy runs it, of a layers_fn
         if self.shardings is not None:
