@@ -97,6 +97,19 @@ def test_torch_streams_the_jax_streamed_runs_losses(unstreamed, tmp_path):
     )
 
 
+@pytest.mark.slow
+def test_torch_loss_chunks_train_to_the_whole_losses(unstreamed, tmp_path):
+    """``--loss-chunks`` in torch_ref (its chunked loss, an extension, inside the decoder's
+    forward): the whole loss's losses within the chunking entry of the table."""
+    out = tmp_path / "chunked"
+    args = [*HOST_RUN, "--steps", "6", "--loss-chunks", "4", "--framework", "torch"]
+    assert train(*args, "--out", str(out)) == 0
+    tol = tolerance("bfloat16", "loss_chunks_loss")
+    np.testing.assert_allclose(
+        [r["loss"] for r in metrics(out)], [r["loss"] for r in unstreamed], **tol.kwargs()
+    )
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

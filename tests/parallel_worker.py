@@ -7,7 +7,7 @@ bytes of parameters and optimizer state actually resident on the first device. A
 ``"<strategy>+stream"``. A case with ``"tp": T`` runs each strategy on a data x tensor mesh
 (``DEVICES // T`` x ``T``: Megatron's tensor parallelism on the second axis) and, with
 ``"tp_alone": true``, tensor parallelism alone over ``T`` devices as ``"tp"``; ``"preset"``
-names the model (default ``tiny``).
+names the model (default ``tiny``); ``"loss_chunks": N`` runs the head and loss in N chunks.
 
     python tests/parallel_worker.py '[{"policy": "full", "precision": "fp32", ...}]'
 """
@@ -54,13 +54,16 @@ def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
     g, params = nnx.split(make_model(cfg, precision, seed=0), nnx.Param)
     tx = make_optimizer(opt_cfg)
     layers = layers_fn(get_policy(case["policy"]), cfg.n_layers)
-    loss = lm_loss_fn(g, layers_fn=layers)
+    chunks = case.get("loss_chunks", 0)
+    loss = lm_loss_fn(g, layers_fn=layers, loss_chunks=chunks)
     sh = None
     if parallel.sharded:
         sh = step_shardings(
             parallel, params, jax.eval_shape(tx.init, params), state_memory=opt_cfg.state_memory
         )
-        loss = parallel_loss(lambda lf: lm_loss_fn(g, layers_fn=lf), layers, parallel, sh.mesh)
+        loss = parallel_loss(
+            lambda lf: lm_loss_fn(g, layers_fn=lf, loss_chunks=chunks), layers, parallel, sh.mesh
+        )
         params = jax.device_put(params, sh.params)
         opt_state = jax.jit(tx.init, out_shardings=sh.opt_state)(params)
     else:
@@ -72,7 +75,9 @@ def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
         where = streaming.placement(tx, params, sh, parallel)
         params, opt_state = streaming.place(params, streaming.init_state(tx, params), where)
         step = streaming.make_streamed_step(
-            lambda lf: parallel_loss(lambda f: lm_loss_fn(g, layers_fn=f), lf, parallel, sh.mesh),
+            lambda lf: parallel_loss(
+                lambda f: lm_loss_fn(g, layers_fn=f, loss_chunks=chunks), lf, parallel, sh.mesh
+            ),
             layers,
             tx,
             accum_steps=accum.steps,

@@ -432,3 +432,28 @@ def test_optimizer_state_and_params_in_host_memory_train_and_resume_the_same(tmp
     # placement moves bytes, not arithmetic
     assert [r["loss"] for r in metrics(host)] == [r["loss"] for r in metrics(dev)]
     assert [r.get("val_loss") for r in metrics(host)] == [r.get("val_loss") for r in metrics(dev)]
+
+
+@pytest.mark.slow
+def test_loss_chunks_train_and_resume_to_the_whole_losses(tmp_path, capsys):
+    """The head and loss in 4 chunks (each chunk's gradients formed in the forward), composed
+    with a policy, bf16 and accumulation: the whole loss's losses (the head's gradient adds chunk
+    partials in another order). A resume reads the chunks from the run's config; one asking for
+    other chunks contradicts it and is refused, changing nothing."""
+    chunked, whole = tmp_path / "chunked", tmp_path / "whole"
+    step = ["--precision", "bf16", "--policy", "selective", "--accum", "2"]
+    common = [*step, "--checkpoint-every", "3", "--eval-every", "3"]
+    assert train("--steps", "3", *common, "--loss-chunks", "4", "--out", str(chunked)) == 0
+    assert train("--steps", "6", *common, "--out", str(chunked), "--resume") == 0
+    assert train("--steps", "6", *common, "--out", str(whole)) == 0
+    tol = tolerance("bfloat16", "loss_chunks_loss")
+    c, w = metrics(chunked), metrics(whole)
+    assert [r["step"] for r in c] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in c], [r["loss"] for r in w], **tol.kwargs())
+    assert "loss_chunks: 4" in (chunked / "config.yaml").read_text()
+    before = snapshot(chunked)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        train("--steps", "7", *common, "--loss-chunks", "2", "--out", str(chunked), "--resume")
+    assert exc.value.code == 2 and "loss_chunks" in capsys.readouterr().err
+    assert snapshot(chunked) == before

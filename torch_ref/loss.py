@@ -26,6 +26,10 @@ def cross_entropy_sum(
     return (nll_bs * mask).sum(), mask.sum()
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class ChunkedLMLoss(torch.autograd.Function):
     """The head and loss over sequence chunks, each chunk's gradients formed in the forward
     (``chunked_lm_loss``). Inputs: ``(head, chunks, x, targets, weights, *params)``."""
@@ -39,10 +43,15 @@ class ChunkedLMLoss(torch.autograd.Function):
         step = x.shape[1] // chunks
         for start in range(0, x.shape[1], step):
             part = slice(start, start + step)
-            with torch.enable_grad():
+            # inner saved-tensor hooks that keep what they are given: what this chunk saves is
+            # freed here, so hooks outside (accounting, offload) must not see it as kept
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 x_c = x[:, part].detach().requires_grad_(True)
+                # the head reads a view of the leaf: module trackers (ModTracker, MemTracker)
+                # hook a module's inputs, and autograd.grad refuses such hooks on a leaf
+                logits = head(x_c.view_as(x_c))
                 nll = F.cross_entropy(
-                    head(x_c).to(acc).flatten(0, 1), targets[:, part].flatten(), reduction="none"
+                    logits.to(acc).flatten(0, 1), targets[:, part].flatten(), reduction="none"
                 )
                 loss = (nll.view_as(targets[:, part]) * weights[:, part].to(acc)).sum()
                 grads = torch.autograd.grad(loss, [x_c, *params], allow_unused=True)

@@ -290,17 +290,10 @@ def measure_lm_step(
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from torch_ref.loss import cross_entropy_sum
-    from torch_ref.train import TORCH_DTYPES
-
-    device = inputs.device.type
+    from torch_ref.train import lm_loss_sum
 
     def forward():
-        with torch.autocast(
-            device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
-        ):
-            logits = model(inputs)
-        loss_sum, n = cross_entropy_sum(logits, targets)
+        loss_sum, n = lm_loss_sum(model, {"inputs": inputs, "targets": targets}, precision)
         return loss_sum / n
 
     with FlopCounterMode(display=False) as counter:

@@ -36,7 +36,7 @@ from jaxmem.job import torch_mesh_refusal
 from jaxmem.parallel import ParallelConfig, parse_mesh
 from jaxmem.policy import MemoryPolicy, parse_policy
 from jaxmem.precision import PRECISIONS, Precision
-from torch_ref.remat import apply_memory_policy
+from torch_ref.remat import apply_loss_policy, apply_memory_policy
 from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer
 
 
@@ -58,6 +58,7 @@ def measure(
     torch.manual_seed(seed)
     model = torch_ref.Decoder(cfg).to(device, TORCH_DTYPES[precision.param_dtype])
     runner = apply_memory_policy(model.blocks, policy)
+    apply_loss_policy(model, policy)
     model = tdist.shard(model, parallel, launch)
     opt = make_optimizer(model, opt_cfg)
     gen = torch.Generator().manual_seed(seed)
@@ -133,17 +134,11 @@ def _saved_activations(
     """What one forward of this rank's rows leaves alive for the backward
     (``torch_ref.memory.forward_live_bytes``, grouped by jaxmem tag over the block stack); the
     backward then runs and its gradients are dropped."""
-    from torch_ref.loss import cross_entropy_sum
     from torch_ref.memory import forward_live_bytes
-
-    device = data["inputs"].device.type
+    from torch_ref.train import lm_loss_sum
 
     def forward() -> torch.Tensor:
-        with torch.autocast(
-            device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
-        ):
-            logits = model(data["inputs"])
-        loss_sum, n = cross_entropy_sum(logits, data["targets"])
+        loss_sum, n = lm_loss_sum(model, data, precision)
         # collectives still in flight hold buffers that their completion frees: let them
         # finish (and what they released go) before the live storages are read
         tdist.barrier()

@@ -16,6 +16,7 @@ query heads share each), K head_dim, F d_ff, V vocab.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -348,8 +349,10 @@ class Decoder(nn.Module):
         from torch_ref.loss import chunked_lm_loss, cross_entropy_sum
 
         if self.loss_chunks:
+            # the head runs once per chunk: its norm's forward called directly, without the
+            # module hooks that expect one call per step (MemTracker refuses a second)
             return chunked_lm_loss(
-                self.head_logits,
+                functools.partial(self.head_logits, hooks=False),
                 self.head_parameters(),
                 x,
                 targets_bs,
@@ -366,10 +369,11 @@ class Decoder(nn.Module):
         x = x.to(compute_dtype_of(x))  # the residual stream runs in the compute dtype, as in jaxmem
         return self.blocks(x)
 
-    def head_logits(self, x_bsd: torch.Tensor) -> torch.Tensor:
-        """The final norm (if any) and the LM head: ``[B, S, D]`` → fp32 logits ``[B, S, V]``."""
+    def head_logits(self, x_bsd: torch.Tensor, *, hooks: bool = True) -> torch.Tensor:
+        """The final norm (if any) and the LM head: ``[B, S, D]`` → fp32 logits ``[B, S, V]``
+        (``hooks=False``: the norm's ``forward`` called without its module hooks)."""
         if self.norm_f is not None:
-            x_bsd = self.norm_f(x_bsd)
+            x_bsd = self.norm_f(x_bsd) if hooks else self.norm_f.forward(x_bsd)
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
         return fp32_einsum("bsd,vd->bsv", x_bsd, head)  # fp32 logits
 

@@ -149,6 +149,25 @@ def split_microbatches(batch: dict[str, torch.Tensor], k: int) -> list[dict[str,
     ]
 
 
+def lm_loss_sum(
+    model: nn.Module, batch: dict[str, torch.Tensor], precision: Precision
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_sum, n_tokens)`` of ``batch`` through ``model`` (a ``torch_ref.Decoder``, bare or
+    wrapped by DDP/FSDP), the forward under autocast for mixed precision. With the decoder's
+    ``loss_chunks`` set (``torch_ref.remat.apply_loss_policy``) the head and loss run inside its
+    forward, in chunks; otherwise the logits come out and the loss is taken outside autocast."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    chunked = bool(getattr(inner, "loss_chunks", 0))
+    device = batch["inputs"].device.type
+    with torch.autocast(
+        device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
+    ):
+        if chunked:  # the loss inside the module's forward (torch_ref.Decoder.forward)
+            return model(batch["inputs"], batch["targets"], batch.get("mask"))
+        logits = model(batch["inputs"])
+    return cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
+
+
 def accumulate_grads(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
@@ -173,20 +192,9 @@ def accumulate_grads(
         mask.float().sum() if mask is not None else torch.tensor(float(batch["targets"].numel()))
     )
     divide_by = n_total if divisor is None else divisor(n_total)
-    device = batch["inputs"].device.type
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    chunked = bool(getattr(inner, "loss_chunks", 0))
     loss_sum_total = None  # summed on the device, in the loss's dtype
     for micro in split_microbatches(batch, accum_steps):
-        with torch.autocast(
-            device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed
-        ):
-            if chunked:  # the loss inside the module's forward (torch_ref.Decoder.forward)
-                loss_sum, _ = model(micro["inputs"], micro["targets"], micro.get("mask"))
-            else:
-                logits = model(micro["inputs"])
-        if not chunked:
-            loss_sum, _ = cross_entropy_sum(logits, micro["targets"], micro.get("mask"))
+        loss_sum, _ = lm_loss_sum(model, micro, precision)
         loss = loss_sum / divide_by
         (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum = loss_sum.detach()

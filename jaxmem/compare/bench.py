@@ -46,10 +46,9 @@ from jaxmem.model import make_model
 from jaxmem.policy import POLICIES, MemoryPolicy
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step
-from torch_ref.loss import cross_entropy_sum
 from torch_ref.memory import measure_lm_step
-from torch_ref.remat import apply_memory_policy, resolve_translation
-from torch_ref.train import TORCH_DTYPES
+from torch_ref.remat import apply_loss_policy, apply_memory_policy, resolve_translation
+from torch_ref.train import TORCH_DTYPES, lm_loss_sum
 from torch_ref.train import make_optimizer as make_torch_optimizer
 
 MIB = 1 << 20
@@ -154,6 +153,7 @@ def torch_point(
     prec = PRECISIONS[precision_name]
     tm = torch_model_from(reference).to(TORCH_DTYPES[prec.param_dtype])
     runner = apply_memory_policy(tm.blocks, policy, translation)
+    apply_loss_policy(tm, policy)
     x, y = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
     live, _, flops = measure_lm_step(tm, runner, x, y, prec)
     return {
@@ -264,6 +264,7 @@ def step_fns(
     nnx.update(model, nnx.state(reference, nnx.Param))
     torch_model = torch_model_from(reference).to(TORCH_DTYPES[prec.param_dtype])
     runner = apply_memory_policy(torch_model.blocks, policy)
+    apply_loss_policy(torch_model, policy)
     inputs, targets = lm_batch(cfg, batch, seq_len)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(opt_cfg)
@@ -276,13 +277,10 @@ def step_fns(
     step = step.lower(params, opt_state, None, jax_batch).compile()
     torch_opt = make_torch_optimizer(torch_model, opt_cfg)
     x_t, y_t = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
-    autocast_dtype = TORCH_DTYPES[prec.compute_dtype]
 
     def torch_step() -> None:
         torch_opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=autocast_dtype, enabled=prec.is_mixed):
-            logits = torch_model(x_t)
-        loss_sum, n = cross_entropy_sum(logits, y_t)
+        loss_sum, n = lm_loss_sum(torch_model, {"inputs": x_t, "targets": y_t}, prec)
         (loss_sum / n).backward()
         torch_opt.step()
 

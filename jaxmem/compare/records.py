@@ -27,7 +27,7 @@ from jaxmem.planner.records import lm_step_batch
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
 from torch_ref.memory import measure_lm_step
-from torch_ref.remat import apply_memory_policy
+from torch_ref.remat import apply_loss_policy, apply_memory_policy
 from torch_ref.train import TORCH_DTYPES, accumulate_grads
 from torch_ref.train import make_optimizer as make_torch_optimizer
 
@@ -69,6 +69,7 @@ def torch_record(
         else:
             model = torch_ref.Decoder(cfg).to(device, dtype)
         runner = apply_memory_policy(model.blocks, policy, translation)
+        apply_loss_policy(model, policy)
         opt = make_torch_optimizer(model, opt_cfg)
         if fake:  # token ids do not change the bytes or the FLOPs
             x = torch.zeros(batch, seq_len, dtype=torch.long)

@@ -204,6 +204,16 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
         ),
     },
     "bfloat16": {
+        "loss_chunks_loss": Tolerance(
+            rtol=2e-4,
+            atol=0.0,
+            reason="the head and loss in chunks vs whole (MemoryPolicy.loss_chunks), bf16 "
+            "compute: the head's parameter gradient is rounded to bf16 once per chunk and the "
+            "partials added in fp32 (whole: one rounding), compounding through the AdamW "
+            "updates; measured max relative diff 1.5e-5 (tiny, selective, 2 microbatches, 4 "
+            "chunks, 6 steps; 9.4e-8 in fp32). A chunk's gradient dropped or counted twice moves "
+            "the loss at the 1e-2 level",
+        ),
         "loss": Tolerance(
             rtol=1e-3,
             atol=0.0,

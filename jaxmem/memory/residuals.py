@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxmem.model.loss import chunked_loss_gradients
+
 
 @dataclasses.dataclass(frozen=True)
 class Residual:
@@ -191,6 +193,8 @@ def _residual_name(jaxpr: Any, var: Any, depth: int = 0) -> str | None:
         sub = _sub_jaxpr(eqn)
         if sub is None:
             return None
+        if prim in ("jit", "pjit") and eqn.params.get("name") == chunked_loss_gradients.__name__:
+            return "<loss gradients>"  # formed in the forward (MemoryPolicy.loss_chunks)
         index = eqn.outvars.index(var)
         if prim == "scan" and index < eqn.params["num_carry"]:
             return "<stack output>"  # the final carry: the last layer's output, kept downstream

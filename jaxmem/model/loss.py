@@ -136,6 +136,15 @@ def _chunk_major(a: jax.Array, chunks: int) -> jax.Array:
 
 
 def _chunked_fwd(head, chunks, head_params, x_bsd, targets_bs, weights_bs):
+    # one named call: residual accounting (jaxmem.memory.residuals) names what it leaves for
+    # the backward "<loss gradients>"
+    call = jax.jit(functools.partial(chunked_loss_gradients, head, chunks))
+    return call(head_params, x_bsd, targets_bs, weights_bs)
+
+
+def chunked_loss_gradients(head, chunks, head_params, x_bsd, targets_bs, weights_bs):
+    """The loss and, formed chunk by chunk, its gradients (``_chunked_nll_sum``'s forward)."""
+
     def chunk_loss(p, x, t, w):
         logits = head(p, x)
         nll = token_nll(logits.astype(wide(logits.dtype)), t)
