@@ -124,6 +124,12 @@ def greedy(problem: Problem, strategy: str | None, budgets: list[int], compile_p
     return path
 
 
+SEARCHED = (
+    "presets, mixes of two presets, per-tag policies (jaxmem.planner.tags), each stack scanned "
+    "and (GPU targets) unrolled, the LM head and loss whole and in chunks"
+)
+
+
 def run_config(name: str, target) -> dict:
     preset, devices = name.split("/")
     devices = int(devices)
@@ -186,7 +192,7 @@ def run_config(name: str, target) -> dict:
     out = {
         "config": name,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "searched": "presets, mixes of two presets and per-tag policies (jaxmem.planner.tags)",
+        "searched": SEARCHED,
         "preset": preset,
         "devices": devices,
         "batch": batch,
@@ -277,7 +283,7 @@ def run_torch_peer() -> dict:
         "config": "small/cpu",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": {"jax": jax.__version__, "torch": torch_version()},
-        "searched": "presets, mixes of two presets and per-tag policies (jaxmem.planner.tags)",
+        "searched": SEARCHED,
         "batch": batch,
         "seq_len": seq,
         "precision": "fp32",

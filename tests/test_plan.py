@@ -366,6 +366,28 @@ def test_the_planner_chooses_a_per_tag_policy_where_it_is_cheapest(tmp_path):
     assert json.loads(out.read_text())["chosen"]["policy"] == "selective"
 
 
+def test_the_planner_runs_the_loss_in_chunks_where_only_that_fits(tmp_path, capsys):
+    """A vocabulary of 8,192 on a 4-layer tiny (4 x 64 tokens): the fp32 logits and their
+    gradient are most of the step (XLA:CPU plans: `none` 38.3 MiB whole, 20.3 MiB with the loss
+    in 8 chunks, `full` 33.6, `none` in 2 microbatches 25.8). At 22 MiB the planner answers
+    `none` with the loss in chunks (the same FLOPs, one microbatch) and its command runs it;
+    searching the whole loss only, nothing fits."""
+    common = ["plan", "--preset", "tiny", "--n-layers", "4", "--set", "model.vocab_size=8192"]
+    common += ["--batch-size", "4", "--seq-len", "64", "--accum", "1,2", "--no-tags", "--no-mix"]
+    common += ["--policies", "none,full", "--budget", "22MiB"]
+    out = tmp_path / "plan.json"
+    assert main([*common, "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    chosen = plan["chosen"]
+    assert (chosen["policy"], chosen["accum"], chosen["loss_chunks"]) == ("none", 1, 8)
+    assert chosen["compiled_bytes"] <= 22 * MIB
+    assert "--loss-chunks 8" in plan["commands"]["jax"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main([*common, "--no-loss-chunks"])
+    assert exc.value.code == 2 and "fits 22.0 MiB" in capsys.readouterr().err
+
+
 def test_on_a_gpu_target_the_planner_unrolls_a_stack_whose_scan_does_not_fit():
     """Unrolling changes the plan, not the FLOPs: where an unrolled stack plans less than its
     scan (XLA:CUDA: gpt2-124m bf16 `none` 13.30 -> 10.53 GB), a budget between the two gets the

@@ -95,6 +95,14 @@ def add_parser(sub) -> None:
         help="only scanned stacks (default on GPU targets: each stack also unrolled, the same "
         "FLOPs in another plan, chosen where the scanned one does not fit)",
     )
+    g.add_argument(
+        "--no-loss-chunks",
+        dest="loss_chunks_search",
+        action="store_false",
+        help="only the whole loss (default: also each stack with the LM head and loss in up to 8 "
+        "chunks, --loss-chunks: the same FLOPs, no logits kept; chosen where the whole loss "
+        "does not fit)",
+    )
     g.add_argument("--accum", default="1,2,4,8", help="microbatch counts (default 1,2,4,8)")
     g.add_argument(
         "--state-offload",
@@ -163,6 +171,7 @@ def _space(args: argparse.Namespace, job):
         accum=int_list(args.accum, "--accum"),
         tags=args.tags,
         unroll=args.unroll_search,
+        loss_chunks=PlanSpace.loss_chunks if args.loss_chunks_search else 0,
         state_memory=("device", "pinned_host", "stream", "stream-host")
         if args.state_offload
         else ("device",),

@@ -93,6 +93,10 @@ class PlanSpace:
     # also each stack unrolled (``MemoryPolicy.unroll``: the same FLOPs, another plan; GPU
     # targets only: XLA:CPU reflects remat only under scan)
     unroll: bool = True
+    # also each stack with the head and loss in chunks (``MemoryPolicy.loss_chunks``: the same
+    # FLOPs, no logits kept): at most this many, the largest count dividing the sequence
+    # (``chunk_count``); 0: the whole loss only
+    loss_chunks: int = 8
 
     def __post_init__(self) -> None:
         for field in ("policies", "mix"):
@@ -103,6 +107,15 @@ class PlanSpace:
         require(not bad and self.accum, f"plan microbatch counts {bad} must be positive integers")
         bad = [p for p in self.precisions if p not in PRECISIONS]
         require(not bad, f"plan precisions {bad} are not one of {', '.join(PRECISIONS)}")
+        require(
+            isinstance(self.loss_chunks, int) and self.loss_chunks >= 0,
+            f"plan loss_chunks={self.loss_chunks!r} must be 0 (whole loss only) or a count",
+        )
+
+
+def chunk_count(most: int, seq_len: int) -> int:
+    """The largest number of loss chunks at most ``most`` that divides ``seq_len`` (0: none)."""
+    return max((k for k in range(1, most + 1) if seq_len % k == 0), default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +147,22 @@ class Candidate:
         streamed = ("streamed", self.stream) if self.stream else ()
         unrolled = ("unrolled",) if self.policy.unroll else ()
         tensor = (f"tp={self.tp}",) if self.tp > 1 else ()
-        return (self.accum, self.strategy, *tensor, self.precision, *streamed, *unrolled)
+        chunks = (f"loss/{self.policy.loss_chunks}",) if self.policy.loss_chunks else ()
+        return (
+            self.accum,
+            self.strategy,
+            *tensor,
+            self.precision,
+            *streamed,
+            *unrolled,
+            *chunks,
+        )
 
     def describe(self) -> str:
         stack = policy_text(self.policy) + (" (unrolled)" if self.policy.unroll else "")
         parts = [stack, self.precision, f"accum {self.accum}"]
+        if self.policy.loss_chunks:
+            parts.append(f"loss in {self.policy.loss_chunks} chunks")
         if self.stream == "device":
             parts.append("streamed")
         elif self.stream == "host":
@@ -198,7 +222,7 @@ def policy_text(policy: MemoryPolicy) -> str:
 def _part_key(policy: MemoryPolicy) -> str | tuple[str, ...]:
     """What identifies one part of a stack: its preset's name, or a per-tag policy's saves
     (scanned or unrolled alike)."""
-    policy = policy.replace(unroll=False)
+    policy = policy.replace(unroll=False, loss_chunks=0)
     name = next((n for n, p in POLICIES.items() if p == policy.replace(name=n)), None)
     return name if name is not None else ("tags", *policy.save)
 
@@ -304,7 +328,7 @@ class MemoryModel:
             peaks = [
                 self.compile_fn(
                     self.problem.cfg.replace(n_layers=d),
-                    POLICIES[name],
+                    POLICIES[name].replace(loss_chunks=cand.policy.loss_chunks),
                     cand.accum,
                     cand.strategy,
                     cand.precision,
@@ -339,6 +363,7 @@ class MemoryModel:
         return (
             *sorted(str(_part_key(p)) for _, p in parts),
             cand.policy.unroll,
+            cand.policy.loss_chunks,
             cand.accum,
             cand.strategy,
             cand.tp,
@@ -434,6 +459,9 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
         stacks = _stacks(space, cfg.n_layers, host, tagged)
         if host and space.unroll:  # a GPU target: each stack unrolled too (nested scans)
             stacks += [p.replace(unroll=True) for p in stacks if not p.nested]
+        chunks = chunk_count(space.loss_chunks, problem.seq_len)
+        if chunks and precision.loss_scale != "dynamic":  # jaxmem.job.check_loss_chunks
+            stacks += [p.replace(loss_chunks=chunks) for p in stacks]
         for policy in stacks:
             per_row = flops.per_row(policy, precision)
             offloaded_blocks = _offloaded_blocks(policy, cfg.n_layers)
@@ -521,13 +549,15 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                                 )
                             )
     order = {p: i for i, p in enumerate(("device", "pinned_host", STREAMED, STREAMED_HOST))}
-    # among equal costs: fewer microbatches, the state on the device, the scanned stack, then a
-    # preset before a per-tag policy (the cost counts matmuls only: a per-tag policy with
-    # none's FLOPs still recomputes the norms and activations)
+    # among equal costs: fewer microbatches, the whole loss (chunks only where it does not fit:
+    # they run the head, not the whole step, as a loop of smaller matmuls), the state on the
+    # device, the scanned stack, then a preset before a per-tag policy (the cost counts matmuls
+    # only: a per-tag policy with none's FLOPs still recomputes the norms and activations)
     out.sort(
         key=lambda c: (
             c.seconds,
             c.accum,
+            c.policy.loss_chunks > 0,
             order[c.state_memory],
             c.policy.unroll,
             c.policy.rest is None and not is_preset(c.policy),
@@ -629,6 +659,7 @@ class Outcome:
             "configuration": c.describe(),
             "policy": policy_text(c.policy),
             "save": list(c.policy.save),
+            "loss_chunks": c.policy.loss_chunks,
             "accum": c.accum,
             "state_memory": c.state_memory,
             "strategy": c.strategy,
@@ -749,7 +780,8 @@ def search(
     for o in outcomes:
         c = o.candidate
         family = (c.family, c.state_memory)
-        twins = [p.replace(unroll=c.policy.unroll) for p in lean]  # scanned or unrolled
+        # scanned or unrolled, the loss whole or in chunks
+        twins = [p.replace(unroll=c.policy.unroll, loss_chunks=c.policy.loss_chunks) for p in lean]
         probes = [p for p in twins if (p, *family) in outs]
         if not c.policy.nested and c.policy not in probes and floors.get(family, 0) > budget:
             o.status = "over (family floor compiled over)"  # known: no fit compiles needed
