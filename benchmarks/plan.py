@@ -67,13 +67,15 @@ SLACK = 0.10  # where the greedy peer runs (its compiles are serial)
 
 
 def cached(compile_peak, cache: dict):
-    def run(cfg, policy, accum, strategy, precision):
-        key = (cfg.n_layers, policy, accum, strategy, precision)
+    def run(cfg, policy, accum, strategy, precision, stream=None, **tensor):
+        key = (cfg.n_layers, policy, accum, strategy, precision, stream, *sorted(tensor.items()))
         if key not in cache:
             t = time.time()
-            cache[key] = compile_peak(cfg, policy, accum, strategy, precision)
+            cache[key] = compile_peak(cfg, policy, accum, strategy, precision, stream, **tensor)
+            chunks = f", loss in {policy.loss_chunks} chunks" if policy.loss_chunks else ""
             print(
-                f"  compiled {policy.name} L={cfg.n_layers} accum {accum} {strategy}: "
+                f"  compiled {policy.name}{chunks} L={cfg.n_layers} accum {accum} {strategy}"
+                f"{f', streamed ({stream})' if stream else ''}: "
                 f"{cache[key][0] / GIB:.2f} GiB in {time.time() - t:.0f} s",
                 flush=True,
             )

@@ -58,3 +58,31 @@ def test_chunked_loss_in_both_frameworks_is_the_whole_loss_in_float64(name):
         assert diff.passed, (key, diff.failures)
     # every leaf carries signal, the head's and the final norm's included
     assert all(np.abs(g).max() > 1e-6 for g in ref_grads.values())
+
+
+def test_both_frameworks_keep_the_same_loss_gradients_and_no_logits():
+    """What the step keeps for its backward with the loss in chunks, by name: the stack output's
+    and the head's gradients (``<loss gradients>``), the same bytes in both frameworks (JAX:
+    residual accounting; torch_ref: live-tensor accounting), instead of the logits and the
+    final norm's output: each framework's chunked step keeps its whole-loss step's bytes less
+    the logits, plus the loss gradients, at most."""
+    from jaxmem.compare.records import torch_record
+    from jaxmem.config import PRESETS, OptimizerConfig
+    from jaxmem.planner.records import jax_record
+    from jaxmem.precision import PRECISIONS
+
+    cfg, batch, seq = PRESETS["tiny"], 4, 32
+    fp32, opt = PRECISIONS["fp32"], OptimizerConfig()
+    logits = batch * seq * cfg.vocab_size * 4
+    saved = {}
+    for chunks in (0, 4):
+        policy = POLICIES["full"].replace(loss_chunks=chunks)
+        saved[("jax", chunks)] = jax_record(cfg, policy, fp32, opt, batch, seq, abstract=True)
+        saved[("torch", chunks)] = torch_record(cfg, policy, fp32, opt, batch, seq, fake=True)
+    loss_grads = {f: saved[(f, 4)]["saved_by_name"]["<loss gradients>"] for f in ("jax", "torch")}
+    head_grad = cfg.vocab_size * cfg.d_model * 4  # the tied table's gradient
+    assert loss_grads["jax"] == loss_grads["torch"] >= batch * seq * cfg.d_model * 4 + head_grad
+    for f in ("jax", "torch"):
+        whole, chunked = (saved[(f, c)]["saved_activation_bytes_device"] for c in (0, 4))
+        assert chunked <= whole - logits + loss_grads[f], (f, whole, chunked)
+        assert "<loss gradients>" not in saved[(f, 0)]["saved_by_name"]

@@ -30,12 +30,30 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# how many ChunkedLMLoss forwards are running: torch_ref.memory's accounting names what they
+# allocate "<loss gradients>" (jaxmem's residual accounting does the same)
+_forming = [0]
+
+
+def forming_loss_gradients() -> bool:
+    """Inside ``ChunkedLMLoss``'s forward, where the loss's gradients are formed."""
+    return _forming[0] > 0
+
+
 class ChunkedLMLoss(torch.autograd.Function):
     """The head and loss over sequence chunks, each chunk's gradients formed in the forward
     (``chunked_lm_loss``). Inputs: ``(head, chunks, x, targets, weights, *params)``."""
 
     @staticmethod
     def forward(ctx, head, chunks, x, targets, weights, *params):  # noqa: D102
+        _forming[0] += 1
+        try:
+            return ChunkedLMLoss._forward(ctx, head, chunks, x, targets, weights, *params)
+        finally:
+            _forming[0] -= 1
+
+    @staticmethod
+    def _forward(ctx, head, chunks, x, targets, weights, *params):
         acc = wide(x.dtype)
         dx = torch.empty_like(x)
         dparams = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, acc)) for p in params]

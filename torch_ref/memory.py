@@ -125,7 +125,11 @@ class _BlockScope:
             self.last_output = 0
 
     def label(self, func: Any) -> str:
+        from torch_ref.loss import forming_loss_gradients
+
         kind = self.op_kind(func)
+        if forming_loss_gradients():
+            return "<loss gradients>"  # MemoryPolicy.loss_chunks: formed in the forward
         if self.depth == 0:
             return f"<{kind} outside the stack>"
         index = self.counts.get(kind, 0)
