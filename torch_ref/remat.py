@@ -553,6 +553,16 @@ def apply_memory_policy(
     return runner
 
 
+def describe_loss(policy: MemoryPolicy) -> str:
+    """What runs the head and loss, for reports ('' for the whole loss, stock)."""
+    if not policy.loss_chunks:
+        return ""
+    return (
+        f"; the LM head and loss in {policy.loss_chunks} chunks: torch_ref.loss.chunked_lm_loss "
+        "(torch_ref extension; no stock fused loss in PyTorch)"
+    )
+
+
 def apply_loss_policy(decoder: nn.Module, policy: MemoryPolicy) -> None:
     """Run ``decoder``'s head and loss (``torch_ref.Decoder.forward`` given targets) as
     ``policy.loss_chunks`` says: the whole logits (0), or over N sequence chunks with each chunk's

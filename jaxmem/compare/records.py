@@ -27,7 +27,7 @@ from jaxmem.planner.records import lm_step_batch
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
 from torch_ref.memory import measure_lm_step
-from torch_ref.remat import apply_loss_policy, apply_memory_policy
+from torch_ref.remat import apply_loss_policy, apply_memory_policy, describe_loss
 from torch_ref.train import TORCH_DTYPES, accumulate_grads
 from torch_ref.train import make_optimizer as make_torch_optimizer
 
@@ -141,7 +141,7 @@ def torch_record(
     how = " under FakeTensorMode (shapes only: no memory, no arithmetic)" if fake else ""
     return {
         "framework": framework_label(translation),
-        "translation": runner.description,
+        "translation": runner.description + describe_loss(policy),
         "policy": policy.name,
         "precision": precision.name,
         "batch": batch,

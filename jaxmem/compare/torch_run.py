@@ -45,7 +45,12 @@ from jaxmem.train.loop import (
 from torch_ref.checkpoint import TorchCheckpointer
 from torch_ref.generate import generate
 from torch_ref.loss import cross_entropy_sum
-from torch_ref.remat import apply_loss_policy, apply_memory_policy, validate_for_torch
+from torch_ref.remat import (
+    apply_loss_policy,
+    apply_memory_policy,
+    describe_loss,
+    validate_for_torch,
+)
 from torch_ref.train import (
     TORCH_DTYPES,
     HybridDeviceOptimizer,
@@ -152,7 +157,7 @@ class TorchTrainer:
         self._valid = [self.transfer(b) for b in val_batches(prepared.dataset, job)]
 
     def describe(self) -> str:
-        text = f"memory policy {self.runner.description}"
+        text = f"memory policy {self.runner.description}{describe_loss(self.job.memory)}"
         if self.parallel.sharded:
             text += (
                 f"; --mesh {self.parallel.mesh_text()} over {self.launch.world_size} torchrun "

@@ -632,9 +632,17 @@ def jax_record(
         }
     return {
         "framework": "jax",
-        "translation": "jaxmem.memory.remat (jax.checkpoint per block, stack unrolled)"
-        if policy.unroll or not policy.layers.is_all
-        else "jaxmem.memory.remat (jax.checkpoint under lax.scan)",
+        "translation": (
+            "jaxmem.memory.remat (jax.checkpoint per block, stack unrolled)"
+            if policy.unroll or not policy.layers.is_all
+            else "jaxmem.memory.remat (jax.checkpoint under lax.scan)"
+        )
+        + (
+            f"; the LM head and loss in {policy.loss_chunks} chunks "
+            "(jaxmem.model.loss.chunked_lm_loss)"
+            if policy.loss_chunks
+            else ""
+        ),
         "policy": policy.name,
         "precision": precision.name,
         "attention_kernel": KERNEL_NAMES.get(kernel, kernel),
