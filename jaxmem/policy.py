@@ -606,6 +606,15 @@ def kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
 
 def describe_kept(cfg: ModelConfig, policy: MemoryPolicy) -> str:
     """One line for ``config.yaml`` and reports: what the JAX translation keeps and where."""
+    loss = (
+        f"; the LM head and loss in {policy.loss_chunks} chunks (no logits kept)"
+        if policy.loss_chunks
+        else ""
+    )
+    return _describe_blocks(cfg, policy) + loss
+
+
+def _describe_blocks(cfg: ModelConfig, policy: MemoryPolicy) -> str:
     if not policy.remat:
         return "keeps every activation (no remat)"
     if policy.nested:
