@@ -779,9 +779,25 @@ def search(
     chosen, stopped = None, False
     for o in outcomes:
         c = o.candidate
+        if c.policy.loss_chunks:
+            # the loss-chunk twin of a whole-loss candidate: bounded by its twin's numbers, no
+            # fits or floors of its own (they would double the compiles); its compile is the
+            # proof (``_chunked_twin_status``)
+            o.status = _chunked_twin_status(problem, c, memory, floors, at_depth)
+            if o.status:
+                continue
+            if len(at_depth) >= max_compiles:
+                stopped = True
+                break
+            progress(f"compiling {c.describe()}")
+            o.compiled = compile_candidate(c, c.policy)
+            if o.compiled <= budget:
+                o.status, chosen = "chosen", o
+                break
+            o.status = "over (compiled)"
+            continue
         family = (c.family, c.state_memory)
-        # scanned or unrolled, the loss whole or in chunks
-        twins = [p.replace(unroll=c.policy.unroll, loss_chunks=c.policy.loss_chunks) for p in lean]
+        twins = [p.replace(unroll=c.policy.unroll) for p in lean]  # scanned or unrolled
         probes = [p for p in twins if (p, *family) in outs]
         if not c.policy.nested and c.policy not in probes and floors.get(family, 0) > budget:
             o.status = "over (family floor compiled over)"  # known: no fit compiles needed
@@ -812,6 +828,40 @@ def search(
         o.status = "over (compiled)"
     compiled = len(at_depth)
     return PlanResult(problem, outcomes, chosen, compiler, memory.compiles, compiled, stopped)
+
+
+def chunk_savings_bound(problem: Problem, cand: Candidate) -> int:
+    """At most what running the loss in chunks takes off a whole-loss plan: the whole loss's
+    vocabulary-sized buffers of one device's microbatch, three fp32 ``[rows, S, V]`` (its logits,
+    their gradient and a working buffer; measured on an H100 plan: 10.0 MiB of temporaries for
+    8 MiB of logits, 24.0 for the textbook autodiff form). The LM head is whole on every tensor
+    device."""
+    rows = problem.batch // (problem.devices // cand.tp * cand.accum)
+    return 3 * rows * problem.seq_len * problem.cfg.vocab_size * 4
+
+
+def _chunked_twin_status(
+    problem: Problem,
+    cand: Candidate,
+    memory: MemoryModel,
+    floors: dict[tuple, int],
+    at_depth: dict[tuple, int],
+) -> str:
+    """Why the loss-chunk twin of a whole-loss candidate need not be compiled ('' when it must
+    be): its twin's family floor, its twin's compiled plan, or its twin's prediction over the
+    budget by more than chunks can save (``chunk_savings_bound``)."""
+    whole = dataclasses.replace(cand, policy=cand.policy.replace(loss_chunks=0))
+    budget, bound = problem.budget_bytes, chunk_savings_bound(problem, cand)
+    if floors.get((whole.family, whole.state_memory), 0) - bound > budget:
+        return "over (whole-loss floor over by more than the logits)"
+    key = (whole.policy, whole.accum, whole.strategy, whole.tp, whole.precision, whole.stream)
+    if key in at_depth and at_depth[key] - state_host_bytes(problem, whole) - bound > budget:
+        return "over (whole loss compiled over by more than the logits)"
+    predicted = memory.predict(whole)
+    slack = memory.slack(whole, problem.slack)
+    if predicted is not None and predicted - bound > budget * (1 + slack):
+        return "over (whole loss predicted over by more than the logits)"
+    return ""
 
 
 def smallest_plan(result: PlanResult) -> Outcome | None:
