@@ -786,36 +786,28 @@ def search(
             o.status = _chunked_twin_status(problem, c, memory, floors, at_depth)
             if o.status:
                 continue
-            if len(at_depth) >= max_compiles:
-                stopped = True
-                break
-            progress(f"compiling {c.describe()}")
-            o.compiled = compile_candidate(c, c.policy)
-            if o.compiled <= budget:
-                o.status, chosen = "chosen", o
-                break
-            o.status = "over (compiled)"
-            continue
-        family = (c.family, c.state_memory)
-        twins = [p.replace(unroll=c.policy.unroll) for p in lean]  # scanned or unrolled
-        probes = [p for p in twins if (p, *family) in outs]
-        if not c.policy.nested and c.policy not in probes and floors.get(family, 0) > budget:
-            o.status = "over (family floor compiled over)"  # known: no fit compiles needed
-            continue
-        o.predicted = memory.predict(c)
-        if o.predicted is not None and o.predicted > budget * (1 + memory.slack(c, problem.slack)):
-            o.status = "over (predicted)"
-            continue
-        if not c.policy.nested and probes and c.policy not in probes:
-            if family not in floors:
-                if len(at_depth) + len(probes) > max_compiles:
-                    stopped = True
-                    break
-                progress(f"compiling the floor of {c.describe()}: {[p.name for p in probes]}")
-                floors[family] = min(compile_candidate(c, p) for p in probes)
-            if floors[family] > budget:
-                o.status = "over (family floor compiled over)"
+        else:
+            family = (c.family, c.state_memory)
+            twins = [p.replace(unroll=c.policy.unroll) for p in lean]  # scanned or unrolled
+            probes = [p for p in twins if (p, *family) in outs]
+            if not c.policy.nested and c.policy not in probes and floors.get(family, 0) > budget:
+                o.status = "over (family floor compiled over)"  # known: no fit compiles needed
                 continue
+            o.predicted = memory.predict(c)
+            slack = memory.slack(c, problem.slack)
+            if o.predicted is not None and o.predicted > budget * (1 + slack):
+                o.status = "over (predicted)"
+                continue
+            if not c.policy.nested and probes and c.policy not in probes:
+                if family not in floors:
+                    if len(at_depth) + len(probes) > max_compiles:
+                        stopped = True
+                        break
+                    progress(f"compiling the floor of {c.describe()}: {[p.name for p in probes]}")
+                    floors[family] = min(compile_candidate(c, p) for p in probes)
+                if floors[family] > budget:
+                    o.status = "over (family floor compiled over)"
+                    continue
         if len(at_depth) >= max_compiles:
             stopped = True
             break
