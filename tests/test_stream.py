@@ -272,8 +272,9 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
         accum=(1,),
         state_memory=("device", "pinned_host", "stream", "stream-host"),
         precisions=("bf16",),
-        tags=False,  # the stacks a plan holds on the device: full alone, scanned
+        tags=False,  # the stacks a plan holds on the device: full alone, scanned, whole loss
         unroll=False,
+        loss_chunks=0,
     )
     result = search(Problem(cfg, 2, 32, h100, budget, OptimizerConfig()), space)
     assert result.chosen is not None, [o.as_dict() for o in result.outcomes]
@@ -346,6 +347,7 @@ def test_the_planner_weighs_a_host_update_against_the_device_update_by_their_est
         precisions=("bf16",),
         tags=False,
         unroll=False,
+        loss_chunks=0,
     )
     problem = Problem(cfg, 2, 32, v100, 2**30, OptimizerConfig())
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from torch_ref.model import wide
+from torch_ref.dtypes import wide
 
 
 def cross_entropy_sum(

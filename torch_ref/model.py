@@ -26,15 +26,10 @@ from torch import nn
 
 from jaxmem.config import ModelConfig
 from jaxmem.positions import rope_angles
+from torch_ref.dtypes import wide
+from torch_ref.loss import chunked_lm_loss, cross_entropy_sum
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # RoPE's cos, sin: [S, K] each, wide dtype
-
-
-def wide(dtype: torch.dtype) -> torch.dtype:
-    """The dtype norms, softmax, logits and the loss run in: float32, or wider when the compute
-    dtype is (float64 in the parity suite's exactness mode); ``jaxmem.model.ops.wide``. (Plain
-    Python: ``torch.promote_types`` would dispatch an op inside the block's op stream.)"""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def activation_module(name: str) -> nn.Module:
@@ -346,8 +341,6 @@ class Decoder(nn.Module):
         x = self.features(tokens_bs)
         if targets_bs is None:
             return self.head_logits(x)
-        from torch_ref.loss import chunked_lm_loss, cross_entropy_sum
-
         if self.loss_chunks:
             # the head runs once per chunk: its norm's forward called directly, without the
             # module hooks that expect one call per step (MemTracker refuses a second)
