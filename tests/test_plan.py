@@ -371,12 +371,12 @@ def test_the_planner_runs_the_loss_in_chunks_where_only_that_fits(tmp_path, caps
     gradient are most of the step (XLA:CPU plans: `none` 38.3 MiB whole, 20.3 MiB with the loss
     in 8 chunks, `full` 33.6, `none` in 2 microbatches 25.8). At 22 MiB the planner answers
     `none` with the loss in chunks (the same FLOPs, one microbatch) and its command runs it;
-    searching the whole loss only, nothing fits."""
+    searching the whole loss only (the default), nothing fits."""
     common = ["plan", "--preset", "tiny", "--n-layers", "4", "--set", "model.vocab_size=8192"]
     common += ["--batch-size", "4", "--seq-len", "64", "--accum", "1,2", "--no-tags", "--no-mix"]
     common += ["--policies", "none,full", "--budget", "22MiB"]
     out = tmp_path / "plan.json"
-    assert main([*common, "--json", str(out)]) == 0
+    assert main([*common, "--loss-chunks-search", "--json", str(out)]) == 0
     plan = json.loads(out.read_text())
     chosen = plan["chosen"]
     assert (chosen["policy"], chosen["accum"], chosen["loss_chunks"]) == ("none", 1, 8)
@@ -384,7 +384,7 @@ def test_the_planner_runs_the_loss_in_chunks_where_only_that_fits(tmp_path, caps
     assert "--loss-chunks 8" in plan["commands"]["jax"]
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
-        main([*common, "--no-loss-chunks"])
+        main(common)  # the whole loss only (the default)
     assert exc.value.code == 2 and "fits 22.0 MiB" in capsys.readouterr().err
 
 

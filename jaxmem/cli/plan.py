@@ -96,12 +96,12 @@ def add_parser(sub) -> None:
         "FLOPs in another plan, chosen where the scanned one does not fit)",
     )
     g.add_argument(
-        "--no-loss-chunks",
+        "--loss-chunks-search",
         dest="loss_chunks_search",
-        action="store_false",
-        help="only the whole loss (default: also each stack with the LM head and loss in up to 8 "
-        "chunks, --loss-chunks: the same FLOPs, no logits kept; chosen where the whole loss "
-        "does not fit)",
+        action="store_true",
+        help="also each stack with the LM head and loss in up to 8 chunks (--loss-chunks: the "
+        "same FLOPs, no logits kept; chosen where the whole loss does not fit). Default: the "
+        "whole loss only",
     )
     g.add_argument("--accum", default="1,2,4,8", help="microbatch counts (default 1,2,4,8)")
     g.add_argument(
@@ -171,7 +171,7 @@ def _space(args: argparse.Namespace, job):
         accum=int_list(args.accum, "--accum"),
         tags=args.tags,
         unroll=args.unroll_search,
-        loss_chunks=PlanSpace.loss_chunks if args.loss_chunks_search else 0,
+        loss_chunks=8 if args.loss_chunks_search else 0,
         state_memory=("device", "pinned_host", "stream", "stream-host")
         if args.state_offload
         else ("device",),

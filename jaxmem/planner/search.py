@@ -95,8 +95,11 @@ class PlanSpace:
     unroll: bool = True
     # also each stack with the head and loss in chunks (``MemoryPolicy.loss_chunks``: the same
     # FLOPs, no logits kept): at most this many, the largest count dividing the sequence
-    # (``chunk_count``); 0: the whole loss only
-    loss_chunks: int = 8
+    # (``chunk_count``); 0 (default): the whole loss only. Off by default: where the logits are a
+    # small part of the step the twins' compiles crowd out the rest of a search (gpt2-1.5b on an
+    # H100 at 24 GiB: the twins of selective:k+full, each within chunk_savings_bound of the
+    # budget, used the compile cap before the state-offload plan that fits was reached)
+    loss_chunks: int = 0
 
     def __post_init__(self) -> None:
         for field in ("policies", "mix"):
