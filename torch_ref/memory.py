@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from jaxmem.config import ModelConfig
+from torch_ref.loss import forming_loss_gradients
 
 
 def physical(t: torch.Tensor) -> torch.Tensor:
@@ -125,8 +126,6 @@ class _BlockScope:
             self.last_output = 0
 
     def label(self, func: Any) -> str:
-        from torch_ref.loss import forming_loss_gradients
-
         kind = self.op_kind(func)
         if forming_loss_gradients():
             return "<loss gradients>"  # MemoryPolicy.loss_chunks: formed in the forward

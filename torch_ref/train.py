@@ -11,6 +11,7 @@ from torch import nn
 
 from jaxmem.config import OptimizerConfig
 from jaxmem.precision import Precision
+from torch_ref.distributed import unwrap
 from torch_ref.loss import cross_entropy_sum
 
 TORCH_DTYPES = {
@@ -156,8 +157,7 @@ def lm_loss_sum(
     wrapped by DDP/FSDP), the forward under autocast for mixed precision. With the decoder's
     ``loss_chunks`` set (``torch_ref.remat.apply_loss_policy``) the head and loss run inside its
     forward, in chunks; otherwise the logits come out and the loss is taken outside autocast."""
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    chunked = bool(getattr(inner, "loss_chunks", 0))
+    chunked = bool(getattr(unwrap(model), "loss_chunks", 0))
     device = batch["inputs"].device.type
     with torch.autocast(
         device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed

@@ -150,16 +150,7 @@ class Candidate:
         streamed = ("streamed", self.stream) if self.stream else ()
         unrolled = ("unrolled",) if self.policy.unroll else ()
         tensor = (f"tp={self.tp}",) if self.tp > 1 else ()
-        chunks = (f"loss/{self.policy.loss_chunks}",) if self.policy.loss_chunks else ()
-        return (
-            self.accum,
-            self.strategy,
-            *tensor,
-            self.precision,
-            *streamed,
-            *unrolled,
-            *chunks,
-        )
+        return (self.accum, self.strategy, *tensor, self.precision, *streamed, *unrolled)
 
     def describe(self) -> str:
         stack = policy_text(self.policy) + (" (unrolled)" if self.policy.unroll else "")
@@ -331,7 +322,7 @@ class MemoryModel:
             peaks = [
                 self.compile_fn(
                     self.problem.cfg.replace(n_layers=d),
-                    POLICIES[name].replace(loss_chunks=cand.policy.loss_chunks),
+                    POLICIES[name],
                     cand.accum,
                     cand.strategy,
                     cand.precision,
@@ -366,7 +357,6 @@ class MemoryModel:
         return (
             *sorted(str(_part_key(p)) for _, p in parts),
             cand.policy.unroll,
-            cand.policy.loss_chunks,
             cand.accum,
             cand.strategy,
             cand.tp,
