@@ -210,10 +210,16 @@ def check_stream(
         "updates once per microbatch; use accum mode 'scan'",
     )
     require(
-        not (policy.unroll or not policy.layers.is_all or policy.nested or policy.rest),
+        not (
+            policy.unroll
+            or not policy.layers.is_all
+            or policy.nested
+            or policy.rest
+            or policy.replay_embedding
+        ),
         f"optimizer.stream runs the stack as one scan: policy {policy.name!r} unrolls, selects "
-        "layers, nests or mixes; use a preset over every layer (none, full, selective, mlp, "
-        "offload, or custom names)",
+        "layers, nests, mixes or replays the embedding; use a preset over every layer (none, "
+        "full, selective, mlp, offload, or custom names) without --replay-embedding",
     )
 
 

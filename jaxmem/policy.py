@@ -28,7 +28,10 @@ Presets (``POLICIES``):
 - ``nested``: about √L segments: checkpoint every ``nested_segment_size(L)`` blocks and fully
   recompute inside.
 - ``HEAD:K+REST`` (``parse_policy``, e.g. ``none:2+selective``): the first K blocks under one
-  preset, the others under another (``mixed_policy``; what ``jaxmem plan`` searches).
+  preset, the others under another (``mixed_policy``; what ``jaxmem plan`` searches); a part may
+  be a per-tag policy (``rest="custom"``), named ``keep(...)`` by what it keeps.
+- ``replay_embedding``: with any policy that rematerialises the first block, that block keeps
+  no input; its backward replays the embedding lookup.
 - ``MemoryPolicy.custom({...})``: a per-name choice of ``device`` / ``offload`` / ``recompute``,
   like MaxText's per-tensor remat config.
 
@@ -189,8 +192,16 @@ class MemoryPolicy:
         its blocks one by one, so torch_ref ignores it.
       rest: the preset the layers ``layers`` leaves out run under (``layers=first=k``: the first
         k blocks under this policy, the other L - k under ``rest``; ``jaxmem plan``'s mixed
-        stacks). JAX runs the two parts as consecutive scans, with one gradient buffer for the
-        whole stack. None: the left-out layers keep everything (no remat), the stack unrolled.
+        stacks), or ``"custom"``: they keep the tags ``rest_save`` on the device and send
+        ``rest_offload`` to host memory (a per-tag policy, as ``custom``'s ``save``/``offload``).
+        JAX runs the two parts as consecutive scans, with one gradient buffer for the whole
+        stack. None: the left-out layers keep everything (no remat), the stack unrolled.
+      replay_embedding: the first block does not keep its input: its backward replays the
+        embedding lookup (a gather from the token ids: no matmul) to get it back, as
+        AOTAutograd's min-cut partitioner does. Saves one ``[B, S, D]`` block input for no
+        FLOP; needs the first block rematerialised (``jaxmem.memory.remat``'s first unit runs
+        the lookup inside its checkpoint; torch_ref's first block checkpoints the lookup with
+        the block).
       loss_chunks: 0 (default): the loss reads the whole ``[B, S, V]`` logits and its backward
         keeps them (fp32; at a 128k vocabulary the largest activation a step makes). N >= 1: the
         final norm, LM head and loss run over N sequence chunks, each chunk's gradients formed
@@ -219,6 +230,9 @@ class MemoryPolicy:
     use_reentrant: bool = False
     unroll: bool = False
     rest: str | None = None
+    rest_save: tuple[str, ...] = ()
+    rest_offload: tuple[str, ...] = ()
+    replay_embedding: bool = False
     loss_chunks: int = 0
 
     def __post_init__(self) -> None:
@@ -260,13 +274,25 @@ class MemoryPolicy:
             f"loss_chunks={self.loss_chunks!r} must be 0 (the whole logits, kept for the "
             "backward) or a number of sequence chunks >= 1",
         )
+        require(
+            self.rest == "custom" or not (self.rest_save or self.rest_offload),
+            f"rest_save/rest_offload name the tags of a custom rest: set rest='custom' (not "
+            f"{self.rest!r}) or drop them",
+        )
         if self.rest is not None:
             presets = [n for n in POLICIES if n != "nested"]
             require(
-                self.rest in presets,
+                self.rest in presets or self.rest == "custom",
                 f"rest={self.rest!r} must name a preset the other layers run under, one of "
-                f"{', '.join(presets)} (nested applies to a whole stack)",
+                f"{', '.join(presets)} (nested applies to a whole stack), or 'custom' (with "
+                "rest_save/rest_offload)",
             )
+            for field in ("rest_save", "rest_offload"):
+                value = getattr(self, field)
+                require(isinstance(value, tuple), f"{field}={value!r} must be a tuple of tag names")
+                _check_names(field, value)
+            both = sorted(set(self.rest_save) & set(self.rest_offload))
+            require(not both, f"{both} are both saved and offloaded in the rest; choose one place")
             require(
                 self.layers.first is not None,
                 f"rest={self.rest!r} needs layers first=k (the first k blocks under "
@@ -278,6 +304,17 @@ class MemoryPolicy:
             "nested runs its segments under scan (that is how it keeps √L block inputs): it "
             "takes no unroll",
         )
+        require(
+            isinstance(self.replay_embedding, bool),
+            f"replay_embedding={self.replay_embedding!r} must be True or False",
+        )
+        if self.replay_embedding:
+            require(
+                can_replay_embedding(self),
+                f"replay_embedding needs the first block rematerialised (policy {self.name!r} "
+                "keeps its input anyway: no remat, nested or a layer selection without layer "
+                "0); drop replay_embedding or choose such a policy",
+            )
 
     @classmethod
     def custom(
@@ -334,6 +371,51 @@ POLICIES: dict[str, MemoryPolicy] = {
 }
 
 
+def can_replay_embedding(policy: MemoryPolicy) -> bool:
+    """The policy rematerialises the first block (so ``replay_embedding`` can apply): remat,
+    not nested, block 0 among its layers."""
+    first = policy.layers.layers is None or 0 in policy.layers.layers
+    return policy.remat and not policy.nested and first
+
+
+def rest_policy(policy: MemoryPolicy) -> MemoryPolicy | None:
+    """The policy of the blocks ``policy.layers`` leaves out when ``rest`` is set: its preset,
+    or the per-tag policy of ``rest_save``/``rest_offload``, in ``policy``'s checkpoint mode and
+    stack form; None without ``rest``."""
+    if policy.rest is None:
+        return None
+    modes = dict(use_reentrant=policy.use_reentrant, unroll=policy.unroll)
+    if policy.rest == "custom":
+        return MemoryPolicy(
+            name=part_label(MemoryPolicy(save=policy.rest_save, offload=policy.rest_offload)),
+            save=policy.rest_save,
+            offload=policy.rest_offload,
+            **modes,
+        )
+    return POLICIES[policy.rest].replace(**modes)
+
+
+SHORT_TAGS = {"attn_probs": "probs", "attn_context": "context", "attn_lse": "lse"}
+
+
+def part_label(policy: MemoryPolicy) -> str:
+    """A stack part in words: a preset's name, or a per-tag policy's ``keep(...)`` (q, k and v
+    together as ``qkv``; ``host(...)`` for offloaded tags)."""
+    bare = _as_preset(policy.replace(name="custom"))
+    preset = next((n for n, p in POLICIES.items() if p == bare.replace(name=n)), None)
+    if preset is not None:
+        return preset
+
+    def names(tags: tuple[str, ...]) -> str:
+        out = list(tags)
+        if all(n in out for n in QKV):
+            out = ["qkv", *(n for n in out if n not in QKV)]
+        return "+".join(SHORT_TAGS.get(n, n) for n in out)
+
+    host = f" host({names(policy.offload)})" if policy.offload else ""
+    return f"keep({names(policy.save) or 'block_input'}){host}"
+
+
 def is_preset(policy: MemoryPolicy) -> bool:
     """``policy`` is a preset of ``POLICIES`` (with any layer selection and checkpoint mode)."""
     preset = POLICIES.get(base_preset_name(policy))
@@ -354,6 +436,9 @@ def _as_preset(policy: MemoryPolicy) -> MemoryPolicy:
         use_reentrant=False,
         unroll=False,
         rest=None,
+        rest_save=(),
+        rest_offload=(),
+        replay_embedding=False,
         loss_chunks=0,
     )
 
@@ -364,16 +449,40 @@ def split_policy(policy: MemoryPolicy, n_layers: int) -> list[tuple[int, MemoryP
     if policy.rest is None:
         return [(n_layers, policy)]
     k = len(policy.layers.indices(n_layers))
-    head = policy.replace(name=base_preset_name(policy), layers=LayerSelection(), rest=None)
-    tail = POLICIES[policy.rest].replace(use_reentrant=policy.use_reentrant, unroll=policy.unroll)
+    head = policy.replace(
+        name=base_preset_name(policy),
+        layers=LayerSelection(),
+        rest=None,
+        rest_save=(),
+        rest_offload=(),
+        loss_chunks=0,
+    )
+    tail = rest_policy(policy)
     return [(n, p) for n, p in ((k, head), (n_layers - k, tail)) if n]
 
 
-def mixed_policy(head: str, k: int, rest: str, *, unroll: bool = False) -> MemoryPolicy:
-    """The first ``k`` blocks under preset ``head``, the others under preset ``rest``
-    (named ``head:k+rest``)."""
-    return POLICIES[head].replace(
-        name=f"{head}:{k}+{rest}", layers=LayerSelection(first=k), rest=rest, unroll=unroll
+def mixed_policy(
+    head: str | MemoryPolicy, k: int, rest: str | MemoryPolicy, *, unroll: bool = False
+) -> MemoryPolicy:
+    """The first ``k`` blocks under ``head``, the others under ``rest``, each a preset (by
+    name) or a per-tag policy (``MemoryPolicy.custom``), named ``head:k+rest`` with
+    ``part_label``'s words for a per-tag part."""
+    first = POLICIES[head] if isinstance(head, str) else head
+    last = POLICIES[rest] if isinstance(rest, str) else rest
+    for part in (first, last):
+        require(
+            part.layers.is_all and part.rest is None and not part.nested,
+            f"a mixed stack's part is a preset or a per-tag policy over its blocks, not "
+            f"{part.name!r}",
+        )
+    custom = part_label(last) not in POLICIES
+    return first.replace(
+        name=f"{part_label(first)}:{k}+{part_label(last)}",
+        layers=LayerSelection(first=k),
+        rest="custom" if custom else part_label(last),
+        rest_save=last.save if custom else (),
+        rest_offload=last.offload if custom else (),
+        unroll=unroll,
     )
 
 
@@ -469,6 +578,11 @@ def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
     modes = {"use_reentrant": policy.use_reentrant, "unroll": policy.unroll}
     if policy.rest is not None:
         modes["rest"] = policy.rest
+    if policy.rest == "custom":
+        modes["rest_save"] = list(policy.rest_save)
+        modes["rest_offload"] = list(policy.rest_offload)
+    if policy.replay_embedding:
+        modes["replay_embedding"] = True
     if policy.loss_chunks:
         modes["loss_chunks"] = policy.loss_chunks
     if is_preset(policy):
@@ -497,6 +611,9 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
         "use_reentrant",
         "unroll",
         "rest",
+        "rest_save",
+        "rest_offload",
+        "replay_embedding",
         "loss_chunks",
         *LAYER_FIELDS,
     }
@@ -520,12 +637,18 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
         "use_reentrant": section.get("use_reentrant", False),
         "unroll": section.get("unroll", False),
         "rest": section.get("rest"),
+        "rest_save": tuple(section.get("rest_save") or ()),
+        "rest_offload": tuple(section.get("rest_offload") or ()),
     }
-    chunks = {"loss_chunks": section.get("loss_chunks", 0)}
+    chunks = {
+        "loss_chunks": section.get("loss_chunks", 0),
+        "replay_embedding": section.get("replay_embedding", False),
+    }
     if name == "custom":
-        return MemoryPolicy(
+        policy = MemoryPolicy(
             name="custom", save=save, offload=offload, layers=selection, **modes, **chunks
         )
+        return policy.replace(name=mixed_name(policy)) if policy.rest is not None else policy
     if ":" in name:  # HEAD:K+REST, as the command line writes it
         require(
             selection.is_all and modes["rest"] is None,
@@ -534,10 +657,17 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
         )
         mixed = parse_policy(name)
         return mixed.replace(use_reentrant=modes["use_reentrant"], unroll=modes["unroll"], **chunks)
-    preset = get_policy(name)
-    if modes["rest"] is not None and selection.first is not None:
-        preset = preset.replace(name=f"{preset.name}:{selection.first}+{modes['rest']}")
-    return preset.replace(layers=selection, **modes, **chunks)
+    preset = get_policy(name).replace(layers=selection, **modes, **chunks)
+    if preset.rest is not None:
+        preset = preset.replace(name=mixed_name(preset))
+    return preset
+
+
+def mixed_name(policy: MemoryPolicy) -> str:
+    """A mixed stack's name, ``HEAD:K+REST`` (``part_label``'s words for each part), from its
+    fields (the name ``mixed_policy`` gives it)."""
+    head = policy.replace(layers=LayerSelection(), rest=None, rest_save=(), rest_offload=())
+    return f"{part_label(head)}:{policy.layers.first}+{part_label(rest_policy(policy))}"
 
 
 # ------------------------------------------------------------------------- the block's backward

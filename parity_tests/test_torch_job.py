@@ -110,6 +110,21 @@ def test_torch_loss_chunks_train_to_the_whole_losses(unstreamed, tmp_path):
     )
 
 
+@pytest.mark.slow
+def test_torch_trains_a_per_tag_mix_with_the_embedding_replayed(unstreamed, tmp_path):
+    """A per-tag mixed stack (``--set memory.rest=custom``) with ``--replay-embedding`` under
+    torch_ref's stock checkpointing: the losses of the run under selective, bit for bit (a
+    replay in eager PyTorch runs the same kernels on the same inputs)."""
+    out = tmp_path / "mixed"
+    policy = ["--policy", "custom", "--save", "query_proj,key_proj,value_proj,mlp_up"]
+    policy += ["--set", "memory.layers_first=1", "--set", "memory.rest=custom"]
+    policy += ["--set", 'memory.rest_save=["attn_out", "mlp_up"]', "--replay-embedding"]
+    args = [*HOST_RUN[:2], *policy, *HOST_RUN[4:], "--steps", "6", "--framework", "torch"]
+    assert train(*args, "--out", str(out)) == 0
+    assert "keep(qkv+mlp_up):1+keep(attn_out+mlp_up)" in (out / "config.yaml").read_text()
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in unstreamed]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

@@ -24,7 +24,7 @@ from jaxmem.job import JobConfig
 from jaxmem.memory.analytic import model_state_bytes
 from jaxmem.parallel import ParallelConfig
 from jaxmem.planner.search import policy_text
-from jaxmem.policy import POLICIES, MemoryPolicy, parse_policy
+from jaxmem.policy import POLICIES, MemoryPolicy, mixed_policy, parse_policy
 from jaxmem.precision import PRECISIONS
 
 # lines that are not jaxmem's: the CUDA plugin's start-up, XLA's own logging, Python warnings
@@ -58,9 +58,18 @@ def assert_no_stray_lines(text: str) -> None:
 def test_every_step_flag_names_a_setting_of_the_job():
     """A flag either overrides one setting of ``JobConfig`` or is read by its command alone;
     none points at a setting that does not exist."""
-    # a custom policy has every memory key (loss_chunks is written where it is not 0: a run
-    # written before it existed resumes without a conflict)
-    custom = {"policy": "custom", "save": ["mlp_up"], "loss_chunks": 2}
+    # a custom policy has every memory key (loss_chunks, rest, rest_save/rest_offload and
+    # replay_embedding are written where they are set: a run written before they existed
+    # resumes without a conflict)
+    custom = {
+        "policy": "custom",
+        "save": ["mlp_up"],
+        "loss_chunks": 2,
+        "layers_first": 1,
+        "rest": "custom",
+        "rest_save": ["attn_out"],
+        "replay_embedding": True,
+    }
     settings = JobConfig.from_dict({"preset": "tiny", "memory": custom}).to_dict()
     for name, flag in cli_flags.FLAGS.items():
         if flag.path is None:
@@ -94,10 +103,26 @@ JOBS = [
         memory=POLICIES["full"].replace(use_reentrant=True),
         accum=AccumConfig(steps=4, mode="multisteps"),
     ),
+    dataclasses.replace(
+        JobConfig.from_dict({"preset": "small"}),
+        memory=mixed_policy(
+            MemoryPolicy.custom({n: "device" for n in ("query_proj", "key_proj", "value_proj")}),
+            3,
+            MemoryPolicy.custom({"attn_out": "device", "mlp_up": "device"}),
+        ).replace(replay_embedding=True),
+    ),
+    dataclasses.replace(
+        JobConfig.from_dict({"preset": "small"}),
+        memory=mixed_policy("selective", 1, MemoryPolicy.custom({"mlp_up": "device"})),
+    ),
 ]
 
 
-@pytest.mark.parametrize("job", JOBS, ids=["defaults", "mixed-bf16-fsdp", "custom-fused", "full"])
+@pytest.mark.parametrize(
+    "job",
+    JOBS,
+    ids=["defaults", "mixed-bf16-fsdp", "custom-fused", "full", "tag-mix-replay", "preset+tags"],
+)
 def test_a_job_printed_as_flags_resolves_to_the_same_job(job):
     argv = cli_flags.job_argv(job)
     args = cli.build_parser().parse_args(["train", *argv])
@@ -226,6 +251,14 @@ def test_the_commands_plan_prints_run_as_printed(plan_run, tmp_path):
         (
             ["train", "--preset", "tiny", "--seq-len", "32", "--loss-chunks", "5"],
             "loss_chunks=5 does not divide seq_len=32",
+        ),
+        (
+            ["train", "--preset", "tiny", "--policy", "none", "--replay-embedding"],
+            "replay_embedding needs the first block rematerialised (policy 'none'",
+        ),
+        (
+            ["memory", "--preset", "tiny", "--policies", "none,nested", "--replay-embedding"],
+            "--replay-embedding: none of --policies none,nested rematerialises its first block",
         ),
         (
             ["train", "--preset", "tiny", "--precision", "fp16", "--loss-chunks", "2"],

@@ -469,3 +469,55 @@ def test_the_planner_searches_tensor_parallel_layouts_where_data_parallelism_doe
     assert job.parallel.tp == chosen.tp and job.parallel.devices == 4
     argv = job_argv(job)
     assert argv[argv.index("--mesh") + 1].endswith(f"tp={chosen.tp}")
+
+
+@pytest.mark.slow
+def test_the_planner_mixes_two_per_tag_policies_where_that_is_cheapest(tmp_path):
+    """``small`` at 105 MiB (XLA:CPU): no whole-stack policy fits below selective's FLOPs, and
+    a mix of two neighbours on the per-tag hull does: three blocks keep q, k, v and the MLP's up
+    projection, the last the attention output and the up projection (the partitioner's own
+    choice per block at these bytes): 22.69 GFLOP, against 22.96 for the best preset mix. Its
+    printed command runs that policy."""
+    import shlex
+
+    from jaxmem import cli
+    from jaxmem.cli import flags as cli_flags
+
+    common = ["plan", "--preset", "small", "--batch-size", "8", "--seq-len", "128", "--accum", "1"]
+    out = tmp_path / "plan.json"
+    assert main([*common, "--budget", "105MiB", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    chosen = plan["chosen"]
+    assert chosen["policy"] == "keep(qkv+mlp_up):3+keep(attn_out+mlp_up)"
+    assert chosen["compiled_bytes"] <= 105 * MIB
+    assert chosen["flops"] == 22_687_514_624  # 3 x 5.503 + 5.771 in the blocks, 0.407 outside
+    args = cli.build_parser().parse_args(shlex.split(plan["commands"]["jax"])[1:])
+    policy = cli_flags.job_from_args(args, list(cli_flags.FLAGS)).memory
+    assert policy.name == chosen["policy"]
+
+
+@pytest.mark.slow
+def test_on_a_gpu_target_the_planner_replays_the_embedding_where_that_fits():
+    """``small`` on an H100 plan at 99.3 MiB (a quarter of the way from full's whole-step plan to
+    none's), with the replay searched: the cheapest stack that fits keeps the probabilities in
+    its first block and replays that block's input from the token ids; its twin keeping the
+    input, the same FLOPs, compiles over the budget."""
+    from jaxmem.memory.targets import get_target
+
+    cfg, opt = PRESETS["small"], OptimizerConfig()
+    space = PlanSpace(
+        policies=("none", "selective", "mlp", "full", "nested"),
+        mix=("none", "selective", "full"),
+        accum=(1,),
+        state_memory=("device",),
+    )
+    problem = Problem(cfg, 8, 128, get_target("h100"), int(99.27 * MIB), opt)
+    result = search(problem, dataclasses.replace(space, replay_embedding=True))
+    replayed = result.chosen
+    assert replayed.candidate.policy.replay_embedding
+    assert replayed.compiled <= problem.budget_bytes
+    twin = dataclasses.replace(
+        replayed.candidate, policy=replayed.candidate.policy.replace(replay_embedding=False)
+    )
+    (kept,) = [o for o in result.outcomes if o.candidate == twin]
+    assert kept.status == "over (compiled)" and kept.compiled > problem.budget_bytes

@@ -42,7 +42,34 @@ def activation_module(name: str) -> nn.Module:
     raise ValueError(f"activation={name!r} is not one of gelu, gelu_tanh, relu")
 
 
-def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
+class EmbeddingLookup:
+    """The stack's input handed over unevaluated (``Decoder.features``, when the stack's runner
+    asks with ``replays_embedding``): ``embed(tokens)`` run inside the first block's checkpoint,
+    so its backward replays the lookup instead of keeping its output
+    (``MemoryPolicy.replay_embedding``). Carries what ``BlockStack.forward`` reads of its
+    input: shape, dtype (the compute dtype), device."""
+
+    def __init__(
+        self,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        tokens: torch.Tensor,
+        d_model: int,
+        dtype: torch.dtype,
+    ):
+        self.embed, self.tokens, self.dtype = embed, tokens, dtype
+        self.shape = (*tokens.shape, d_model)
+        self.device = tokens.device
+
+    def __call__(self) -> torch.Tensor:
+        return self.embed(self.tokens)
+
+
+def materialize(x: torch.Tensor | EmbeddingLookup) -> torch.Tensor:
+    """The block input ``x`` stands for: the tensor itself, or its ``EmbeddingLookup`` run."""
+    return x() if isinstance(x, EmbeddingLookup) else x
+
+
+def compute_dtype_of(x: torch.Tensor | EmbeddingLookup) -> torch.dtype:
     """The dtype matmuls run in: autocast's when it is on, else the tensor's own."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
@@ -276,6 +303,7 @@ def run_layers(
     rope: RopeTables | None,
 ) -> torch.Tensor:
     """The plain loop over blocks (no memory policy)."""
+    x_bsd = materialize(x_bsd)
     for layer in layers:
         x_bsd = layer(x_bsd, mask_ss, rope)
     return x_bsd
@@ -355,12 +383,20 @@ class Decoder(nn.Module):
         return cross_entropy_sum(self.head_logits(x), targets_bs, mask_bs)
 
     def features(self, tokens_bs: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[B, S]`` → the block stack's output ``[B, S, D]`` (compute dtype)."""
+        """Token ids ``[B, S]`` → the block stack's output ``[B, S, D]`` (compute dtype). A stack
+        whose runner replays the embedding (``replays_embedding``) gets the lookup unevaluated."""
+        if getattr(self.blocks.layers_fn, "replays_embedding", False):
+            dtype = compute_dtype_of(self.wte.weight)
+            return self.blocks(EmbeddingLookup(self.embed, tokens_bs, self.cfg.d_model, dtype))
+        return self.blocks(self.embed(tokens_bs))
+
+    def embed(self, tokens_bs: torch.Tensor) -> torch.Tensor:
+        """The embedding lookup: token (+ learned position) embeddings, ``[B, S]`` → ``[B, S, D]``
+        in the compute dtype."""
         x = self.wte(tokens_bs)  # [B, S, D]
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(tokens_bs.shape[1], device=tokens_bs.device))[None]
-        x = x.to(compute_dtype_of(x))  # the residual stream runs in the compute dtype, as in jaxmem
-        return self.blocks(x)
+        return x.to(compute_dtype_of(x))  # the residual stream runs in the compute dtype
 
     def head_logits(self, x_bsd: torch.Tensor, *, hooks: bool = True) -> torch.Tensor:
         """The final norm (if any) and the LM head: ``[B, S, D]`` → fp32 logits ``[B, S, V]``

@@ -74,7 +74,7 @@ from jaxmem.policy import (
     nested_segment_size,
     split_policy,
 )
-from torch_ref.model import BlockStack, RopeTables, run_layers
+from torch_ref.model import BlockStack, EmbeddingLookup, RopeTables, materialize, run_layers
 
 Translation = Literal["stock", "lean"]
 TRANSLATIONS: tuple[str, ...] = ("stock", "lean")
@@ -258,11 +258,22 @@ def _kept(layer: int, names: tuple[str, ...], memory: str, t: torch.Tensor) -> K
 
 
 # ------------------------------------------------------------------------------------- stock
-def _stock_contexts(policy: MemoryPolicy, cfg: ModelConfig, kept: list, layer: int):
+class _Phase:
+    """Whether the ops running now are the replayed embedding lookup's, which no tag names
+    (its addition of the position embeddings must not count as a block's ``add``)."""
+
+    embedding = False
+
+
+def _stock_contexts(
+    policy: MemoryPolicy, cfg: ModelConfig, kept: list, layer: int, phase: _Phase | None = None
+):
     """``create_selective_checkpoint_contexts`` with a policy function over jaxmem's tags."""
     name_op = _OpNamer(cfg)
 
     def policy_fn(ctx, op, *args, **kwargs):
+        if phase is not None and phase.embedding:
+            return CheckpointPolicy.PREFER_RECOMPUTE
         kind, names = name_op(op)
         save = (policy.save_dots and kind == "linear") or (bool(names) and names[0] in policy.save)
         if not save:
@@ -284,8 +295,8 @@ def _stock_contexts(policy: MemoryPolicy, cfg: ModelConfig, kept: list, layer: i
 class _Decider:
     """Lean translation: counts ops per kind within one block, returns the policy's choice."""
 
-    def __init__(self, policy: MemoryPolicy, cfg: ModelConfig):
-        self.policy = policy
+    def __init__(self, policy: MemoryPolicy, cfg: ModelConfig, phase: _Phase | None = None):
+        self.policy, self.phase = policy, phase
         self.unread = unread_by_backward(cfg, policy)
         self.skip = skippable_in_recompute(cfg, policy)
         # q·kᵀ need not be replayed when the scores or probabilities come back from storage:
@@ -296,6 +307,8 @@ class _Decider:
         self.namers = {False: _OpNamer(cfg), True: _OpNamer(cfg)}
 
     def __call__(self, func: Any, recompute: bool) -> tuple[str, tuple[str, ...]]:
+        if self.phase is not None and self.phase.embedding:
+            return "recompute", ()
         kind, names = self.namers[recompute](func)
         if recompute and self.skip_qk and self.namers[True].last == QK_MATMUL:
             return "skip", names
@@ -429,11 +442,32 @@ def validate_for_torch(
         )
     used = resolve_translation(policy, translation)
     two_level = policy.nested and used == "lean"
+    if policy.use_reentrant and policy.replay_embedding:
+        raise ConfigError(
+            "replay_embedding needs use_reentrant=False: a reentrant checkpoint of the first "
+            "block would take the token ids, which need no gradient, and give the parameters none"
+        )
     if policy.use_reentrant and (policy.is_named or two_level):
         raise ConfigError(
             f"policy {policy.name!r} needs use_reentrant=False: reentrant checkpoint supports "
             "neither selective context_fn nor nesting"
         )
+
+
+class _with_lookup:  # noqa: N801 (a callable standing in for the first block)
+    """The first block run on the embedding lookup of its token ids: what its checkpoint
+    replays. ``phase.embedding`` is on while the lookup runs (``_Phase``)."""
+
+    def __init__(self, layer: nn.Module, embed: Callable[[torch.Tensor], torch.Tensor], phase):
+        self.layer, self.embed, self.phase = layer, embed, phase
+
+    def __call__(self, tokens: torch.Tensor, mask: Any, rope: RopeTables | None) -> torch.Tensor:
+        self.phase.embedding = True
+        try:
+            x = self.embed(tokens)
+        finally:
+            self.phase.embedding = False
+        return self.layer(x, mask, rope)
 
 
 def _grad_input(x: torch.Tensor) -> torch.Tensor:
@@ -460,8 +494,11 @@ class PolicyLayers:
                 f"blocks {i}: {runner.description}" for i, (_, runner) in enumerate(self.parts)
             )
             self.selected = set(range(cfg.n_layers))
+            self.replays_embedding = policy.replay_embedding
             return
         validate_for_torch(policy, translation, cfg)
+        # ``torch_ref.Decoder.features`` hands the first block the lookup unevaluated
+        self.replays_embedding = policy.replay_embedding
         self.policy, self.cfg = policy, cfg
         self.translation = resolve_translation(policy, translation)
         self.description = describe(policy, translation)
@@ -469,19 +506,22 @@ class PolicyLayers:
         self.kept: list[KeptTensor] = []
 
     def _checkpointed(
-        self, i: int, layer: nn.Module, x: torch.Tensor, mask: Any, rope: RopeTables | None
+        self, i: int, layer: nn.Module, x: Any, mask: Any, rope: RopeTables | None
     ) -> torch.Tensor:
-        policy = self.policy
+        policy, phase = self.policy, None
+        if isinstance(x, EmbeddingLookup):  # the first block replays the lookup
+            phase = _Phase()
+            layer, x = _with_lookup(layer, x.embed, phase), x.tokens
         if policy.use_reentrant:
             return checkpoint(layer, _grad_input(x), mask, rope, use_reentrant=True)
         if not policy.is_named:
             return checkpoint(layer, x, mask, rope, use_reentrant=False)
         if self.translation == "stock":
-            context_fn = functools.partial(_stock_contexts, policy, self.cfg, self.kept, i)
+            context_fn = functools.partial(_stock_contexts, policy, self.cfg, self.kept, i, phase)
         else:
 
             def context_fn():
-                decide, storage = _Decider(policy, self.cfg), []
+                decide, storage = _Decider(policy, self.cfg, phase), []
                 return _KeepMode(decide, storage, self.kept, i), _ReplayMode(decide, storage)
 
         return checkpoint(layer, x, mask, rope, use_reentrant=False, context_fn=context_fn)
@@ -499,6 +539,8 @@ class PolicyLayers:
     ) -> torch.Tensor:
         """Run ``layers`` on ``x``; ``mask`` and ``rope`` (RoPE's tables) go to every block."""
         self.kept = []
+        if not (self.replays_embedding and self.policy.remat):
+            x = materialize(x)
         if self.parts:
             start = 0
             for n, runner in self.parts:

@@ -84,6 +84,13 @@ FLAGS: dict[str, Flag] = {
             action="store_const",
         ),
         Flag(
+            "--replay-embedding",
+            "memory.replay_embedding",
+            "the first block keeps no input: its backward replays the embedding lookup (a "
+            "gather, no matmul) instead; needs the first block rematerialised",
+            action="store_const",
+        ),
+        Flag(
             "--loss-chunks",
             "memory.loss_chunks",
             "run the LM head and loss over N sequence chunks, each chunk's gradients formed in "
@@ -293,7 +300,8 @@ def job_argv(job) -> list[str]:
                 else ["--set", f"model.{f.name}={_yaml(value)}"]
             )
     memory = policy_to_dict(job.memory)
-    mixed = job.memory.rest is not None
+    # two presets mixed read as HEAD:K+REST; a per-tag part needs its tags and the split
+    mixed = job.memory.rest not in (None, "custom") and memory["policy"] != "custom"
     argv += ["--policy", job.memory.name if mixed else memory["policy"]]
     if memory["policy"] == "custom":
         argv += ["--save", ",".join(memory["save"])] if memory["save"] else []
@@ -302,6 +310,13 @@ def job_argv(job) -> list[str]:
         if memory[key] is not None and not mixed:
             argv += ["--set", f"memory.{key}={_yaml(memory[key])}"]
     argv += ["--unroll"] if job.memory.unroll else []
+    argv += ["--replay-embedding"] if job.memory.replay_embedding else []
+    if job.memory.rest is not None and not mixed:
+        argv += ["--set", f"memory.rest={job.memory.rest}"]
+    if job.memory.rest == "custom":
+        argv += ["--set", f"memory.rest_save={_yaml(memory['rest_save'])}"]
+        if memory["rest_offload"]:
+            argv += ["--set", f"memory.rest_offload={_yaml(memory['rest_offload'])}"]
     argv += ["--loss-chunks", str(job.memory.loss_chunks)] if job.memory.loss_chunks else []
     if job.memory.use_reentrant:
         argv += ["--set", "memory.use_reentrant=true"]

@@ -26,10 +26,10 @@ from jaxmem.cli.common import names as parse_names
 from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, not_streamed
 from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.files import write_json_atomic
-from jaxmem.policy import parse_policy
+from jaxmem.policy import can_replay_embedding, parse_policy
 
 FRAMEWORKS = ("jax", "torch", "torch-lean")
-NAMES = (*STEP_FLAGS, "accum", "unroll", "loss_chunks", "mesh")
+NAMES = (*STEP_FLAGS, "accum", "unroll", "loss_chunks", "replay_embedding", "mesh")
 DEFAULTS = {"preset": "tiny", "run": {"batch_size": 8}}
 DEFAULT_POLICIES = "none,full,selective,offload"
 
@@ -87,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
     def seq_default(preset: str, model: ModelConfig) -> int:
         return model.max_seq_len if presets.planning_only(preset, model) or target.is_gpu else 64
 
-    job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=seq_default)
+    # --replay-embedding goes to the --policies that can replay (``_policies``), not to the
+    # job's own policy
+    step_flags = [n for n in NAMES if n != "replay_embedding"]
+    job = job_from_args(args, step_flags, DEFAULTS, seq_len_default=seq_default)
     not_streamed(job, "memory")
     setup = _setup(args, job, target)
     check_writable(args.json)
@@ -110,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
 def _policies(args: argparse.Namespace, job) -> list:
     """``--policies``, or the config's own policy when a --config gives one."""
     if args.policies is None and args.config:
-        return [job.memory]
+        replay = getattr(args, "replay_embedding", None)
+        return [job.memory.replace(replay_embedding=True) if replay else job.memory]
     with usage_errors():
         given = list(
             dict.fromkeys(n.strip() for n in (args.policies or DEFAULT_POLICIES).split(","))
@@ -128,6 +132,19 @@ def _policies(args: argparse.Namespace, job) -> list:
         policies = [p.replace(unroll=True) for p in policies]
     if job.memory.loss_chunks:
         policies = [p.replace(loss_chunks=job.memory.loss_chunks) for p in policies]
+    if getattr(args, "replay_embedding", None):
+        # to every policy that rematerialises its first block (none and nested keep its input)
+        replays = [can_replay_embedding(p) for p in policies]
+        if not any(replays):
+            raise UsageError(
+                f"--replay-embedding: none of --policies {','.join(p.name for p in policies)} "
+                "rematerialises its first block (none and nested keep its input); add one that "
+                "does (e.g. full, selective) or drop --replay-embedding"
+            )
+        policies = [
+            p.replace(replay_embedding=True) if r else p
+            for p, r in zip(policies, replays, strict=True)
+        ]
     from jaxmem.policy import check_policy
 
     with usage_errors():

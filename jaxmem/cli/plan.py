@@ -79,14 +79,16 @@ def add_parser(sub) -> None:
         "--no-mix",
         dest="mix",
         action="store_false",
-        help="only whole-stack presets (default: also HEAD:K+REST stacks)",
+        help="only whole stacks (default: also HEAD:K+REST stacks, of two presets or two "
+        "per-tag policies)",
     )
     g.add_argument(
         "--no-tags",
         dest="tags",
         action="store_false",
         help="only presets and their mixes (default: also per-tag policies, the Pareto frontier "
-        "of one block's tags by bytes and FLOPs, each over the whole stack)",
+        "of one block's tags by bytes and FLOPs, each over the whole stack, and mixes of two "
+        "neighbours on its lower convex hull)",
     )
     g.add_argument(
         "--no-unroll",
@@ -102,6 +104,14 @@ def add_parser(sub) -> None:
         help="also each stack with the LM head and loss in up to 8 chunks (--loss-chunks: the "
         "same FLOPs, no logits kept; chosen where the whole loss does not fit). Default: the "
         "whole loss only",
+    )
+    g.add_argument(
+        "--replay-embedding-search",
+        dest="replay_embedding_search",
+        action="store_true",
+        help="also each stack whose first block is rematerialised with the embedding lookup "
+        "replayed in its backward (--replay-embedding: the same FLOPs, one block input fewer; "
+        "GPU targets). Default: not searched (its twins compile fits of their own)",
     )
     g.add_argument("--accum", default="1,2,4,8", help="microbatch counts (default 1,2,4,8)")
     g.add_argument(
@@ -170,8 +180,10 @@ def _space(args: argparse.Namespace, job):
         else (),
         accum=int_list(args.accum, "--accum"),
         tags=args.tags,
+        tag_mixes=args.mix,
         unroll=args.unroll_search,
         loss_chunks=8 if args.loss_chunks_search else 0,
+        replay_embedding=args.replay_embedding_search,
         state_memory=("device", "pinned_host", "stream", "stream-host")
         if args.state_offload
         else ("device",),

@@ -32,6 +32,7 @@ NAMES = (
     "offload",
     "unroll",
     "loss_chunks",
+    "replay_embedding",
     "lr",
     "weight_decay",
     "accum",

@@ -16,9 +16,13 @@ How each policy runs in JAX:
 - a layer subset: the stack unrolled, remat only on the selected layers;
 - ``unroll``: every block unrolled (``none`` included), each slicing its parameters out of the
   stack inside its own ``jax.checkpoint`` (see ``layers_fn``);
-- a mixed stack (``rest``: the first k blocks under one preset, the others under another):
-  consecutive scans under one custom VJP that writes both parts' gradients into one buffer
-  (``_own_gradient_stack``).
+- a mixed stack (``rest``: the first k blocks under one preset or per-tag policy, the others
+  under another): consecutive scans under one custom VJP that writes both parts' gradients into
+  one buffer (``_own_gradient_stack``);
+- ``replay_embedding``: the stack's input arrives as the unevaluated embedding lookup
+  (``EmbeddingLookup``); the first block runs outside the scan, in a checkpoint that takes the
+  lookup, so its backward replays it instead of keeping the block input (``_replayed``; every
+  other form runs the lookup first, ``materialize``).
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ import jax.numpy as jnp
 
 from jaxmem.config import ConfigError
 from jaxmem.model import LayerFn, LayersFn, scan_layers
+from jaxmem.model.decoder import EmbeddingLookup, materialize
 from jaxmem.policy import (
     HOST_MEMORY_KIND,
-    POLICIES,
     MemoryPolicy,
     nested_segment_size,
     split_policy,
@@ -53,16 +57,21 @@ def backend_memory_kinds(device: jax.Device | None = None) -> tuple[str, ...]:
 
 def check_backend(policy: MemoryPolicy, device: jax.Device | None = None) -> None:
     """Raise if the policy needs a memory kind the backend lacks (offload needs pinned_host)."""
-    rest = POLICIES[policy.rest] if policy.rest is not None else None
-    if policy.offload or (rest is not None and rest.offload):
+    offloaded = [n for _, part in split_policy(policy, _enough(policy)) for n in part.offload]
+    if offloaded:
         kinds = backend_memory_kinds(device)
         if HOST_MEMORY_KIND not in kinds:
             raise ConfigError(
-                f"policy {policy.name!r} offloads {list(policy.offload or rest.offload)} to "
+                f"policy {policy.name!r} offloads {list(dict.fromkeys(offloaded))} to "
                 f"{HOST_MEMORY_KIND}, "
                 f"but this backend only has memory kinds {list(kinds)}; use a policy without "
                 "offload (e.g. selective)"
             )
+
+
+def _enough(policy: MemoryPolicy) -> int:
+    """A stack depth that holds every part of ``policy`` (its first k blocks and one more)."""
+    return (policy.layers.first or 0) + 1
 
 
 def jax_checkpoint_policy(policy: MemoryPolicy) -> Any:
@@ -156,9 +165,10 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
       unrolled; unrolled keeping the slices and casts, 15.95 GB).
     """
     check_backend(policy)
-    if policy.rest is not None and not policy.unroll:
-        return _own_gradient_stack(policy, n_layers)
     selected = policy.layers.indices(n_layers)
+    scanned = not policy.unroll and len(selected) == n_layers
+    if not policy.unroll and (policy.rest is not None or (policy.replay_embedding and scanned)):
+        return _own_gradient_stack(policy, n_layers)
     rest_policy = None
     if policy.rest is not None:  # unrolled mixed stack: the other layers under their preset
         rest_policy = split_policy(policy, n_layers)[-1][1]
@@ -177,7 +187,8 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
     if policy.nested:
         k = nested_segment_size(n_layers)
 
-        def run_nested(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
+        def run_nested(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
+            x = materialize(x)
             segment = _nested_segment(layer_fn, ckpt_policy)
             n_full = n_layers // k
             if n_full:
@@ -203,14 +214,18 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
 
         return run_scanned
 
-    def run_unrolled(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
+    def run_unrolled(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
+        replay = policy.replay_embedding and isinstance(x, EmbeddingLookup)
+        x = x if replay else materialize(x)
         for i in range(n_layers):
             # Slice inside the checkpoint: the layer's parameters stay views, not saved copies
             # (a layer without remat keeps everything else).
             def one_layer(x, stacked, i=i):
-                return layer_fn(x, _layer(stacked, i))
+                return layer_fn(materialize(x), _layer(stacked, i))
 
-            if i in selected:
+            if i == 0 and replay:  # the lookup runs (and is replayed) inside the checkpoint
+                x = remat(one_layer, in_scan=False)(x, stacked)
+            elif i in selected:
                 x = remat(one_layer, in_scan=False)(x, stacked)
             elif rest_policy is not None:
                 x = jax.checkpoint(one_layer, policy=jax_checkpoint_policy(rest_policy))(x, stacked)
@@ -245,6 +260,7 @@ class _Unit:
     count: int
     group: int = 1
     grouped: bool = False
+    replay: bool = False  # one block whose body runs the embedding lookup (``_replayed``)
 
     def state(self, stacked: Any) -> Any:
         stop = self.start + self.count * self.group
@@ -283,6 +299,21 @@ def accumulates_in_place(policy: MemoryPolicy, n_layers: int) -> bool:
     if not policy.remat or policy.nested or policy.rest is not None:
         return True
     return len(policy.layers.indices(n_layers)) == n_layers
+
+
+def _replayed(units: list[_Unit], layer_fn: LayerFn, policy: MemoryPolicy) -> list[_Unit]:
+    """``units`` with the first block split off into a unit of its own whose checkpointed body
+    takes the ``EmbeddingLookup`` and runs it first: the block's backward replays the lookup
+    rather than keeping its output (``MemoryPolicy.replay_embedding``)."""
+    first, *rest = units
+    ckpt_policy = jax_checkpoint_policy(split_policy(policy, _enough(policy))[0][1])
+
+    def body(e: Any, w: Any) -> jax.Array:
+        return layer_fn(materialize(e), w)
+
+    replay = _Unit(jax.checkpoint(body, policy=ckpt_policy), 0, 1, replay=True)
+    after = [dataclasses.replace(first, start=1, count=first.count - 1)] if first.count > 1 else []
+    return [replay, *after, *rest]
 
 
 def _units(policy: MemoryPolicy, n_layers: int, layer_fn: LayerFn) -> list[_Unit]:
@@ -324,6 +355,15 @@ def accumulating_layers_fn(policy: MemoryPolicy, n_layers: int, acc: Any) -> Lay
     return _custom_stack(policy, n_layers, acc)
 
 
+def _drop_weights(pb: Any, w: Any, layout: dict[str, Any]) -> list:
+    """The leaves of pullback ``pb`` that are not block weights ``w`` (those are re-sliced from
+    the stack in the backward); ``layout`` records where each leaf goes."""
+    leaves, layout["tree"] = jax.tree_util.tree_flatten(pb)
+    position = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(w))}
+    layout["from_w"] = [position.get(id(leaf)) for leaf in leaves]
+    return [leaf for leaf in leaves if id(leaf) not in position]
+
+
 def _own_gradient_stack(policy: MemoryPolicy, n_layers: int) -> LayersFn:
     """A mixed stack (``rest``) without accumulation: its parts' scans under the custom VJP of
     ``accumulating_layers_fn``, adding each block's gradient into a zero buffer that becomes
@@ -340,8 +380,12 @@ def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
     parameters' cotangent)."""
     own = acc is None
 
-    def run(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
+    def run(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
         units = _units(policy, n_layers, layer_fn)
+        if policy.replay_embedding and isinstance(x, EmbeddingLookup):
+            units = _replayed(units, layer_fn, policy)
+        else:
+            x = materialize(x)
 
         @jax.custom_vjp
         def stack(x, stacked, acc):
@@ -361,6 +405,11 @@ def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
         def fwd(x, stacked, acc):
             pullbacks = []
             for u, layout in zip(units, layouts, strict=True):
+                if u.replay:  # one block, outside a scan: its input is the lookup
+                    w = u.block(stacked, 0)
+                    x, pb = jax.vjp(u.body, x, w)
+                    pullbacks.append(_drop_weights(pb, w, layout))
+                    continue
                 if u.whole(stacked):
                     # each block's pullback (its residuals: what the policy keeps) stacked by
                     # scan; JAX forwards the weights the pullbacks keep to the stack itself
@@ -373,10 +422,7 @@ def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
                 def body(x, j, u=u, layout=layout):
                     w = u.block(stacked, j)
                     y, pb = jax.vjp(u.body, x, w)
-                    leaves, layout["tree"] = jax.tree_util.tree_flatten(pb)
-                    position = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(w))}
-                    layout["from_w"] = [position.get(id(leaf)) for leaf in leaves]
-                    return y, [leaf for leaf in leaves if id(leaf) not in position]
+                    return y, _drop_weights(pb, w, layout)
 
                 x, kept = jax.lax.scan(body, x, jnp.arange(u.count))
                 pullbacks.append(kept)
@@ -389,7 +435,7 @@ def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
             for u, pb, layout in reversed(list(zip(units, pullbacks, layouts, strict=True))):
 
                 def pullback_of(item, j, u=u, layout=layout):
-                    if u.whole(stacked):
+                    if u.whole(stacked) and not u.replay:
                         return item
                     weights = jax.tree_util.tree_leaves(u.block(stacked, j))
                     kept = iter(item)
@@ -399,6 +445,11 @@ def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
                 def body(carry, item, u=u):
                     ct, acc = carry
                     kept, j = item
+                    # the replay waits for the cotangent: a block outside a loop (the replayed
+                    # first block, a one-block part) is otherwise recomputed as soon as its
+                    # residuals exist, in the forward, by a scheduler that does not model
+                    # memory (XLA:CPU's; a GPU's), and its activations live until its backward
+                    kept, ct = jax.lax.optimization_barrier((kept, ct))
                     ct, d_state = pullback_of(kept, j)(ct)
                     first = u.start + j * u.group
 
@@ -410,6 +461,9 @@ def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
 
                     return (ct, jax.tree_util.tree_map(add, acc, d_state)), None
 
+                if u.replay:  # ct becomes the lookup's cotangent: the tables' gradients
+                    (ct, acc), _ = body((ct, acc), (pb, 0))
+                    continue
                 (ct, acc), _ = jax.lax.scan(
                     body, (ct, acc), (pb, jnp.arange(u.count)), reverse=True
                 )

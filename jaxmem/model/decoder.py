@@ -15,6 +15,7 @@ standard or gated MLP, grouped-query attention, biases per part; GPT-2 and Llama
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -39,7 +40,46 @@ STACK_PATH: tuple[str, ...] = ("blocks", "layers")
 
 LayerFn = Callable[[Array, Any], Array]
 RopeTables = tuple[Array, Array] | None  # RoPE's cos, sin: [S, K] each
-LayersFn = Callable[[LayerFn, Array, Any], Array]
+# ``layers_fn(layer_fn, x, stacked_state)``; ``x`` is the first block's input, or the embedding
+# lookup that makes it, not yet run (``EmbeddingLookup``: ``materialize(x)`` runs it)
+LayersFn = Callable[[LayerFn, Any, Any], Array]
+
+
+def embed_tokens(params: dict[str, Array], tokens_bs: Array, *, dtype: Any) -> Array:
+    """The embedding lookup: token embeddings (+ learned position embeddings), cast to the
+    compute dtype: ``[B, S]`` ids -> ``[B, S, D]``. A gather and an addition: no matmul."""
+    x = jnp.take(params["wte"], tokens_bs, axis=0)  # nnx.Embed's lookup
+    if "wpe" in params:
+        x = x + params["wpe"][: tokens_bs.shape[1]][None]
+    return x.astype(dtype)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["params", "tokens"], meta_fields=["dtype"]
+)
+@dataclasses.dataclass(frozen=True)
+class EmbeddingLookup:
+    """The stack's input handed over unevaluated (``Decoder.features``): the embedding tables and
+    the token ids. A ``layers_fn`` may run it inside the first block's checkpoint, so that block's
+    backward replays the lookup instead of keeping its output (``MemoryPolicy.replay_embedding``);
+    any other ``layers_fn`` runs it first (``materialize``). A pytree: it passes through
+    ``jax.custom_vjp`` and ``jax.vjp``, its cotangent the tables' gradients."""
+
+    params: dict[str, Array]
+    tokens: Array
+    dtype: Any
+
+    def __call__(self) -> Array:
+        return embed_tokens(self.params, self.tokens, dtype=self.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.tokens.shape, self.params["wte"].shape[1])
+
+
+def materialize(x: Any) -> Array:
+    """The block input ``x`` stands for: the array itself, or its ``EmbeddingLookup`` run."""
+    return x() if isinstance(x, EmbeddingLookup) else x
 
 
 def _normal(std: float) -> nnx.Initializer:
@@ -282,7 +322,7 @@ def scan_layers(layer_fn: LayerFn, x_bsd: Array, stacked_state: Any) -> Array:
     def body(x, layer_state):
         return layer_fn(x, layer_state), None
 
-    x_bsd, _ = jax.lax.scan(body, x_bsd, stacked_state)
+    x_bsd, _ = jax.lax.scan(body, materialize(x_bsd), stacked_state)
     return x_bsd
 
 
@@ -338,7 +378,7 @@ class BlockStack(nnx.Module):
             )
         # fused attention masks by position inside its kernel: no [S, S] mask array
         mask_ss = causal_mask(self.cfg, seq_len) if self.cfg.attention == "naive" else None
-        rope = rope_tables(self.cfg, seq_len, x_bsd.dtype)
+        rope = rope_tables(self.cfg, seq_len, x_bsd.dtype)  # an EmbeddingLookup's too
         graphdef, stacked_state = nnx.split(self.layers)
 
         def layer_fn(x, layer_state):
@@ -406,11 +446,16 @@ class Decoder(nnx.Module):
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
-        x = self.wte(tokens_bs)  # [B, S, D]
+        return self.blocks(self.embedding(tokens_bs), layers_fn=layers_fn)
+
+    def embedding(self, tokens_bs: Array) -> EmbeddingLookup:
+        """The embedding lookup of ``tokens_bs``, not yet run: the stack's input as
+        ``features`` hands it to the ``layers_fn`` (which may replay it in the first block's
+        backward instead of keeping its output)."""
+        params = {"wte": self.wte.embedding[...]}
         if self.wpe is not None:
-            x = x + self.wpe(jnp.arange(seq_len))[None]
-        x = x.astype(self.dtype)
-        return self.blocks(x, layers_fn=layers_fn)
+            params["wpe"] = self.wpe.embedding[...]
+        return EmbeddingLookup(params, tokens_bs, jnp.dtype(self.dtype))
 
     def head(self) -> tuple[HeadFn, dict[str, Array]]:
         """The final norm and LM head as a pure function and its parameters:

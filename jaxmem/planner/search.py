@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from flax import nnx
@@ -57,6 +58,7 @@ from jaxmem.policy import (
     POLICIES,
     QKV,
     MemoryPolicy,
+    can_replay_embedding,
     is_preset,
     mixed_policy,
     split_policy,
@@ -100,6 +102,16 @@ class PlanSpace:
     # H100 at 24 GiB: the twins of selective:k+full, each within chunk_savings_bound of the
     # budget, used the compile cap before the state-offload plan that fits was reached)
     loss_chunks: int = 0
+    # also each stack whose first block is rematerialised with the embedding lookup replayed in
+    # its backward (``MemoryPolicy.replay_embedding``: the same FLOPs, one block input fewer kept;
+    # GPU targets only: XLA:CPU keeps the activations of a block outside a loop). Its twins
+    # compile memory-model fits of their own, so it is off by default: it matters where one
+    # block input is a real part of the budget (a shallow model)
+    replay_embedding: bool = False
+    # also mixes of two per-tag policies (adjacent points of the lower convex hull of the
+    # frontier, ``tags.hull``): the first k blocks under one, the rest under the other; with
+    # ``tags``
+    tag_mixes: bool = True
 
     def __post_init__(self) -> None:
         for field in ("policies", "mix"):
@@ -150,11 +162,14 @@ class Candidate:
         streamed = ("streamed", self.stream) if self.stream else ()
         unrolled = ("unrolled",) if self.policy.unroll else ()
         tensor = (f"tp={self.tp}",) if self.tp > 1 else ()
-        return (self.accum, self.strategy, *tensor, self.precision, *streamed, *unrolled)
+        replay = ("replay",) if self.policy.replay_embedding else ()
+        return (self.accum, self.strategy, *tensor, self.precision, *streamed, *unrolled, *replay)
 
     def describe(self) -> str:
         stack = policy_text(self.policy) + (" (unrolled)" if self.policy.unroll else "")
         parts = [stack, self.precision, f"accum {self.accum}"]
+        if self.policy.replay_embedding:
+            parts.append("embedding replayed")
         if self.policy.loss_chunks:
             parts.append(f"loss in {self.policy.loss_chunks} chunks")
         if self.stream == "device":
@@ -216,7 +231,7 @@ def policy_text(policy: MemoryPolicy) -> str:
 def _part_key(policy: MemoryPolicy) -> str | tuple[str, ...]:
     """What identifies one part of a stack: its preset's name, or a per-tag policy's saves
     (scanned or unrolled alike)."""
-    policy = policy.replace(unroll=False, loss_chunks=0)
+    policy = policy.replace(unroll=False, loss_chunks=0, replay_embedding=False)
     name = next((n for n, p in POLICIES.items() if p == policy.replace(name=n)), None)
     return name if name is not None else ("tags", *policy.save)
 
@@ -319,10 +334,13 @@ class MemoryModel:
         key = (name, *family)
         if key not in self.fits:
             d1, d2 = self.problem.fit_depths
+            fitted = POLICIES[name]
+            if "replay" in family and can_replay_embedding(fitted):
+                fitted = fitted.replace(replay_embedding=True)
             peaks = [
                 self.compile_fn(
                     self.problem.cfg.replace(n_layers=d),
-                    POLICIES[name],
+                    fitted,
                     cand.accum,
                     cand.strategy,
                     cand.precision,
@@ -357,6 +375,7 @@ class MemoryModel:
         return (
             *sorted(str(_part_key(p)) for _, p in parts),
             cand.policy.unroll,
+            cand.policy.replay_embedding,
             cand.accum,
             cand.strategy,
             cand.tp,
@@ -397,7 +416,11 @@ def state_host_bytes(problem: Problem, cand: Candidate) -> int:
 
 # ---------------------------------------------------------------------------------- lattice
 def _stacks(
-    space: PlanSpace, n_layers: int, host: bool, tagged: Iterable[MemoryPolicy] = ()
+    space: PlanSpace,
+    n_layers: int,
+    host: bool,
+    tagged: Iterable[MemoryPolicy] = (),
+    hull: Sequence[MemoryPolicy] = (),
 ) -> list[MemoryPolicy]:
     usable = [p for p in space.policies if host or not POLICIES[p].offload]
     stacks = [POLICIES[p] for p in usable]
@@ -409,6 +432,10 @@ def _stacks(
         for b in mix[i + 1 :]:
             for k in range(1, n_layers):
                 stacks.append(mixed_policy(a, k, b))
+    # per-tag mixes: neighbours on the hull (fewest bytes first), the one keeping more first
+    for lean, rich in itertools.pairwise(hull):
+        for k in range(1, n_layers):
+            stacks.append(mixed_policy(rich, k, lean))
     return stacks
 
 
@@ -448,8 +475,11 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
         state = analytic.opt_state_bytes(cfg, problem.opt_cfg, precision)
         offload_row = _offloaded_bytes_per_row(cfg, precision, problem.seq_len)
         rate = rates.matmul_flops.get(precision.compute_dtype, rates.matmul_flops["float32"])
-        tagged = [t.policy for t in flops.tag_frontier(precision)] if space.tags else []
-        stacks = _stacks(space, cfg.n_layers, host, tagged)
+        frontier = flops.tag_frontier(precision) if space.tags else []
+        hull = [t.policy for t in tags.hull(frontier)] if space.tag_mixes else []
+        stacks = _stacks(space, cfg.n_layers, host, [t.policy for t in frontier], hull)
+        if host and space.replay_embedding:  # a GPU target (XLA:CPU: see PlanSpace)
+            stacks += [p.replace(replay_embedding=True) for p in stacks if can_replay_embedding(p)]
         if host and space.unroll:  # a GPU target: each stack unrolled too (nested scans)
             stacks += [p.replace(unroll=True) for p in stacks if not p.nested]
         chunks = chunk_count(space.loss_chunks, problem.seq_len)
@@ -551,6 +581,7 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
             c.seconds,
             c.accum,
             c.policy.loss_chunks > 0,
+            c.policy.replay_embedding,
             order[c.state_memory],
             c.policy.unroll,
             c.policy.rest is None and not is_preset(c.policy),
@@ -572,6 +603,7 @@ def _streams(
     return (
         (strategy is None) == (problem.devices == 1)
         and policy.rest is None
+        and not policy.replay_embedding
         and not policy.nested
         and policy.layers.is_all
         and not policy.unroll
@@ -781,7 +813,14 @@ def search(
                 continue
         else:
             family = (c.family, c.state_memory)
-            twins = [p.replace(unroll=c.policy.unroll) for p in lean]  # scanned or unrolled
+            # scanned or unrolled, the embedding replayed or not
+            twins = [
+                p.replace(
+                    unroll=c.policy.unroll,
+                    replay_embedding=c.policy.replay_embedding and can_replay_embedding(p),
+                )
+                for p in lean
+            ]
             probes = [p for p in twins if (p, *family) in outs]
             if not c.policy.nested and c.policy not in probes and floors.get(family, 0) > budget:
                 o.status = "over (family floor compiled over)"  # known: no fit compiles needed

@@ -105,3 +105,27 @@ def pareto(points: list[TagPoint]) -> list[TagPoint]:
 def frontier(cfg: ModelConfig, precision: Precision, seq_len: int, flops_per_row) -> list[TagPoint]:
     """The Pareto-optimal per-tag policies of ``cfg``'s block (``measure``, ``pareto``)."""
     return pareto(measure(cfg, precision, seq_len, flops_per_row))
+
+
+def hull(points: list[TagPoint]) -> list[TagPoint]:
+    """The Pareto points on the lower convex hull of ``points`` in (bytes, FLOPs), those on
+    its segments included, fewest bytes first:
+    a stack mixing two of them block by block (the first k blocks under one, the rest under the
+    other) lies on the segment between them, so mixes of neighbours on this hull are the
+    cheapest stacks at every byte count between their ends (a linear relaxation of the exact
+    per-block assignment; the compile of each candidate is the proof of its bytes)."""
+    out: list[TagPoint] = []
+    for p in pareto(points):
+        while len(out) >= 2:
+            (b0, f0), (b1, f1) = (
+                (q.bytes_per_block, q.flops_per_block) for q in (out[-2], out[-1])
+            )
+            # drop the middle point when it lies above the segment from out[-2] to p (points on
+            # it stay: with few blocks, a mix of near neighbours fills a budget a mix of the
+            # segment's ends cannot)
+            if (f1 - f0) * (p.bytes_per_block - b0) > (p.flops_per_block - f0) * (b1 - b0):
+                out.pop()
+            else:
+                break
+        out.append(p)
+    return out
