@@ -141,11 +141,17 @@ def measure(
             # A row measured under another definition of the policy or another translation of
             # it is measured again; one measured under another accounting (``ACCOUNTING``) is
             # measured again but keeps its largest batch, which the accounting does not touch.
-            # (the repr leaves out MemoryPolicy's ``unroll`` and ``rest`` at their defaults,
-            # which no preset sets, so the rows whose definitions name neither still match)
-            policy_repr = (
-                repr(POLICIES[name]).replace(", unroll=False", "").replace(", rest=None", "")
-            )
+            # (the repr leaves out MemoryPolicy's fields added since the rows were measured,
+            # at their defaults, which no preset sets, so the rows whose definitions name none
+            # of them still match)
+            policy_repr = repr(POLICIES[name])
+            for default in (
+                ", unroll=False",
+                ", rest=None",
+                ", rest_save=(), rest_offload=(), replay_embedding=False",
+                ", loss_chunks=0",
+            ):
+                policy_repr = policy_repr.replace(default, "")
             definition = (
                 f"{policy_repr} remat revision {REMAT_REVISION} step revision {STEP_REVISION}"
             )

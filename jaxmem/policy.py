@@ -468,21 +468,27 @@ def mixed_policy(
     name) or a per-tag policy (``MemoryPolicy.custom``), named ``head:k+rest`` with
     ``part_label``'s words for a per-tag part."""
     first = POLICIES[head] if isinstance(head, str) else head
-    last = POLICIES[rest] if isinstance(rest, str) else rest
-    for part in (first, last):
+    for part in (first, rest):
         require(
-            part.layers.is_all and part.rest is None and not part.nested,
+            isinstance(part, str) or (part.layers.is_all and part.rest is None and not part.nested),
             f"a mixed stack's part is a preset or a per-tag policy over its blocks, not "
-            f"{part.name!r}",
+            f"{getattr(part, 'name', part)!r}",
         )
-    custom = part_label(last) not in POLICIES
+    if isinstance(rest, str):  # a preset, by name (MemoryPolicy names a bad one)
+        label, fields = rest, {"rest": rest}
+    else:
+        label = part_label(rest)
+        custom = label not in POLICIES
+        fields = {
+            "rest": "custom" if custom else label,
+            "rest_save": rest.save if custom else (),
+            "rest_offload": rest.offload if custom else (),
+        }
     return first.replace(
-        name=f"{part_label(first)}:{k}+{part_label(last)}",
+        name=f"{part_label(first)}:{k}+{label}",
         layers=LayerSelection(first=k),
-        rest="custom" if custom else part_label(last),
-        rest_save=last.save if custom else (),
-        rest_offload=last.offload if custom else (),
         unroll=unroll,
+        **fields,
     )
 
 

@@ -234,6 +234,8 @@ def gather_at_use(layers: Any, m: Mesh) -> Any:
 
         return layers(gathered_layer, x, stacked)
 
+    # x passes through untouched: the lookup unevaluated where ``layers`` replays it
+    run.replays_embedding = getattr(layers, "replays_embedding", False)
     return run
 
 
@@ -302,6 +304,8 @@ def tensor_parallel_layers(layers: Any, m: Mesh, cfg: ParallelConfig) -> Any:
 
         return layers(constrained_layer, x, stacked)
 
+    # x passes through untouched: the lookup unevaluated where ``layers`` replays it
+    run.replays_embedding = getattr(layers, "replays_embedding", False)
     return run
 
 

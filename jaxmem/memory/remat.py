@@ -164,6 +164,17 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
       (measured, H100 plans: gpt2-124m bf16 8 x 1024 `none` 14.73 GB scanned, 12.37 GB
       unrolled; unrolled keeping the slices and casts, 15.95 GB).
     """
+    return _replaying(policy, _layers_fn(policy, n_layers))
+
+
+def _replaying(policy: MemoryPolicy, run: LayersFn) -> LayersFn:
+    """``run``, marked to take the unevaluated embedding lookup when ``policy`` replays it
+    (``Decoder.features`` hands it over only then)."""
+    run.replays_embedding = policy.replay_embedding  # type: ignore[attr-defined]
+    return run
+
+
+def _layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
     check_backend(policy)
     selected = policy.layers.indices(n_layers)
     scanned = not policy.unroll and len(selected) == n_layers
@@ -352,7 +363,7 @@ def accumulating_layers_fn(policy: MemoryPolicy, n_layers: int, acc: Any) -> Lay
             "(AccumConfig(inplace=False))"
         )
     check_backend(policy)
-    return _custom_stack(policy, n_layers, acc)
+    return _replaying(policy, _custom_stack(policy, n_layers, acc))
 
 
 def _drop_weights(pb: Any, w: Any, layout: dict[str, Any]) -> list:

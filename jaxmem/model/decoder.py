@@ -40,8 +40,9 @@ STACK_PATH: tuple[str, ...] = ("blocks", "layers")
 
 LayerFn = Callable[[Array, Any], Array]
 RopeTables = tuple[Array, Array] | None  # RoPE's cos, sin: [S, K] each
-# ``layers_fn(layer_fn, x, stacked_state)``; ``x`` is the first block's input, or the embedding
-# lookup that makes it, not yet run (``EmbeddingLookup``: ``materialize(x)`` runs it)
+# ``layers_fn(layer_fn, x, stacked_state)``; ``x`` is the first block's input or, for a
+# ``layers_fn`` whose ``replays_embedding`` attribute is true, the embedding lookup that makes it,
+# not yet run (``EmbeddingLookup``; ``materialize(x)`` runs it)
 LayersFn = Callable[[LayerFn, Any, Any], Array]
 
 
@@ -59,11 +60,11 @@ def embed_tokens(params: dict[str, Array], tokens_bs: Array, *, dtype: Any) -> A
 )
 @dataclasses.dataclass(frozen=True)
 class EmbeddingLookup:
-    """The stack's input handed over unevaluated (``Decoder.features``): the embedding tables and
-    the token ids. A ``layers_fn`` may run it inside the first block's checkpoint, so that block's
-    backward replays the lookup instead of keeping its output (``MemoryPolicy.replay_embedding``);
-    any other ``layers_fn`` runs it first (``materialize``). A pytree: it passes through
-    ``jax.custom_vjp`` and ``jax.vjp``, its cotangent the tables' gradients."""
+    """The stack's input handed over unevaluated (``Decoder.features``, to a ``layers_fn`` whose
+    ``replays_embedding`` attribute is true): the embedding tables and the token ids. It runs the
+    lookup inside the first block's checkpoint, so that block's backward replays the lookup
+    instead of keeping its output (``MemoryPolicy.replay_embedding``). A pytree: it passes
+    through ``jax.custom_vjp`` and ``jax.vjp``, its cotangent the tables' gradients."""
 
     params: dict[str, Array]
     tokens: Array
@@ -446,7 +447,9 @@ class Decoder(nnx.Module):
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
-        return self.blocks(self.embedding(tokens_bs), layers_fn=layers_fn)
+        x = self.embedding(tokens_bs)
+        replays = getattr(layers_fn, "replays_embedding", False)
+        return self.blocks(x if replays else x(), layers_fn=layers_fn)
 
     def embedding(self, tokens_bs: Array) -> EmbeddingLookup:
         """The embedding lookup of ``tokens_bs``, not yet run: the stack's input as
