@@ -454,7 +454,7 @@ def validate_for_torch(
         )
 
 
-class _with_lookup:  # noqa: N801 (a callable standing in for the first block)
+class _LookupThenBlock:
     """The first block run on the embedding lookup of its token ids: what its checkpoint
     replays. ``phase.embedding`` is on while the lookup runs (``_Phase``)."""
 
@@ -511,7 +511,7 @@ class PolicyLayers:
         policy, phase = self.policy, None
         if isinstance(x, EmbeddingLookup):  # the first block replays the lookup
             phase = _Phase()
-            layer, x = _with_lookup(layer, x.embed, phase), x.tokens
+            layer, x = _LookupThenBlock(layer, x.embed, phase), x.tokens
         if policy.use_reentrant:
             return checkpoint(layer, _grad_input(x), mask, rope, use_reentrant=True)
         if not policy.is_named:

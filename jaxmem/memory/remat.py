@@ -272,7 +272,7 @@ class _Unit:
     group: int = 1
     grouped: bool = False
     replay: bool = False  # one block whose body runs the embedding lookup (``_replayed``)
-    replays: bool = True  # its backward recomputes (False: no remat, everything kept)
+    recomputes: bool = True  # its backward recomputes (False: no remat, everything kept)
 
     def state(self, stacked: Any) -> Any:
         stop = self.start + self.count * self.group
@@ -336,7 +336,7 @@ def _units(policy: MemoryPolicy, n_layers: int, layer_fn: LayerFn) -> list[_Unit
             start += n
         return units
     if not policy.remat:
-        return [_Unit(layer_fn, 0, n_layers, replays=False)]
+        return [_Unit(layer_fn, 0, n_layers, recomputes=False)]
     ckpt_policy = jax_checkpoint_policy(policy)
     if not policy.nested:
         return [_Unit(jax.checkpoint(layer_fn, policy=ckpt_policy, prevent_cse=False), 0, n_layers)]
@@ -457,7 +457,7 @@ def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
                 def body(carry, item, u=u):
                     ct, acc = carry
                     kept, j = item
-                    if u.count == 1 and u.replays:
+                    if u.count == 1 and u.recomputes:
                         # a rematerialised block outside a loop (the replayed first block, a
                         # one-block part: XLA drops a loop of one trip) waits for the cotangent
                         # before its replay, which the scheduler otherwise runs as soon as its
