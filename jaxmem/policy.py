@@ -398,22 +398,27 @@ def rest_policy(policy: MemoryPolicy) -> MemoryPolicy | None:
 SHORT_TAGS = {"attn_probs": "probs", "attn_context": "context", "attn_lse": "lse"}
 
 
+def preset_named(policy: MemoryPolicy) -> str | None:
+    """The preset ``policy`` is whatever its name says (None: none is)."""
+    return next((n for n, p in POLICIES.items() if p == policy.replace(name=n)), None)
+
+
+def tags_text(tags: tuple[str, ...]) -> str:
+    """Tag names in short words, ``+``-joined (q, k and v together as ``qkv``)."""
+    out = list(tags)
+    if all(n in out for n in QKV):
+        out = ["qkv", *(n for n in out if n not in QKV)]
+    return "+".join(SHORT_TAGS.get(n, n) for n in out)
+
+
 def part_label(policy: MemoryPolicy) -> str:
-    """A stack part in words: a preset's name, or a per-tag policy's ``keep(...)`` (q, k and v
-    together as ``qkv``; ``host(...)`` for offloaded tags)."""
-    bare = _as_preset(policy.replace(name="custom"))
-    preset = next((n for n, p in POLICIES.items() if p == bare.replace(name=n)), None)
+    """A stack part in words: a preset's name, or a per-tag policy's ``keep(...)``
+    (``tags_text``; ``host(...)`` for offloaded tags)."""
+    preset = preset_named(_as_preset(policy.replace(name="custom")))
     if preset is not None:
         return preset
-
-    def names(tags: tuple[str, ...]) -> str:
-        out = list(tags)
-        if all(n in out for n in QKV):
-            out = ["qkv", *(n for n in out if n not in QKV)]
-        return "+".join(SHORT_TAGS.get(n, n) for n in out)
-
-    host = f" host({names(policy.offload)})" if policy.offload else ""
-    return f"keep({names(policy.save) or 'block_input'}){host}"
+    host = f" host({tags_text(policy.offload)})" if policy.offload else ""
+    return f"keep({tags_text(policy.save) or 'block_input'}){host}"
 
 
 def is_preset(policy: MemoryPolicy) -> bool:

@@ -56,12 +56,13 @@ from jaxmem.planner import tags
 from jaxmem.planner.records import lm_step_batch, plan_step
 from jaxmem.policy import (
     POLICIES,
-    QKV,
     MemoryPolicy,
     can_replay_embedding,
     is_preset,
     mixed_policy,
+    preset_named,
     split_policy,
+    tags_text,
 )
 from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.step.train_step import lm_loss_fn
@@ -221,18 +222,14 @@ def policy_text(policy: MemoryPolicy) -> str:
     """A candidate's stack in words: a preset's or mix's name, or what a per-tag policy keeps."""
     if is_preset(policy) or policy.rest is not None or not policy.remat:
         return policy.name
-    save = list(policy.save)
-    if all(n in save for n in QKV):
-        save = ["qkv", *(n for n in save if n not in QKV)]
-    short = {"attn_probs": "probs", "attn_context": "context", "attn_lse": "lse"}
-    return f"keep {'+'.join(short.get(n, n) for n in save) or 'block_input'}"
+    return f"keep {tags_text(policy.save) or 'block_input'}"
 
 
 def _part_key(policy: MemoryPolicy) -> str | tuple[str, ...]:
     """What identifies one part of a stack: its preset's name, or a per-tag policy's saves
     (scanned or unrolled alike)."""
     policy = policy.replace(unroll=False, loss_chunks=0, replay_embedding=False)
-    name = next((n for n, p in POLICIES.items() if p == policy.replace(name=n)), None)
+    name = preset_named(policy)
     return name if name is not None else ("tags", *policy.save)
 
 
