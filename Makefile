@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast parity lint clean check-jax-only
+.PHONY: demo test test-fast parity lint clean check-jax-only test-versions test-newest test-gpu-image
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (or run: make PYTHON=python3 ...)"; exit 2; }
@@ -49,8 +49,29 @@ check-jax-only:
 	cd $(JAX_ONLY) && ! bin/jaxmem parity 2> err.txt && grep -q "pip install 'jaxmem\[torch\]'" err.txt && cat err.txt
 	rm -rf $(JAX_ONLY) build
 
+# The other exact sets (constraints-newest.txt: the newest jax, flax and torch served;
+# constraints-gpu-image.txt: the GPU image's jax 0.11.2 and torch 2.11), each in its own venv on
+# Python 3.12 (jax >= 0.11 needs it), the fast suite on the CPU. torch for Python 3.12 comes as
+# PyPI's CUDA build: about 7 GB per venv, downloaded once into pip's cache.
+PYTHON312 ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do \
+  $$p -c '' >/dev/null 2>&1 && { echo $$p; break; }; done)
+.venv-%/.installed: pyproject.toml constraints-%.txt
+	@$(or $(PYTHON312),false) -c 'import sys; assert sys.version_info[:2] >= (3, 12)' 2>/dev/null || { echo "need Python 3.12 for constraints-$*.txt (run: make PYTHON312=/path/to/python3.12 ...)"; exit 2; }
+	test -x .venv-$*/bin/python || $(PYTHON312) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-$*/bin/python -m pip install --quiet -c constraints-$*.txt -e '.[torch,dev,gpu-plan,hf]'
+	touch $@
+
+test-newest: .venv-newest/.installed
+	.venv-newest/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not multiprocess and not gpu"
+
+test-gpu-image: .venv-gpu-image/.installed
+	.venv-gpu-image/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not multiprocess and not gpu"
+
+test-versions: test-newest test-gpu-image
+
 lint: $(STAMP)
 	$(BIN)/ruff check jaxmem torch_ref tests parity_tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-newest .venv-gpu-image .pytest_cache *.egg-info

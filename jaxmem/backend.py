@@ -18,6 +18,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+from jaxmem.compat import CUDA_PLUGINS, deviceless_toolchain
+
 # lines the plugin's native code prints on a machine without a driver: information, not errors
 _NOISE = (
     "Could not find cuda drivers on your machine",
@@ -38,10 +40,28 @@ def quiet_xla_warnings() -> None:
 
 
 def cuda_plugin_installed() -> bool:
+    """JAX's CUDA plugin, for CUDA 12 (``jax-cuda12-plugin``: the gpu-plan extra) or 13 (as
+    GPU images ship it: ``jax_plugins.xla_cuda13``)."""
+    for name in CUDA_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
+
+
+def _gpu_plan_ptxas_dir() -> str | None:
+    """The ``bin`` folder of ``nvidia-cuda-nvcc-cu12`` (the gpu-plan extra's ptxas), if
+    installed."""
     try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
     except (ImportError, ValueError):
-        return False
+        return None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(root, "bin", "ptxas")):
+            return os.path.join(root, "bin")
+    return None
 
 
 def nvidia_driver_present() -> bool:
@@ -52,11 +72,13 @@ def contain_cuda_plugin() -> None:
     """Before JAX starts: with the plugin installed and no driver, import JAX with the plugin's
     start-up lines dropped (``import jax`` itself loads the plugin's native modules) and, unless
     the user chose ``JAX_PLATFORMS``, run on the CPU (what JAX falls back to anyway) without the
-    plugin's traceback. Without the plugin, or with a driver, nothing happens (JAX stays unloaded
-    until a command needs it)."""
+    plugin's traceback, and with the gpu-plan extra's CUDA 12 ptxas for deviceless compiles
+    (``jaxmem.compat.deviceless_toolchain``). Without the plugin, or with a driver, nothing
+    happens (JAX stays unloaded until a command needs it)."""
     if not cuda_plugin_installed() or nvidia_driver_present():
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.update(deviceless_toolchain(dict(os.environ), _gpu_plan_ptxas_dir()))
     with quiet_native_stderr():
         # the backend is not started here: `jaxmem bench --threads` must set the CPU affinity
         # before XLA:CPU sizes its pool; the CLI starts it quietly in need_jax_backend

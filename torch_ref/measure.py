@@ -45,12 +45,12 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
-    create_selective_checkpoint_contexts,
 )
 from torch.utils.flop_counter import FlopCounterMode
 
 import torch_ref.flops  # noqa: F401  (FlopCounterMode formulas for the CPU attention kernels)
 from jaxmem.config import ConfigError
+from torch_ref.compat import selective_checkpoint_contexts
 from torch_ref.memory import storage_key  # a storage's identity, also on fake and meta tensors
 
 __all__ = [
@@ -250,16 +250,17 @@ KeepFn = Callable[[torch.Tensor], None]
 def _selective_context(plan: CheckpointPlan, keep: KeepFn | None) -> Callable[[], Any]:
     """``context_fn`` for ``checkpoint``: stock selective checkpointing saving ``save_ops``."""
 
-    def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if not plan.saves(op):
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        if keep is not None:  # the cache holds every tensor the op returns
-            for t in tree_leaves(ctx.op_output):
-                if isinstance(t, torch.Tensor):
-                    keep(t)
-        return CheckpointPolicy.MUST_SAVE
+    def saved(output: Any) -> None:  # the cache holds every tensor the op returns
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor):
+                keep(t)
 
-    return functools.partial(create_selective_checkpoint_contexts, policy_fn)
+    def decide(op: Any, *args: Any, **kwargs: Any) -> tuple[CheckpointPolicy, Any]:
+        if not plan.saves(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE, None
+        return CheckpointPolicy.MUST_SAVE, saved if keep is not None else None
+
+    return functools.partial(selective_checkpoint_contexts, decide)
 
 
 def _checkpointed(
@@ -614,6 +615,8 @@ def _tally(recorder: _Recorder, loss: torch.Tensor) -> dict[str, Any]:
     by_device: dict[str, int] = {}
     activations = arguments = kept_only = n = 0
     for key, (nbytes, device) in read.items():
+        if not nbytes:  # an empty placeholder some backward formulas save (torch 2.11)
+            continue
         made = recorder.made.get(key)
         if made is None:  # existed before the forward: a parameter, buffer or input
             arguments += nbytes

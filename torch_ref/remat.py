@@ -59,7 +59,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     checkpoint_sequential,
-    create_selective_checkpoint_contexts,
 )
 
 from jaxmem.config import ConfigError, ModelConfig
@@ -74,6 +73,7 @@ from jaxmem.policy import (
     nested_segment_size,
     split_policy,
 )
+from torch_ref.compat import selective_checkpoint_contexts
 from torch_ref.model import BlockStack, EmbeddingLookup, RopeTables, materialize, run_layers
 
 Translation = Literal["stock", "lean"]
@@ -271,24 +271,27 @@ def _stock_contexts(
     """``create_selective_checkpoint_contexts`` with a policy function over jaxmem's tags."""
     name_op = _OpNamer(cfg)
 
-    def policy_fn(ctx, op, *args, **kwargs):
+    def decide(op, *args, **kwargs):
         if phase is not None and phase.embedding:
-            return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.PREFER_RECOMPUTE, None
         kind, names = name_op(op)
         save = (policy.save_dots and kind == "linear") or (bool(names) and names[0] in policy.save)
         if not save:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        # selective checkpointing caches every tensor the op returns (LayerNorm: its output,
-        # mean and rstd)
-        outs = [ctx.op_output] if isinstance(ctx.op_output, torch.Tensor) else ctx.op_output
-        kept.extend(
-            _kept(layer, names or ("<linear>",), "device", t)
-            for t in outs
-            if isinstance(t, torch.Tensor)
-        )
-        return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE, None
 
-    return create_selective_checkpoint_contexts(policy_fn)
+        def saved(output):
+            # selective checkpointing caches every tensor the op returns (LayerNorm: its
+            # output, mean and rstd)
+            outs = [output] if isinstance(output, torch.Tensor) else output
+            kept.extend(
+                _kept(layer, names or ("<linear>",), "device", t)
+                for t in outs
+                if isinstance(t, torch.Tensor)
+            )
+
+        return CheckpointPolicy.MUST_SAVE, saved
+
+    return selective_checkpoint_contexts(decide)
 
 
 # -------------------------------------------------------------------------------------- lean

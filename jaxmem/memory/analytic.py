@@ -310,3 +310,12 @@ def model_flops(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     forward = cfg.n_layers * per_layer + 2 * t * d * cfg.vocab_size
     recomputed = 2 * batch * seq_len * seq_len * d if cfg.attention == "fused" else 0
     return 3 * forward + cfg.n_layers * recomputed
+
+
+def mfu_flops(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+    """The model FLOPs MFU counts: one training step's matmuls without any recompute, 3 x the
+    forward (PaLM's definition; torchtitan's 6·N + 12·L·H·Q·T per token and Megatron's formula
+    count the same, full S² attention included): ``model_flops`` less fused attention's
+    recomputed q·kᵀ."""
+    recomputed = 2 * batch * seq_len * seq_len * cfg.d_model if cfg.attention == "fused" else 0
+    return model_flops(cfg, batch, seq_len) - cfg.n_layers * recomputed

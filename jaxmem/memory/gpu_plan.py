@@ -39,11 +39,15 @@ def require_gpu_plan(target: Target) -> None:
             f"--target {target.name} compiles for a GPU without one and needs JAX's CUDA plugin, "
             f"which is not installed: {GPU_PLAN_EXTRA}"
         )
+    from jaxmem.backend import nvidia_driver_present
+
     try:
         nvcc = importlib.util.find_spec("nvidia.cuda_nvcc") is not None
     except (ImportError, ValueError):
         nvcc = False
-    if not nvcc:
+    # on a GPU machine the CUDA backend's own toolkit compiles (a GPU image's CUDA 13 plugin
+    # brings no nvidia-cuda-nvcc-cu12)
+    if not nvcc and not nvidia_driver_present():
         raise ConfigError(
             f"--target {target.name} needs ptxas and libdevice (nvidia-cuda-nvcc-cu12), which "
             f"are not installed: {GPU_PLAN_EXTRA}"

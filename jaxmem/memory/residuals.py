@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxmem.compat import scan_operand_counts
 from jaxmem.model.loss import chunked_loss_gradients
 
 
@@ -133,8 +134,9 @@ def _parameter_copy(jaxpr: Any, var: Any, depth: int = 0) -> bool:
         sub = _sub_jaxpr(eqn)
         if prim != "scan" or sub is None:
             return False
+        n_consts, n_carry = scan_operand_counts(eqn)
         index = eqn.outvars.index(var)
-        if index < eqn.params["num_carry"]:
+        if index < n_carry:
             return False
         inner = sub.outvars[index]
         # a stacked output: a copy when each iteration's value is a per-layer slice (an xs
@@ -145,8 +147,7 @@ def _parameter_copy(jaxpr: Any, var: Any, depth: int = 0) -> bool:
         if root not in sub.invars:  # e.g. the stacked output of a scan nested in this one
             return False
         position = sub.invars.index(root)
-        n_fixed = eqn.params["num_consts"] + eqn.params["num_carry"]
-        if position < n_fixed:
+        if position < n_consts + n_carry:
             return False
         outer = eqn.invars[position]
         return _alias_root(jaxpr, outer) in jaxpr.invars or _parameter_copy(jaxpr, outer, depth + 1)
@@ -196,12 +197,12 @@ def _residual_name(jaxpr: Any, var: Any, depth: int = 0) -> str | None:
         if prim in ("jit", "pjit") and eqn.params.get("name") == chunked_loss_gradients.__name__:
             return "<loss gradients>"  # formed in the forward (MemoryPolicy.loss_chunks)
         index = eqn.outvars.index(var)
-        if prim == "scan" and index < eqn.params["num_carry"]:
+        n_consts, n_carry = scan_operand_counts(eqn) if prim == "scan" else (0, 0)
+        if prim == "scan" and index < n_carry:
             return "<stack output>"  # the final carry: the last layer's output, kept downstream
         inner = sub.outvars[index]
         if prim == "scan" and inner in sub.invars:
             position = sub.invars.index(inner)
-            n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
             if n_consts <= position < n_consts + n_carry:
                 return "<layer input>"
         return _residual_name(sub, inner, depth + 1)
@@ -263,15 +264,28 @@ def compiled_plan(compiled: Any) -> dict[str, int]:
     }
 
 
+class Plan(dict):
+    """A compiled plan (``compiled_plan``'s bytes, a plain dict to every reader) and, where it
+    was asked for, what the compiled program's kernels do (``work``: a
+    ``jaxmem.memory.work.Work`` of its optimized HLO, the input of a step-time estimate;
+    None otherwise)."""
+
+    work: Any = None
+
+
 # The plans of programs compiled in this process, by platform and program text (at most
 # ``_PLANS_KEPT``, oldest dropped first): see ``plan_of_lowered``.
-_PLANS: dict[tuple[str, str], dict[str, int]] = {}
+_PLANS: dict[tuple[str, str], Plan] = {}
 _PLANS_KEPT = 4096
 
 
 def plan_of_lowered(
-    lowered: Any, where: str, compile: Callable[[Any], Any] | None = None
-) -> dict[str, int]:
+    lowered: Any,
+    where: str,
+    compile: Callable[[Any], Any] | None = None,
+    *,
+    with_work: bool = False,
+) -> Plan:
     """``compiled_plan`` of ``lowered`` compiled for ``where`` (a platform or target and device
     count), memoised in this process by the lowered program's text: its StableHLO with its
     shardings, memory kinds and donations, which is everything XLA compiles from. jaxmem
@@ -281,17 +295,26 @@ def plan_of_lowered(
     cache (keyed by the function) misses, and a deviceless GPU executable cannot be read back
     from JAX's persistent cache. XLA compiles one program to one plan (checked for XLA:CUDA by
     ``tests/test_gpu_plan``), so a repeat returns the plan the first compile made. ``compile``
-    (default: ``lowered.compile()``) compiles it on a miss."""
+    (default: ``lowered.compile()``) compiles it on a miss. ``with_work``: the plan's ``work``
+    is read from the compiled program's HLO too (compiled again if a first compile did not
+    keep it)."""
     import hashlib
 
     key = (where, hashlib.sha256(lowered.as_text().encode()).hexdigest())
     plan = _PLANS.get(key)
-    if plan is None:
-        plan = compiled_plan(compile(lowered) if compile is not None else lowered.compile())
+    if plan is None or (with_work and plan.work is None):
+        compiled = compile(lowered) if compile is not None else lowered.compile()
+        plan = Plan(compiled_plan(compiled))
+        if with_work:
+            from jaxmem.memory.work import work_of_hlo
+
+            plan.work = work_of_hlo(compiled.as_text(), f"per-kernel count of the {where} plan")
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan
-    return dict(plan)
+    out = Plan(plan)
+    out.work = plan.work
+    return out
 
 
 def device_peak_bytes() -> int | None:

@@ -40,6 +40,8 @@ class Target:
     device_memory_bytes: int | None = None
     config_text: str | None = None
     source: str = ""  # the file it came from
+    multiprocessors: int | None = None  # gpu_device_info.core_count (streaming multiprocessors)
+    memory_bandwidth: int | None = None  # gpu_device_info.memory_bandwidth, bytes/s (datasheet)
 
     @property
     def is_gpu(self) -> bool:
@@ -60,6 +62,12 @@ _FIELD = {
     "device_description_str": re.compile(r'\bdevice_description_str\s*:\s*"([^"]*)"'),
 }
 
+# read where present: the step-time estimate's multiprocessor count and HBM bandwidth
+_OPTIONAL = {
+    "core_count": re.compile(r"\bcore_count\s*:\s*(\d+)"),
+    "memory_bandwidth": re.compile(r"\bmemory_bandwidth\s*:\s*(\d+)"),
+}
+
 
 def parse_target(name: str, text: str, source: str) -> Target:
     """The fields jaxmem reads from a target-config text (XLA parses the whole of it when it
@@ -76,6 +84,7 @@ def parse_target(name: str, text: str, source: str) -> Target:
             f"target file {source} is for platform {found['platform_name'].group(1)!r}; "
             "jaxmem plans CUDA targets only"
         )
+    optional = {k: p.search(text) for k, p in _OPTIONAL.items()}
     return Target(
         name=name,
         platform="cuda",
@@ -83,6 +92,10 @@ def parse_target(name: str, text: str, source: str) -> Target:
         device_memory_bytes=int(found["device_memory_size"].group(1)),
         config_text=text,
         source=source,
+        multiprocessors=int(optional["core_count"].group(1)) if optional["core_count"] else None,
+        memory_bandwidth=int(optional["memory_bandwidth"].group(1))
+        if optional["memory_bandwidth"]
+        else None,
     )
 
 

@@ -94,7 +94,8 @@ def _compile(step: Any, args: tuple, target: Target) -> tuple[dict[str, int], st
         from jaxmem.memory.gpu_plan import compile_lowered, lower_placed, on_target, plan_key
 
         lowered = lower_placed(step, on_target(args, target))
-        return plan_of_lowered(lowered, plan_key(target), compile_lowered), target.compiler()
+        plan = plan_of_lowered(lowered, plan_key(target), compile_lowered, with_work=True)
+        return plan, target.compiler()
     plan = plan_of_lowered(step.lower(*args), _local_key())
     return plan, f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
 
@@ -176,11 +177,60 @@ def _compile_on_mesh(
         from jaxmem.memory.gpu_plan import compile_lowered, lower_placed, plan_key
 
         lowered = lower_placed(step, placed_args)
-        plan = plan_of_lowered(lowered, plan_key(target, parallel.devices), compile_lowered)
+        plan = plan_of_lowered(
+            lowered, plan_key(target, parallel.devices), compile_lowered, with_work=True
+        )
         return plan, f"{target.compiler()}, per device of {parallel.mesh_text()}"
     plan = plan_of_lowered(step.lower(*placed_args), _local_key(parallel.devices))
     platform = jax.devices()[0].platform.upper()
     return plan, f"XLA:{platform} (local backend), per device of {parallel.mesh_text()}"
+
+
+def step_time(
+    plan: Any,
+    target: Target,
+    cfg: ModelConfig,
+    precision: Precision,
+    batch: int,
+    seq_len: int,
+    parallel: ParallelConfig | None = None,
+    *,
+    state_link_bytes: int = 0,
+    host_update_bytes: int = 0,
+    program_host_copies: bool = True,
+) -> dict[str, Any] | None:
+    """The estimated step time of a compiled plan for a GPU target (``jaxmem.memory.step_time``;
+    None for the local backend, or a plan compiled without its work), per device, with the
+    MFU it implies and every assumption: the plan's kernels, host copies and collectives
+    priced from its HLO, plus what a deviceless plan cannot show, from shapes:
+    ``state_link_bytes`` over the host link (optimizer state in host memory, a streamed stack;
+    ``program_host_copies=False`` where those shapes replace the program's own copies) and
+    ``host_update_bytes`` of host memory an update on the host reads and writes."""
+    from jaxmem.memory import step_time as st
+
+    device = st.Device.of(target)
+    work = getattr(plan, "work", None)
+    if device is None or work is None:
+        return None
+    if not program_host_copies:
+        work = dataclasses.replace(work, to_host_bytes=0, from_host_bytes=0)
+    sharded = parallel is not None and parallel.sharded
+    data, tp = (parallel.data, parallel.tp) if sharded else (1, 1)
+    dp_bytes, tp_bytes = st.collective_transfers(work, data=data, tp=tp)
+    est = st.estimate(
+        work,
+        device,
+        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len) // tp,
+        transfers=st.Transfers(
+            state=state_link_bytes,
+            data_parallel=dp_bytes,
+            tensor_parallel=tp_bytes,
+            host_update=host_update_bytes,
+        ),
+        compute_dtype=precision.compute_dtype,
+        source=f"{work.source}, priced at {target.description}'s rates",
+    )
+    return {**est.as_dict(), "line": est.line()}
 
 
 def _platform(target: Target) -> str:
@@ -218,10 +268,19 @@ def plan_step(
     *_, plan, compiler = _compile_step(
         graphdef, cfg.n_layers, policy, tx, precision, opt_cfg, accum_cfg, args, target, parallel
     )
+    state_link = 0
+    if target.is_gpu and opt_cfg.state_memory == "pinned_host":  # in and out every step
+        shards = 1
+        if parallel is not None and parallel.sharded:  # the state's shards (jaxmem.sharding)
+            shards = parallel.tp * (parallel.data if parallel.strategy != "dp" else 1)
+        state_link = 2 * tree_bytes(opt_state) // shards
     return {
         "compiler": compiler,
         "compiled_plan": plan,
         "planned_peak_bytes": peak_of_plan(plan),
+        "step_time": step_time(
+            plan, target, cfg, precision, batch, seq_len, parallel, state_link_bytes=state_link
+        ),
     }
 
 
@@ -289,10 +348,25 @@ def stream_plan(
     # real run, where it already lives in host memory) and the stack's new values (written over
     # the old in place); what remains is the gradient and update's host working set
     host_working = plan["host_temp_bytes"] - host_resident
+    transfers = stream_transfers(*local, policy, precision, target, accum, update)
     return {
         "compiler": compiler,
         "compiled_plan": plan,
         "planned_peak_bytes": device_peak,
+        # the program's own host copies include moving the resident stack to host memory (a
+        # deviceless compile's arguments arrive on the device): priced from shapes instead
+        "step_time": step_time(
+            plan,
+            target,
+            cfg,
+            precision,
+            batch,
+            seq_len,
+            parallel,
+            state_link_bytes=transfers["total_bytes"],
+            host_update_bytes=transfers.get("host_update", {}).get("bytes", 0),
+            program_host_copies=False,
+        ),
         "stream": {
             "host_resident_bytes": host_resident,
             "host_working_bytes": host_working,
@@ -304,7 +378,7 @@ def stream_plan(
             "their inputs (donation)",
             "update": update,
             # one device's: its shards of the stack over a mesh
-            "transfers": stream_transfers(*local, policy, precision, target, accum, update),
+            "transfers": transfers,
         },
     }
 
@@ -698,6 +772,17 @@ def jax_record(
         if target.device_memory_bytes is None
         else planned_peak <= target.device_memory_bytes,
         "state_offload": _state_offload(opt_state, planned_peak, target) if state_offload else None,
+        # the state in host memory comes in for the update and goes back (its shards)
+        "step_time": step_time(
+            plan,
+            target,
+            cfg,
+            precision,
+            batch,
+            seq_len,
+            parallel if sharded else None,
+            state_link_bytes=2 * sizes["opt"] if state_offload else 0,
+        ),
         # the OS's high-water mark of this whole process (everything so far)
         "process_max_rss_bytes": process_max_rss_bytes(),
         "process_max_rss_source": "OS (getrusage ru_maxrss), whole process so far, host",
