@@ -74,6 +74,7 @@ LONGEST_FIRST = (
     "tests/test_readme.py",
     "parity_tests/test_model_parity.py",
     "tests/test_gpu_plan.py",
+    "tests/test_gpu_check.py",
     "parity_tests/test_sharded_parity.py",
     "parity_tests/test_torch_measure.py",
     "tests/test_chaos.py",

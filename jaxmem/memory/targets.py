@@ -195,5 +195,20 @@ NOMINAL = Rates(
 )
 
 
+# a captured target's GPU by its description (H200: an H100's compute; its own HBM bandwidth
+# comes from its target config)
+_BY_DESCRIPTION = (("H100", "h100"), ("H200", "h100"), ("A100", "a100-80gb"),
+                   ("V100", "v100-32gb"), ("A10", "a10-24gb"))  # fmt: skip
+
+
 def rates_for(target: Target) -> Rates:
-    return RATES.get(target.name, NOMINAL if not target.is_gpu else RATES["h100"])
+    """The target's rates: a shipped target's, a captured one's by the GPU its description
+    names, the H100's for any other GPU, nominal ones for the local backend."""
+    if target.name in RATES:
+        return RATES[target.name]
+    if not target.is_gpu:
+        return NOMINAL
+    for word, name in _BY_DESCRIPTION:
+        if word in target.description:
+            return RATES[name]
+    return RATES["h100"]

@@ -557,6 +557,42 @@ def _one_device_step(
     )
 
 
+def runnable_step(
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    batch: int,
+    seq_len: int,
+    accum: int = 1,
+) -> tuple[Any, tuple]:
+    """The train step ``jax_record`` and ``plan_step`` plan (a streamed one with
+    ``opt_cfg.stream``), on this backend's first device, with real inputs placed where it takes
+    them: ``(step, args)``; ``step(*args)`` returns ``(params, opt_state, loss_scale, metrics)``
+    and donates its inputs, so a loop threads the first three back in. For timing a step and
+    reading a device's runtime peak (``benchmarks/gpu_check.py``)."""
+    from jaxmem.step import stream
+
+    model = make_model(cfg, precision)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = make_optimizer(opt_cfg)
+    data = lm_step_batch(cfg, batch, seq_len, abstract=False)
+    accum_cfg = _accum_config(accum, batch)
+    if not opt_cfg.stream:
+        step = _one_device_step(graphdef, policy, cfg.n_layers, tx, precision, opt_cfg, accum_cfg)
+        return step, (params, tx.init(params), init_loss_scale(precision), data)
+    params, opt_state = stream.place(params, stream.init_state(tx, params))
+    step = stream.make_streamed_step(
+        lambda lf: lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks),
+        layers_fn(policy, cfg.n_layers),
+        tx,
+        accum_steps=accum,
+        accum_dtype=jnp.dtype(precision.accum_dtype),
+        update=opt_cfg.stream_update or "device",
+    )
+    return step, (params, opt_state, None, data)
+
+
 def _accum_config(accum: int, batch: int) -> AccumConfig:
     config = AccumConfig(steps=accum)
     config.check_batch(batch)
