@@ -418,7 +418,9 @@ def test_on_a_gpu_target_the_planner_unrolls_a_stack_whose_scan_does_not_fit():
     chosen = result.chosen.candidate
     assert chosen.policy == POLICIES["none"].replace(unroll=True)
     twin = next(o.candidate for o in result.outcomes if o.candidate.policy == POLICIES["none"])
-    assert chosen.flops == twin.flops and result.outcomes[0].candidate == twin  # scan first
+    # the same FLOPs; the estimate prices the unrolled stack no dearer (its residuals are
+    # arrays of their own, not written into stacked buffers and sliced out again)
+    assert chosen.flops == twin.flops and chosen.seconds <= twin.seconds
     job = candidate_job(JobConfig(preset="tiny", model=cfg, run=RunConfig(seq_len=seq)), chosen, 1)
     assert "--unroll" in job_argv(job)
     off = search(

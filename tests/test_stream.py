@@ -331,9 +331,9 @@ def test_the_planner_weighs_a_host_update_against_the_device_update_by_their_est
     monkeypatch,
 ):
     """A streamed step's update on the device moves parameters, gradient and state over the host
-    link; in host memory it reads and writes the same bytes there. The planner ranks the two by
-    those estimates (same FLOPs): the host update first where host memory is faster than the
-    link (every reference host), the device update first where it is not."""
+    link and updates in HBM; in host memory it reads and writes the same bytes there. The planner
+    ranks the two by those estimates (same FLOPs): the host update first where host memory is
+    faster than the link (every reference host), the device update first where it is not."""
     from jaxmem.memory import targets
     from jaxmem.memory.targets import get_target
     from jaxmem.planner.search import FlopModel, PlanSpace, Problem, enumerate_candidates
@@ -360,7 +360,11 @@ def test_the_planner_weighs_a_host_update_against_the_device_update_by_their_est
     # the device update's link bytes are the host update's host-memory bytes
     assert device.host_bytes - host.host_bytes == host.host_update_bytes > 0
     gap = host.host_update_bytes / rates.host_link - host.host_update_bytes / rates.host_memory
-    assert device.seconds - host.seconds == pytest.approx(gap, rel=1e-9)
+    # and the device update reads and writes those bytes in HBM too (both exposed: the update
+    # runs after the backward)
+    hbm = device.estimate.memory_bound - host.estimate.memory_bound
+    assert hbm > 0
+    assert device.seconds - host.seconds == pytest.approx(gap + hbm, rel=1e-9)
     assert [c.stream for c in ranked()] == ["host", "device"]
     slow_host = dataclasses.replace(rates, host_memory=rates.host_link / 2)
     monkeypatch.setitem(targets.RATES, "v100-32gb", slow_host)

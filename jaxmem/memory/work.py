@@ -639,6 +639,7 @@ class _JaxprReader:
     def __init__(self) -> None:
         self.matmuls: collections.Counter = collections.Counter()
         self.totals: collections.Counter = collections.Counter()
+        self.ordered: list[tuple[Matmul, int]] = []  # every dot in program order, with times
 
     def walk(self, jaxpr: Any, times: int, depth: int = 0) -> None:
         jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
@@ -677,7 +678,9 @@ class _JaxprReader:
                         self.totals["memory_kernels"] += times
                 continue
             if prim == "dot_general":
-                self.matmuls[_jaxpr_dot(eqn)] += times
+                mm = _jaxpr_dot(eqn)
+                self.matmuls[mm] += times
+                self.ordered.append((mm, times))
                 continue
             if prim == "scan":
                 length = int(eqn.params["length"])
@@ -701,6 +704,7 @@ class _JaxprReader:
                         self.matmuls[m] += n * times
                     for k, v in best[1].totals.items():
                         self.totals[k] += v * times
+                    self.ordered += [(m, n * times) for m, n in best[1].ordered]
                 continue
             if prim == "device_put":
                 for v, out in zip(eqn.invars, eqn.outvars, strict=False):
@@ -752,6 +756,53 @@ def _memory_kind(v: Any) -> str:
     space = getattr(getattr(v, "aval", None), "memory_space", None)
     name = "" if space is None else str(space).split(".")[-1].lower()
     return "host" if "host" in name else "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A jaxpr's work with its matmuls in program order (``at_rows`` extrapolates it)."""
+
+    matmuls: tuple[tuple[Matmul, int], ...]  # in program order, with how many times each runs
+    totals: tuple[tuple[str, int], ...]  # memory_bytes, memory_kernels, host bytes
+
+    def work(self, source: str = "") -> Work:
+        counts: collections.Counter = collections.Counter()
+        for m, n in self.matmuls:
+            counts[m] += n
+        return _tallied(counts, collections.Counter(dict(self.totals)), collections.Counter(),
+                        source)  # fmt: skip
+
+
+def trace_jaxpr(jaxpr: Any) -> Traced:
+    """``jaxpr``'s work, its matmuls in program order."""
+    reader = _JaxprReader()
+    reader.walk(jaxpr, 1)
+    return Traced(tuple(reader.ordered), tuple(sorted(reader.totals.items())))
+
+
+def at_rows(one: Traced, two: Traced, rows: int) -> Traced:
+    """The work of ``rows`` rows from traces of the same program at one and at two rows:
+    every matmul dimension, byte count and total is affine in the rows (each row adds the same
+    tokens); the programs must match dot for dot."""
+    if len(one.matmuls) != len(two.matmuls):
+        raise ValueError("traces at one and two rows differ in their matmuls")
+
+    def line(a: int, b: int) -> int:
+        return a + (b - a) * (rows - 1)
+
+    matmuls = tuple(
+        (
+            Matmul(
+                line(a.batch, b.batch), line(a.m, b.m), line(a.n, b.n), line(a.k, b.k), a.dtype,
+                line(a.bytes, b.bytes),
+            ),
+            n,
+        )
+        for (a, n), (b, _) in zip(one.matmuls, two.matmuls, strict=True)
+    )  # fmt: skip
+    t1, t2 = dict(one.totals), dict(two.totals)
+    totals = tuple((k, line(t1.get(k, 0), t2.get(k, 0))) for k in sorted(set(t1) | set(t2)))
+    return Traced(matmuls, totals)
 
 
 def work_of_jaxpr(jaxpr: Any, source: str = "") -> Work:

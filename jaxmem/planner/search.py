@@ -47,12 +47,14 @@ from flax import nnx
 from jaxmem.config import ConfigError, ModelConfig, OptimizerConfig, require
 from jaxmem.job import JobConfig
 from jaxmem.memory import analytic
+from jaxmem.memory import step_time as st
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.step_time import Device, StepTime
 from jaxmem.memory.targets import NOMINAL, RATES, Rates, Target, rates_for  # noqa: F401  (re-exported)
 from jaxmem.model import make_model
 from jaxmem.parallel import ParallelConfig
-from jaxmem.planner import tags
+from jaxmem.planner import cost, tags
 from jaxmem.planner.records import lm_step_batch, plan_step
 from jaxmem.policy import (
     POLICIES,
@@ -150,6 +152,9 @@ class Candidate:
     # bytes of host memory a host update reads and writes per step (estimate, from shapes)
     host_update_bytes: int = 0
     tp: int = 1  # tensor-parallel devices (the rest of the mesh is the strategy's data axis)
+    # the step time's parts, MFU and assumptions (jaxmem.planner.cost; None on the local
+    # backend, which is ordered by nominal rates)
+    estimate: StepTime | None = dataclasses.field(default=None, compare=False)
 
     @property
     def stream(self) -> str | None:
@@ -456,11 +461,16 @@ def _tensor(cand: Candidate) -> dict[str, int]:
     return {"tp": cand.tp} if cand.tp > 1 else {}
 
 
-def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -> list[Candidate]:
+def enumerate_candidates(
+    problem: Problem, space: PlanSpace, flops: FlopModel, work: cost.WorkModel | None = None
+) -> list[Candidate]:
     """Every candidate of the lattice with its cost, cheapest first (ties: fewer microbatches,
-    state on the device, then the stack's name)."""
+    state on the device, then the stack's name). A GPU target's cost is the estimated step time
+    (``jaxmem.planner.cost``, ``work``'s traces); the local backend's the nominal order."""
     cfg, target = problem.cfg, problem.target
     rates = rates_for(target)
+    device = Device.of(target)
+    work = work or cost.WorkModel(cfg, problem.seq_len)
     host = target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
     n = problem.devices
     sizes = tensor_sizes(problem, space)
@@ -471,7 +481,6 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
         param_bytes = analytic.param_bytes(cfg, precision)
         state = analytic.opt_state_bytes(cfg, problem.opt_cfg, precision)
         offload_row = _offloaded_bytes_per_row(cfg, precision, problem.seq_len)
-        rate = rates.matmul_flops.get(precision.compute_dtype, rates.matmul_flops["float32"])
         frontier = flops.tag_frontier(precision) if space.tags else []
         hull = [t.policy for t in tags.hull(frontier)] if space.tag_mixes else []
         stacks = _stacks(space, cfg.n_layers, host, [t.policy for t in frontier], hull)
@@ -530,7 +539,8 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                             ):
                                 continue
                             shards = (data if strategy in ("zero1", "fsdp") else 1) * tp
-                            moved = 2 * offload_row * rows * offloaded_blocks // tp
+                            offloaded = 2 * offload_row * rows * offloaded_blocks // tp
+                            moved = offloaded
                             on_host = 0
                             if update:
                                 # one device's shards of the stack (jaxmem.sharding's layout)
@@ -547,12 +557,28 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                                 moved += link
                             elif place != "device":
                                 moved += 2 * state // shards
-                            seconds = (
-                                f / rate
-                                + moved / rates.host_link
-                                + collective / rates.interconnect
-                                + on_host / rates.host_memory
-                            )
+                            estimate = None
+                            if device is None:
+                                seconds = cost.nominal_seconds(
+                                    f,
+                                    rates,
+                                    precision.compute_dtype,
+                                    link=moved,
+                                    collectives=collective,
+                                    host_update=on_host,
+                                )
+                            else:
+                                estimate = _estimate(
+                                    problem, work, device, policy, precision, accum, strategy,
+                                    tp, update, st.Transfers(
+                                        activation_offload=offloaded,
+                                        state=moved - offloaded,
+                                        data_parallel=collective - tensor_bytes,
+                                        tensor_parallel=tensor_bytes,
+                                        host_update=on_host,
+                                    ),
+                                )  # fmt: skip
+                                seconds = estimate.seconds
                             out.append(
                                 Candidate(
                                     policy,
@@ -566,6 +592,7 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
                                     seconds,
                                     on_host,
                                     tp,
+                                    estimate,
                                 )
                             )
     order = {p: i for i, p in enumerate(("device", "pinned_host", STREAMED, STREAMED_HOST))}
@@ -586,6 +613,49 @@ def enumerate_candidates(problem: Problem, space: PlanSpace, flops: FlopModel) -
         )
     )
     return out
+
+
+def _estimate(
+    problem: Problem,
+    work: cost.WorkModel,
+    device: Device,
+    policy: MemoryPolicy,
+    precision: Precision,
+    accum: int,
+    strategy: str | None,
+    tp: int,
+    update: str | None,
+    transfers: st.Transfers,
+) -> StepTime:
+    """A GPU candidate's estimated step time (``jaxmem.planner.cost``): its microbatches'
+    gradient work, its update's and accumulation's bytes, its transfers."""
+    cfg = problem.cfg
+    data = problem.devices // tp
+    rows = problem.batch // data // accum
+    outside, blocks = work.micro(policy, precision, rows)
+    param_shards = (data if strategy == "fsdp" else 1) * tp
+    state_shards = (data if strategy in ("zero1", "fsdp") else 1) * tp
+    memory = cost.update_bytes(
+        cfg, problem.opt_cfg, precision, param_shards=param_shards, state_shards=state_shards
+    ) + cost.accumulation_bytes(cfg, precision, accum, param_shards)
+    if update == "host":  # the stack's update runs in host memory: only the rest's here
+        one, two = (
+            cost.update_bytes(cfg.replace(n_layers=n), problem.opt_cfg, precision,
+                              param_shards=param_shards, state_shards=state_shards)
+            for n in (1, 2)
+        )  # fmt: skip
+        memory -= cfg.n_layers * (two - one)
+    return cost.step_estimate(
+        outside,
+        blocks,
+        device,
+        accum=accum,
+        tp=tp,
+        memory_bytes=max(0, memory),
+        model_flops=analytic.mfu_flops(cfg, problem.batch // data, problem.seq_len) // tp,
+        transfers=transfers,
+        compute_dtype=precision.compute_dtype,
+    )
 
 
 def _streams(

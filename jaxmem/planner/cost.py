@@ -1,0 +1,197 @@
+"""What a plan candidate costs: its estimated step time, before any compile, by the model of
+``jaxmem.memory.step_time`` (an **estimate**, with its assumptions stated), each term a named
+function of the candidate's choices:
+
+- compute: the gradient's work per microbatch (``WorkModel``: the matmul shapes and the
+  memory-bound bytes of its jaxpr, ``jaxmem.memory.work``), times the microbatches, plus
+  ``update_bytes`` (the optimizer's update reads and writes parameters, gradient and state) and
+  ``accumulation_bytes`` (each further microbatch's gradient added to the running sum), priced
+  per kernel (matmuls at an efficiency of their shape, memory-bound work at the HBM's rate);
+- host link, collectives and a host update: bytes from shapes (``jaxmem.planner.search``
+  computes them per candidate), each hidden under the compute up to ``Overlap``'s fraction.
+
+``WorkModel`` traces each part of a stack (a preset or a per-tag policy) at depths 1 and 2 and
+at one and two rows, so that any stack, depth and microbatch is read off four traces: the
+counts of the blocks' matmuls and the totals are affine in the number of blocks, and every
+dimension and byte count affine in the rows. A nested stack is traced at its depth.
+
+The local backend has no roofline (its rates are not a GPU's): its candidates are ordered by
+matmul FLOPs at a nominal rate plus bytes over nominal links (``nominal_seconds``), which is all
+a plan for it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxmem.config import ModelConfig, OptimizerConfig
+from jaxmem.memory import analytic
+from jaxmem.memory import step_time as st
+from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.targets import Rates
+from jaxmem.memory.work import Traced, Work, at_rows, combine, trace_jaxpr
+from jaxmem.model import make_model
+from jaxmem.policy import MemoryPolicy, preset_named, split_policy
+from jaxmem.precision import Precision
+from jaxmem.step.train_step import lm_loss_fn
+
+
+def _part_key(policy: MemoryPolicy) -> Any:
+    """One part of a stack: its preset or saved tags, its loss chunks, and whether it is
+    unrolled (an unrolled stack keeps each block's residuals as arrays of their own, where a
+    scan writes them into stacked buffers and slices them out again)."""
+    policy = policy.replace(replay_embedding=False)
+    name = preset_named(policy.replace(loss_chunks=0, unroll=False))
+    return (name or ("tags", *policy.save), policy.loss_chunks, policy.unroll)
+
+
+def _trace(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int,
+           rows: int) -> Traced:  # fmt: skip
+    """The work of one microbatch of ``rows`` rows through the gradient under ``policy``."""
+    from jaxmem.planner.records import lm_step_batch
+
+    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform="gpu"))
+    graphdef, params = nnx.split(model, nnx.Param)
+    micro = lm_step_batch(cfg, rows, seq, abstract=True)
+    loss = lm_loss_fn(
+        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss_chunks
+    )
+    return trace_jaxpr(jax.make_jaxpr(jax.grad(lambda p, b: loss(p, b)[0]))(params, micro))
+
+
+class WorkModel:
+    """The gradient's work of one microbatch for any stack (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int):
+        self.cfg, self.seq_len = cfg, seq_len
+        self._parts: dict[tuple, tuple[Traced, Traced, Traced, Traced]] = {}
+
+    def _part(self, policy: MemoryPolicy, precision: Precision) -> tuple[Traced, ...]:
+        key = (_part_key(policy), precision.name)
+        if key not in self._parts:
+            part = policy.replace(replay_embedding=False)
+            self._parts[key] = tuple(
+                _trace(self.cfg.replace(n_layers=d), part, precision, self.seq_len, r)
+                for d in (1, 2)
+                for r in (1, 2)
+            )
+        return self._parts[key]
+
+    def micro(self, policy: MemoryPolicy, precision: Precision, rows: int) -> tuple[Work, Work]:
+        """(the work outside the blocks, the blocks') of one microbatch of ``rows`` rows."""
+        if policy.nested:
+            whole = _nested(self.cfg, policy, precision, self.seq_len, rows)
+            return whole.work(), Work()
+        outside: Work | None = None
+        blocks: list[tuple[Work, int]] = []
+        for n, part in split_policy(policy, self.cfg.n_layers):
+            d1r1, d1r2, d2r1, d2r2 = self._part(part, precision)
+            one, two = at_rows(d1r1, d1r2, rows), at_rows(d2r1, d2r2, rows)
+            per_block = combine([(two.work(), 1), (one.work(), -1)])
+            if outside is None:  # the embedding, head and loss: the first part's
+                outside = combine([(one.work(), 1), (per_block, -1)])
+            blocks.append((per_block, n))
+        source = "per-operation count of the gradient's jaxpr (elementwise chains assumed fused)"
+        return dataclasses.replace(outside or Work(), source=source), combine(blocks, source)
+
+
+@functools.lru_cache(maxsize=32)
+def _nested(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int,
+            rows: int) -> Traced:  # fmt: skip
+    return _trace(cfg, policy, precision, seq, rows)
+
+
+# ------------------------------------------------------------------------------ the terms
+def update_bytes(
+    cfg: ModelConfig, opt_cfg: OptimizerConfig, precision: Precision, *, param_shards: int = 1,
+    state_shards: int = 1,
+) -> int:  # fmt: skip
+    """Bytes the optimizer's update reads and writes on one device, from shapes: parameters and
+    state read and written, the gradient read twice (its norm, then the update)."""
+    params = analytic.param_bytes(cfg, precision) // param_shards
+    state = analytic.opt_state_bytes(cfg, opt_cfg, precision) // state_shards
+    return 2 * params + 2 * params + 2 * state
+
+
+def accumulation_bytes(cfg: ModelConfig, precision: Precision, accum: int, shards: int = 1) -> int:
+    """Bytes the running gradient sum moves: each microbatch after the first adds its gradient
+    (the sum read and written, the gradient read)."""
+    return max(0, accum - 1) * 3 * analytic.param_bytes(cfg, precision) // shards
+
+
+def step_estimate(
+    outside: Work,
+    blocks: Work,
+    device: st.Device,
+    *,
+    accum: int,
+    tp: int,
+    memory_bytes: int,
+    model_flops: int,
+    transfers: st.Transfers,
+    compute_dtype: str,
+) -> st.StepTime:
+    """The candidate's step time: its compute (``compute``; with tensor parallelism the blocks'
+    time over ``tp``, the rest whole) and its transfers, overlapped per ``Overlap``."""
+    whole = st.estimate(
+        combine([(outside, accum)], outside.source), device, model_flops=model_flops,
+        compute_dtype=compute_dtype,
+    )  # fmt: skip
+    split = st.estimate(
+        combine([(blocks, accum)], blocks.source), device, model_flops=model_flops,
+        compute_dtype=compute_dtype,
+    )  # fmt: skip
+    update = st.estimate(
+        Work(memory_bytes=memory_bytes, memory_kernels=0), device, model_flops=model_flops,
+        transfers=transfers, compute_dtype=compute_dtype,
+    )  # fmt: skip
+    parts = (whole, split, update)
+    share = (1.0, 1.0 / tp, 1.0)
+    fields = ("matmul", "attention", "memory_bound", "launches")
+    summed = {f: sum(getattr(p, f) * k for p, k in zip(parts, share, strict=True)) for f in fields}
+    busy = sum(summed.values())
+    o = st.DEFAULT.overlap
+    exposed = sum(
+        max(0.0, t - frac * busy)
+        for t, frac in (
+            (update.activation_offload, o.activation_offload),
+            (update.state, o.state_transfers),
+            (update.data_parallel, o.data_parallel),
+            (update.tensor_parallel, o.tensor_parallel),
+            (update.host_update, o.host_update),
+        )
+    )
+    flops = whole.executed_flops + split.executed_flops // tp
+    eff_weight = whole.executed_flops + split.executed_flops / tp
+    efficiency = (
+        (whole.matmul_efficiency * whole.executed_flops
+         + split.matmul_efficiency * split.executed_flops / tp) / eff_weight
+        if eff_weight else 0.0
+    )  # fmt: skip
+    return dataclasses.replace(
+        update,
+        **summed,
+        seconds=busy + exposed,
+        executed_flops=flops,
+        matmul_efficiency=efficiency,
+        source="estimate: per-operation count of the gradient's jaxpr (elementwise chains "
+        "assumed fused), before compiling",
+    )
+
+
+def nominal_seconds(
+    flops: int, rates: Rates, dtype: str, *, link: int, collectives: int, host_update: int
+) -> float:
+    """The local backend's order: matmul FLOPs at a nominal rate, bytes over nominal links."""
+    rate = rates.matmul_flops.get(dtype, rates.matmul_flops["float32"])
+    return (
+        flops / rate
+        + link / rates.host_link
+        + collectives / rates.interconnect
+        + host_update / rates.host_memory
+    )
