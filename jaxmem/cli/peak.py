@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
             "arrive in device memory, so the arena and the arguments below include them",
             style="yellow",
         )
+    if report.step_time is not None:
+        out.print(f"{target.name} plan: {report.step_time['line']}")
+        render.estimate_note(out, report.step_time, "est.")
     render.peak_tables(out, report, args.top)
     if args.json:
         write_json_atomic(args.json, _json(job, target, report))

@@ -324,11 +324,18 @@ def _summary(out, args, job, result, commands: dict) -> None:
     error = result.max_fit_error()
     skipped = sum(o.status == "over (predicted)" for o in result.outcomes)
     floored = sum(o.status.startswith("over (family floor") for o in result.outcomes)
+    timing = (
+        f"est. {chosen.seconds:.4f} s"
+        if chosen.estimate is None
+        else chosen.estimate.line()
+    )
     out.print(
         f"chosen: [bold]{chosen.describe()}[/]: {mib(result.chosen.compiled)} MiB per device "
         f"(compiled plan: {result.compiler}), {chosen.flops / 1e12:,.3f} TFLOP per device and "
-        f"step, est. {chosen.seconds:.4f} s"
+        f"step, {timing}"
     )
+    if result.chosen.plan_time:
+        out.print(f"  its compiled plan prices at {result.chosen.plan_time['line']}", style="dim")
     checked = (
         f"erred by at most {error:.1%} on the compiled candidates"
         if error is not None
@@ -357,11 +364,26 @@ def _summary(out, args, job, result, commands: dict) -> None:
         if result.chosen.candidate.stream == "host"
         else ""
     )
-    out.print(
-        f"cost: an estimate (matmul FLOPs over the peak rate, bytes over the links): "
-        f"{rates.source}{host}",
-        style="dim",
-    )
+    if chosen.estimate is not None:
+        out.print(
+            f"cost: an estimated step time, not a measurement: {chosen.estimate.assumptions}"
+            f"{host}",
+            style="dim",
+        )
+    else:
+        out.print(
+            "cost: the local backend's order (matmul FLOPs at a nominal rate, bytes over nominal "
+            f"links): {rates.source}{host}",
+            style="dim",
+        )
+
+
+def cost_assumptions(target) -> str:
+    """The step-time model's assumptions for ``target`` (a GPU's)."""
+    from jaxmem.memory.step_time import DEFAULT, Device
+
+    device = Device.of(target)
+    return f"{DEFAULT.text()}; rates: {device.rates.source}" if device else ""
 
 
 def _json(job, problem, result, budget_source: str, commands: dict) -> dict:
@@ -383,7 +405,11 @@ def _json(job, problem, result, budget_source: str, commands: dict) -> dict:
         "fit_compiles": result.fit_compiles,
         "candidate_compiles": result.candidate_compiles,
         "max_fit_error": result.max_fit_error(),
-        "cost_source": "estimate: " + rates_for(problem.target).source,
+        "cost_source": (
+            "the local backend's order, not a time: " + rates_for(problem.target).source
+            if not problem.target.is_gpu
+            else "estimate: " + cost_assumptions(problem.target)
+        ),
         "host_update_source": "estimate: " + rates_for(problem.target).host_source,
         "memory_source": "compiled plan (arguments + outputs - aliased + temporaries), per "
         f"device; predicted: affine fit in depth from compiles at depths {problem.fit_depths}",

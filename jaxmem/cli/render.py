@@ -73,7 +73,7 @@ def memory_columns(target, wide: bool) -> list[str]:
         cols += ["weight copies", "analytic (stack)", "compiled temp", "opt state"]
     cols += ["GFLOP hw / model" if wide else "GFLOP", "planned peak", "runtime peak"]
     if target.is_gpu:
-        cols += (["plan host"] if wide else []) + ["fits"]
+        cols += (["plan host"] if wide else []) + ["est. step", "MFU", "fits"]
     return cols
 
 
@@ -98,8 +98,25 @@ def memory_row(r: dict, target, wide: bool) -> list[str]:
         planned = r.get("fits") is not None
         if wide:
             row.append(format_bytes(r["plan_host_bytes"]) if planned else "-")
+        est = r.get("step_time")
+        row += [step_ms(est["seconds"]), f"{est['mfu']:.1%}"] if est else ["-", "-"]
         row.append(_fits(r))
     return row
+
+
+def step_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.0f} us"
+
+
+def estimate_note(out, estimate: dict, what: str = "est. step") -> None:
+    """How an estimated step time was obtained (dim), under the table that shows it."""
+    source = estimate["source"].removeprefix("estimate: ")
+    out.print(
+        f"  {what} = an estimate, not a measurement ({source}): "
+        f"{estimate['assumptions']}; MFU = model FLOPs (no recompute) / (step x the compute "
+        "type's dense peak)",
+        style="dim",
+    )
 
 
 def memory_report(out, records: list[dict], job, planning: bool, target, wide: bool) -> None:
@@ -169,6 +186,9 @@ def memory_sources(out, records: list[dict], planning: bool, target) -> None:
             f"  fits = planned peak <= {target.name}'s {format_bytes(target.device_memory_bytes)} "
             "(jaxmem's check: a deviceless compile never fails for lack of memory)"
         )
+        estimated = next((r["step_time"] for r in records if r.get("step_time")), None)
+        if estimated:
+            estimate_note(out, estimated)
     rss = max(r["process_max_rss_bytes"] for r in records)
     out.print(f"  process max RSS {format_bytes(rss)} (getrusage: this whole process, host)")
 
@@ -272,13 +292,21 @@ def plan_table(out, result, title: str, top: int, wide: bool) -> None:
     # bytes in GiB for a GPU-sized budget, else MiB: every figure fits its column
     gib = result.problem.budget_bytes >= 16 * 2**30
     unit, scale = ("GiB", 2**30) if gib else ("MiB", 2**20)
-    cols = ["configuration", "TFLOP", "est. s", "predicted", "compiled", "status"]
+    timed = result.problem.target.is_gpu  # the local backend is ordered by nominal rates
+    cols = ["configuration", "TFLOP", "est. s"]
+    cols += ["MFU", "plan est. s"] if timed else []
+    cols += ["predicted", "compiled", "status"]
     if wide:
         cols[2:2] = ["host GB (est.)", "collective GB (est.)"]
     t = table(f"{title} (bytes in {unit})", cols, left=("configuration", "status"))
     for o in shown:
         c = o.candidate
         row = [c.describe(), _significant(c.flops / 1e12), _significant(c.seconds)]
+        if timed:
+            row += [
+                f"{c.estimate.mfu:.1%}" if c.estimate is not None else "-",
+                _significant(o.plan_time["seconds"]) if o.plan_time else "-",
+            ]
         status = STATUS_SHORT.get(o.status, o.status)
         if wide:
             row[2:2] = [f"{c.host_bytes / 1e9:,.2f}", f"{c.collective_bytes / 1e9:,.2f}"]
@@ -289,10 +317,18 @@ def plan_table(out, result, title: str, top: int, wide: bool) -> None:
         ]
         t.add_row(*row, style="bold green" if o is result.chosen else None)
     (print_wide if wide else lambda o, x: o.print(x))(out, t)
+    est = (
+        "est. s: the estimated step time the search orders by (matmuls at an efficiency of "
+        "their shape, memory-bound work at the HBM's rate, transfers overlapped: below), from "
+        "the gradient's jaxpr before compiling; MFU: its model FLOPs utilisation; plan est. s: "
+        "the same model priced from the compiled plan's kernels"
+        if timed
+        else "est. s: the order on the local backend (FLOPs at a nominal 1 TFLOP/s, bytes over "
+        "nominal links; not a time)"
+    )
     out.print(
-        "  TFLOP: matmul FLOPs per device and step (gradient's jaxpr); est. s: an estimate "
-        "(FLOPs over the peak rate, bytes over the links, a host update's bytes over the host "
-        "memory's assumed rate); predicted: the memory model; "
+        f"  TFLOP: matmul FLOPs per device and step (gradient's jaxpr); {est}; "
+        "predicted: the memory model; "
         "compiled: the plan; over (model): predicted over the budget, not compiled; over "
         "(plan): compiled over it; over (floor): its family's leanest stack compiled over it"
         + ("" if wide else "; host and collective bytes: --wide"),

@@ -308,7 +308,9 @@ def plan_of_lowered(
         if with_work:
             from jaxmem.memory.work import work_of_hlo
 
-            plan.work = work_of_hlo(compiled.as_text(), f"per-kernel count of the {where} plan")
+            plan.work = work_of_hlo(
+                compiled.as_text(), "per-kernel count of the compiled plan's HLO"
+            )
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan

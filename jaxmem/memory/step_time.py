@@ -309,3 +309,50 @@ def estimate(
         f"(target config)",
         source=f"estimate: {source or work.source}",
     )
+
+
+def of_plan(
+    work: Work | None,
+    target: Target,
+    cfg: Any,
+    precision: Any,
+    batch: int,
+    seq_len: int,
+    parallel: Any = None,
+    *,
+    state_link_bytes: int = 0,
+    host_update_bytes: int = 0,
+    program_host_copies: bool = True,
+) -> dict[str, Any] | None:
+    """The estimated step time of a program compiled for a GPU ``target`` whose kernels are
+    ``work`` (``work_of_hlo`` of it; None, or the local backend: None), per device, with the MFU
+    it implies and every assumption: the program's kernels, host copies and collectives priced
+    from its HLO, plus what a deviceless plan cannot show, from shapes: ``state_link_bytes``
+    over the host link (optimizer state in host memory, a streamed stack;
+    ``program_host_copies=False`` where those shapes replace the program's own copies) and
+    ``host_update_bytes`` of host memory an update on the host reads and writes. A dict
+    (``StepTime.as_dict`` and its ``line``)."""
+    from jaxmem.memory import analytic
+
+    device = Device.of(target)
+    if device is None or work is None:
+        return None
+    if not program_host_copies:
+        work = dataclasses.replace(work, to_host_bytes=0, from_host_bytes=0)
+    sharded = parallel is not None and parallel.sharded
+    data, tp = (parallel.data, parallel.tp) if sharded else (1, 1)
+    dp_bytes, tp_bytes = collective_transfers(work, data=data, tp=tp)
+    est = estimate(
+        work,
+        device,
+        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len) // tp,
+        transfers=Transfers(
+            state=state_link_bytes,
+            data_parallel=dp_bytes,
+            tensor_parallel=tp_bytes,
+            host_update=host_update_bytes,
+        ),
+        compute_dtype=precision.compute_dtype,
+        source=f"{work.source}, priced at {target.description}'s rates",
+    )
+    return {**est.as_dict(), "line": est.line()}

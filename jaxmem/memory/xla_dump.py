@@ -59,6 +59,9 @@ class PeakReport:
     length: int  # positions in the scheduled program
     at_peak: str  # the JAX operation of the instruction the peak is reached at
     values: tuple[LiveValue, ...]
+    # the plan's estimated step time for a GPU target (jaxmem.memory.step_time.of_plan's dict;
+    # None for the local backend)
+    step_time: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, compiler: str, planned_peak_bytes: int, parsed: dict[str, Any]) -> PeakReport:

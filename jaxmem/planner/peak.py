@@ -83,7 +83,8 @@ def explain_peak(
             raise RuntimeError("compiling the step failed:\n" + "\n".join(tail))
         result = json.loads(done.stdout.strip().splitlines()[-1])
         parsed = parse_dump(dump)
-    return PeakReport.of(result["compiler"], result["planned_peak_bytes"], parsed)
+    report = PeakReport.of(result["compiler"], result["planned_peak_bytes"], parsed)
+    return dataclasses.replace(report, step_time=result.get("step_time"))
 
 
 def _child(argv: Sequence[str]) -> None:
@@ -113,9 +114,8 @@ def _child(argv: Sequence[str]) -> None:
         accum=spec["accum"],
         parallel=parallel,
     )
-    print(
-        json.dumps({"compiler": plan["compiler"], "planned_peak_bytes": plan["planned_peak_bytes"]})
-    )
+    keys = ("compiler", "planned_peak_bytes", "step_time")
+    print(json.dumps({k: plan.get(k) for k in keys}))
 
 
 if __name__ == "__main__":

@@ -186,51 +186,12 @@ def _compile_on_mesh(
     return plan, f"XLA:{platform} (local backend), per device of {parallel.mesh_text()}"
 
 
-def step_time(
-    plan: Any,
-    target: Target,
-    cfg: ModelConfig,
-    precision: Precision,
-    batch: int,
-    seq_len: int,
-    parallel: ParallelConfig | None = None,
-    *,
-    state_link_bytes: int = 0,
-    host_update_bytes: int = 0,
-    program_host_copies: bool = True,
-) -> dict[str, Any] | None:
-    """The estimated step time of a compiled plan for a GPU target (``jaxmem.memory.step_time``;
-    None for the local backend, or a plan compiled without its work), per device, with the
-    MFU it implies and every assumption: the plan's kernels, host copies and collectives
-    priced from its HLO, plus what a deviceless plan cannot show, from shapes:
-    ``state_link_bytes`` over the host link (optimizer state in host memory, a streamed stack;
-    ``program_host_copies=False`` where those shapes replace the program's own copies) and
-    ``host_update_bytes`` of host memory an update on the host reads and writes."""
-    from jaxmem.memory import step_time as st
+def step_time(plan: Any, target: Target, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """``jaxmem.memory.step_time.of_plan`` (None for the local backend or a plan without its
+    work)."""
+    from jaxmem.memory.step_time import of_plan
 
-    device = st.Device.of(target)
-    work = getattr(plan, "work", None)
-    if device is None or work is None:
-        return None
-    if not program_host_copies:
-        work = dataclasses.replace(work, to_host_bytes=0, from_host_bytes=0)
-    sharded = parallel is not None and parallel.sharded
-    data, tp = (parallel.data, parallel.tp) if sharded else (1, 1)
-    dp_bytes, tp_bytes = st.collective_transfers(work, data=data, tp=tp)
-    est = st.estimate(
-        work,
-        device,
-        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len) // tp,
-        transfers=st.Transfers(
-            state=state_link_bytes,
-            data_parallel=dp_bytes,
-            tensor_parallel=tp_bytes,
-            host_update=host_update_bytes,
-        ),
-        compute_dtype=precision.compute_dtype,
-        source=f"{work.source}, priced at {target.description}'s rates",
-    )
-    return {**est.as_dict(), "line": est.line()}
+    return of_plan(getattr(plan, "work", None), target, *args, **kwargs)
 
 
 def _platform(target: Target) -> str:

@@ -744,6 +744,9 @@ class Outcome:
     predicted: float | None = None
     compiled: int | None = None  # planned peak per device, state adjustment applied
     status: str = "not reached"  # chosen | over (compiled) | over (predicted) | not reached
+    # the compiled plan's own estimated step time (jaxmem.memory.step_time.of_plan: its HLO's
+    # kernels; a GPU target's compiled candidates only)
+    plan_time: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         c = self.candidate
@@ -762,6 +765,10 @@ class Outcome:
             "host_update_bytes": c.host_update_bytes,
             "collective_bytes": c.collective_bytes,
             "estimated_seconds": c.seconds,
+            "estimated_mfu": c.estimate.mfu if c.estimate is not None else None,
+            "estimate": c.estimate.as_dict() if c.estimate is not None else None,
+            "plan_estimated_seconds": self.plan_time["seconds"] if self.plan_time else None,
+            "plan_estimated_mfu": self.plan_time["mfu"] if self.plan_time else None,
             "predicted_bytes": None if self.predicted is None else int(self.predicted),
             "compiled_bytes": self.compiled,
             "status": self.status,
@@ -825,8 +832,10 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
             accum=accum,
             parallel=parallel,
         )
+        compile_peak.step_time = r.get("step_time")  # the compiled plan's own estimate
         return r["planned_peak_bytes"], r["compiler"]
 
+    compile_peak.step_time = None
     return compile_peak
 
 
@@ -853,12 +862,15 @@ def search(
     budget = problem.budget_bytes
     at_depth: dict[tuple, int] = {}  # compiled at the real depth, per candidate program
 
+    plan_times: dict[tuple, dict | None] = {}  # each compiled program's own estimate
+
     def compile_candidate(c: Candidate, policy: MemoryPolicy) -> int:
         key = (policy, c.accum, c.strategy, c.tp, c.precision, c.stream)
         if key not in at_depth:
             at_depth[key] = peak_only(
                 problem.cfg, policy, c.accum, c.strategy, c.precision, c.stream, **_tensor(c)
             )
+            plan_times[key] = getattr(compile_peak, "step_time", None)
         return at_depth[key] - state_host_bytes(problem, c)
 
     # A family's floor: the leanest whole-stack presets it holds (full, and offload where host
@@ -912,6 +924,7 @@ def search(
             break
         progress(f"compiling {c.describe()}")
         o.compiled = compile_candidate(c, c.policy)
+        o.plan_time = plan_times.get((c.policy, c.accum, c.strategy, c.tp, c.precision, c.stream))
         memory.observe(c, o.predicted, o.compiled)
         if o.compiled <= budget:
             o.status, chosen = "chosen", o

@@ -966,6 +966,8 @@ class _Run:
             "host": platform.node(),
             "memory": [dataclasses.asdict(f) for f in trainer.figures()],
             "planned_step_bytes": trainer.planned_bytes,
+            # --target's estimated step time for that GPU (an estimate, its assumptions in it)
+            "target_step_time": getattr(trainer, "step_time", None),
         }
         self.writing = f"summary.json, sample.txt and loss.png in {out_dir}"
         try:

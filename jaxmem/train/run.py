@@ -169,15 +169,24 @@ def memory_figures(
     return figures
 
 
-def target_plan_figures(step_fn: Any, args: tuple, target: Target) -> list[Figure]:
+def target_plan_figures(
+    step_fn: Any, args: tuple, target: Target, job: JobConfig
+) -> tuple[list[Figure], dict[str, Any] | None]:
     """This very train step (scan accumulation, state on the device: the CLI refuses the rest)
-    compiled for a GPU ``target`` without a GPU: its plan's lines."""
+    compiled for a GPU ``target`` without a GPU: its plan's lines, and its estimated step time
+    (``jaxmem.memory.step_time.of_plan``: per device, with its MFU and assumptions)."""
     from jaxmem.memory.gpu_plan import compile_for
+    from jaxmem.memory.step_time import of_plan
+    from jaxmem.memory.work import work_of_hlo
 
     source = f"compiled plan ({target.compiler()})"
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-    plan = residuals.compiled_plan(compile_for(step_fn, shapes, target))
+    compiled = compile_for(step_fn, shapes, target)
+    plan = residuals.compiled_plan(compiled)
     peak = residuals.planned_peak(plan)
+    work = work_of_hlo(compiled.as_text(), f"per-kernel count of the {target.name} plan")
+    r = job.run
+    estimate = of_plan(work, target, job.model, job.precision, r.batch_size, r.seq_len)
     return [
         Figure(f"{target.name} plan: temporaries", plan["temp_bytes"], source),
         Figure(f"{target.name} plan: host memory (offloaded)", plan["host_temp_bytes"], source),
@@ -186,7 +195,7 @@ def target_plan_figures(step_fn: Any, args: tuple, target: Target) -> list[Figur
             peak,
             source + ": arguments + outputs - aliased + temporaries",
         ),
-    ]
+    ], estimate
 
 
 def device_peak_figures() -> list[Figure]:
@@ -257,6 +266,7 @@ class JaxTrainer:
         loss_into = stack_accumulating_loss(make_parallel_loss, job.memory, cfg.n_layers, job.accum)
         self.host_params = job.optimizer.params_memory != "device" or job.optimizer.stream
         self.streamed = job.optimizer.stream
+        self.step_time: dict[str, Any] | None = None  # a GPU target's estimate (--target)
         # parameters kept in host memory are brought to the device inside the jitted evaluation
         # (a streamed stack block by block, as the step does)
         eval_loss = (
@@ -351,9 +361,16 @@ class JaxTrainer:
             )
         if target is not None and target.is_gpu:
             console.print(f"planning the same step for {target.description} (no GPU needed)...")
-            self._figures += target_plan_figures(
-                step_fn, (params, opt_state, self.loss_scale, first), target
+            figures, self.step_time = target_plan_figures(
+                step_fn, (params, opt_state, self.loss_scale, first), target, job
             )
+            self._figures += figures
+            if self.step_time is not None:
+                console.print(f"{target.name} plan: {self.step_time['line']}")
+                console.print(
+                    f"  an estimate, not a measurement: {self.step_time['assumptions']}",
+                    style="dim",
+                )
         self._valid = [self.transfer(self._local(b)) for b in val_batches(prepared.dataset, job)]
         self.ckpt = None
         if prepared.out_dir is not None:
