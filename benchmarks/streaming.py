@@ -5,8 +5,9 @@ host memory, and streamed through host memory (``--stream``), planned without a 
 
     python benchmarks/streaming.py --out benchmarks/results/streaming
 
-One sequence of 2048 tokens, bf16 compute with fp32 master weights, AdamW, the ``full`` policy
-(the fewest activations), for each target and GPT/Llama preset:
+One sequence of 2048 tokens, bf16 compute with fp32 master weights (fp16 with dynamic loss
+scaling on the V100, which has no bf16 tensor cores), AdamW, the ``full`` policy (the fewest
+activations), for each target and GPT/Llama preset:
 
 - **on the device**: the compiled plan's planned peak (``memory_analysis()``);
 - **state on host**: that plan without the optimizer state (``--state-memory pinned_host``'s
@@ -14,7 +15,11 @@ One sequence of 2048 tokens, bf16 compute with fp32 master weights, AdamW, the `
 - **streamed**: the streamed step's plan (``jaxmem.planner.records.stream_plan``: XLA's device
   temporaries and host bytes, corrected from shapes for the host-resident stack and donation),
   its host memory, and the step's host-link transfers over the target's datasheet bandwidth
-  beside the matmul time at its datasheet rate (estimates, labelled).
+  beside the matmul time at its datasheet rate (estimates, labelled);
+- **at speed**: the streamed step with its update in host memory (ZeRO-Offload's design), at
+  batches 1, 2, 4, ... until its plan no longer fits: the batch whose estimated step time
+  (``jaxmem.memory.step_time``, the compiled plan's kernels and the transfers from shapes)
+  gives the most TFLOP/s, beside ZeRO-Offload's figure.
 
 Fits: planned peak <= the target's memory (jaxmem's check). Rows are kept in
 ``<out>/streaming.partial.json`` as they are measured, so a stopped run resumes.
@@ -47,11 +52,66 @@ TARGETS = ("h100", "v100-32gb", "a10-24gb")
 MODELS = ("llama-3.2-3b", "gpt3-6.7b", "gpt3-13b", "llama-3-8b", "llama-3-70b")
 SEQ, BATCH, POLICY = 2048, 1, "full"
 GIB = 2**30
+# the V100 has fp16 tensor cores only (125 TFLOP/s; bf16 runs at its fp32 rate)
+PRECISION = {"v100-32gb": "fp16"}
+MAX_BATCH = 64
+ZERO_OFFLOAD = (
+    "ZeRO-Offload (Ren et al., 2021): 13 B parameters on one 32 GB V100 at about 40 TFLOPS, fp16 "
+    "parameters and gradients over PCIe, the update on the CPU"
+)
+
+
+def precision_of(target_name: str):
+    return PRECISIONS[PRECISION.get(target_name, "bf16")]
+
+
+def at_speed(target_name: str, preset: str) -> dict:
+    """The streamed step (update in host memory) at batches 1, 2, 4, ... while its plan fits:
+    each batch's planned peak and estimated step time, and the batch with the most estimated
+    model TFLOP/s."""
+    from jaxmem.memory import analytic
+
+    target, cfg = get_target(target_name), PRESETS[preset]
+    prec, policy = precision_of(target_name), POLICIES[POLICY]
+    opt = OptimizerConfig(stream=True, stream_update="host")
+    tried = []
+    batch = 1
+    while batch <= MAX_BATCH:
+        r = plan_step(cfg, policy, prec, opt, batch, SEQ, target)
+        est = r["step_time"]
+        model = analytic.mfu_flops(cfg, batch, SEQ)
+        row = {
+            "batch": batch,
+            "planned_peak_bytes": r["planned_peak_bytes"],
+            "fits": r["planned_peak_bytes"] <= target.device_memory_bytes,
+            "seconds": est["seconds"],
+            "compute_seconds": est["compute"],
+            "link_seconds": est["state"],
+            "host_update_seconds": est["host_update"],
+            "model_tflops": model / est["seconds"] / 1e12,
+            "executed_tflops": est["executed_flops"] / est["seconds"] / 1e12,
+            "mfu": est["mfu"],
+        }
+        tried.append(row)
+        print(f"  {target_name} {preset} batch {batch}: {row}", flush=True)
+        if not row["fits"]:
+            break
+        batch *= 2
+    fitting = [t for t in tried if t["fits"]]
+    best = max(fitting, key=lambda t: t["model_tflops"]) if fitting else None
+    return {
+        "precision": prec.name,
+        "update": "host",
+        "tried": tried,
+        "best": best,
+        "assumptions": r["step_time"]["assumptions"],
+        "source": r["step_time"]["source"],
+    }
 
 
 def measure(target_name: str, preset: str) -> dict:
     target, cfg = get_target(target_name), PRESETS[preset]
-    prec, policy = PRECISIONS["bf16"], POLICIES[POLICY]
+    prec, policy = precision_of(target_name), POLICIES[POLICY]
     start = time.perf_counter()
     plain = plan_step(cfg, policy, prec, OptimizerConfig(), BATCH, SEQ, target)
     state = 8 * cfg.n_params  # AdamW's two fp32 moments (analytic, from the shapes)
@@ -61,10 +121,13 @@ def measure(target_name: str, preset: str) -> dict:
     # forward, backward (2x) and full's replay of the forward: 8 N tokens (analytic estimate)
     flops = 8 * cfg.n_params * BATCH * SEQ
     limit = target.device_memory_bytes
+    speed = at_speed(target_name, preset) if streamed["planned_peak_bytes"] <= limit else None
     return {
         "target": target_name,
         "preset": preset,
+        "precision": prec.name,
         "n_params": cfg.n_params,
+        "at_speed": speed,
         "device_peak_bytes": plain["planned_peak_bytes"],
         "state_on_host_peak_bytes": plain["planned_peak_bytes"] - state,
         "streamed_peak_bytes": streamed["planned_peak_bytes"],
@@ -76,7 +139,7 @@ def measure(target_name: str, preset: str) -> dict:
         },
         "transfer_bytes": info["transfers"]["total_bytes"],
         "transfer_seconds": info["transfers"]["seconds"],
-        "matmul_seconds": flops / rates.matmul_flops["bfloat16"],
+        "matmul_seconds": flops / rates.matmul_flops[prec.compute_dtype],
         "stream_source": info["source"],
         "transfer_source": info["transfers"]["source"],
         "compiler": streamed["compiler"],
@@ -99,15 +162,16 @@ def to_markdown(result: dict) -> str:
         "# The largest model one GPU trains",
         "",
         f"{meta['date']}, jax {meta['jax']}, on {meta['host']}. One sequence of {SEQ} tokens, "
-        f"bf16 compute with fp32 master weights, AdamW, policy `{POLICY}`. Planned peak GiB per "
+        "bf16 compute with fp32 master weights (fp16 with dynamic loss scaling on the V100, "
+        f"which has no bf16 tensor cores), AdamW, policy `{POLICY}`. Planned peak GiB per "
         "device: *on the device* is the compiled plan (`memory_analysis()` of the XLA:CUDA "
         "deviceless compile); *state on host* is that plan less the AdamW moments (from "
         "shapes: `--state-memory pinned_host`'s lower bound); *streamed* is the streamed step's "
         "plan (`--stream`), corrected from shapes for the host-resident stack and donation, "
         "with the host memory it needs. *Transfers* and *matmuls* are estimates: the streamed "
         "step's host-link bytes (from shapes) over the target's datasheet bandwidth, and "
-        f"8 N x {SEQ} matmul FLOPs (forward, backward, full's replay) at its datasheet bf16 "
-        "rate; a step takes at least the larger of the two.",
+        f"8 N x {SEQ} matmul FLOPs (forward, backward, full's replay) at its datasheet rate "
+        "for the compute type; a step takes at least the larger of the two.",
         "",
         "| target | model | params | on the device | state on host | streamed | host (streamed) "
         "| transfers s | matmuls s |",
@@ -130,11 +194,39 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| {t} | {' | '.join(cells)} |")
     lines += [
         "",
-        "ZeRO-Offload (Ren et al., 2021) trained 13 B parameters on one 32 GB V100 at about 40 "
-        "TFLOPS, moving only fp16 parameters and gradients over PCIe and updating on the CPU. "
-        "jaxmem's streamed step updates on the device block by block, so each step also moves "
-        "the AdamW moments both ways: its transfer estimate is several times ZeRO-Offload's.",
+        "## At speed: the batch with the most TFLOP/s",
+        "",
+        "The streamed step with its update in host memory (`--stream --stream-update host`, "
+        "ZeRO-Offload's design), planned at batches 1, 2, 4, ... of 2048-token sequences while "
+        "its plan fits; per row the batch whose **estimated** step time gives the most model "
+        "TFLOP/s (the step's matmuls without recompute) and that time's parts: compute (the "
+        "compiled plan's kernels), the host link (the stack's parameters in, twice under "
+        "`full`, and gradients out, from shapes) and the update in host memory (assumed rate), "
+        "both assumed exposed. Executed TFLOP/s counts `full`'s replay too.",
+        "",
+        "| target | model | compute | best batch | est. step s | compute / link / host update s "
+        "| model TFLOP/s | executed TFLOP/s | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    assumptions = None
+    for r in result["rows"].values():
+        speed = r.get("at_speed")
+        if not speed or not speed["best"]:
+            continue
+        b = speed["best"]
+        assumptions = speed["assumptions"]
+        lines.append(
+            f"| {r['target']} | {r['preset']} | {speed['precision']} | {b['batch']} | "
+            f"{b['seconds']:.1f} | {b['compute_seconds']:.1f} / {b['link_seconds']:.1f} / "
+            f"{b['host_update_seconds']:.1f} | {b['model_tflops']:.1f} | "
+            f"{b['executed_tflops']:.1f} | {b['mfu']:.1%} |"
+        )
+    lines += [
+        "",
+        f"{ZERO_OFFLOAD}: the V100 gpt3-13b row is its setting.",
+    ]
+    if assumptions:
+        lines += ["", f"Estimate's assumptions: {assumptions}."]
     return "\n".join(lines) + "\n"
 
 

@@ -200,11 +200,6 @@ def check_stream(
     """``ConfigError`` naming what a streamed step (``optimizer.stream``) does not compose with
     yet."""
     require(
-        precision.loss_scale != "dynamic",
-        f"optimizer.stream runs without fp16's dynamic loss scale (a skipped step would need "
-        f"the old parameters back from host memory); precision {precision.name!r}: use bf16",
-    )
-    require(
         accum.steps == 1 or accum.mode == "scan",
         f"optimizer.stream sums microbatches in its own scan: accum mode {accum.mode!r} "
         "updates once per microbatch; use accum mode 'scan'",

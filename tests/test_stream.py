@@ -28,6 +28,7 @@ from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 from jaxmem.step import stream
+from jaxmem.step.scaling import DynamicLossScale, init_loss_scale
 from jaxmem.step.train_step import (
     lm_loss_fn,
     make_optimizer,
@@ -57,6 +58,9 @@ def _batches(n: int):
         pytest.param("bf16", "selective", "adamw", 2, "device", marks=pytest.mark.slow),
         ("fp32", "full", "sgd", 1, "device"),
         pytest.param("bf16", "selective", "adamw", 2, "host", marks=pytest.mark.slow),
+        # fp16: GradScaler's dynamic loss scale, the skip decided before the stack's update
+        ("fp16", "full", "adamw", 2, "device"),
+        pytest.param("fp16", "selective", "adamw", 1, "host", marks=pytest.mark.slow),
     ],
 )
 def test_a_streamed_step_computes_the_unstreamed_steps_numbers(
@@ -83,10 +87,14 @@ def test_a_streamed_step_computes_the_unstreamed_steps_numbers(
         make_loss, lf, tx, accum_steps=accum, accum_dtype=jnp.dtype(prec.accum_dtype), update=update
     )
     p, o = params, tx.init(params)
+    scale = s_scale = init_loss_scale(prec)
     for batch in _batches(2):
-        p, o, _, m = plain(p, o, None, batch)
-        s_params, s_state, _, sm = streamed(s_params, s_state, None, batch)
+        p, o, scale, m = plain(p, o, scale, batch)
+        s_params, s_state, s_scale, sm = streamed(s_params, s_state, s_scale, batch)
         assert float(sm["loss"]) == float(m["loss"])  # bit for bit
+        assert bool(sm["grads_finite"]) == bool(m["grads_finite"])
+        if scale is not None:
+            assert float(s_scale.scale) == float(scale.scale)
         norm_tol = tolerance("float32", "streamed_grad_norm")
         np.testing.assert_allclose(
             float(sm["grad_norm"]), float(m["grad_norm"]), **norm_tol.kwargs()
@@ -147,11 +155,39 @@ def test_a_streamed_run_killed_with_sigkill_resumes_to_the_unstreamed_losses(tmp
     assert "stream: true" in (killed / "config.yaml").read_text()
 
 
+@pytest.mark.parametrize("update", ["device", "host"])
+def test_an_fp16_step_that_overflows_keeps_every_parameter_and_halves_the_scale(update):
+    """A loss scale of 2^100 overflows fp16's gradients: the streamed step, like the
+    unstreamed one, applies nothing (the stack's parameters and state in host memory and the
+    rest on the device come back unchanged) and halves the scale."""
+    prec, tx = PRECISIONS["fp16"], make_optimizer(OptimizerConfig())
+    graphdef, params = nnx.split(make_model(CFG, prec, seed=0), nnx.Param)
+    s_params, s_state = stream.place(jax.tree.map(jnp.copy, params), stream.init_state(tx, params))
+    before = jax.tree.map(np.asarray, (s_params, s_state))
+    streamed = stream.make_streamed_step(
+        lambda layers: lm_loss_fn(graphdef, layers_fn=layers),
+        layers_fn(POLICIES["full"], CFG.n_layers),
+        tx,
+        update=update,
+        donate=False,
+    )
+    huge = DynamicLossScale.create(init_scale=2.0**100)
+    new_params, new_state, new_scale, m = streamed(s_params, s_state, huge, next(_batches(1)))
+    assert not bool(m["grads_finite"])
+    assert float(new_scale.scale) == 2.0**99
+    after = jax.tree.map(np.asarray, (new_params, new_state))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+    _, stack = stream.split(new_params)
+    assert {a.sharding.memory_kind for a in jax.tree.leaves((stack, new_state[1]))} == {
+        "pinned_host"
+    }
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--optimizer", "adafactor"], "optimizer 'adafactor' cannot stream"),
-        (["--precision", "fp16"], "without fp16's dynamic loss scale"),
         (["--accum", "2", "--accum-mode", "multisteps"], "sums microbatches in its own scan"),
         (["--unroll"], "runs the stack as one scan"),
         (["--state-memory", "pinned_host"], "leave state_memory and params_memory at 'device'"),

@@ -73,7 +73,7 @@ def memory_columns(target, wide: bool) -> list[str]:
         cols += ["weight copies", "analytic (stack)", "compiled temp", "opt state"]
     cols += ["GFLOP hw / model" if wide else "GFLOP", "planned peak", "runtime peak"]
     if target.is_gpu:
-        cols += (["plan host"] if wide else []) + ["est. step", "MFU", "fits"]
+        cols += (["plan host", "est. step", "MFU"] if wide else []) + ["fits"]
     return cols
 
 
@@ -98,8 +98,8 @@ def memory_row(r: dict, target, wide: bool) -> list[str]:
         planned = r.get("fits") is not None
         if wide:
             row.append(format_bytes(r["plan_host_bytes"]) if planned else "-")
-        est = r.get("step_time")
-        row += [step_ms(est["seconds"]), f"{est['mfu']:.1%}"] if est else ["-", "-"]
+            est = r.get("step_time")
+            row += [step_ms(est["seconds"]), f"{est['mfu']:.1%}"] if est else ["-", "-"]
         row.append(_fits(r))
     return row
 
@@ -136,6 +136,16 @@ def memory_report(out, records: list[dict], job, planning: bool, target, wide: b
     for r in records:
         t.add_row(*memory_row(r, target, wide))
     (print_wide if wide else lambda o, x: o.print(x))(out, t)
+    timed = [r for r in records if r.get("step_time")]
+    if timed and not wide:  # the table's columns with --wide
+        out.print(
+            f"est. step on {target.name}: "
+            + ", ".join(
+                f"{r['policy']} {step_ms(r['step_time']['seconds'])} "
+                f"(MFU {r['step_time']['mfu']:.1%})"
+                for r in timed
+            )
+        )
     if not wide:
         out.print("  all columns: --wide or --json", style="dim")
     memory_sources(out, records, planning, target)

@@ -329,16 +329,17 @@ def of_plan(
     it implies and every assumption: the program's kernels, host copies and collectives priced
     from its HLO, plus what a deviceless plan cannot show, from shapes: ``state_link_bytes``
     over the host link (optimizer state in host memory, a streamed stack;
-    ``program_host_copies=False`` where those shapes replace the program's own copies) and
-    ``host_update_bytes`` of host memory an update on the host reads and writes. A dict
+    ``program_host_copies=False`` where those shapes replace the program's own copies and host
+    computations) and ``host_update_bytes`` of host memory an update on the host reads and
+    writes. A dict
     (``StepTime.as_dict`` and its ``line``)."""
     from jaxmem.memory import analytic
 
     device = Device.of(target)
     if device is None or work is None:
         return None
-    if not program_host_copies:
-        work = dataclasses.replace(work, to_host_bytes=0, from_host_bytes=0)
+    if not program_host_copies:  # shapes' figures replace the program's own host traffic
+        work = dataclasses.replace(work, to_host_bytes=0, from_host_bytes=0, host_compute_bytes=0)
     sharded = parallel is not None and parallel.sharded
     data, tp = (parallel.data, parallel.tp) if sharded else (1, 1)
     dp_bytes, tp_bytes = collective_transfers(work, data=data, tp=tp)

@@ -601,7 +601,12 @@ _FUSIBLE = {
     "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "sign", "sin", "sinh", "slice", "sqrt", "square", "squeeze",
     "stop_gradient", "sub", "tan", "tanh", "transpose", "xor", "dynamic_slice",
-    "dynamic_update_slice", "split", "name", "optimization_barrier",
+    "dynamic_update_slice", "split", "name", "optimization_barrier", "add_any",
+}  # fmt: skip
+# casts and layout changes XLA fuses into a matmul's operand
+_PROLOGUE = {
+    "convert_element_type", "transpose", "reshape", "broadcast_in_dim", "squeeze",
+    "expand_dims", "copy", "copy_p",
 }  # fmt: skip
 # views and markers: no kernel of their own
 _JAXPR_FREE = {"name", "optimization_barrier", "reshape", "squeeze", "expand_dims", "stop_gradient"}
@@ -652,9 +657,23 @@ class _JaxprReader:
             if eqn.primitive.name in _FUSIBLE:
                 produced_by_fusible.update(eqn.outvars)
         outvars = {v for v in jaxpr.outvars if not _is_literal(v)}
+        # a cast or layout change read only by matmuls runs inside them (XLA fuses it into the
+        # GEMM's operand): neither written nor read on its own
+        absorbed = {
+            id(eqn)
+            for eqn in jaxpr.eqns
+            if eqn.primitive.name in _PROLOGUE
+            and all(v not in outvars for v in eqn.outvars)
+            and all(
+                c.primitive.name == "dot_general" for v in eqn.outvars for c in consumers[v]
+            )
+            and any(consumers[v] for v in eqn.outvars)
+        }
         read: set[Any] = set()
         for eqn in jaxpr.eqns:
             prim = eqn.primitive.name
+            if id(eqn) in absorbed:
+                continue
             if prim in _FUSIBLE:
                 for i, v in enumerate(eqn.invars):
                     if _is_literal(v) or v in produced_by_fusible or v in read:
@@ -714,13 +733,28 @@ class _JaxprReader:
                         key = "to_host_bytes" if dst == "host" else "from_host_bytes"
                         self.totals[key] += times * _aval_nbytes(v)
                 continue
+            if "dot_product_attention" in prim:  # cuDNN's fused attention, forward or backward
+                q, k = (v.aval.shape for v in eqn.invars[:2])
+                flops = 4 * math.prod(q) * k[1]  # [batch, seq, heads, head dim]: q·kᵀ and p·v
+                if "bwd" in prim:
+                    flops = flops * 5 // 2
+                if "CAUSAL" in str(eqn.params.get("mask_type", "")).upper():
+                    flops //= 2
+                io = sum(_aval_nbytes(v) for v in (*eqn.invars, *eqn.outvars))
+                self.totals["attention_flops"] += times * flops
+                self.totals["attention_bytes"] += times * io
+                continue
             subs = _sub_jaxprs(eqn)
             if subs and depth < 64:
                 for sub in subs:
                     self.walk(sub, times, depth + 1)
                 continue
-            # anything else (a gather, scatter, sort, custom call): reads and writes its arrays
-            io = sum(_aval_nbytes(v) for v in (*eqn.invars, *eqn.outvars) if not _is_literal(v))
+            if prim == "gather":  # reads the rows it gathers (and their indices), writes them
+                io = 2 * _aval_nbytes(eqn.outvars[0]) + _aval_nbytes(eqn.invars[1])
+            elif prim.startswith("scatter"):  # the result zeroed, then the updates added in
+                io = _aval_nbytes(eqn.outvars[0]) + 2 * _aval_nbytes(eqn.invars[2])
+            else:  # anything else (a sort, a custom call): reads and writes its arrays
+                io = sum(_aval_nbytes(v) for v in (*eqn.invars, *eqn.outvars) if not _is_literal(v))
             self.totals["memory_bytes"] += times * io
             self.totals["memory_kernels"] += times
 

@@ -277,6 +277,7 @@ def stream_plan(
     data = lm_step_batch(cfg, batch, seq_len, abstract=True)
     _accum_config(accum, batch)
     update = opt_cfg.stream_update or "device"
+    scale = init_loss_scale(precision)  # fp16's dynamic loss scale (None otherwise)
 
     def make_loss(lf: Any) -> Any:
         return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks)
@@ -294,7 +295,7 @@ def stream_plan(
         )
 
     if parallel is None or not parallel.sharded:
-        plan, compiler = _compile(streamed(make_loss), (params, opt_state, None, data), target)
+        plan, compiler = _compile(streamed(make_loss), (params, opt_state, scale, data), target)
         host_resident = stream.host_bytes(params, opt_state)
         rest, _ = stream.split(params)
         # written over in place when donated
@@ -302,7 +303,7 @@ def stream_plan(
         local = (params, opt_state)
     else:
         plan, compiler, (host_resident, donated), local = _stream_plan_sharded(
-            parallel, make_loss, streamed, tx, params, opt_state, data, batch, accum, target
+            parallel, make_loss, streamed, tx, params, opt_state, scale, data, batch, accum, target
         )
     device_peak = peak_of_plan(plan) - host_resident - donated
     # the plan's host temporaries hold its in-step copy of the resident stack (not made on a
@@ -351,6 +352,7 @@ def _stream_plan_sharded(
     tx: Any,
     params: Any,
     opt_state: Any,
+    scale: Any,
     data: Any,
     batch: int,
     accum: int,
@@ -380,7 +382,7 @@ def _stream_plan_sharded(
     args = (
         _placed(params, where.params),
         _placed(opt_state, where.opt_state),
-        None,
+        _everywhere(scale, shardings.replicated),  # None (no loss scaling) stays None
         _everywhere(data, shardings.batch),
     )
     plan, compiler = _compile_on_mesh(step, args, target, parallel)
@@ -437,13 +439,20 @@ def stream_transfers(
         "source": f"estimate: bytes from shapes over {rates.host_link / 1e9:.0f} GB/s "
         f"({rates.source})",
     }
-    if update == "host":  # the same arrays read and written in host memory instead
-        touched = (2 * p + state) + (p + state)
+    # the same arrays read and written in host memory instead; fp16's overflow check reads the
+    # stack's gradient there whatever the update's place
+    touched = (2 * p + state) + (p + state) if update == "host" else 0
+    checked = p if precision.loss_scale == "dynamic" else 0
+    if touched or checked:
+        what = [
+            "parameters, gradient and state read, parameters and state written" * bool(touched),
+            "the gradient read for fp16's overflow check" * bool(checked),
+        ]
         out["host_update"] = {
-            "bytes": touched,
-            "seconds": touched / rates.host_memory,
-            "source": f"estimate: parameters, gradient and state read, parameters and state "
-            f"written, from shapes, at {rates.host_memory / 1e9:.0f} GB/s ({rates.host_source})",
+            "bytes": touched + checked,
+            "seconds": (touched + checked) / rates.host_memory,
+            "source": f"estimate: {'; '.join(w for w in what if w)}, from shapes, at "
+            f"{rates.host_memory / 1e9:.0f} GB/s ({rates.host_source})",
         }
     return out
 
@@ -551,7 +560,7 @@ def runnable_step(
         accum_dtype=jnp.dtype(precision.accum_dtype),
         update=opt_cfg.stream_update or "device",
     )
-    return step, (params, opt_state, None, data)
+    return step, (params, opt_state, init_loss_scale(precision), data)
 
 
 def _accum_config(accum: int, batch: int) -> AccumConfig:

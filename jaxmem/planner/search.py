@@ -662,8 +662,7 @@ def _streams(
     problem: Problem, policy: MemoryPolicy, accum: int, strategy: str | None, precision: Precision
 ) -> bool:
     """A streamed step applies (``jaxmem.job.check_stream``): one device or a data-parallel
-    mesh (dp, zero1, fsdp), a preset over the whole scanned stack, an elementwise optimizer, no
-    fp16 loss scale."""
+    mesh (dp, zero1, fsdp), a preset over the whole scanned stack, an elementwise optimizer."""
     from jaxmem.config import STREAM_OPTIMIZERS
 
     del accum  # a streamed step sums microbatches in its own scan
@@ -675,7 +674,6 @@ def _streams(
         and policy.layers.is_all
         and not policy.unroll
         and problem.opt_cfg.name in STREAM_OPTIMIZERS
-        and precision.loss_scale != "dynamic"
     )
 
 
@@ -694,8 +692,9 @@ def _streamed_bytes(
     link, the stack's parameters in (twice under a replaying policy), its gradient out and, for
     a device update, the update's parameters, gradient and state in and parameters and state
     out; and the bytes of host memory a host update reads and writes instead (the same arrays:
-    parameters, gradient and state read, parameters and state written). Over a mesh, one
-    device's: its shards of the stack's parameters (and gradient) and state."""
+    parameters, gradient and state read, parameters and state written), plus the gradient
+    read for fp16's overflow check. Over a mesh, one device's: its shards of the stack's
+    parameters (and gradient) and state."""
     per_block = analytic.param_bytes(cfg.replace(n_layers=2), precision) - analytic.param_bytes(
         cfg.replace(n_layers=1), precision
     )
@@ -708,7 +707,8 @@ def _streamed_bytes(
     summed = accum * 3 * p if accum > 1 else 0  # the running sum added to block by block
     updated = (2 * p + s) + (p + s)
     link = accum * (fetches * p + p) + summed
-    return (link + updated, 0) if update == "device" else (link, updated)
+    checked = p if precision.loss_scale == "dynamic" else 0  # fp16's overflow check, on host
+    return (link + updated, checked) if update == "device" else (link, updated + checked)
 
 
 def _offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:

@@ -39,7 +39,8 @@ from jaxmem.model import LayersFn
 from jaxmem.model.decoder import STACK_PATH
 from jaxmem.parallel import ParallelConfig
 from jaxmem.sharding import StepShardings, tree_shardings
-from jaxmem.step.train_step import _split_microbatches, _subtree, tree_bytes
+from jaxmem.step.scaling import all_finite
+from jaxmem.step.train_step import _split_microbatches, _subtree, tree_bytes, valid_tokens
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -101,9 +102,10 @@ def _sum_squares(tree: Any) -> jax.Array:
     return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves), jnp.float32(0))
 
 
-def _stack_update(tx, params_h, grads_h, state_h, divisor):
+def _stack_update(tx, params_h, grads_h, state_h, divisor, finite=None):
     """The stack's update, block by block on the device: returns (params, state) in host memory
-    and the divided gradient's sum of squares."""
+    and the divided gradient's sum of squares. ``finite`` (fp16's dynamic loss scale): where
+    False, every block keeps its parameters and state (the fetched old values written back)."""
     leaves, treedef = jax.tree_util.tree_flatten(state_h)
     per_block = [i for i, a in enumerate(leaves) if a.ndim >= 1]
     shared = {i: a for i, a in enumerate(leaves) if a.ndim == 0}  # AdamW's step count
@@ -118,6 +120,9 @@ def _stack_update(tx, params_h, grads_h, state_h, divisor):
         updates, new_state = tx.update(g, jax.tree_util.tree_unflatten(treedef, state_leaves), p)
         new_p = optax.apply_updates(p, updates)
         new_leaves = jax.tree_util.tree_leaves(new_state)
+        if finite is not None:
+            new_p = _keep(finite, new_p, p)
+            new_leaves = _keep(finite, new_leaves, state_leaves)
         out = (new_p, [new_leaves[i] for i in per_block], [new_leaves[i] for i in shared])
         return sq + _sum_squares(g), jax.tree_util.tree_map(lambda a: jax.device_put(a, HOST), out)
 
@@ -133,22 +138,46 @@ def _stack_update(tx, params_h, grads_h, state_h, divisor):
     return new_params, jax.tree_util.tree_unflatten(treedef, new_leaves), sq
 
 
-def _host_stack_update(tx, params_h, grads_h, state_h, divisor):
+def _host_stack_update(tx, params_h, grads_h, state_h, divisor, finite=None):
     """The stack's update in host memory (``compute_on("device_host")``: XLA runs it on the
     host, where the parameters, gradient and state live); returns (params, state) in host
-    memory and the divided gradient's sum of squares. The same arithmetic as on the device."""
+    memory and the divided gradient's sum of squares. The same arithmetic as on the device,
+    ``finite`` too."""
     from jax.experimental.compute_on import compute_on
 
     @compute_on("device_host")
     @jax.jit
-    def update(p, g, s, d):
+    def update(p, g, s, d, ok):
         g = jax.tree_util.tree_map(lambda t: (t / d).astype(t.dtype), g)
         updates, new_s = tx.update(g, s, p)
-        return optax.apply_updates(p, updates), new_s, _sum_squares(g)
+        new_p = optax.apply_updates(p, updates)
+        if ok is not None:
+            new_p, new_s = _keep(ok, new_p, p), _keep(ok, new_s, s)
+        return new_p, new_s, _sum_squares(g)
 
-    new_p, new_s, sq = update(params_h, grads_h, state_h, jax.device_put(divisor, HOST))
+    ok = None if finite is None else jax.device_put(finite, HOST)
+    new_p, new_s, sq = update(params_h, grads_h, state_h, jax.device_put(divisor, HOST), ok)
     # a scalar the host computation returns (AdamW's count) may come back in device memory
     return new_p, jax.device_put(new_s, HOST), jax.device_put(sq, DEVICE)
+
+
+def _keep(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``finite``, else ``old`` (a skipped fp16 step)."""
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+
+def _stack_finite(grads_h: Any) -> jax.Array:
+    """Whether every element of the stack's gradient (in host memory) is finite, computed on
+    the host (``compute_on("device_host")``): it reads the gradient where it lies, so fp16's
+    skip decision costs no host-link traffic."""
+    from jax.experimental.compute_on import compute_on
+
+    @compute_on("device_host")
+    @jax.jit
+    def check(g):
+        return all_finite(g)
+
+    return jax.device_put(check(grads_h), DEVICE)
 
 
 def _blockwise(fn: Callable[..., Any], *trees_h: Any) -> Any:
@@ -174,8 +203,11 @@ def make_streamed_step(
     placement: Placement | None = None,
     update: str = "device",
 ) -> Callable[..., tuple]:
-    """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, None,
+    """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, loss_scale,
     metrics)`` like ``train_step.make_train_step``'s, streaming the stack (module docstring).
+    ``loss_scale``: fp16's ``DynamicLossScale`` (or None), applied as the unstreamed step
+    applies it; a step with a non-finite gradient keeps every parameter and state (decided
+    before the stack's update starts: its gradient is checked in host memory, on the host).
     ``opt_state`` is ``init_state``'s; the stack's parameters and state enter and leave in host
     memory. ``make_loss(layers_fn)`` is the loss with the stack run by ``layers_fn``.
 
@@ -193,15 +225,16 @@ def make_streamed_step(
     micro_sharding = shardings.micro() if shardings is not None else None
 
     def step(params, opt_state, loss_scale, batch):
-        del loss_scale  # streaming runs without fp16's (jaxmem.job.check_stream)
         rest, stack = split(params)
         stack_h = jax.device_put(stack, HOST)  # where it lives between steps: a no-op there
         state_rest, state_stack = opt_state
         state_stack = jax.device_put(state_stack, HOST)
+        # fp16: GradScaler's scale on the mean loss, as the unstreamed step applies it
+        factor = None if loss_scale is None else loss_scale.scale / valid_tokens(batch)
 
         def scaled_sum(r, s, b):
             loss_sum, n = loss_fn(join(params, r, s), b)[1]
-            return loss_sum, (loss_sum, n)
+            return loss_sum if factor is None else loss_sum * factor, (loss_sum, n)
 
         grad_fn = jax.grad(scaled_sum, argnums=(0, 1), has_aux=True)
         if accum_steps == 1:
@@ -233,19 +266,33 @@ def make_streamed_step(
                 jnp.zeros((), wide_float),
             )
             (g_rest, g_stack, loss_sum, n_tokens), _ = jax.lax.scan(body, init, micro)
-        g_rest = jax.tree_util.tree_map(lambda g: (g / n_tokens).astype(g.dtype), g_rest)
+        divisor = n_tokens if loss_scale is None else loss_scale.scale
+        g_rest = jax.tree_util.tree_map(lambda g: (g / divisor).astype(g.dtype), g_rest)
+        # fp16: whether to apply this step is known before any block is updated (the stack's
+        # gradient checked where it lies, in host memory), so a skipped step writes the old
+        # values back and never needs them from host memory again
+        finite = None
+        if loss_scale is not None:
+            finite = jnp.logical_and(all_finite(g_rest), _stack_finite(g_stack))
         updates, new_state_rest = tx.update(g_rest, state_rest, rest)
         new_rest = optax.apply_updates(rest, updates)
+        if finite is not None:
+            new_rest = _keep(finite, new_rest, rest)
+            new_state_rest = _keep(finite, new_state_rest, state_rest)
+            loss_scale = loss_scale.update(finite)
         stack_update = _host_stack_update if update == "host" else _stack_update
-        new_stack, new_state_stack, sq = stack_update(tx, stack_h, g_stack, state_stack, n_tokens)
+        new_stack, new_state_stack, sq = stack_update(
+            tx, stack_h, g_stack, state_stack, divisor, finite
+        )
         total_sq = _sum_squares(g_rest) + sq
         metrics = {
             "loss": loss_sum / n_tokens,
             "n_tokens": n_tokens,
             "grad_norm": jnp.sqrt(total_sq),
-            "grads_finite": jnp.isfinite(total_sq),
+            "grads_finite": jnp.isfinite(total_sq) if finite is None else finite,
         }
-        return join(params, new_rest, new_stack), (new_state_rest, new_state_stack), None, metrics
+        new_params = join(params, new_rest, new_stack)
+        return new_params, (new_state_rest, new_state_stack), loss_scale, metrics
 
     # A deviceless compile drops the arguments' memory kinds, so the stack arrives there in
     # device memory; donating it to a host-memory output fails XLA's host-offload check: plans
