@@ -10,7 +10,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast parity lint clean check-jax-only test-versions test-newest test-gpu-image
+.PHONY: demo test test-fast parity lint clean check-jax-only test-versions test-newest test-gpu-image \
+	test-versions-python
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (or run: make PYTHON=python3 ...)"; exit 2; }
@@ -69,6 +70,10 @@ test-gpu-image: .venv-gpu-image/.installed
 	.venv-gpu-image/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not multiprocess and not gpu"
 
 test-versions: test-newest test-gpu-image
+
+# exits 0 where a Python 3.12 for the other sets is found (CI asks before running them)
+test-versions-python:
+	@$(or $(PYTHON312),false) -c 'import sys; assert sys.version_info[:2] >= (3, 12)'
 
 lint: $(STAMP)
 	$(BIN)/ruff check jaxmem torch_ref tests parity_tests benchmarks

@@ -325,7 +325,7 @@ def _summary(out, args, job, result, commands: dict) -> None:
     skipped = sum(o.status == "over (predicted)" for o in result.outcomes)
     floored = sum(o.status.startswith("over (family floor") for o in result.outcomes)
     timing = (
-        f"est. {chosen.seconds:.4f} s"
+        f"nominal cost {chosen.seconds:.4f} (an order, not a time)"
         if chosen.estimate is None
         else chosen.estimate.line()
     )
