@@ -171,8 +171,10 @@ def render(report: dict, path: str) -> None:
             ours = ", ".join(
                 f"{x['policy']} on {x['target']}: {x['compiled']['mfu']:.1%}" for x in mine
             )
-            lines.append(f"- {ref['configuration']}: **{ref['mfu']}** ({ref['source']}); "
-                         f"jaxmem's estimate for llama-3-8b fsdp=8, 1 x 8192 per device: {ours}.")  # fmt: skip
+            lines.append(
+                f"- {ref['configuration']}: **{ref['mfu']}** ({ref['source']}); jaxmem's "
+                f"estimate for llama-3-8b fsdp=8, 1 x 8192 per device: {ours}."
+            )
     first = report["rows"][0]["compiled"]
     lines += [
         "",
