@@ -10,7 +10,8 @@ Writes ``benchmarks/results/plan/plan.{json,md}``. Every byte figure is a planne
 device from XLA:CUDA's deviceless compile for the H100 target (arguments + outputs - aliased +
 temporaries; host-resident optimizer state subtracted, counted from shapes); "predicted" is
 jaxmem plan's fitted model; FLOPs are matmul FLOPs of the gradient's jaxpr (recompute
-included); step seconds are the plan's estimate from datasheet rates (never measured: no GPU).
+included); step seconds are the compiled plan's estimated step time (``jaxmem.memory.step_time``;
+never measured: no GPU).
 
 The greedy peer follows MaxText's estimator (``maxtext`` ``estimator.py``): start with every
 tensor on the device and, largest first, move one tensor at a time to host memory, then, in the
@@ -44,7 +45,6 @@ from jaxmem.planner.search import (
     Problem,
     _compiler,
     _flops_per_row,
-    rates_for,
     search,
 )
 from jaxmem.policy import POLICIES, MemoryPolicy, backward_reads, model_tags
@@ -67,11 +67,15 @@ SLACK = 0.10  # where the greedy peer runs (its compiles are serial)
 
 
 def cached(compile_peak, cache: dict):
+    """``compile_peak`` memoised in ``cache``; ``run.step_time`` is the last call's compiled
+    plan's estimated step time (as ``search._compiler`` gives it)."""
+
     def run(cfg, policy, accum, strategy, precision, stream=None, **tensor):
         key = (cfg.n_layers, policy, accum, strategy, precision, stream, *sorted(tensor.items()))
         if key not in cache:
             t = time.time()
-            cache[key] = compile_peak(cfg, policy, accum, strategy, precision, stream, **tensor)
+            peak = compile_peak(cfg, policy, accum, strategy, precision, stream, **tensor)
+            cache[key] = (*peak, getattr(compile_peak, "step_time", None))
             chunks = f", loss in {policy.loss_chunks} chunks" if policy.loss_chunks else ""
             print(
                 f"  compiled {policy.name}{chunks} L={cfg.n_layers} accum {accum} {strategy}"
@@ -79,8 +83,10 @@ def cached(compile_peak, cache: dict):
                 f"{cache[key][0] / GIB:.2f} GiB in {time.time() - t:.0f} s",
                 flush=True,
             )
-        return cache[key]
+        run.step_time = cache[key][2]
+        return cache[key][:2]
 
+    run.step_time = None
     return run
 
 
@@ -103,6 +109,7 @@ def greedy(problem: Problem, strategy: str | None, budgets: list[int], compile_p
             choice[tag] = where
         policy = MemoryPolicy.custom(choice, name=f"greedy{step}")
         peak, _ = compile_peak(cfg, policy, 1, strategy, PRECISION)
+        estimate = compile_peak.step_time  # the compiled plan's, as the plan's choices show it
         flops = _flops_per_row(cfg, policy, precision, problem.seq_len) * rows
         host = (
             2
@@ -119,6 +126,8 @@ def greedy(problem: Problem, strategy: str | None, budgets: list[int], compile_p
                 "compiled_bytes": peak,
                 "flops": flops,
                 "host_bytes": host,
+                "estimated_seconds": None if estimate is None else estimate["seconds"],
+                "estimated_mfu": None if estimate is None else estimate["mfu"],
             }
         )
         if peak <= smallest:
@@ -131,6 +140,16 @@ SEARCHED = (
     "presets, mixes of two presets, per-tag policies (jaxmem.planner.tags), each stack scanned "
     "and (GPU targets) unrolled"
 )
+
+
+def _est(row: dict) -> str:
+    """A step's estimated seconds and MFU: the compiled plan's (``plan_estimated_*``, or a greedy
+    step's ``estimated_*``, also the compiled plan's)."""
+    seconds = row.get("plan_estimated_seconds", row.get("estimated_seconds"))
+    mfu = row.get("plan_estimated_mfu", row.get("estimated_mfu"))
+    if seconds is None:
+        return "-"
+    return f"{seconds:.3f}" + (f" ({mfu:.0%})" if mfu is not None else "")
 
 
 def run_config(name: str, target) -> dict:
@@ -210,11 +229,7 @@ def run_config(name: str, target) -> dict:
         strategy = "fsdp" if devices > 1 else None
         t = time.time()
         path = greedy(problem, strategy, budgets, cached(_compiler(problem), cache))
-        rates = rates_for(target)
         for p in path:
-            p["estimated_seconds"] = (
-                p["flops"] / rates.matmul_flops["bfloat16"] + p["host_bytes"] / rates.host_link
-            )
             p["flop_overhead"] = p["flops"] / base - 1
         out["greedy"] = {
             "strategy": strategy,
@@ -351,8 +366,10 @@ def markdown(results: list, meta: dict) -> str:
         "AdamW. Bytes: planned peak per device (arguments + outputs − aliased + temporaries; "
         "host-resident optimizer state subtracted, from shapes); predicted: the plan's fitted "
         "model (compiles at 8 and 16 blocks); FLOP overhead: executed matmul FLOPs (jaxpr, "
-        "recompute included) over `none`'s; est. step: the plan's estimate from datasheet rates "
-        "(never measured). Candidates predicted more than 10 % over a budget are not compiled. "
+        "recompute included) over `none`'s; est. step: the compiled plan's estimated step time "
+        "and MFU (`jaxmem.memory.step_time`: its kernels priced at the H100's rates, transfers "
+        "overlapped as stated; never measured; the search orders by the same model before "
+        "compiling). Candidates predicted more than 10 % over a budget are not compiled. "
         "`python benchmarks/plan.py`.",
         "",
         "Compile requests: the search's fit compiles (8 and 16 blocks) + compiles at the real "
@@ -384,7 +401,7 @@ def markdown(results: list, meta: dict) -> str:
                 f"| {r['preset']} | {r['devices']} | {r['batch']} × {r['seq_len']} "
                 f"| {row['budget_bytes'] / GIB:.1f} | {c['configuration']} | {pred} "
                 f"| {c['compiled_bytes'] / GIB:.2f} | {100 * row['flop_overhead']:+.1f} % "
-                f"| {c['estimated_seconds']:.3f} | {row['fit_compiles']} + "
+                f"| {_est(c)} | {row['fit_compiles']} + "
                 f"{row['candidate_compiles']} | {_pct(row['max_fit_error'])} "
                 f"| {row['wall_s']:.0f} |"
             )
@@ -442,8 +459,7 @@ def markdown(results: list, meta: dict) -> str:
             plan = (
                 "nothing fits | | "
                 if c is None
-                else f"{c['configuration']} | {100 * row['flop_overhead']:+.1f} % | "
-                f"{c['estimated_seconds']:.3f}"
+                else f"{c['configuration']} | {100 * row['flop_overhead']:+.1f} % | {_est(c)}"
             )
             if ans is None:
                 lines.append(
@@ -455,7 +471,7 @@ def markdown(results: list, meta: dict) -> str:
                     f"| {row['budget_bytes'] / GIB:.1f} | {ans['step']} "
                     f"(offloaded {', '.join(ans['offloaded']) or '-'}; recomputed "
                     f"{', '.join(ans['recomputed']) or '-'}) | {ans['compiled_bytes'] / GIB:.2f} "
-                    f"| {100 * ans['flop_overhead']:+.1f} % | {ans['estimated_seconds']:.3f} "
+                    f"| {100 * ans['flop_overhead']:+.1f} % | {_est(ans)} "
                     f"| {plan} |"
                 )
     return "\n".join(lines) + "\n"

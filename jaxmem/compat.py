@@ -26,6 +26,7 @@ and test it under every exact set (``make test-versions``).
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from typing import Any
 
 
@@ -68,9 +69,10 @@ NVJITLINK_OFF = "--xla_gpu_enable_libnvjitlink=false"
 
 
 def deviceless_toolchain(environ: dict[str, str], ptxas_dir: str | None) -> dict[str, str]:
-    """The environment changes a deviceless XLA:CUDA compile needs before JAX starts (``{}``:
-    none), given ``ptxas_dir``, the ``bin`` folder of ``nvidia-cuda-nvcc-cu12`` (the gpu-plan
-    extra), if installed.
+    """The environment changes a deviceless XLA:CUDA compile on a machine without an NVIDIA
+    driver needs before JAX starts (``{}``: none), given ``ptxas_dir``, the ``bin`` folder of
+    ``nvidia-cuda-nvcc-cu12`` (the gpu-plan extra), if installed (it comes first on ``PATH``,
+    its ``nvcc`` too, for this process and its children).
 
     jax-cuda12-plugin 0.10 finds that package's ptxas first. From 0.11 it links PTX with
     libnvjitlink whenever one loads, and otherwise takes the first ptxas on ``PATH``: on a
@@ -85,7 +87,7 @@ def deviceless_toolchain(environ: dict[str, str], ptxas_dir: str | None) -> dict
     flags = environ.get("XLA_FLAGS", "")
     if "xla_gpu_enable_libnvjitlink" not in flags:
         changes["XLA_FLAGS"] = f"{flags} {NVJITLINK_OFF}".strip()
-    path = environ.get("PATH", "")
-    if ptxas_dir and path.split(":")[:1] != [ptxas_dir]:
-        changes["PATH"] = f"{ptxas_dir}:{path}" if path else ptxas_dir
+    path = environ.get("PATH") or os.defpath
+    if ptxas_dir and path.split(os.pathsep)[:1] != [ptxas_dir]:
+        changes["PATH"] = f"{ptxas_dir}{os.pathsep}{path}"
     return changes

@@ -37,7 +37,9 @@ from typing import Any
 _HLO_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
     "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
-    "s2": 0.25, "u2": 0.25, "s1": 0.125, "u1": 0.125,
+    "s2": 0.25, "u2": 0.25, "s1": 0.125, "u1": 0.125, "f8e4m3fn": 1, "f8e5m2": 1,
+    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e4m3": 1, "f8e3m4": 1,
+    "f8e8m0fnu": 1, "f4e2m1fn": 0.5,
 }  # fmt: skip
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 HOST_SPACE = "S(5)"  # XLA's memory space of host memory in a layout: {1,0:S(5)}
@@ -90,10 +92,6 @@ class Work:
     def collective_total(self) -> int:
         return sum(b for _, b in self.collective_bytes)
 
-    def scaled(self, factor: int) -> Work:
-        """This work done ``factor`` times."""
-        return combine([(self, factor)], self.source)
-
 
 def combine(parts: Iterable[tuple[Work, int]], source: str = "") -> Work:
     """Σ count · work over ``parts`` (counts may be negative for an affine fit's difference;
@@ -134,11 +132,6 @@ def _tallied(
         source=source,
         **{f: int(totals[f]) for f in _TOTALS},
     )
-
-
-def difference(a: Work, b: Work) -> Work:
-    """``a - b`` (an affine fit's slope: the work of one more block)."""
-    return combine([(a, 1), (b, -1)], a.source)
 
 
 # ------------------------------------------------------------------------------ HLO text
@@ -310,7 +303,7 @@ class _HloReader:
                     total += sub
                 elif u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == name:
                     total += _nbytes(u.type)
-                elif u.opcode == "dynamic-update-slice" and u.operands[0] == name:
+                elif u.opcode in ("dynamic-update-slice", "scatter") and u.operands[0] == name:
                     continue  # written in place: the update is counted as the output
                 else:
                     return None
@@ -331,6 +324,8 @@ class _HloReader:
                 return written(by_name[i.operands[0]])
             if i.opcode == "dynamic-update-slice":
                 return _nbytes(self.types[called].get(i.operands[1], ""))
+            if i.opcode == "scatter" and len(i.operands) > 2:  # the rows its updates touch
+                return _nbytes(self.types[called].get(i.operands[2], ""))
             return _nbytes(i.type)
 
         total += written(roots[0]) if roots else _nbytes(instr.type)
@@ -353,25 +348,37 @@ class _HloReader:
         return False, _nbytes(root.type) if root is not None else 0
 
     # -- one computation, ``times`` over
-    def walk(self, comp: str, times: int, depth: int = 0) -> None:
+    def walk(self, comp: str, times: int, depth: int = 0, on_host: bool = False) -> None:
+        """Count ``comp`` ``times`` over; ``on_host``: it runs on the host (the body of a host
+        computation, ``compute_on("device_host")``)."""
         if depth > 64:
             return
         types = self.types[comp]
         for instr in self.comps.get(comp, ()):
             op = instr.opcode
-            host = '_xla_compute_type="host"' in instr.attrs
+            host = on_host or '_xla_compute_type="host"' in instr.attrs
             if op == "while":
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
                 if trip is None:
                     self.totals["unknown_loops"] += 1
                 body = _attr(instr.attrs, "body")
                 if body:
-                    self.walk(body, times * (int(trip.group(1)) if trip else 1), depth + 1)
+                    trips = int(trip.group(1)) if trip else 1
+                    self.walk(body, times * trips, depth + 1, host)
                 continue
-            if op in ("call", "async-start"):
-                called = _attr(instr.attrs, "to_apply") or _attr(instr.attrs, "calls")
+            if op in ("call", "async-start", "custom-call-start") and (
+                op != "custom-call-start" or 'async_execution_thread="host"' in instr.attrs
+            ):
+                # a host computation (compute_on("device_host")): XLA's HostExecute call of
+                # computations on the host thread
+                host = host or 'async_execution_thread="host"' in instr.attrs
+                called = (
+                    _attr(instr.attrs, "to_apply")
+                    or _attr(instr.attrs, "calls")
+                    or _first_called(instr.attrs)
+                )
                 if called:
-                    self.walk(called, times, depth + 1)
+                    self.walk(called, times, depth + 1, host)
                 continue
             if op == "conditional":
                 branches = re.findall(r"%([\w.\-]+)", _branch_text(instr.attrs))
@@ -385,9 +392,10 @@ class _HloReader:
                         collections.Counter(),
                     )
                     sub.attention_dtype = self.attention_dtype
-                    sub.walk(b, 1, depth + 1)
-                    cost = sum(m.flops * n for m, n in sub.matmuls.items()) + 1e3 * sum(
-                        sub.totals.values()
+                    sub.walk(b, 1, depth + 1, host)
+                    cost = (
+                        sum(m.flops * n for m, n in sub.matmuls.items())
+                        + sub.totals["memory_bytes"]
                     )
                     if cost > best_cost:
                         best, best_cost = sub, cost
@@ -407,16 +415,21 @@ class _HloReader:
                 self.coll[label] += times * _collective_bytes(kind, instr, types)
                 continue
             operand_bytes = sum(_nbytes(types.get(o, "")) for o in instr.operands)
-            if op in ("copy-start", "copy"):
-                src = instr.operands[0] if instr.operands else ""
-                to_host, from_host = _on_host(instr.type), _on_host(types.get(src, ""))
-                if to_host != from_host:
-                    size = _nbytes(types.get(src, ""))
-                    self.totals["to_host_bytes" if to_host else "from_host_bytes"] += times * size
-                    continue
+            if op in ("copy-start", "copy") and not host:
+                src = types.get(instr.operands[0], "") if instr.operands else ""
+                # an async copy's result is (destination, source, context): its first array
+                dest = _shapes(instr.type)[:1] if op == "copy-start" else _shapes(instr.type)
+                to_host = any(HOST_SPACE in layout for _, _, layout in dest)
+                if to_host != _on_host(src):
+                    key = "to_host_bytes" if to_host else "from_host_bytes"
+                    self.totals[key] += times * _nbytes(src)
+                else:  # a copy within device memory: read and written
+                    self.totals["memory_bytes"] += times * 2 * _nbytes(src)
+                    self.totals["memory_kernels"] += times
+                continue
             if op in ("fusion", "fusion-start"):
                 called = _attr(instr.attrs, "calls") or ""
-                moved = self._host_transfer(called)
+                moved = None if host else self._host_transfer(called)
                 if moved is not None:  # an update of, or a slice from, host memory
                     key = "to_host_bytes" if moved[0] else "from_host_bytes"
                     self.totals[key] += times * moved[1]
@@ -439,7 +452,12 @@ class _HloReader:
                 name = target.group(1) if target else ""
                 if name in _FREE_CALLS:
                     continue
-                out = _nbytes(instr.type)
+                # a library call's result tuple ends in its scratch workspace (u8/s8): not data
+                out = sum(
+                    math.prod(d) * _HLO_BYTES[t]
+                    for t, d, _ in _shapes(instr.type)
+                    if not (t in ("u8", "s8") and len(d) == 1)
+                )
                 if "cublas" in name and "gemm" in name or "matmul" in name:
                     mm = self._gemm_call(instr, types, operand_bytes + out)
                     if mm is not None:
@@ -461,6 +479,10 @@ class _HloReader:
                 io = 2 * _nbytes(types.get(instr.operands[1], "")) if len(instr.operands) > 1 else 0
             elif op in ("broadcast", "iota"):
                 io = _nbytes(instr.type)
+            elif op == "scatter" and len(instr.operands) > 2:  # in place: the updates added in
+                io = 2 * _nbytes(types.get(instr.operands[2], "")) + _nbytes(
+                    types.get(instr.operands[1], "")
+                )
             else:
                 io = operand_bytes + _nbytes(instr.type)
             key = "host_compute_bytes" if host else "memory_bytes"
@@ -493,6 +515,11 @@ class _HloReader:
 
     def result(self, source: str) -> Work:
         return _tallied(self.matmuls, self.totals, self.coll, source, self.attention_dtype)
+
+
+def _first_called(attrs: str) -> str | None:
+    m = re.search(r"called_computations=\{%([\w.\-]+)", attrs)
+    return m.group(1) if m else None
 
 
 def _branch_text(attrs: str) -> str:
@@ -563,13 +590,9 @@ def _attention_flops(instr: _Instr, types: dict[str, str], target: str) -> tuple
     kernel skips the masked tiles)."""
     q, k = (_shapes(types.get(o, ""))[0] for o in instr.operands[:2])
     qd, kd = q[1], k[1]
-    head_dim = qd[-1]
-    q_elems, k_elems = math.prod(qd), math.prod(kd)
-    # B·H·Sq = q_elems / D; Sk = k_elems / (B·H_kv·D); with grouped KV heads the product
-    # B·H·Sq·Sk·D is q_elems · Sk
+    # B·H·Sq·D = q's elements; with grouped key/value heads B·H·Sq·Sk·D is q's elements x Sk
     seq_k = kd[1] if len(kd) == 4 else kd[-2]
-    flops = 4 * q_elems * seq_k
-    del k_elems, head_dim
+    flops = 4 * math.prod(qd) * seq_k
     if "backward" in target.lower():
         flops = flops * 5 // 2
     if "CAUSAL" in instr.attrs.upper():
@@ -608,8 +631,6 @@ _PROLOGUE = {
     "convert_element_type", "transpose", "reshape", "broadcast_in_dim", "squeeze",
     "expand_dims", "copy", "copy_p",
 }  # fmt: skip
-# views and markers: no kernel of their own
-_JAXPR_FREE = {"name", "optimization_barrier", "reshape", "squeeze", "expand_dims", "stop_gradient"}
 
 
 def _aval_nbytes(v: Any) -> int:
@@ -654,19 +675,19 @@ class _JaxprReader:
             for v in eqn.invars:
                 if not _is_literal(v):
                     consumers[v].append(eqn)
-            if eqn.primitive.name in _FUSIBLE:
+            if _fusible(eqn):
                 produced_by_fusible.update(eqn.outvars)
         outvars = {v for v in jaxpr.outvars if not _is_literal(v)}
-        # a cast or layout change read only by matmuls runs inside them (XLA fuses it into the
-        # GEMM's operand): neither written nor read on its own
+        # a cast or layout change of a value that is already in memory, read only by matmuls,
+        # runs inside them (XLA fuses it into the GEMM's operand): neither written nor read on
+        # its own
         absorbed = {
             id(eqn)
             for eqn in jaxpr.eqns
             if eqn.primitive.name in _PROLOGUE
+            and not any(v in produced_by_fusible for v in eqn.invars if not _is_literal(v))
             and all(v not in outvars for v in eqn.outvars)
-            and all(
-                c.primitive.name == "dot_general" for v in eqn.outvars for c in consumers[v]
-            )
+            and all(c.primitive.name == "dot_general" for v in eqn.outvars for c in consumers[v])
             and any(consumers[v] for v in eqn.outvars)
         }
         read: set[Any] = set()
@@ -674,7 +695,7 @@ class _JaxprReader:
             prim = eqn.primitive.name
             if id(eqn) in absorbed:
                 continue
-            if prim in _FUSIBLE:
+            if _fusible(eqn):
                 for i, v in enumerate(eqn.invars):
                     if _is_literal(v) or v in produced_by_fusible or v in read:
                         continue
@@ -686,9 +707,7 @@ class _JaxprReader:
                     read.add(v)
                     self.totals["memory_bytes"] += times * _aval_nbytes(v)
                 for v in eqn.outvars:
-                    escapes = v in outvars or any(
-                        c.primitive.name not in _FUSIBLE for c in consumers.get(v, [])
-                    )
+                    escapes = v in outvars or any(not _fusible(c) for c in consumers.get(v, []))
                     if escapes:
                         size = _aval_nbytes(v)
                         if prim == "dynamic_update_slice":
@@ -780,6 +799,21 @@ class _JaxprReader:
             if "dot_general" in users.get(v, ()):
                 self.totals["memory_bytes"] += times * 2 * length * _aval_nbytes(v)
                 self.totals["memory_kernels"] += times * length
+
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call")
+
+
+def _fusible(eqn: Any, depth: int = 0) -> bool:
+    """XLA fuses it with its neighbours: an elementwise, shape or reduction op, or a call (a
+    jitted ``silu``, ``gelu``, ``softmax``) made of nothing else."""
+    prim = eqn.primitive.name
+    if prim in _FUSIBLE:
+        return True
+    if prim not in _CALLS or depth > 8:
+        return False
+    subs = _sub_jaxprs(eqn)
+    return bool(subs) and all(_fusible(e, depth + 1) for sub in subs for e in sub.eqns)
 
 
 def _is_literal(v: Any) -> bool:

@@ -534,9 +534,7 @@ def enumerate_candidates(
                         collective += tensor_bytes
                         for place in space.state_memory if host else ("device",):
                             update = STREAM_UPDATE.get(place)
-                            if update and (
-                                tp > 1 or not _streams(problem, policy, accum, strategy, precision)
-                            ):
+                            if update and (tp > 1 or not _streams(problem, policy, strategy)):
                                 continue
                             shards = (data if strategy in ("zero1", "fsdp") else 1) * tp
                             offloaded = 2 * offload_row * rows * offloaded_blocks // tp
@@ -633,15 +631,15 @@ def _estimate(
     data = problem.devices // tp
     rows = problem.batch // data // accum
     outside, blocks = work.micro(policy, precision, rows)
-    param_shards = (data if strategy == "fsdp" else 1) * tp
-    state_shards = (data if strategy in ("zero1", "fsdp") else 1) * tp
+    param_shards = (data if strategy == "fsdp" else 1) * tp  # what each device holds
+    state_shards = (data if strategy in ("zero1", "fsdp") else 1) * tp  # and updates
     memory = cost.update_bytes(
-        cfg, problem.opt_cfg, precision, param_shards=param_shards, state_shards=state_shards
+        cfg, problem.opt_cfg, precision, param_shards=state_shards, state_shards=state_shards
     ) + cost.accumulation_bytes(cfg, precision, accum, param_shards)
     if update == "host":  # the stack's update runs in host memory: only the rest's here
         one, two = (
             cost.update_bytes(cfg.replace(n_layers=n), problem.opt_cfg, precision,
-                              param_shards=param_shards, state_shards=state_shards)
+                              param_shards=state_shards, state_shards=state_shards)
             for n in (1, 2)
         )  # fmt: skip
         memory -= cfg.n_layers * (two - one)
@@ -658,14 +656,12 @@ def _estimate(
     )
 
 
-def _streams(
-    problem: Problem, policy: MemoryPolicy, accum: int, strategy: str | None, precision: Precision
-) -> bool:
+def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bool:
     """A streamed step applies (``jaxmem.job.check_stream``): one device or a data-parallel
-    mesh (dp, zero1, fsdp), a preset over the whole scanned stack, an elementwise optimizer."""
+    mesh (dp, zero1, fsdp), a preset over the whole scanned stack, an elementwise optimizer (any
+    microbatch count: it sums them in its own scan; fp16 too)."""
     from jaxmem.config import STREAM_OPTIMIZERS
 
-    del accum  # a streamed step sums microbatches in its own scan
     return (
         (strategy is None) == (problem.devices == 1)
         and policy.rest is None
@@ -924,7 +920,11 @@ def search(
             break
         progress(f"compiling {c.describe()}")
         o.compiled = compile_candidate(c, c.policy)
-        o.plan_time = plan_times.get((c.policy, c.accum, c.strategy, c.tp, c.precision, c.stream))
+        o.plan_time = _with_state_link(
+            plan_times.get((c.policy, c.accum, c.strategy, c.tp, c.precision, c.stream)),
+            problem,
+            c,
+        )
         memory.observe(c, o.predicted, o.compiled)
         if o.compiled <= budget:
             o.status, chosen = "chosen", o
@@ -932,6 +932,23 @@ def search(
         o.status = "over (compiled)"
     compiled = len(at_depth)
     return PlanResult(problem, outcomes, chosen, compiler, memory.compiles, compiled, stopped)
+
+
+def _with_state_link(
+    plan_time: dict[str, Any] | None, problem: Problem, cand: Candidate
+) -> dict[str, Any] | None:
+    """A compiled plan's estimate for ``cand``: the plan is compiled with the optimizer state on
+    the device (a deviceless compile drops argument memory kinds), so state in ``pinned_host``
+    adds its trip over the host link, in and out, from shapes (exposed: ``Overlap``)."""
+    if plan_time is None or cand.state_memory != "pinned_host":
+        return plan_time
+    link = 2 * state_host_bytes(problem, cand) / rates_for(problem.target).host_link
+    seconds = plan_time["seconds"] + link
+    out = dict(plan_time, seconds=seconds, state=plan_time["state"] + link)
+    out["mfu"] = plan_time["mfu"] * plan_time["seconds"] / seconds
+    out["hfu"] = plan_time["hfu"] * plan_time["seconds"] / seconds
+    out["line"] = plan_time["line"] + f"; + {link:.3g} s of optimizer state over the host link"
+    return out
 
 
 def chunk_savings_bound(problem: Problem, cand: Candidate) -> int:

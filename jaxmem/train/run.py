@@ -174,7 +174,8 @@ def target_plan_figures(
 ) -> tuple[list[Figure], dict[str, Any] | None]:
     """This very train step (scan accumulation, state on the device: the CLI refuses the rest)
     compiled for a GPU ``target`` without a GPU: its plan's lines, and its estimated step time
-    (``jaxmem.memory.step_time.of_plan``: per device, with its MFU and assumptions)."""
+    (``jaxmem.memory.step_time.of_plan``: with its MFU and assumptions; None for a streamed or
+    sharded step)."""
     from jaxmem.memory.gpu_plan import compile_for
     from jaxmem.memory.step_time import of_plan
     from jaxmem.memory.work import work_of_hlo
@@ -184,9 +185,13 @@ def target_plan_figures(
     compiled = compile_for(step_fn, shapes, target)
     plan = residuals.compiled_plan(compiled)
     peak = residuals.planned_peak(plan)
-    work = work_of_hlo(compiled.as_text(), f"per-kernel count of the {target.name} plan")
     r = job.run
-    estimate = of_plan(work, target, job.model, job.precision, r.batch_size, r.seq_len)
+    estimate = None
+    # a streamed or sharded step's traffic is counted from shapes where it is planned (jaxmem
+    # plan / memory --target); here only one device's ordinary step is priced
+    if not job.optimizer.stream and not job.parallel.sharded:
+        work = work_of_hlo(compiled.as_text(), f"per-kernel count of the {target.name} plan")
+        estimate = of_plan(work, target, job.model, job.precision, r.batch_size, r.seq_len)
     return [
         Figure(f"{target.name} plan: temporaries", plan["temp_bytes"], source),
         Figure(f"{target.name} plan: host memory (offloaded)", plan["host_temp_bytes"], source),
@@ -369,6 +374,12 @@ class JaxTrainer:
                 console.print(f"{target.name} plan: {self.step_time['line']}")
                 console.print(
                     f"  an estimate, not a measurement: {self.step_time['assumptions']}",
+                    style="dim",
+                )
+            else:
+                console.print(
+                    f"{target.name} plan: no step-time estimate for a streamed or sharded step "
+                    "here (jaxmem plan --target prices it, with its transfers from shapes)",
                     style="dim",
                 )
         self._valid = [self.transfer(self._local(b)) for b in val_batches(prepared.dataset, job)]
