@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmem.compat import host_computation
 from jaxmem.model import LayersFn
 from jaxmem.model.decoder import STACK_PATH
 from jaxmem.parallel import ParallelConfig
@@ -143,9 +144,6 @@ def _host_stack_update(tx, params_h, grads_h, state_h, divisor, finite=None):
     host, where the parameters, gradient and state live); returns (params, state) in host
     memory and the divided gradient's sum of squares. The same arithmetic as on the device,
     ``finite`` too."""
-    from jax.experimental.compute_on import compute_on
-
-    @compute_on("device_host")
     @jax.jit
     def update(p, g, s, d, ok):
         g = jax.tree_util.tree_map(lambda t: (t / d).astype(t.dtype), g)
@@ -156,7 +154,8 @@ def _host_stack_update(tx, params_h, grads_h, state_h, divisor, finite=None):
         return new_p, new_s, _sum_squares(g)
 
     ok = None if finite is None else jax.device_put(finite, HOST)
-    new_p, new_s, sq = update(params_h, grads_h, state_h, jax.device_put(divisor, HOST), ok)
+    on_host = host_computation(update, (HOST, HOST, HOST))
+    new_p, new_s, sq = on_host(params_h, grads_h, state_h, jax.device_put(divisor, HOST), ok)
     # a scalar the host computation returns (AdamW's count) may come back in device memory
     return new_p, jax.device_put(new_s, HOST), jax.device_put(sq, DEVICE)
 
@@ -170,14 +169,11 @@ def _stack_finite(grads_h: Any) -> jax.Array:
     """Whether every element of the stack's gradient (in host memory) is finite, computed on
     the host (``compute_on("device_host")``): it reads the gradient where it lies, so fp16's
     skip decision costs no host-link traffic."""
-    from jax.experimental.compute_on import compute_on
-
-    @compute_on("device_host")
     @jax.jit
     def check(g):
         return all_finite(g)
 
-    return jax.device_put(check(grads_h), DEVICE)
+    return jax.device_put(host_computation(check, HOST)(grads_h), DEVICE)
 
 
 def _blockwise(fn: Callable[..., Any], *trees_h: Any) -> Any:
