@@ -17,8 +17,9 @@ code is written once:
   derivative need) keeps it twice, as two stacked residuals; from 0.11 once
   (``SCAN_KEEPS_SHARED_RESIDUAL_ONCE``). Residual accounting reports what each version keeps.
 - **A computation on the host** (``compute_on("device_host")``): up to jax 0.10 a decorator
-  taking the compute type; from 0.11 it also takes the outputs' memory spaces
-  (``host_computation``).
+  taking the compute type; from 0.11 it also takes the outputs' memory spaces. The spelling
+  needs JAX, so it lives beside its one user (``jaxmem.step.stream.host_computation``), keyed on
+  ``JAX`` here: this module imports no framework, for ``torch_ref`` reads it too.
 - **Deviceless XLA:CUDA compiles** pick their PTX compiler differently
   (``deviceless_toolchain``), and JAX's CUDA plugin is one of two modules (``CUDA_PLUGINS``).
 
@@ -62,17 +63,6 @@ def scan_operand_counts(eqn: Any) -> tuple[int, int]:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].unpack()  # jax >= 0.11: a flat tree of the operands
     return len(consts), len(carry)
-
-
-def host_computation(fn: Any, out_memory_spaces: Any) -> Any:
-    """``fn`` (jitted) for XLA to run on the host, where its operands live; its outputs in
-    ``out_memory_spaces`` (a prefix of its output tree of ``jax.memory.Space`` values: jax >=
-    0.11 asks for them; up to 0.10 the caller moves the outputs where they belong)."""
-    from jax.experimental.compute_on import compute_on
-
-    if JAX >= (0, 11):
-        return compute_on(fn, compute_type="device_host", out_memory_spaces=out_memory_spaces)
-    return compute_on("device_host")(fn)
 
 
 # ------------------------------------------------------------------ deviceless GPU compiles

@@ -188,3 +188,51 @@ def test_a_corrupt_torch_checkpoint_is_skipped_and_kept_aside(tmp_path, capsys, 
     assert trained == [(r["step"], r["loss"], r["grad_norm"]) for r in first]  # bit for bit
     assert sorted(os.listdir(out / "checkpoints")) == ["4", "5"]  # --keep 2 (the default)
     assert all(verify(str(out / "checkpoints" / s)) is None for s in ("4", "5"))
+
+
+@pytest.mark.parametrize("peer_gone", [True, False])
+def test_torchruns_sigterm_during_a_lost_peers_failure_keeps_the_one_line(
+    peer_gone, tmp_path, monkeypatch
+):
+    """torchrun's agent SIGTERMs the surviving ranks as soon as it sees the lost one; landing
+    while the survivor's failure unwinds (outside the loop's signal handling), it must not kill
+    the rank before its one line. Any other SIGTERM still ends the process as its default."""
+    import signal
+
+    import torch.distributed as dist
+
+    from jaxmem.compare import torch_run
+    from jaxmem.train.loop import RunFailed
+
+    error = "Connection closed by peer" if peer_gone else "something else"
+    killed, real_kill = [], os.kill
+
+    def run_job(*args, **kwargs):
+        try:
+            raise RuntimeError(f"[gloo] {error}")
+        finally:  # the agent's SIGTERM arrives while the failure unwinds
+            real_kill(os.getpid(), signal.SIGTERM)
+
+    def kill(pid, number):  # the default's stand-in: the signal would end the process
+        assert signal.getsignal(number) is signal.SIG_DFL
+        killed.append(number)
+
+    monkeypatch.setattr(torch_run, "run_job", run_job)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch_run.tdist, "shutdown", lambda: None)
+    prepared = type("Prepared", (), {"out_dir": str(tmp_path)})()
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        if peer_gone:
+            with pytest.raises(RunFailed, match="rank 0 of 2: another rank is gone"):
+                torch_run.run_training(prepared)
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # the report comes first
+        else:
+            monkeypatch.setattr(torch_run.os, "kill", kill)
+            with pytest.raises(torch_run._Terminated):
+                torch_run.run_training(prepared)
+            assert killed == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)

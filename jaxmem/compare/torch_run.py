@@ -321,20 +321,53 @@ class TorchTrainer:
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL")
 
 
+class _Terminated(BaseException):
+    """SIGTERM outside the loop's own stop handling (while a failure unwinds, or in setup)."""
+
+
+def _peer_gone(e: BaseException | None) -> str | None:
+    """What a lost peer made the collective say, from ``e`` or an exception it was raised
+    while handling; None when no peer is gone."""
+    seen = 0
+    while e is not None and seen < 16:
+        said = [words for words in PEER_GONE if words in str(e)]
+        if said:
+            return said[0]
+        e, seen = e.__context__, seen + 1
+    return None
+
+
 def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
     """Train ``prepared.job`` with torch_ref; returns the run summary. Under torchrun, a
     collective that fails because another rank's process is gone ends this rank in one line
     (``RunFailed``: which rank, and the checkpoint to resume from) instead of a traceback from
     the collective and another from the teardown's barrier; torchrun's agent then names the
-    rank that died first and ends the others."""
+    rank that died first and ends the others.
+
+    The agent ends the others with SIGTERM as soon as it sees the lost rank, which can land
+    while this rank's failure is still unwinding (a progress bar closing, the prefetch thread
+    joining), outside the loop's own signal handling: SIGTERM then raises ``_Terminated`` here,
+    and when it interrupted a lost peer's failure the rank still ends in its one line. Any other
+    SIGTERM ends the process as the signal's default does."""
+    import signal
+    import threading
+
     import torch.distributed as dist
 
     peer_gone = False
+    main = threading.current_thread() is threading.main_thread()
+
+    def terminated(number: int, frame: Any) -> None:
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, terminated) if main else None
     try:
         return run_job(prepared, lambda: TorchTrainer(prepared), console or Console())
-    except Exception as e:
-        said = [words for words in PEER_GONE if words in str(e)]
+    except (Exception, _Terminated) as e:
+        said = _peer_gone(e)
         if dist.is_initialized() and said:
+            if main:  # the report first; the agent's SIGTERM may still be on its way
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             peer_gone = True  # no teardown barrier: the lost rank would never meet it
             n = dist.get_world_size()
             launcher = f"torchrun --standalone --nproc_per_node={n} --no-python "
@@ -345,10 +378,15 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
             )
             raise RunFailed(
                 f"rank {dist.get_rank()} of {n}: another rank is gone (a collective failed: "
-                f"{said[0]}; torchrun's report names the rank); last verified checkpoint: {good}"
+                f"{said}; torchrun's report names the rank); last verified checkpoint: {good}"
             ) from None
+        if isinstance(e, _Terminated):  # as SIGTERM's default: the process ends by the signal
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
         raise
     finally:
+        if main and not peer_gone:
+            signal.signal(signal.SIGTERM, old)
         if not peer_gone:
             tdist.shutdown()
 

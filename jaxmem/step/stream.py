@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmem.compat import host_computation
+from jaxmem.compat import JAX
 from jaxmem.model import LayersFn
 from jaxmem.model.decoder import STACK_PATH
 from jaxmem.parallel import ParallelConfig
@@ -44,6 +44,17 @@ from jaxmem.step.scaling import all_finite
 from jaxmem.step.train_step import _split_microbatches, _subtree, tree_bytes, valid_tokens
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+def host_computation(fn: Any, out_memory_spaces: Any) -> Any:
+    """``fn`` (jitted) for XLA to run on the host, where its operands live; its outputs in
+    ``out_memory_spaces`` (a prefix of its output tree of ``jax.memory.Space`` values: jax >=
+    0.11 asks for them; up to 0.10 the caller moves the outputs where they belong)."""
+    from jax.experimental.compute_on import compute_on
+
+    if JAX >= (0, 11):
+        return compute_on(fn, compute_type="device_host", out_memory_spaces=out_memory_spaces)
+    return compute_on("device_host")(fn)
 
 
 @jax.custom_vjp
