@@ -429,6 +429,46 @@ def test_on_a_gpu_target_the_planner_unrolls_a_stack_whose_scan_does_not_fit():
     assert not off.chosen.candidate.policy.unroll and off.chosen.candidate.policy.remat
 
 
+def test_on_a_gpu_target_the_planner_confirms_its_choice_by_the_compiled_estimates():
+    """The order before compiling is an estimate from the traced program; the compiled plan has
+    its own. Once a candidate fits, the next ones the first estimate rates faster than the
+    fitting plan's compiled estimate are compiled too (at most ``confirm``), and the fastest by
+    compiled estimate is chosen. Compiles and their estimates are stood in for."""
+    from jaxmem.memory.targets import get_target
+
+    cfg, batch, seq = PRESETS["tiny"].replace(n_layers=4), 4, 32
+    space = PlanSpace(
+        policies=("none", "selective", "full"), mix=(), accum=(1,), state_memory=("device",)
+    )
+    space = dataclasses.replace(space, tags=False)
+    problem = Problem(cfg, batch, seq, get_target("h100"), 2**40, OptimizerConfig())
+    order = [c.policy for c in enumerate_candidates(problem, space, FlopModel(cfg, seq))]
+    compiled_s = {order[0]: 3.0, order[1]: 1.0, order[2]: 2.0}
+
+    def compile_peak(c, policy, accum, strategy, precision, streamed=False):
+        seconds = compiled_s.get(policy, 9.0)
+        compile_peak.step_time = {"seconds": seconds, "mfu": 0.1, "hfu": 0.1, "line": ""}
+        return 2**20, "stand-in"
+
+    def statuses(**kwargs):
+        result = search(problem, space, compile_peak=compile_peak, **kwargs)
+        status = [o.status for o in result.outcomes]
+        return result.chosen.candidate.policy, status, result.candidate_compiles
+
+    slower = "fits (slower compiled estimate)"
+    chosen, status, compiles = statuses()
+    assert chosen == order[1]  # the first fit and the next compiled: the fastest compiled
+    assert status[:3] == [slower, "chosen", slower] and status.count("chosen") == 1, status
+    chosen, status, first_fit = statuses(confirm=0)
+    assert chosen == order[0] and status[:2] == ["chosen", "not reached"]
+    assert compiles <= first_fit + 2  # confirming spends at most `confirm` compiles
+    # a candidate rated slower before compiling than the choice's compiled plan is not compiled
+    first = enumerate_candidates(problem, space, FlopModel(cfg, seq))[0]
+    compiled_s[order[0]] = first.seconds
+    chosen, status, _ = statuses()
+    assert chosen == order[0] and status[:2] == ["chosen", "not reached"]
+
+
 def test_the_planner_searches_tensor_parallel_layouts_where_data_parallelism_does_not_fit():
     """Over 4 devices the lattice holds each data x tensor layout the model allows (tp = 1, 2,
     4 for tiny: 4 heads; not 3, which divides neither); a budget that only a layout splitting

@@ -15,6 +15,7 @@ from jaxmem.cli.common import (
     mib,
     need_gpu_plan,
     need_jax_backend,
+    non_negative_int,
     positive_float,
     positive_int,
     usage_errors,
@@ -136,6 +137,14 @@ def add_parser(sub) -> None:
         "0.20: the memory model's measured error on mixed stacks)",
     )
     g.add_argument("--max-compiles", type=positive_int, default=40, help="default 40")
+    g.add_argument(
+        "--confirm",
+        type=non_negative_int,
+        default=None,
+        help="GPU targets: once a candidate fits, compile up to this many more that the "
+        "estimate before compiling rates faster than its compiled plan, and choose the fastest "
+        "by compiled estimate (default 2; 0: the first fit)",
+    )
     g.add_argument("--top", type=positive_int, default=15, help="rows shown (default 15)")
     p.set_defaults(func=run)
 
@@ -238,6 +247,7 @@ def _search_and_report(args, job, problem, space, budget_source: str) -> int:
         problem,
         space,
         max_compiles=args.max_compiles,
+        **({} if args.confirm is None else {"confirm": args.confirm}),
         progress=lambda text: out.print(text, style="dim"),
     )
     if result.chosen is None:
@@ -336,6 +346,15 @@ def _summary(out, args, job, result, commands: dict) -> None:
     )
     if result.chosen.plan_time:
         out.print(f"  its compiled plan prices at {result.chosen.plan_time['line']}", style="dim")
+    slower = [o for o in result.outcomes if o.status == "fits (slower compiled estimate)"]
+    if slower:
+        runners = ", ".join(
+            f"{o.candidate.describe()} {o.plan_time['seconds']:.3g} s" for o in slower
+        )
+        out.print(
+            f"  also fit, slower by their compiled plans' estimates: {runners}",
+            style="dim",
+        )
     checked = (
         f"erred by at most {error:.1%} on the compiled candidates"
         if error is not None

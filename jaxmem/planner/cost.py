@@ -50,9 +50,11 @@ def _part_key(policy: MemoryPolicy) -> Any:
     return (name or ("tags", *policy.save), policy.loss_chunks, policy.unroll)
 
 
+@functools.lru_cache(maxsize=512)
 def _trace(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int,
            rows: int) -> Traced:  # fmt: skip
-    """The work of one microbatch of ``rows`` rows through the gradient under ``policy``."""
+    """The work of one microbatch of ``rows`` rows through the gradient under ``policy``
+    (kept: each search, and each budget of a benchmark, prices the same parts)."""
     from jaxmem.planner.records import lm_step_batch
 
     model = nnx.eval_shape(lambda: make_model(cfg, precision, platform="gpu"))

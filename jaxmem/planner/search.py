@@ -8,12 +8,13 @@ on identical blocks the order does not change the peak, measured: ``selective:2+
 optimizer state lives × data-parallel strategy (with a mesh) × precision (only when the user
 allows it).
 
-Cost (``Candidate.seconds``, an **estimate**, never a measurement): executed matmul FLOPs per
-device (recompute included, counted from the gradient's jaxpr: exact and affine in the number of
-blocks under each policy) over the target's peak matmul rate, plus bytes over the host link
-(offloaded activations there and back; host-resident optimizer state in and out) and bytes of
-the strategy's collectives over the device interconnect (ring algorithms). Kernel efficiency at
-small microbatches is not modelled: among equal costs fewer microbatches come first.
+Cost (``Candidate.seconds``, an **estimate**, never a measurement): on a GPU target, the step
+time ``jaxmem.planner.cost`` estimates before compiling (the gradient's jaxpr read kernel by
+kernel: matmuls at a shape-dependent share of the target's peak, memory-bound work at its HBM
+bandwidth, host-link and collective bytes with the overlap ``jaxmem.memory.step_time`` states);
+on the local backend a nominal order (matmul FLOPs at a nominal rate plus bytes), not a time.
+Each compiled candidate also carries its compiled plan's own estimate (``Outcome.plan_time``,
+the HLO read the same way).
 
 Method: the plan's bytes are predicted from a model fitted from a few compiles — each (preset,
 microbatches, strategy, precision) family compiled at two depths (half the model and the model,
@@ -22,10 +23,13 @@ block slope — then candidates are compiled at the real depth in cost order unt
 candidate whose prediction is over the budget by more than ``slack`` is not compiled (``over
 (predicted)``). Each compile calibrates the predictions of candidates mixing the same presets in
 the same family (they err alike): those carry its error, and are compiled only within twice the
-error calibrated predictions of that pair still showed (at least 1 %, at most ``slack``). The
-answer is the cheapest candidate on the lattice whose compiled plan fits, when no skipped
-candidate's prediction erred by more than ``slack`` (each compiled candidate's prediction error
-is reported, so that can be checked).
+error calibrated predictions of that pair still showed (at least 1 %, at most ``slack``). On a GPU
+target the first fit is confirmed: up to ``confirm`` more candidates that the estimate before
+compiling rates faster than the fit's compiled plan are compiled, and the fitting one with the
+lowest compiled estimate is chosen. The answer is the cheapest candidate on the lattice whose
+compiled plan fits, when no skipped candidate's prediction erred by more than ``slack`` (each
+compiled candidate's prediction error is reported, so that can be checked) and, on a GPU
+target, the two estimates order the candidates alike beyond the ones confirmed.
 
 What a deviceless compile cannot show is labelled, not guessed: optimizer state in
 ``pinned_host`` on a GPU target is the plan with the state on the device minus the state's
@@ -739,7 +743,8 @@ class Outcome:
     candidate: Candidate
     predicted: float | None = None
     compiled: int | None = None  # planned peak per device, state adjustment applied
-    status: str = "not reached"  # chosen | over (compiled) | over (predicted) | not reached
+    # chosen | fits (slower compiled estimate) | over (compiled) | over (predicted) | not reached
+    status: str = "not reached"
     # the compiled plan's own estimated step time (jaxmem.memory.step_time.of_plan: its HLO's
     # kernels; a GPU target's compiled candidates only)
     plan_time: dict[str, Any] | None = None
@@ -835,15 +840,28 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
     return compile_peak
 
 
+# Runners-up compiled after the first fit (GPU targets): the estimate before compiling reads the
+# traced program, the compiled plan's reads XLA's, and near ties can swap (gpt2-1.5b, 8 x 1024
+# on an H100: keeping the attention probabilities, unrolled, 0.407 s before compiling and 0.540
+# s compiled; recomputing them, scanned, 0.412 s and 0.438 s), so the first fit is confirmed
+# against the next few candidates. Each costs one compile.
+CONFIRM = 2
+
+
 def search(
     problem: Problem,
     space: PlanSpace = PlanSpace(),
     *,
     max_compiles: int = 40,
+    confirm: int = CONFIRM,
     compile_peak: Callable[..., tuple[int, str]] | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> PlanResult:
-    """Walk the lattice in cost order, compiling candidates until one fits ``budget_bytes``."""
+    """Walk the lattice in cost order, compiling candidates until one fits ``budget_bytes``;
+    where the compiled plans carry their own step-time estimate (GPU targets), up to
+    ``confirm`` more candidates are compiled while their estimate before compiling is below the
+    fitting plan's compiled one, and the fitting plan with the lowest compiled estimate is
+    chosen."""
     compile_peak = compile_peak or _compiler(problem)
     compiler = ""
 
@@ -860,8 +878,11 @@ def search(
 
     plan_times: dict[tuple, dict | None] = {}  # each compiled program's own estimate
 
+    def program(c: Candidate, policy: MemoryPolicy) -> tuple:
+        return (policy, c.accum, c.strategy, c.tp, c.precision, c.stream)
+
     def compile_candidate(c: Candidate, policy: MemoryPolicy) -> int:
-        key = (policy, c.accum, c.strategy, c.tp, c.precision, c.stream)
+        key = program(c, policy)
         if key not in at_depth:
             at_depth[key] = peak_only(
                 problem.cfg, policy, c.accum, c.strategy, c.precision, c.stream, **_tensor(c)
@@ -876,9 +897,20 @@ def search(
     outs = {(o.candidate.policy, o.candidate.family, o.candidate.state_memory) for o in outcomes}
     lean = [POLICIES[p] for p in ("full", "offload") if p in space.policies]
     floors: dict[tuple, int] = {}
-    chosen, stopped = None, False
+    chosen, stopped, at_choice = None, False, 0
+
+    def room(n: int) -> bool:
+        """Whether ``n`` more compiles are allowed (``confirm`` once a candidate fits)."""
+        if chosen is not None:
+            return len(at_depth) + n - at_choice <= confirm
+        return len(at_depth) + n <= max_compiles
+
     for o in outcomes:
         c = o.candidate
+        # confirming the choice: only a candidate that the estimate before compiling rates
+        # faster than the chosen plan's compiled estimate can still beat it
+        if chosen is not None and c.seconds >= chosen.plan_time["seconds"]:
+            break
         if c.policy.loss_chunks:
             # the loss-chunk twin of a whole-loss candidate: bounded by its twin's numbers, no
             # fits or floors of its own (they would double the compiles); its compile is the
@@ -907,29 +939,32 @@ def search(
                 continue
             if not c.policy.nested and probes and c.policy not in probes:
                 if family not in floors:
-                    if len(at_depth) + len(probes) > max_compiles:
-                        stopped = True
+                    if not room(len(probes)):
+                        stopped = chosen is None
                         break
                     progress(f"compiling the floor of {c.describe()}: {[p.name for p in probes]}")
                     floors[family] = min(compile_candidate(c, p) for p in probes)
                 if floors[family] > budget:
                     o.status = "over (family floor compiled over)"
                     continue
-        if len(at_depth) >= max_compiles:
-            stopped = True
+        if program(c, c.policy) not in at_depth and not room(1):
+            stopped = chosen is None
             break
-        progress(f"compiling {c.describe()}")
+        progress(f"{'confirming against' if chosen else 'compiling'} {c.describe()}")
         o.compiled = compile_candidate(c, c.policy)
-        o.plan_time = _with_state_link(
-            plan_times.get((c.policy, c.accum, c.strategy, c.tp, c.precision, c.stream)),
-            problem,
-            c,
-        )
+        o.plan_time = _with_state_link(plan_times.get(program(c, c.policy)), problem, c)
         memory.observe(c, o.predicted, o.compiled)
-        if o.compiled <= budget:
+        if o.compiled > budget:
+            o.status = "over (compiled)"
+        elif chosen is None:
+            o.status, chosen, at_choice = "chosen", o, len(at_depth)
+            if o.plan_time is None:  # no compiled estimate to confirm the order with
+                break
+        elif o.plan_time is not None and o.plan_time["seconds"] < chosen.plan_time["seconds"]:
+            chosen.status = "fits (slower compiled estimate)"
             o.status, chosen = "chosen", o
-            break
-        o.status = "over (compiled)"
+        else:
+            o.status = "fits (slower compiled estimate)"
     compiled = len(at_depth)
     return PlanResult(problem, outcomes, chosen, compiler, memory.compiles, compiled, stopped)
 
