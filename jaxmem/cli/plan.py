@@ -346,13 +346,14 @@ def _summary(out, args, job, result, commands: dict) -> None:
     )
     if result.chosen.plan_time:
         out.print(f"  its compiled plan prices at {result.chosen.plan_time['line']}", style="dim")
-    slower = [o for o in result.outcomes if o.status == "fits (slower compiled estimate)"]
+    slower = [o for o in result.outcomes if o.status == "fits (compiled estimate not faster)"]
     if slower:
         runners = ", ".join(
             f"{o.candidate.describe()} {o.plan_time['seconds']:.3g} s" for o in slower
         )
         out.print(
-            f"  also fit, slower by their compiled plans' estimates: {runners}",
+            f"  also fit, not faster by their compiled plans' estimates (within 2 %: a tie, the "
+            f"first fit kept): {runners}",
             style="dim",
         )
     checked = (

@@ -25,11 +25,12 @@ candidate whose prediction is over the budget by more than ``slack`` is not comp
 the same family (they err alike): those carry its error, and are compiled only within twice the
 error calibrated predictions of that pair still showed (at least 1 %, at most ``slack``). On a GPU
 target the first fit is confirmed: up to ``confirm`` more candidates that the estimate before
-compiling rates faster than the fit's compiled plan are compiled, and the fitting one with the
-lowest compiled estimate is chosen. The answer is the cheapest candidate on the lattice whose
-compiled plan fits, when no skipped candidate's prediction erred by more than ``slack`` (each
-compiled candidate's prediction error is reported, so that can be checked) and, on a GPU
-target, the two estimates order the candidates alike beyond the ones confirmed.
+compiling rates faster than the fit's compiled plan are compiled, and one that fits replaces it
+when its compiled estimate is lower by more than ``TIE`` (2 %: closer is a tie). The answer is
+the cheapest candidate on the lattice whose compiled plan fits, when no skipped candidate's
+prediction erred by more than ``slack`` (each compiled candidate's prediction error is reported,
+so that can be checked) and, on a GPU target, the two estimates order the candidates alike
+beyond the ones confirmed.
 
 What a deviceless compile cannot show is labelled, not guessed: optimizer state in
 ``pinned_host`` on a GPU target is the plan with the state on the device minus the state's
@@ -743,7 +744,8 @@ class Outcome:
     candidate: Candidate
     predicted: float | None = None
     compiled: int | None = None  # planned peak per device, state adjustment applied
-    # chosen | fits (slower compiled estimate) | over (compiled) | over (predicted) | not reached
+    # chosen | fits (compiled estimate not faster) | over (compiled) | over (predicted) |
+    # not reached
     status: str = "not reached"
     # the compiled plan's own estimated step time (jaxmem.memory.step_time.of_plan: its HLO's
     # kernels; a GPU target's compiled candidates only)
@@ -844,8 +846,12 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
 # traced program, the compiled plan's reads XLA's, and near ties can swap (gpt2-1.5b, 8 x 1024
 # on an H100: keeping the attention probabilities, unrolled, 0.407 s before compiling and 0.540
 # s compiled; recomputing them, scanned, 0.412 s and 0.438 s), so the first fit is confirmed
-# against the next few candidates. Each costs one compile.
+# against the next few candidates. Each costs one compile. A runner-up replaces the fit only
+# when its compiled estimate is lower by more than TIE: closer than that, the two are a tie
+# within what the model resolves, and the order before compiling (with its tie-breaks: fewer
+# microbatches, the state on the device) stands.
 CONFIRM = 2
+TIE = 0.02
 
 
 def search(
@@ -860,8 +866,8 @@ def search(
     """Walk the lattice in cost order, compiling candidates until one fits ``budget_bytes``;
     where the compiled plans carry their own step-time estimate (GPU targets), up to
     ``confirm`` more candidates are compiled while their estimate before compiling is below the
-    fitting plan's compiled one, and the fitting plan with the lowest compiled estimate is
-    chosen."""
+    fitting plan's compiled one, and one that fits replaces it when its compiled estimate is
+    lower by more than ``TIE``."""
     compile_peak = compile_peak or _compiler(problem)
     compiler = ""
 
@@ -909,7 +915,7 @@ def search(
         c = o.candidate
         # confirming the choice: only a candidate that the estimate before compiling rates
         # faster than the chosen plan's compiled estimate can still beat it
-        if chosen is not None and c.seconds >= chosen.plan_time["seconds"]:
+        if chosen is not None and c.seconds >= chosen.plan_time["seconds"] * (1 - TIE):
             break
         if c.policy.loss_chunks:
             # the loss-chunk twin of a whole-loss candidate: bounded by its twin's numbers, no
@@ -960,11 +966,14 @@ def search(
             o.status, chosen, at_choice = "chosen", o, len(at_depth)
             if o.plan_time is None:  # no compiled estimate to confirm the order with
                 break
-        elif o.plan_time is not None and o.plan_time["seconds"] < chosen.plan_time["seconds"]:
-            chosen.status = "fits (slower compiled estimate)"
+        elif (
+            o.plan_time is not None
+            and o.plan_time["seconds"] < chosen.plan_time["seconds"] * (1 - TIE)
+        ):
+            chosen.status = "fits (compiled estimate not faster)"
             o.status, chosen = "chosen", o
         else:
-            o.status = "fits (slower compiled estimate)"
+            o.status = "fits (compiled estimate not faster)"
     compiled = len(at_depth)
     return PlanResult(problem, outcomes, chosen, compiler, memory.compiles, compiled, stopped)
 
