@@ -142,8 +142,9 @@ def add_parser(sub) -> None:
         type=non_negative_int,
         default=None,
         help="GPU targets: once a candidate fits, compile up to this many more that the "
-        "estimate before compiling rates faster than its compiled plan, and choose the fastest "
-        "by compiled estimate (default 2; 0: the first fit)",
+        "estimate before compiling rates faster than its compiled plan; one that fits and is "
+        "more than 2%% faster by its compiled plan's estimate is chosen instead (default 2; "
+        "0: the first fit)",
     )
     g.add_argument("--top", type=positive_int, default=15, help="rows shown (default 15)")
     p.set_defaults(func=run)
