@@ -26,7 +26,9 @@ the same family (they err alike): those carry its error, and are compiled only w
 error calibrated predictions of that pair still showed (at least 1 %, at most ``slack``). On a GPU
 target the first fit is confirmed: up to ``confirm`` more candidates that the estimate before
 compiling rates faster than the fit's compiled plan are compiled, and one that fits replaces it
-when its compiled estimate is lower by more than ``TIE`` (2 %: closer is a tie). The answer is
+when its compiled estimate is lower by more than ``TIE`` (2 %: closer is a tie); a runner-up
+whose stack parts already compiled slower than traced carries their ratio (block-weighted)
+and is skipped when that rates it no faster. The answer is
 the cheapest candidate on the lattice whose compiled plan fits, when no skipped candidate's
 prediction erred by more than ``slack`` (each compiled candidate's prediction error is reported,
 so that can be checked) and, on a GPU target, the two estimates order the candidates alike
@@ -911,12 +913,33 @@ def search(
             return len(at_depth) + n - at_choice <= confirm
         return len(at_depth) + n <= max_compiles
 
+    # how far each stack part's compiled estimates came out from the traced ones (compiled /
+    # traced, per part and family): a runner-up made of parts that already compiled slower
+    # (XLA rematerializing near the device's capacity) carries their ratio when confirming
+    ratios: dict[tuple, float] = {}
+
+    def part_keys(c: Candidate) -> list[tuple[int, tuple]]:
+        family = (c.accum, c.strategy, c.tp, c.precision, c.stream, c.state_memory)
+        parts = split_policy(c.policy, problem.cfg.n_layers)
+        return [(n, (_part_key(p), *family)) for n, p in parts]
+
+    def calibrated(c: Candidate) -> float:
+        if c.policy.nested:
+            return c.seconds
+        parts = part_keys(c)
+        blocks = sum(n for n, _ in parts)
+        return c.seconds * sum(n * ratios.get(k, 1.0) for n, k in parts) / blocks
+
     for o in outcomes:
         c = o.candidate
-        # confirming the choice: only a candidate that the estimate before compiling rates
-        # faster than the chosen plan's compiled estimate can still beat it
-        if chosen is not None and c.seconds >= chosen.plan_time["seconds"] * (1 - TIE):
-            break
+        if chosen is not None:
+            # confirming the choice: only a candidate that the estimate before compiling rates
+            # faster than the chosen plan's compiled estimate can still beat it, and only when
+            # its parts' calibration does not already say otherwise
+            if c.seconds >= chosen.plan_time["seconds"] * (1 - TIE):
+                break
+            if calibrated(c) >= chosen.plan_time["seconds"] * (1 - TIE):
+                continue
         if c.policy.loss_chunks:
             # the loss-chunk twin of a whole-loss candidate: bounded by its twin's numbers, no
             # fits or floors of its own (they would double the compiles); its compile is the
@@ -960,6 +983,9 @@ def search(
         o.compiled = compile_candidate(c, c.policy)
         o.plan_time = _with_state_link(plan_times.get(program(c, c.policy)), problem, c)
         memory.observe(c, o.predicted, o.compiled)
+        if o.plan_time is not None and c.seconds > 0 and not c.policy.nested:
+            for _, key in part_keys(c):
+                ratios[key] = o.plan_time["seconds"] / c.seconds
         if o.compiled > budget:
             o.status = "over (compiled)"
         elif chosen is None:
