@@ -149,7 +149,9 @@ def _est(row: dict) -> str:
     mfu = row.get("plan_estimated_mfu", row.get("estimated_mfu"))
     if seconds is None:
         return "-"
-    return f"{seconds:.3f}" + (f" ({mfu:.0%})" if mfu is not None else "")
+    if mfu is None:  # a part measured before the step-time estimate: its earlier cost
+        return f"{seconds:.3f} †"
+    return f"{seconds:.3f} ({mfu:.0%})"
 
 
 def run_config(name: str, target) -> dict:
@@ -357,8 +359,18 @@ def torch_version() -> str:
 def markdown(results: list, meta: dict) -> str:
     gpu = [r for r in results if r["config"] != PEER]
     # each part carries the date it was measured (parts are re-run apart: --parts)
-    date = gpu[0].get("date", meta["date"]) if gpu else meta["date"]
-    searched = gpu[0].get("searched", "presets and mixes of two presets") if gpu else ""
+    dates = {r["config"]: r.get("date", meta["date"]) for r in gpu}
+    date = max(dates.values()) if dates else meta["date"]
+    by_space: dict[str, list[str]] = {}
+    for r in gpu:
+        by_space.setdefault(r.get("searched", "presets and mixes of two presets"), []).append(
+            r["config"]
+        )
+    searched = (
+        next(iter(by_space), "")
+        if len(by_space) <= 1
+        else "; ".join(f"{', '.join(names)}: {space}" for space, names in by_space.items())
+    )
     lines = [
         "`jaxmem plan` on H100 plans (deviceless XLA:CUDA compiles on a 2-core CPU machine, "
         f"{date}; jax {meta['jax']}; searched: {searched}). Precision {PRECISION} (fp32 master "
@@ -371,6 +383,11 @@ def markdown(results: list, meta: dict) -> str:
         "overlapped as stated; never measured; the search orders by the same model before "
         "compiling). Candidates predicted more than 10 % over a budget are not compiled. "
         "`python benchmarks/plan.py`.",
+        "",
+        "Parts measured: " + ", ".join(f"{n} {d}" for n, d in dates.items()) + ". † a part "
+        "measured before the step-time estimate: its est. step is the earlier cost (matmul FLOPs "
+        "at the peak dense rate plus host-link and collective bytes, simply added; no "
+        "memory-bound work, no MFU), a lower bound not comparable with the rows carrying an MFU.",
         "",
         "Compile requests: the search's fit compiles (8 and 16 blocks) + compiles at the real "
         "depth (floors and candidates); a request repeated at a later budget of the same model is "
