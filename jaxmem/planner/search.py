@@ -28,7 +28,9 @@ target the first fit is confirmed: up to ``confirm`` more candidates that the es
 compiling rates faster than the fit's compiled plan are compiled, and one that fits replaces it
 when its compiled estimate is lower by more than ``TIE`` (2 %: closer is a tie); a runner-up
 whose stack parts already compiled slower than traced carries their ratio (block-weighted)
-and is skipped when that rates it no faster. The answer is
+and is skipped when that rates it no faster, and a fit squeezed by XLA (compiled slower than
+traced by more than ``TIE``) is confirmed only against candidates predicted ``HEADROOM`` below
+its bytes. The answer is
 the cheapest candidate on the lattice whose compiled plan fits, when no skipped candidate's
 prediction erred by more than ``slack`` (each compiled candidate's prediction error is reported,
 so that can be checked) and, on a GPU target, the two estimates order the candidates alike
@@ -854,6 +856,10 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
 # microbatches, the state on the device) stands.
 CONFIRM = 2
 TIE = 0.02
+# A first fit whose compiled estimate comes out slower than traced by more than TIE was squeezed
+# (XLA rematerializes a plan near the device's capacity): its runners-up are taken only among
+# candidates predicted at least HEADROOM below its compiled bytes, where XLA has room.
+HEADROOM = 0.10
 
 
 def search(
@@ -905,7 +911,7 @@ def search(
     outs = {(o.candidate.policy, o.candidate.family, o.candidate.state_memory) for o in outcomes}
     lean = [POLICIES[p] for p in ("full", "offload") if p in space.policies]
     floors: dict[tuple, int] = {}
-    chosen, stopped, at_choice = None, False, 0
+    chosen, stopped, at_choice, squeezed = None, False, 0, False
 
     def room(n: int) -> bool:
         """Whether ``n`` more compiles are allowed (``confirm`` once a candidate fits)."""
@@ -939,6 +945,8 @@ def search(
             if c.seconds >= chosen.plan_time["seconds"] * (1 - TIE):
                 break
             if calibrated(c) >= chosen.plan_time["seconds"] * (1 - TIE):
+                continue
+            if squeezed and (memory.predict(c) or 0) >= (1 - HEADROOM) * chosen.compiled:
                 continue
         if c.policy.loss_chunks:
             # the loss-chunk twin of a whole-loss candidate: bounded by its twin's numbers, no
@@ -992,12 +1000,14 @@ def search(
             o.status, chosen, at_choice = "chosen", o, len(at_depth)
             if o.plan_time is None:  # no compiled estimate to confirm the order with
                 break
+            squeezed = o.plan_time["seconds"] > c.seconds * (1 + TIE)
         elif (
             o.plan_time is not None
             and o.plan_time["seconds"] < chosen.plan_time["seconds"] * (1 - TIE)
         ):
             chosen.status = "fits (compiled estimate not faster)"
             o.status, chosen = "chosen", o
+            squeezed = o.plan_time["seconds"] > c.seconds * (1 + TIE)
         else:
             o.status = "fits (compiled estimate not faster)"
     compiled = len(at_depth)
