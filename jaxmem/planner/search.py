@@ -977,7 +977,9 @@ def search(
             if not c.policy.nested and probes and c.policy not in probes:
                 if family not in floors:
                     if not room(len(probes)):
-                        stopped = chosen is None
+                        if chosen is not None:  # confirming: skip it, a later one may need none
+                            continue
+                        stopped = True
                         break
                     progress(f"compiling the floor of {c.describe()}: {[p.name for p in probes]}")
                     floors[family] = min(compile_candidate(c, p) for p in probes)
