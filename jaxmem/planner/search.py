@@ -862,6 +862,102 @@ TIE = 0.02
 HEADROOM = 0.10
 
 
+def _floor_probes(c: Candidate, lean: list[MemoryPolicy], outs: set) -> list[MemoryPolicy]:
+    """The leanest stacks of ``c``'s family on the lattice (``outs``), run as ``c``'s stack
+    runs: scanned or unrolled, the embedding replayed or not."""
+    twins = [
+        p.replace(
+            unroll=c.policy.unroll,
+            replay_embedding=c.policy.replay_embedding and can_replay_embedding(p),
+        )
+        for p in lean
+    ]
+    return [p for p in twins if (p, c.family, c.state_memory) in outs]
+
+
+def _program(c: Candidate, policy: MemoryPolicy) -> tuple:
+    """What decides a compiled program at the real depth: ``c``'s settings under ``policy``."""
+    return (policy, c.accum, c.strategy, c.tp, c.precision, c.stream)
+
+
+class _Compiles:
+    """One search's compiles: each program at the real depth once, with its compiled plan's own
+    estimate (``compile_peak.step_time``, where the compiler sets it), and which compiler ran."""
+
+    def __init__(self, problem: Problem, compile_peak: Callable[..., tuple[int, str]]):
+        self.problem, self.compile_peak, self.compiler = problem, compile_peak, ""
+        self.at_depth: dict[tuple, int] = {}  # compiled at the real depth, per program
+        self.plan_times: dict[tuple, dict | None] = {}
+
+    def peak(self, *args: Any, **kwargs: Any) -> int:
+        peak, self.compiler = self.compile_peak(*args, **kwargs)
+        return peak
+
+    def candidate(self, c: Candidate, policy: MemoryPolicy) -> int:
+        """``c``'s program under ``policy`` compiled (once): its planned peak per device."""
+        key = _program(c, policy)
+        if key not in self.at_depth:
+            self.at_depth[key] = self.peak(
+                self.problem.cfg, policy, c.accum, c.strategy, c.precision, c.stream, **_tensor(c)
+            )
+            self.plan_times[key] = getattr(self.compile_peak, "step_time", None)
+        return self.at_depth[key] - state_host_bytes(self.problem, c)
+
+
+class _TimeCalibration:
+    """How far each stack part's compiled estimates came out from the traced ones (compiled /
+    traced, per part and family), for confirming a choice: a runner-up made of parts that
+    already compiled slower (XLA rematerializing near the device's capacity) carries their
+    ratio, block-weighted."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self.ratios: dict[tuple, float] = {}
+
+    def _parts(self, c: Candidate) -> list[tuple[int, tuple]]:
+        family = (c.accum, c.strategy, c.tp, c.precision, c.stream, c.state_memory)
+        parts = split_policy(c.policy, self.n_layers)
+        return [(n, (_part_key(p), *family)) for n, p in parts]
+
+    def observe(self, o: Outcome) -> None:
+        c = o.candidate
+        if o.plan_time is not None and c.seconds > 0 and not c.policy.nested:
+            for _, key in self._parts(c):
+                self.ratios[key] = o.plan_time["seconds"] / c.seconds
+
+    def calibrated(self, c: Candidate) -> float:
+        if c.policy.nested:
+            return c.seconds
+        parts = self._parts(c)
+        blocks = sum(n for n, _ in parts)
+        return c.seconds * sum(n * self.ratios.get(k, 1.0) for n, k in parts) / blocks
+
+    def runner_up(self, c: Candidate, chosen: Outcome, memory: MemoryModel) -> str | None:
+        """While confirming ``chosen``: "past" when no later candidate can beat it (the order
+        before compiling already rates ``c`` no faster than its compiled plan), "skip" when
+        ``c``'s parts' calibration says so or ``chosen`` was squeezed and ``c`` plans within
+        ``HEADROOM`` of its bytes; None to try ``c``."""
+        beat = chosen.plan_time["seconds"] * (1 - TIE)
+        if c.seconds >= beat:
+            return "past"
+        if self.calibrated(c) >= beat:
+            return "skip"
+        squeezed = chosen.plan_time["seconds"] > chosen.candidate.seconds * (1 + TIE)
+        if squeezed and (memory.predict(c) or 0) >= (1 - HEADROOM) * chosen.compiled:
+            return "skip"
+        return None
+
+
+def _faster(chosen: Outcome, o: Outcome) -> Outcome:
+    """The choice between ``chosen`` and a runner-up ``o`` that fits: ``o`` when its compiled
+    estimate is lower by more than ``TIE``; the other is marked as not faster."""
+    if o.plan_time is not None and o.plan_time["seconds"] < chosen.plan_time["seconds"] * (1 - TIE):
+        chosen.status, o.status = "fits (compiled estimate not faster)", "chosen"
+        return o
+    o.status = "fits (compiled estimate not faster)"
+    return chosen
+
+
 def search(
     problem: Problem,
     space: PlanSpace = PlanSpace(),
@@ -876,33 +972,13 @@ def search(
     ``confirm`` more candidates are compiled while their estimate before compiling is below the
     fitting plan's compiled one, and one that fits replaces it when its compiled estimate is
     lower by more than ``TIE``."""
-    compile_peak = compile_peak or _compiler(problem)
-    compiler = ""
-
-    def peak_only(*args: Any, **kwargs: Any) -> int:
-        nonlocal compiler
-        peak, compiler = compile_peak(*args, **kwargs)
-        return peak
-
+    compiles = _Compiles(problem, compile_peak or _compiler(problem))
     flops = FlopModel(problem.cfg, problem.seq_len)
-    memory = MemoryModel(problem, peak_only)
+    memory = MemoryModel(problem, compiles.peak)
     outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
     budget = problem.budget_bytes
-    at_depth: dict[tuple, int] = {}  # compiled at the real depth, per candidate program
-
-    plan_times: dict[tuple, dict | None] = {}  # each compiled program's own estimate
-
-    def program(c: Candidate, policy: MemoryPolicy) -> tuple:
-        return (policy, c.accum, c.strategy, c.tp, c.precision, c.stream)
-
-    def compile_candidate(c: Candidate, policy: MemoryPolicy) -> int:
-        key = program(c, policy)
-        if key not in at_depth:
-            at_depth[key] = peak_only(
-                problem.cfg, policy, c.accum, c.strategy, c.precision, c.stream, **_tensor(c)
-            )
-            plan_times[key] = getattr(compile_peak, "step_time", None)
-        return at_depth[key] - state_host_bytes(problem, c)
+    at_depth = compiles.at_depth
+    compile_candidate, program = compiles.candidate, _program
 
     # A family's floor: the leanest whole-stack presets it holds (full, and offload where host
     # memory exists) keep only block inputs on the device, and every other stack but nested
@@ -911,7 +987,7 @@ def search(
     outs = {(o.candidate.policy, o.candidate.family, o.candidate.state_memory) for o in outcomes}
     lean = [POLICIES[p] for p in ("full", "offload") if p in space.policies]
     floors: dict[tuple, int] = {}
-    chosen, stopped, at_choice, squeezed = None, False, 0, False
+    chosen, stopped, at_choice = None, False, 0
 
     def room(n: int) -> bool:
         """Whether ``n`` more compiles are allowed (``confirm`` once a candidate fits)."""
@@ -919,34 +995,15 @@ def search(
             return len(at_depth) + n - at_choice <= confirm
         return len(at_depth) + n <= max_compiles
 
-    # how far each stack part's compiled estimates came out from the traced ones (compiled /
-    # traced, per part and family): a runner-up made of parts that already compiled slower
-    # (XLA rematerializing near the device's capacity) carries their ratio when confirming
-    ratios: dict[tuple, float] = {}
-
-    def part_keys(c: Candidate) -> list[tuple[int, tuple]]:
-        family = (c.accum, c.strategy, c.tp, c.precision, c.stream, c.state_memory)
-        parts = split_policy(c.policy, problem.cfg.n_layers)
-        return [(n, (_part_key(p), *family)) for n, p in parts]
-
-    def calibrated(c: Candidate) -> float:
-        if c.policy.nested:
-            return c.seconds
-        parts = part_keys(c)
-        blocks = sum(n for n, _ in parts)
-        return c.seconds * sum(n * ratios.get(k, 1.0) for n, k in parts) / blocks
+    calibration = _TimeCalibration(problem.cfg.n_layers)
 
     for o in outcomes:
         c = o.candidate
         if chosen is not None:
-            # confirming the choice: only a candidate that the estimate before compiling rates
-            # faster than the chosen plan's compiled estimate can still beat it, and only when
-            # its parts' calibration does not already say otherwise
-            if c.seconds >= chosen.plan_time["seconds"] * (1 - TIE):
+            verdict = calibration.runner_up(c, chosen, memory)
+            if verdict == "past":
                 break
-            if calibrated(c) >= chosen.plan_time["seconds"] * (1 - TIE):
-                continue
-            if squeezed and (memory.predict(c) or 0) >= (1 - HEADROOM) * chosen.compiled:
+            if verdict == "skip":
                 continue
         if c.policy.loss_chunks:
             # the loss-chunk twin of a whole-loss candidate: bounded by its twin's numbers, no
@@ -957,15 +1014,7 @@ def search(
                 continue
         else:
             family = (c.family, c.state_memory)
-            # scanned or unrolled, the embedding replayed or not
-            twins = [
-                p.replace(
-                    unroll=c.policy.unroll,
-                    replay_embedding=c.policy.replay_embedding and can_replay_embedding(p),
-                )
-                for p in lean
-            ]
-            probes = [p for p in twins if (p, *family) in outs]
+            probes = _floor_probes(c, lean, outs)
             if not c.policy.nested and c.policy not in probes and floors.get(family, 0) > budget:
                 o.status = "over (family floor compiled over)"  # known: no fit compiles needed
                 continue
@@ -991,29 +1040,20 @@ def search(
             break
         progress(f"{'confirming against' if chosen else 'compiling'} {c.describe()}")
         o.compiled = compile_candidate(c, c.policy)
-        o.plan_time = _with_state_link(plan_times.get(program(c, c.policy)), problem, c)
+        o.plan_time = _with_state_link(compiles.plan_times.get(program(c, c.policy)), problem, c)
         memory.observe(c, o.predicted, o.compiled)
-        if o.plan_time is not None and c.seconds > 0 and not c.policy.nested:
-            for _, key in part_keys(c):
-                ratios[key] = o.plan_time["seconds"] / c.seconds
+        calibration.observe(o)
         if o.compiled > budget:
             o.status = "over (compiled)"
         elif chosen is None:
             o.status, chosen, at_choice = "chosen", o, len(at_depth)
             if o.plan_time is None:  # no compiled estimate to confirm the order with
                 break
-            squeezed = o.plan_time["seconds"] > c.seconds * (1 + TIE)
-        elif (
-            o.plan_time is not None
-            and o.plan_time["seconds"] < chosen.plan_time["seconds"] * (1 - TIE)
-        ):
-            chosen.status = "fits (compiled estimate not faster)"
-            o.status, chosen = "chosen", o
-            squeezed = o.plan_time["seconds"] > c.seconds * (1 + TIE)
         else:
-            o.status = "fits (compiled estimate not faster)"
-    compiled = len(at_depth)
-    return PlanResult(problem, outcomes, chosen, compiler, memory.compiles, compiled, stopped)
+            chosen = _faster(chosen, o)
+    return PlanResult(
+        problem, outcomes, chosen, compiles.compiler, memory.compiles, len(at_depth), stopped
+    )
 
 
 def _with_state_link(
