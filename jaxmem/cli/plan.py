@@ -71,6 +71,30 @@ def add_parser(sub) -> None:
         "size that divides the mesh's devices and the model's heads, MLP and sequence; 1: "
         "data parallelism only; a --mesh with tp=T: T alone)",
     )
+    _lattice_flags(g)
+    g.add_argument(
+        "--slack",
+        type=positive_float,
+        default=0.20,
+        help="compile a candidate predicted over the budget by at most this fraction (default "
+        "0.20: the memory model's measured error on mixed stacks)",
+    )
+    g.add_argument("--max-compiles", type=positive_int, default=40, help="default 40")
+    g.add_argument(
+        "--confirm",
+        type=non_negative_int,
+        default=None,
+        help="GPU targets: once a candidate fits, compile up to this many more that the "
+        "estimate before compiling rates faster than its compiled plan; one that fits and is "
+        "more than 2%% faster by its compiled plan's estimate is chosen instead (default 2; "
+        "0: the first fit)",
+    )
+    g.add_argument("--top", type=positive_int, default=15, help="rows shown (default 15)")
+    p.set_defaults(func=run)
+
+
+def _lattice_flags(g) -> None:
+    """What the search may choose among (beside --budget, --strategies and --tp)."""
     g.add_argument(
         "--policies",
         default="none,selective,mlp,offload,full,nested",
@@ -129,25 +153,6 @@ def add_parser(sub) -> None:
         help=f"precisions the search may choose ({', '.join(PRECISIONS)}; default: --precision "
         "only, since precision changes the numbers)",
     )
-    g.add_argument(
-        "--slack",
-        type=positive_float,
-        default=0.20,
-        help="compile a candidate predicted over the budget by at most this fraction (default "
-        "0.20: the memory model's measured error on mixed stacks)",
-    )
-    g.add_argument("--max-compiles", type=positive_int, default=40, help="default 40")
-    g.add_argument(
-        "--confirm",
-        type=non_negative_int,
-        default=None,
-        help="GPU targets: once a candidate fits, compile up to this many more that the "
-        "estimate before compiling rates faster than its compiled plan; one that fits and is "
-        "more than 2%% faster by its compiled plan's estimate is chosen instead (default 2; "
-        "0: the first fit)",
-    )
-    g.add_argument("--top", type=positive_int, default=15, help="rows shown (default 15)")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
