@@ -35,6 +35,7 @@ from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES, MemoryPolicy, model_tags
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 CFG = ModelConfig(vocab_size=259, d_model=512, n_heads=32, n_layers=4, d_ff=2048, max_seq_len=2048)
 BATCH = 2
@@ -78,7 +79,10 @@ def cpu_rows(precisions: list[str], seqs: list[int], names=NAMES) -> list[dict]:
                 for name in names:
                     start = time.perf_counter()
                     args = (cfg, policy(name, attention), prec, OptimizerConfig(), BATCH, seq)
-                    j = jax_record(*args, abstract=True)
+                    spec = StepSpec(
+                        model=cfg, policy=args[1], precision=prec, batch=BATCH, seq_len=seq
+                    )
+                    j = jax_record(spec, abstract=True)
                     t = torch_record(*args, fake=True)
                     rows.append(
                         {
@@ -130,13 +134,15 @@ def gpu_rows(gpu_plans_json: str) -> list[dict]:
                 source = f"{gpu_plans_json} (measured {measured['meta']['date']})"
             else:
                 r = jax_record(
-                    cfg.replace(attention="fused"),
-                    POLICIES[name],
-                    PRECISIONS["bf16"],
-                    OptimizerConfig(),
-                    8,
-                    1024,
-                    target=target,
+                    StepSpec(
+                        model=cfg.replace(attention="fused"),
+                        policy=POLICIES[name],
+                        precision=PRECISIONS["bf16"],
+                        optimizer=OptimizerConfig(),
+                        batch=8,
+                        seq_len=1024,
+                        target=target,
+                    )
                 )
                 source = "compiled by this run"
             rows.append(

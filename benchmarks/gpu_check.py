@@ -295,16 +295,18 @@ def part_jax_case(payload: dict[str, Any]) -> dict[str, Any]:
     from jaxmem.memory.work import work_of_hlo
     from jaxmem.planner import records
     from jaxmem.precision import get_precision
+    from jaxmem.step.spec import StepSpec
 
     case = Case(**payload["case"])
     cfg, policy, opt = case.model(), case.memory_policy(), case.optimizer()
     precision = get_precision("bf16")
     target = get_target(payload["target"])
     out: dict[str, Any] = {"case": dataclasses.asdict(case)}
+    spec = StepSpec(model=cfg, policy=policy, precision=precision, optimizer=opt,
+                    batch=case.batch, seq_len=case.seq_len)  # fmt: skip
     # 1. deviceless, for this GPU's captured target (the shipped H100's in a dry run)
     try:
-        planned = records.plan_step(cfg, policy, precision, opt, case.batch, case.seq_len,
-                                    target=target)  # fmt: skip
+        planned = records.plan_step(spec.replace(target=target))
         out["deviceless"] = {
             "planned_peak_bytes": planned["planned_peak_bytes"],
             "compiled_plan": dict(planned["compiled_plan"]),
@@ -314,7 +316,16 @@ def part_jax_case(payload: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001  (reported; the on-device part still runs)
         out["deviceless"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
     # 2. on the device: compiled, run, timed
-    step, args = records.runnable_step(cfg, policy, precision, opt, case.batch, case.seq_len)
+    step, args = records.runnable_step(
+        StepSpec(
+            model=cfg,
+            policy=policy,
+            precision=precision,
+            optimizer=opt,
+            batch=case.batch,
+            seq_len=case.seq_len,
+        )
+    )
     started = time.perf_counter()
     compiled = step.lower(*args).compile()
     compile_s = time.perf_counter() - started

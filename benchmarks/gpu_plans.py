@@ -36,6 +36,7 @@ from jaxmem.memory.targets import get_target
 from jaxmem.planner.records import jax_record, plan_step
 from jaxmem.policy import POLICIES, nested_segment_size
 from jaxmem.precision import get_precision
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import STEP_REVISION
 
 # what the saved-activation columns count (rows of another accounting are measured again)
@@ -58,9 +59,17 @@ def largest_batch(cfg, policy, precision, seq_len, target, known: dict[int, int]
     already planned."""
 
     def plan(b: int) -> int:
-        return plan_step(cfg, policy, precision, OptimizerConfig(), b, seq_len, target)[
-            "planned_peak_bytes"
-        ]
+        return plan_step(
+            StepSpec(
+                model=cfg,
+                policy=policy,
+                precision=precision,
+                optimizer=OptimizerConfig(),
+                batch=b,
+                seq_len=seq_len,
+                target=target,
+            )
+        )["planned_peak_bytes"]
 
     return search_largest(plan, target.device_memory_bytes, known)
 
@@ -164,7 +173,15 @@ def measure(
             if not same or rec.get("accounting") != ACCOUNTING:
                 found = rec.get("largest_batch") if same else None
                 rec = jax_record(
-                    cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, target=target
+                    StepSpec(
+                        model=cfg,
+                        policy=POLICIES[name],
+                        precision=prec,
+                        optimizer=OptimizerConfig(),
+                        batch=batch,
+                        seq_len=seq_len,
+                        target=target,
+                    )
                 )
                 rec |= {"preset": preset, "policy_definition": definition, "accounting": ACCOUNTING}
                 if found:
@@ -172,7 +189,14 @@ def measure(
                 done["plans"].append(f"{preset} {name}")
             if "cpu" not in skip and "cpu_plan" not in rec:
                 rec["cpu_plan"] = plan_step(
-                    cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len
+                    StepSpec(
+                        model=cfg,
+                        policy=POLICIES[name],
+                        precision=prec,
+                        optimizer=OptimizerConfig(),
+                        batch=batch,
+                        seq_len=seq_len,
+                    )
                 )
                 done["cpu"].append(f"{preset} {name}")
             if "torch" not in skip and "torch" not in rec:
@@ -220,7 +244,17 @@ def nested_vs_full(target_name: str, precision: str, base: str, depths: list[int
         cfg = get_preset(base).replace(n_layers=depth)
         row = {"base": base, "n_layers": depth, "batch": batch, "seq_len": seq_len}
         for name in ("full", "nested"):
-            plan = plan_step(cfg, POLICIES[name], prec, OptimizerConfig(), batch, seq_len, target)
+            plan = plan_step(
+                StepSpec(
+                    model=cfg,
+                    policy=POLICIES[name],
+                    precision=prec,
+                    optimizer=OptimizerConfig(),
+                    batch=batch,
+                    seq_len=seq_len,
+                    target=target,
+                )
+            )
             row[f"{name}_temp_bytes"] = plan["compiled_plan"]["temp_bytes"]
         row["segment_size"] = nested_segment_size(depth)
         print(

@@ -32,6 +32,7 @@ from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 CFG = ModelConfig(vocab_size=259, d_model=512, n_heads=32, n_layers=4, d_ff=2048, max_seq_len=256)
 BATCH, SEQ = 2, 256
@@ -51,7 +52,18 @@ def records(precision: str) -> dict[str, dict[str, dict]]:
     its ratios use stock's none and full (the extension runs those exactly as stock does)."""
     args = (PRECISIONS[precision], OptimizerConfig(), BATCH, SEQ)
     out = {
-        "jax": {n: jax_record(CFG, POLICIES[n], *args) for n in POLICY_NAMES},
+        "jax": {
+            n: jax_record(
+                StepSpec(
+                    model=CFG,
+                    policy=POLICIES[n],
+                    precision=PRECISIONS[precision],
+                    batch=BATCH,
+                    seq_len=SEQ,
+                )
+            )
+            for n in POLICY_NAMES
+        },
         "torch": {n: torch_record(CFG, POLICIES[n], *args) for n in POLICY_NAMES},
     }
     out["torch-lean"] = {

@@ -52,6 +52,7 @@ from jaxmem.parallel import ParallelConfig
 from jaxmem.planner.records import jax_record, plan_step
 from jaxmem.policy import POLICIES
 from jaxmem.precision import get_precision
+from jaxmem.step.spec import StepSpec
 
 MODELS = ("llama-3.2-1b", "llama-3-8b")
 SEQS = (4096, 8192)
@@ -79,7 +80,15 @@ def plans(target, prec, rows: dict, save) -> None:
                     continue
                 start = time.perf_counter()
                 rec = jax_record(
-                    cfg, POLICIES[name], prec, OptimizerConfig(), 1, seq, target=target
+                    StepSpec(
+                        model=cfg,
+                        policy=POLICIES[name],
+                        precision=prec,
+                        optimizer=OptimizerConfig(),
+                        batch=1,
+                        seq_len=seq,
+                        target=target,
+                    )
                 )
                 row = {
                     "preset": preset,
@@ -153,7 +162,16 @@ def peak_of(cfg, policy, prec, seq, target, parallel):
     def peak(rows_per_device: int) -> int:
         batch = rows_per_device * n
         plan = plan_step(
-            cfg, policy, prec, OptimizerConfig(), batch, seq, target, parallel=parallel
+            StepSpec(
+                model=cfg,
+                policy=policy,
+                precision=prec,
+                optimizer=OptimizerConfig(),
+                batch=batch,
+                seq_len=seq,
+                target=target,
+                parallel=parallel or ParallelConfig(),
+            )
         )
         return plan["planned_peak_bytes"]
 
@@ -179,7 +197,17 @@ def cudnn_plans(target, prec, rows: dict, save) -> None:
                 if key in rows:
                     continue
                 start = time.perf_counter()
-                plan = plan_step(cfg, POLICIES[name], prec, OptimizerConfig(), 1, seq, target)
+                plan = plan_step(
+                    StepSpec(
+                        model=cfg,
+                        policy=POLICIES[name],
+                        precision=prec,
+                        optimizer=OptimizerConfig(),
+                        batch=1,
+                        seq_len=seq,
+                        target=target,
+                    )
+                )
                 rows[key] = {
                     "temp_bytes": plan["compiled_plan"]["temp_bytes"],
                     "planned_peak_bytes": plan["planned_peak_bytes"],

@@ -36,6 +36,7 @@ from jaxmem.memory.targets import LOCAL, get_target
 from jaxmem.planner.records import jax_record, plan_step
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 CHUNKS = 8
 MIB = 2**20
@@ -73,8 +74,29 @@ def measure(row: tuple) -> dict:
     for chunks in (0, CHUNKS):
         policy = POLICIES[policy_name].replace(loss_chunks=chunks)
         key = "whole" if chunks == 0 else "chunked"
-        plan = plan_step(cfg, policy, prec, opt, batch, seq, target)
-        rec = jax_record(cfg, policy, prec, opt, batch, seq, abstract=True, target=target)
+        plan = plan_step(
+            StepSpec(
+                model=cfg,
+                policy=policy,
+                precision=prec,
+                optimizer=opt,
+                batch=batch,
+                seq_len=seq,
+                target=target,
+            )
+        )
+        rec = jax_record(
+            StepSpec(
+                model=cfg,
+                policy=policy,
+                precision=prec,
+                optimizer=opt,
+                batch=batch,
+                seq_len=seq,
+                target=target,
+            ),
+            abstract=True,
+        )
         out[key] = {
             "planned_peak_bytes": plan["planned_peak_bytes"],
             "compiler": plan["compiler"],

@@ -37,6 +37,7 @@ from jaxmem.planner.records import plan_step
 from jaxmem.planner.search import FlopModel, PlanSpace, Problem, enumerate_candidates
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 GIB = 2**30
 # published figures, as their sources give them (configuration, MFU, source)
@@ -83,7 +84,7 @@ def measure(row: tuple) -> list[dict]:
     name, batch, seq, policies, target_name, devices, refs = row
     cfg, prec, opt = model(name), PRECISIONS["bf16"], OptimizerConfig()
     target = get_target(target_name)
-    parallel = ParallelConfig(strategy="fsdp", devices=devices) if devices > 1 else None
+    parallel = ParallelConfig(strategy="fsdp", devices=devices) if devices > 1 else ParallelConfig()
     problem = Problem(cfg, batch, seq, target, target.device_memory_bytes, opt, devices=devices)
     space = PlanSpace(
         policies=policies, mix=(), accum=(1,), state_memory=("device",),
@@ -95,7 +96,18 @@ def measure(row: tuple) -> list[dict]:
     for policy in policies:
         cand = planned[policy]
         t = time.perf_counter()
-        plan = plan_step(cfg, POLICIES[policy], prec, opt, batch, seq, target, parallel=parallel)
+        plan = plan_step(
+            StepSpec(
+                model=cfg,
+                policy=POLICIES[policy],
+                precision=prec,
+                optimizer=opt,
+                batch=batch,
+                seq_len=seq,
+                target=target,
+                parallel=parallel,
+            )
+        )
         est = plan["step_time"]
         row = {
             "model": name,
@@ -104,15 +116,16 @@ def measure(row: tuple) -> list[dict]:
             "seq_len": seq,
             "policy": policy,
             "target": target_name,
-            "mesh": parallel.mesh_text() if parallel else None,
+            "mesh": parallel.mesh_text() if parallel.sharded else None,
             "tokens_per_device": batch * seq // devices,
             "planned_peak_bytes": plan["planned_peak_bytes"],
             "fits": plan["planned_peak_bytes"] <= target.device_memory_bytes,
             "compiler": plan["compiler"],
             "before_compile": cand.estimate.as_dict(),
             "compiled": est,
-            "references": [dict(zip(("configuration", "mfu", "source"), r, strict=True))
-                           for r in refs],  # fmt: skip
+            "references": [
+                dict(zip(("configuration", "mfu", "source"), r, strict=True)) for r in refs
+            ],  # fmt: skip
             "compile_s": time.perf_counter() - t,
         }
         out.append(row)

@@ -49,6 +49,7 @@ from jaxmem.planner.search import (
 )
 from jaxmem.policy import POLICIES, MemoryPolicy, backward_reads, model_tags
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 OUT = "benchmarks/results/plan"
 PRECISION = "bf16"  # fp32 master weights, bf16 compute: how these models train on H100s
@@ -255,7 +256,17 @@ def run_torch_peer(target) -> dict:
 
     cfg, batch, seq, fp32, opt = get_preset("small"), 8, 128, PRECISIONS["fp32"], OptimizerConfig()
     ends = [
-        plan_step(cfg, POLICIES[p], fp32, opt, batch, seq, target)["planned_peak_bytes"]
+        plan_step(
+            StepSpec(
+                model=cfg,
+                policy=POLICIES[p],
+                precision=fp32,
+                optimizer=opt,
+                batch=batch,
+                seq_len=seq,
+                target=target,
+            )
+        )["planned_peak_bytes"]
         for p in ("full", "none")
     ]
     space = PlanSpace(
@@ -272,7 +283,16 @@ def run_torch_peer(target) -> dict:
         budget = int(ends[0] + frac * (ends[1] - ends[0]))
         result = search(Problem(cfg, batch, seq, target, budget, opt), space)
         chosen = result.chosen
-        rec = jax_record(cfg, chosen.candidate.policy, fp32, opt, batch, seq)
+        rec = jax_record(
+            StepSpec(
+                model=cfg,
+                policy=chosen.candidate.policy,
+                precision=fp32,
+                optimizer=opt,
+                batch=batch,
+                seq_len=seq,
+            )
+        )
         saved = rec["saved_activation_bytes_device"] + rec["saved_activation_bytes_host"]
         same = torch_record(cfg, chosen.candidate.policy, fp32, opt, batch, seq)
         lean = torch_record(cfg, chosen.candidate.policy, fp32, opt, batch, seq, translation="lean")

@@ -46,6 +46,7 @@ from jaxmem.parallel import STRATEGIES, ParallelConfig
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 NS = (1, 2, 4, 8)
 MIB, GB = 1 << 20, 1e9
@@ -81,15 +82,17 @@ def scaling(part: str) -> list[dict]:
             for n in NS:
                 start = time.perf_counter()
                 rec = jax_record(
-                    cfg,
-                    POLICIES[policy],
-                    PRECISIONS[spec["precision"]],
-                    OptimizerConfig(),
-                    spec["rows"] * n,
-                    spec["seq"],
+                    StepSpec(
+                        model=cfg,
+                        policy=POLICIES[policy],
+                        precision=PRECISIONS[spec["precision"]],
+                        optimizer=OptimizerConfig(),
+                        batch=spec["rows"] * n,
+                        seq_len=spec["seq"],
+                        target=target,
+                        parallel=ParallelConfig(strategy=strategy, devices=n),
+                    ),
                     abstract=True,
-                    target=target,
-                    parallel=ParallelConfig(strategy=strategy, devices=n),
                 )
                 rows.append(_row(rec, part=part, policy=policy, strategy=strategy, devices=n))
                 print(
@@ -169,14 +172,16 @@ def fit() -> list[dict]:
             for strategy in STRATEGIES:
                 start = time.perf_counter()
                 rec = jax_record(
-                    cfg,
-                    POLICIES[policy],
-                    PRECISIONS["bf16"],
-                    OptimizerConfig(),
-                    8,
-                    1024,
-                    target=target,
-                    parallel=ParallelConfig(strategy=strategy, devices=8),
+                    StepSpec(
+                        model=cfg,
+                        policy=POLICIES[policy],
+                        precision=PRECISIONS["bf16"],
+                        optimizer=OptimizerConfig(),
+                        batch=8,
+                        seq_len=1024,
+                        target=target,
+                        parallel=ParallelConfig(strategy=strategy, devices=8),
+                    )
                 )
                 rows.append(_row(rec, part="fit", preset=preset, policy=policy, strategy=strategy))
                 print(

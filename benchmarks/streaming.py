@@ -47,6 +47,7 @@ from jaxmem.memory.targets import get_target, rates_for
 from jaxmem.planner.records import plan_step
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 TARGETS = ("h100", "v100-32gb", "a10-24gb")
 MODELS = ("llama-3.2-3b", "gpt3-6.7b", "gpt3-13b", "llama-3-8b", "llama-3-70b")
@@ -77,7 +78,17 @@ def at_speed(target_name: str, preset: str) -> dict:
     tried = []
     batch = 1
     while batch <= MAX_BATCH:
-        r = plan_step(cfg, policy, prec, opt, batch, SEQ, target)
+        r = plan_step(
+            StepSpec(
+                model=cfg,
+                policy=policy,
+                precision=prec,
+                optimizer=opt,
+                batch=batch,
+                seq_len=SEQ,
+                target=target,
+            )
+        )
         est = r["step_time"]
         model = analytic.mfu_flops(cfg, batch, SEQ)
         row = {
@@ -113,9 +124,29 @@ def measure(target_name: str, preset: str) -> dict:
     target, cfg = get_target(target_name), PRESETS[preset]
     prec, policy = precision_of(target_name), POLICIES[POLICY]
     start = time.perf_counter()
-    plain = plan_step(cfg, policy, prec, OptimizerConfig(), BATCH, SEQ, target)
+    plain = plan_step(
+        StepSpec(
+            model=cfg,
+            policy=policy,
+            precision=prec,
+            optimizer=OptimizerConfig(),
+            batch=BATCH,
+            seq_len=SEQ,
+            target=target,
+        )
+    )
     state = 8 * cfg.n_params  # AdamW's two fp32 moments (analytic, from the shapes)
-    streamed = plan_step(cfg, policy, prec, OptimizerConfig(stream=True), BATCH, SEQ, target)
+    streamed = plan_step(
+        StepSpec(
+            model=cfg,
+            policy=policy,
+            precision=prec,
+            optimizer=OptimizerConfig(stream=True),
+            batch=BATCH,
+            seq_len=SEQ,
+            target=target,
+        )
+    )
     info = streamed["stream"]
     rates = rates_for(target)
     # forward, backward (2x) and full's replay of the forward: 8 N tokens (analytic estimate)
@@ -243,7 +274,17 @@ def update_rows() -> dict:
         for update in ("device", "host"):
             start = time.perf_counter()
             opt = OptimizerConfig(stream=True, stream_update=update)
-            r = plan_step(cfg, POLICIES[POLICY], PRECISIONS["bf16"], opt, BATCH, SEQ, target)
+            r = plan_step(
+                StepSpec(
+                    model=cfg,
+                    policy=POLICIES[POLICY],
+                    precision=PRECISIONS["bf16"],
+                    optimizer=opt,
+                    batch=BATCH,
+                    seq_len=SEQ,
+                    target=target,
+                )
+            )
             info = r["stream"]
             out[f"{target_name} {preset} {update}"] = {
                 "target": target_name,

@@ -53,6 +53,7 @@ from jaxmem.parallel import ParallelConfig
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 PARTS = {
     "h100": {
@@ -99,18 +100,22 @@ def measure(part: str) -> list[dict]:
     rows = []
     for t in spec["tps"]:
         for sp in (True, False) if t > 1 else (True,):
-            parallel = ParallelConfig(devices=t, tp=t, sequence_parallel=sp) if t > 1 else None
+            parallel = (
+                ParallelConfig(devices=t, tp=t, sequence_parallel=sp) if t > 1 else ParallelConfig()
+            )
             for name in POLICY_NAMES:
                 start = time.perf_counter()
                 rec = jax_record(
-                    cfg,
-                    POLICIES[name],
-                    precision,
-                    OptimizerConfig(),
-                    spec["batch"],
-                    spec["seq"],
-                    target=target,
-                    parallel=parallel,
+                    StepSpec(
+                        model=cfg,
+                        policy=POLICIES[name],
+                        precision=precision,
+                        optimizer=OptimizerConfig(),
+                        batch=spec["batch"],
+                        seq_len=spec["seq"],
+                        target=target,
+                        parallel=parallel,
+                    ),
                     abstract=True,
                 )
                 by_name = rec["saved_by_name"]

@@ -46,12 +46,13 @@ import torch
 
 from jaxmem.compare.bench import set_threads
 from jaxmem.compare.records import torch_record
-from jaxmem.config import OptimizerConfig, get_preset
+from jaxmem.config import AccumConfig, OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.targets import get_target
 from jaxmem.planner.records import jax_record, plan_step
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 MIB = 1 << 20
 PRESET = "small"
@@ -83,7 +84,17 @@ def point(policy: str, precision: str, optimizer: str, accum: int, shape, h100: 
     batch, seq = shape
     opt = OptimizerConfig(name=optimizer)
     prec, pol = PRECISIONS[precision], POLICIES[policy]
-    j = jax_record(cfg, pol, prec, opt, batch, seq, accum=accum)
+    j = jax_record(
+        StepSpec(
+            model=cfg,
+            policy=pol,
+            precision=prec,
+            optimizer=opt,
+            batch=batch,
+            seq_len=seq,
+            accum=AccumConfig(steps=accum),
+        )
+    )
     t = torch_record(cfg, pol, prec, opt, batch, seq, accum=accum)
     row = {
         "policy": policy,
@@ -104,7 +115,18 @@ def point(policy: str, precision: str, optimizer: str, accum: int, shape, h100: 
         "torch_flops": t["flops"],
     }
     if h100:
-        plan = plan_step(cfg, pol, prec, opt, batch, seq, get_target("h100"), accum=accum)
+        plan = plan_step(
+            StepSpec(
+                model=cfg,
+                policy=pol,
+                precision=prec,
+                optimizer=opt,
+                batch=batch,
+                seq_len=seq,
+                target=get_target("h100"),
+                accum=AccumConfig(steps=accum),
+            )
+        )
         row["jax_h100_plan_peak_bytes"] = plan["planned_peak_bytes"]
         row["jax_h100_compiler"] = plan["compiler"]
     return row
@@ -124,14 +146,16 @@ def _h100_peak(row: dict, policy) -> int:
     """The planned peak of ``row``'s step (its precision, optimizer, shape, accumulation) under
     ``policy``, compiled for an H100 without one."""
     plan = plan_step(
-        get_preset(PRESET),
-        policy,
-        PRECISIONS[row["precision"]],
-        OptimizerConfig(name=row["optimizer"]),
-        row["batch"],
-        row["seq_len"],
-        get_target("h100"),
-        accum=row["accum"],
+        StepSpec(
+            model=get_preset(PRESET),
+            policy=policy,
+            precision=PRECISIONS[row["precision"]],
+            optimizer=OptimizerConfig(name=row["optimizer"]),
+            batch=row["batch"],
+            seq_len=row["seq_len"],
+            target=get_target("h100"),
+            accum=AccumConfig(steps=row["accum"]),
+        )
     )
     return plan["planned_peak_bytes"]
 
@@ -167,13 +191,15 @@ def gpt2_unrolled() -> list[dict]:
         for stack, unroll in (("scanned", False), ("unrolled", True)):
             start = time.perf_counter()
             plan = plan_step(
-                cfg,
-                POLICIES[name].replace(unroll=unroll),
-                PRECISIONS[precision],
-                OptimizerConfig(),
-                batch,
-                seq,
-                target,
+                StepSpec(
+                    model=cfg,
+                    policy=POLICIES[name].replace(unroll=unroll),
+                    precision=PRECISIONS[precision],
+                    optimizer=OptimizerConfig(),
+                    batch=batch,
+                    seq_len=seq,
+                    target=target,
+                )
             )
             row[f"{stack}_plan_peak_bytes"] = plan["planned_peak_bytes"]
             row[f"{stack}_compile_seconds"] = round(time.perf_counter() - start, 1)
@@ -253,14 +279,16 @@ def exceptions(rows: list[dict]) -> list[dict]:
         policy = POLICIES[r["policy"]].replace(unroll=unroll) if unroll else POLICIES[r["policy"]]
         start = time.perf_counter()
         report = explain_peak(
-            cfg,
-            policy,
-            r["precision"],
-            OptimizerConfig(name=r["optimizer"]),
-            r["batch"],
-            r["seq_len"],
-            "h100",
-            r["accum"],
+            StepSpec(
+                model=cfg,
+                policy=policy,
+                precision=PRECISIONS[r["precision"]],
+                optimizer=OptimizerConfig(name=r["optimizer"]),
+                batch=r["batch"],
+                seq_len=r["seq_len"],
+                target=get_target("h100"),
+                accum=AccumConfig(steps=r["accum"]),
+            )
         )
         groups: dict[tuple[str, str, str], int] = {}
         for v in report.values:
@@ -374,14 +402,16 @@ def combined_peaks(rows: list[dict]) -> list[dict]:
             continue
         lean = min(rows, key=lambda r, k=key: r[k])
         report = explain_peak(
-            cfg,
-            POLICIES[lean["policy"]],
-            lean["precision"],
-            OptimizerConfig(name=lean["optimizer"]),
-            lean["batch"],
-            lean["seq_len"],
-            target,
-            lean["accum"],
+            StepSpec(
+                model=cfg,
+                policy=POLICIES[lean["policy"]],
+                precision=PRECISIONS[lean["precision"]],
+                optimizer=OptimizerConfig(name=lean["optimizer"]),
+                batch=lean["batch"],
+                seq_len=lean["seq_len"],
+                target=get_target(target),
+                accum=AccumConfig(steps=lean["accum"]),
+            )
         )
         out.append(
             {

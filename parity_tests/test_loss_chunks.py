@@ -15,6 +15,7 @@ from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import to_torch_state_dict
 from jaxmem.model import Decoder
 from jaxmem.policy import POLICIES
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
 from parity_tests.conftest import PARITY_CONFIGS
 from parity_tests.helpers import masked_batch, torch_batch
@@ -77,7 +78,12 @@ def test_both_frameworks_keep_the_same_loss_gradients_and_no_logits():
     saved = {}
     for chunks in (0, 4):
         policy = POLICIES["full"].replace(loss_chunks=chunks)
-        saved[("jax", chunks)] = jax_record(cfg, policy, fp32, opt, batch, seq, abstract=True)
+        saved[("jax", chunks)] = jax_record(
+            StepSpec(
+                model=cfg, policy=policy, precision=fp32, optimizer=opt, batch=batch, seq_len=seq
+            ),
+            abstract=True,
+        )
         saved[("torch", chunks)] = torch_record(cfg, policy, fp32, opt, batch, seq, fake=True)
     loss_grads = {f: saved[(f, 4)]["saved_by_name"]["<loss gradients>"] for f in ("jax", "torch")}
     head_grad = cfg.vocab_size * cfg.d_model * 4  # the tied table's gradient

@@ -27,6 +27,7 @@ from jaxmem.model import make_model
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn, make_optimizer, tree_bytes
 
 CFG = PRESETS["tiny"].replace(n_layers=4)
@@ -62,7 +63,16 @@ def test_full_remat_keeps_exactly_the_block_inputs_in_both_frameworks():
     minimum = analytic.saved_activation_bytes(CFG, POLICIES["full"], B, S, FP32).device_bytes
     assert minimum == CFG.n_layers * B * S * CFG.d_model * 4
     assert jax_named_bytes(POLICIES["full"])[LAYER_INPUT] == minimum
-    jax_rec = jax_record(CFG, POLICIES["full"], FP32, OptimizerConfig(), B, S)
+    jax_rec = jax_record(
+        StepSpec(
+            model=CFG,
+            policy=POLICIES["full"],
+            precision=FP32,
+            optimizer=OptimizerConfig(),
+            batch=B,
+            seq_len=S,
+        )
+    )
     torch_rec = torch_record(CFG, POLICIES["full"], FP32, OptimizerConfig(), B, S)
     extras_j = jax_rec["saved_activation_bytes_device"] - minimum
     extras_t = torch_rec["saved_activation_bytes_device"] - minimum
@@ -224,7 +234,16 @@ def test_memory_report_lists_the_per_tensor_differences():
     from jaxmem.compare.records import name_differences
     from jaxmem.policy import CHECKPOINT_NAMES
 
-    jax_rec = jax_record(CFG, POLICIES["none"], FP32, OptimizerConfig(), B, S)
+    jax_rec = jax_record(
+        StepSpec(
+            model=CFG,
+            policy=POLICIES["none"],
+            precision=FP32,
+            optimizer=OptimizerConfig(),
+            batch=B,
+            seq_len=S,
+        )
+    )
     torch_rec = torch_record(CFG, POLICIES["none"], FP32, OptimizerConfig(), B, S)
     rows = {
         r["name"]: r for r in name_differences(jax_rec["saved_by_name"], torch_rec["saved_by_name"])
@@ -262,7 +281,16 @@ def test_memory_report_names_what_the_llama_blocks_keep_differently(attention):
 
     cfg = PRESETS["tiny-llama"].replace(attention=attention, attention_block=8)
     L, D, F, kv = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.kv_dim
-    jax_rec = jax_record(cfg, POLICIES["none"], FP32, OptimizerConfig(), B, S)
+    jax_rec = jax_record(
+        StepSpec(
+            model=cfg,
+            policy=POLICIES["none"],
+            precision=FP32,
+            optimizer=OptimizerConfig(),
+            batch=B,
+            seq_len=S,
+        )
+    )
     torch_rec = torch_record(cfg, POLICIES["none"], FP32, OptimizerConfig(), B, S)
     rows = {
         r["name"]: r["torch_bytes"] - r["jax_bytes"]

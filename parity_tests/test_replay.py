@@ -15,6 +15,7 @@ from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import to_torch_state_dict
 from jaxmem.model import Decoder
 from jaxmem.policy import POLICIES, QKV, MemoryPolicy, mixed_policy
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
 from parity_tests.conftest import PARITY_CONFIGS
 from parity_tests.helpers import masked_batch, torch_batch
@@ -106,7 +107,10 @@ def test_a_replayed_embedding_keeps_one_block_input_fewer_in_both_frameworks(pol
     saved = {}
     for replay in (False, True):
         p = base.replace(replay_embedding=replay)
-        saved[("jax", replay)] = jax_record(cfg, p, fp32, opt, batch, seq, abstract=True)
+        saved[("jax", replay)] = jax_record(
+            StepSpec(model=cfg, policy=p, precision=fp32, optimizer=opt, batch=batch, seq_len=seq),
+            abstract=True,
+        )
         saved[("torch", replay)] = torch_record(cfg, p, fp32, opt, batch, seq, fake=True)
         saved[("analytic", replay)] = analytic.saved_activation_bytes(cfg, p, batch, seq, fp32)
     token_ids, position_ids = batch * seq * 4, seq * 8

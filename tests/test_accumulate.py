@@ -21,6 +21,7 @@ from jaxmem.planner import records
 from jaxmem.planner.records import lm_step_batch, plan_step
 from jaxmem.policy import POLICIES, LayerSelection
 from jaxmem.precision import FP64, PRECISIONS
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn, stack_accumulating_loss, summed_grads, tree_bytes
 
 CFG5 = dataclasses.replace(PRESETS["tiny"], n_layers=5)  # nested: segments of 2 and a tail of 1
@@ -91,11 +92,31 @@ def test_the_compiled_step_holds_one_stack_gradient_fewer(policy, monkeypatch):
     cfg = PRESETS["small"]
     opt = OptimizerConfig(name="adamw")
     pol = POLICIES[policy]
-    inplace = plan_step(cfg, pol, PRECISIONS["fp32"], opt, 8, 64, accum=4)["planned_peak_bytes"]
+    inplace = plan_step(
+        StepSpec(
+            model=cfg,
+            policy=pol,
+            precision=PRECISIONS["fp32"],
+            optimizer=opt,
+            batch=8,
+            seq_len=64,
+            accum=AccumConfig(steps=4),
+        )
+    )["planned_peak_bytes"]
     monkeypatch.setattr(  # the same plan with the scan-carry accumulation
         records, "_accum_config", lambda k, _b: AccumConfig(steps=k, inplace=False)
     )
-    carry = plan_step(cfg, pol, PRECISIONS["fp32"], opt, 8, 64, accum=4)["planned_peak_bytes"]
+    carry = plan_step(
+        StepSpec(
+            model=cfg,
+            policy=pol,
+            precision=PRECISIONS["fp32"],
+            optimizer=opt,
+            batch=8,
+            seq_len=64,
+            accum=AccumConfig(steps=4),
+        )
+    )["planned_peak_bytes"]
     params = nnx.split(nnx.eval_shape(lambda: make_model(cfg)), nnx.Param)[1]
     stack = params
     for key in STACK_PATH:

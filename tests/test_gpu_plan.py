@@ -21,6 +21,7 @@ from jaxmem.model.flash import cudnn_installed
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 
 @pytest.mark.parametrize("name", list(SHIPPED))
@@ -37,13 +38,15 @@ def test_the_smaller_cards_compile_a_bf16_step(name):
     """The 32 GB and 24 GB targets (a V100 of ZeRO-Offload's single-GPU setting, an A10) are not
     only parsed: XLA:CUDA compiles a bf16 train step for them (sm_70 and sm_86)."""
     record = jax_record(
-        PRESETS["tiny"],
-        POLICIES["selective"],
-        PRECISIONS["bf16"],
-        OptimizerConfig(),
-        4,
-        32,
-        target=get_target(name),
+        StepSpec(
+            model=PRESETS["tiny"],
+            policy=POLICIES["selective"],
+            precision=PRECISIONS["bf16"],
+            optimizer=OptimizerConfig(),
+            batch=4,
+            seq_len=32,
+            target=get_target(name),
+        )
     )
     assert record["peak_source"].startswith("compiled plan (XLA:CUDA deviceless compile for")
     assert 0 < record["peak_bytes"] < get_target(name).device_memory_bytes
@@ -51,13 +54,15 @@ def test_the_smaller_cards_compile_a_bf16_step(name):
 
 def plan(policy: str, target: str = "h100") -> dict:
     return jax_record(
-        PRESETS["tiny"],
-        POLICIES[policy],
-        PRECISIONS["fp32"],
-        OptimizerConfig(),
-        4,
-        32,
-        target=get_target(target),
+        StepSpec(
+            model=PRESETS["tiny"],
+            policy=POLICIES[policy],
+            precision=PRECISIONS["fp32"],
+            optimizer=OptimizerConfig(),
+            batch=4,
+            seq_len=32,
+            target=get_target(target),
+        )
     )
 
 
@@ -275,9 +280,11 @@ def test_host_resident_optimizer_state_is_counted_analytically_and_labelled(caps
     """A deviceless compile drops memory kinds on arguments, so offloaded optimizer state is
     planned on the device (the upper bound) and its bytes are counted from shapes: host bytes =
     the state's, the lower bound = the plan without it; parameters in host memory are refused."""
-    args = (PRESETS["tiny"], POLICIES["full"], PRECISIONS["fp32"])
     h100 = get_target("h100")
-    offloaded = jax_record(*args, OptimizerConfig(state_memory="pinned_host"), 2, 16, target=h100)
+    spec = StepSpec(
+        model=PRESETS["tiny"], policy=POLICIES["full"], batch=2, seq_len=16, target=h100
+    )
+    offloaded = jax_record(spec.replace(optimizer=OptimizerConfig(state_memory="pinned_host")))
     so = offloaded["state_offload"]
     state = offloaded["opt_state_bytes"]
     assert state == 2 * 4 * PRESETS["tiny"].n_params + 4  # AdamW's mu and nu in fp32, a count
@@ -287,7 +294,7 @@ def test_host_resident_optimizer_state_is_counted_analytically_and_labelled(caps
     assert offloaded["compiled_plan"]["argument_bytes"] >= state  # planned on the device
     assert "analytic" in so["source"]
     with pytest.raises(ConfigError, match="cannot plan optimizer.params_memory='pinned_host'"):
-        jax_record(*args, OptimizerConfig(params_memory="pinned_host"), 2, 16, target=h100)
+        jax_record(spec.replace(optimizer=OptimizerConfig(params_memory="pinned_host")))
     cmd = ["memory", "--target", "h100", "--policies", "full", "--frameworks", "jax"]
     assert cli.main([*cmd, "--state-memory", "pinned_host", "--seq-len", "16"]) == 0
     text = " ".join(capsys.readouterr().out.split())
@@ -350,15 +357,21 @@ def test_on_a_gpu_the_deviceless_plan_matches_the_device_and_training_reports_it
     plan_tol = tolerance("bytes", "deviceless_vs_device_plan")
     peak_tol = tolerance("bytes", "runtime_peak_vs_plan")
     for policy in ("none", "full", "offload"):
-        args = (PRESETS["small"], POLICIES[policy], PRECISIONS["bf16"], OptimizerConfig(), 8, 256)
-        deviceless = jax_record(*args, target=here)
+        spec = StepSpec(
+            model=PRESETS["small"],
+            policy=POLICIES[policy],
+            precision=PRECISIONS["bf16"],
+            batch=8,
+            seq_len=256,
+        )
+        deviceless = jax_record(spec.replace(target=here))
+        spec_json = json.dumps(spec.to_dict())
         # compiled on the GPU and one step run, in a fresh process: the device's peak is a
         # high-water mark that never goes down within one
         code = (
-            "import json; from jaxmem.config import PRESETS, OptimizerConfig; "
-            "from jaxmem.planner.records import jax_record; from jaxmem.policy import POLICIES; "
-            "from jaxmem.precision import PRECISIONS; r = jax_record(PRESETS['small'], "
-            f"POLICIES['{policy}'], PRECISIONS['bf16'], OptimizerConfig(), 8, 256); "
+            "import json; from jaxmem.planner.records import jax_record; "
+            "from jaxmem.step.spec import StepSpec; "
+            f"r = jax_record(StepSpec.from_dict(json.loads({spec_json!r}))); "
             "print(json.dumps({k: r[k] for k in ('compiler', 'compiled_temp_bytes', "
             "'peak_bytes', 'peak_source')}))"
         )
@@ -404,8 +417,25 @@ def test_the_h100_plan_of_fused_attention_runs_cudnns_kernel():
     assert "__cudnn$fmha" in text
     cfg = PRESETS["tiny-llama"].replace(attention="fused")
     rec = jax_record(
-        cfg, POLICIES["selective"], PRECISIONS["bf16"], OptimizerConfig(), 2, 64, target=target
+        StepSpec(
+            model=cfg,
+            policy=POLICIES["selective"],
+            precision=PRECISIONS["bf16"],
+            optimizer=OptimizerConfig(),
+            batch=2,
+            seq_len=64,
+            target=target,
+        )
     )
     assert rec["attention_kernel"].startswith("cuDNN") and rec["fits"]
-    blockwise = jax_record(cfg, POLICIES["selective"], PRECISIONS["bf16"], OptimizerConfig(), 2, 64)
+    blockwise = jax_record(
+        StepSpec(
+            model=cfg,
+            policy=POLICIES["selective"],
+            precision=PRECISIONS["bf16"],
+            optimizer=OptimizerConfig(),
+            batch=2,
+            seq_len=64,
+        )
+    )
     assert rec["flops"] == blockwise["flops"]

@@ -34,6 +34,7 @@ from jaxmem.policy import (
 )
 from jaxmem.positions import inverse_frequencies, rope_angles
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
 
 LLAMA = PRESETS["tiny-llama"].replace(n_layers=4, attention_block=8)
@@ -303,10 +304,26 @@ def test_a_record_says_which_fused_kernel_ran():
     from jaxmem.planner.records import jax_record
 
     cfg = LLAMA.replace(attention="fused", n_layers=2)
-    rec = jax_record(cfg, POLICIES["none"], PRECISIONS["bf16"], OptimizerConfig(), 2, 16)
+    rec = jax_record(
+        StepSpec(
+            model=cfg,
+            policy=POLICIES["none"],
+            precision=PRECISIONS["bf16"],
+            optimizer=OptimizerConfig(),
+            batch=2,
+            seq_len=16,
+        )
+    )
     assert rec["attention_kernel"] == "blockwise (jaxmem.model.flash)"  # this CPU backend
     rec = jax_record(
-        LLAMA.replace(n_layers=2), POLICIES["none"], PRECISIONS["bf16"], OptimizerConfig(), 2, 16
+        StepSpec(
+            model=LLAMA.replace(n_layers=2),
+            policy=POLICIES["none"],
+            precision=PRECISIONS["bf16"],
+            optimizer=OptimizerConfig(),
+            batch=2,
+            seq_len=16,
+        )
     )
     assert rec["attention_kernel"] == "naive"
 

@@ -28,6 +28,7 @@ from jaxmem.parallel import STREAM_TAGS, ParallelConfig, parse_mesh
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import get_policy
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 N = 4
 FP32 = PRECISIONS["fp32"]
@@ -276,7 +277,15 @@ def test_memory_command_plans_per_device_records(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (rec,) = json.loads(out.read_text())
     one = jax_record(
-        PRESETS["tiny"], get_policy("full"), FP32, OptimizerConfig(), 8, 32, abstract=True
+        StepSpec(
+            model=PRESETS["tiny"],
+            policy=get_policy("full"),
+            precision=FP32,
+            optimizer=OptimizerConfig(),
+            batch=8,
+            seq_len=32,
+        ),
+        abstract=True,
     )
     assert rec["per_device"] is True and rec["mesh"] == f"fsdp={N}" and not one["per_device"]
     for key in ("params_bytes", "grads_bytes", "opt_state_bytes"):
@@ -308,7 +317,17 @@ def test_memory_command_plans_a_tensor_parallel_step_per_device(tmp_path):
     cfg = PRESETS["tiny"]
     for sp, by_policy in records.items():
         for policy, rec in by_policy.items():
-            one = jax_record(cfg, get_policy(policy), FP32, OptimizerConfig(), 8, 32, abstract=True)
+            one = jax_record(
+                StepSpec(
+                    model=cfg,
+                    policy=get_policy(policy),
+                    precision=FP32,
+                    optimizer=OptimizerConfig(),
+                    batch=8,
+                    seq_len=32,
+                ),
+                abstract=True,
+            )
             tagged = {n: b for n, b in rec["saved_by_name"].items() if n in one["saved_by_name"]}
             blocks = sum(b for n, b in tagged.items() if n not in ("<untagged>", "<stack output>"))
             assert blocks == rec["analytic_activation_bytes"], (sp, policy)

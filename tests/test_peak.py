@@ -17,9 +17,13 @@ import pytest
 
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import OptimizerConfig, get_preset
+from jaxmem.memory.targets import get_target
 from jaxmem.memory.xla_dump import parse_dump
+from jaxmem.parallel import parse_mesh
 from jaxmem.planner.peak import explain_peak
 from jaxmem.policy import POLICIES
+from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 
 TINY = get_preset("tiny")
 BATCH, SEQ = 4, 32
@@ -124,7 +128,16 @@ allocation 2: size 4000, color 5, preallocated-temp:
 def reports():
     opt = OptimizerConfig()
     return {
-        name: explain_peak(TINY, POLICIES[name], "fp32", opt, BATCH, SEQ)
+        name: explain_peak(
+            StepSpec(
+                model=TINY,
+                policy=POLICIES[name],
+                precision=PRECISIONS["fp32"],
+                optimizer=opt,
+                batch=BATCH,
+                seq_len=SEQ,
+            )
+        )
         for name in ("none", "full")
     }
 
@@ -166,7 +179,15 @@ def test_an_fsdp_plan_reports_one_device_s_share():
     # fsdp=2 on two CPU devices: each holds about half of the parameters (leaves without a dim
     # divisible by 2 stay whole), and the report is per device
     report = explain_peak(
-        TINY, POLICIES["full"], "fp32", OptimizerConfig(), BATCH, SEQ, mesh="fsdp=2"
+        StepSpec(
+            model=TINY,
+            policy=POLICIES["full"],
+            precision=PRECISIONS["fp32"],
+            optimizer=OptimizerConfig(),
+            batch=BATCH,
+            seq_len=SEQ,
+            parallel=parse_mesh("fsdp=2"),
+        )
     )
     params = sum(
         v.bytes for v in report.values if v.kind == "argument" and v.op_name.startswith("params/")
@@ -224,7 +245,15 @@ def test_an_offloading_h100_plan_counts_only_device_memory():
     # offload's residuals go to pinned_host (colour 5 in XLA's assignment): were they counted,
     # the live bytes would exceed the device arena, which equals the planned device peak
     report = explain_peak(
-        TINY, POLICIES["offload"], "fp32", OptimizerConfig(), BATCH, SEQ, target="h100"
+        StepSpec(
+            model=TINY,
+            policy=POLICIES["offload"],
+            precision=PRECISIONS["fp32"],
+            optimizer=OptimizerConfig(),
+            batch=BATCH,
+            seq_len=SEQ,
+            target=get_target("h100"),
+        )
     )
     np.testing.assert_allclose(
         report.allocated_bytes,
@@ -259,4 +288,13 @@ def test_a_child_killed_without_a_word_is_reported_with_its_signal(monkeypatch):
 
     monkeypatch.setattr(peak.subprocess, "run", killed)
     with pytest.raises(RuntimeError, match="ended with signal SIGKILL and printed nothing"):
-        explain_peak(TINY, POLICIES["full"], "fp32", OptimizerConfig(), BATCH, SEQ)
+        explain_peak(
+            StepSpec(
+                model=TINY,
+                policy=POLICIES["full"],
+                precision=PRECISIONS["fp32"],
+                optimizer=OptimizerConfig(),
+                batch=BATCH,
+                seq_len=SEQ,
+            )
+        )

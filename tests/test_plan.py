@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxmem.cli import main
 from jaxmem.compare.tolerances import tolerance
-from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
+from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import LOCAL
 from jaxmem.model import make_model
@@ -38,6 +38,7 @@ from jaxmem.policy import (
     policy_to_dict,
 )
 from jaxmem.precision import FP64, PRECISIONS
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
 
 FP32 = PRECISIONS["fp32"]
@@ -50,9 +51,17 @@ SPACE = PlanSpace(
 
 
 def _peak(policy: MemoryPolicy, accum: int = 1) -> int:
-    return plan_step(CFG, policy, FP32, OptimizerConfig(), BATCH, SEQ, accum=accum)[
-        "planned_peak_bytes"
-    ]
+    return plan_step(
+        StepSpec(
+            model=CFG,
+            policy=policy,
+            precision=FP32,
+            optimizer=OptimizerConfig(),
+            batch=BATCH,
+            seq_len=SEQ,
+            accum=AccumConfig(steps=accum),
+        )
+    )["planned_peak_bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +103,14 @@ def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
     compiled plan."""
     peaks = {
         d: plan_step(
-            dataclasses.replace(CFG, n_layers=d),
-            POLICIES["none"],
-            FP32,
-            OptimizerConfig(),
-            BATCH,
-            SEQ,
+            StepSpec(
+                model=dataclasses.replace(CFG, n_layers=d),
+                policy=POLICIES["none"],
+                precision=FP32,
+                optimizer=OptimizerConfig(),
+                batch=BATCH,
+                seq_len=SEQ,
+            )
         )["planned_peak_bytes"]
         for d in (2, 3, 4)
     }
@@ -254,7 +265,11 @@ def test_train_policy_auto_writes_the_chosen_configuration(tmp_path):
     cfg = dataclasses.replace(PRESETS["tiny"], n_layers=4)
     opt = OptimizerConfig()
     full, none = (
-        plan_step(cfg, POLICIES[p], FP32, opt, 8, 32)["planned_peak_bytes"]
+        plan_step(
+            StepSpec(
+                model=cfg, policy=POLICIES[p], precision=FP32, optimizer=opt, batch=8, seq_len=32
+            )
+        )["planned_peak_bytes"]
         for p in ("full", "none")
     )
     budget = (full + none) // 2
@@ -267,7 +282,20 @@ def test_train_policy_auto_writes_the_chosen_configuration(tmp_path):
     policy, accum = policy_from_dict(saved["memory"]), saved["accum"]["steps"]
     # what the run recorded is what it planned: that program fits, and it is not the cheapest
     # program of all (none, one microbatch), which the budget rules out
-    assert plan_step(cfg, policy, FP32, opt, 8, 32, accum=accum)["planned_peak_bytes"] <= budget
+    assert (
+        plan_step(
+            StepSpec(
+                model=cfg,
+                policy=policy,
+                precision=FP32,
+                optimizer=opt,
+                batch=8,
+                seq_len=32,
+                accum=AccumConfig(steps=accum),
+            )
+        )["planned_peak_bytes"]
+        <= budget
+    )
     assert (policy.name, accum) != ("none", 1)
 
 
@@ -287,7 +315,17 @@ def test_residual_accounting_of_a_mixed_stack_counts_no_weights():
     from jaxmem.planner.records import jax_record
 
     def saved(policy):
-        r = jax_record(CFG, policy, FP32, OptimizerConfig(), BATCH, SEQ, abstract=True)
+        r = jax_record(
+            StepSpec(
+                model=CFG,
+                policy=policy,
+                precision=FP32,
+                optimizer=OptimizerConfig(),
+                batch=BATCH,
+                seq_len=SEQ,
+            ),
+            abstract=True,
+        )
         return r["saved_activation_bytes_device"]
 
     selective = saved(POLICIES["selective"])

@@ -23,6 +23,7 @@ from jaxmem.planner import cost
 from jaxmem.planner.records import jax_record, lm_step_batch
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
 
 GPU_PLAN = importlib.util.find_spec("jax_cuda12_plugin") is not None
@@ -46,13 +47,15 @@ def h100_records():
     """tiny, bf16, 4 x 32, planned for an H100 without a GPU, per policy."""
     return {
         name: jax_record(
-            PRESETS["tiny"],
-            POLICIES[name],
-            BF16,
-            OptimizerConfig(),
-            4,
-            32,
-            target=get_target("h100"),
+            StepSpec(
+                model=PRESETS["tiny"],
+                policy=POLICIES[name],
+                precision=BF16,
+                optimizer=OptimizerConfig(),
+                batch=4,
+                seq_len=32,
+                target=get_target("h100"),
+            )
         )  # fmt: skip
         for name in ("none", "full", "offload")
     }

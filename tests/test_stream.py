@@ -29,6 +29,7 @@ from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 from jaxmem.step import stream
 from jaxmem.step.scaling import DynamicLossScale, init_loss_scale
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import (
     lm_loss_fn,
     make_optimizer,
@@ -235,8 +236,28 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
 
     cfg, prec, policy = PRESETS["tiny"], PRECISIONS["bf16"], POLICIES["full"]
     h100 = get_target("h100")
-    plain = plan_step(cfg, policy, prec, OptimizerConfig(), 2, 32, h100)
-    streamed = plan_step(cfg, policy, prec, OptimizerConfig(stream=True), 2, 32, h100)
+    plain = plan_step(
+        StepSpec(
+            model=cfg,
+            policy=policy,
+            precision=prec,
+            optimizer=OptimizerConfig(),
+            batch=2,
+            seq_len=32,
+            target=h100,
+        )
+    )
+    streamed = plan_step(
+        StepSpec(
+            model=cfg,
+            policy=policy,
+            precision=prec,
+            optimizer=OptimizerConfig(stream=True),
+            batch=2,
+            seq_len=32,
+            target=h100,
+        )
+    )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: make_model(cfg, prec)), nnx.Param)
     _, stack = stream.split(params)
     stack_bytes = tree_bytes(stack)
@@ -256,7 +277,15 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
     # the update in host memory: only the parameters and gradients cross the link, and the
     # device no longer holds the block-by-block update's working set
     host = plan_step(
-        cfg, policy, prec, OptimizerConfig(stream=True, stream_update="host"), 2, 32, h100
+        StepSpec(
+            model=cfg,
+            policy=policy,
+            precision=prec,
+            optimizer=OptimizerConfig(stream=True, stream_update="host"),
+            batch=2,
+            seq_len=32,
+            target=h100,
+        )
     )
     assert host["stream"]["update"] == "host"
     assert host["stream"]["transfers"]["total_bytes"] == 2 * stack_bytes + stack_bytes
@@ -266,14 +295,16 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
     # its host memory (the step count whole), fetches and returns half, and plans less device
     # memory than one device does
     fsdp = plan_step(
-        cfg,
-        policy,
-        prec,
-        OptimizerConfig(stream=True),
-        2,
-        32,
-        h100,
-        parallel=ParallelConfig(strategy="fsdp", devices=2),
+        StepSpec(
+            model=cfg,
+            policy=policy,
+            precision=prec,
+            optimizer=OptimizerConfig(stream=True),
+            batch=2,
+            seq_len=32,
+            target=h100,
+            parallel=ParallelConfig(strategy="fsdp", devices=2),
+        )
     )
     assert "per device of fsdp=2" in fsdp["compiler"]
     half = fsdp["stream"]
@@ -300,7 +331,17 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
     from jaxmem.planner.search import PlanSpace, Problem, candidate_job, search
 
     cfg, prec, h100 = PRESETS["tiny"], PRECISIONS["bf16"], get_target("h100")
-    streamed = plan_step(cfg, POLICIES["full"], prec, OptimizerConfig(stream=True), 2, 32, h100)
+    streamed = plan_step(
+        StepSpec(
+            model=cfg,
+            policy=POLICIES["full"],
+            precision=prec,
+            optimizer=OptimizerConfig(stream=True),
+            batch=2,
+            seq_len=32,
+            target=h100,
+        )
+    )
     budget = int(streamed["planned_peak_bytes"] * 1.05)
     space = PlanSpace(
         policies=("full",),

@@ -272,20 +272,11 @@ def _record(job, policy, fw: str, setup: Setup) -> dict | None:
     r = job.run
     if fw == "jax":
         from jaxmem.planner.records import jax_record
+        from jaxmem.step.spec import StepSpec
 
         with usage_errors():
-            return jax_record(
-                job.model,
-                policy,
-                job.precision,
-                job.optimizer,
-                r.batch_size,
-                r.seq_len,
-                abstract=setup.planning,
-                target=setup.target,
-                accum=job.accum.steps,
-                parallel=job.parallel,
-            )
+            spec = StepSpec.of_job(job, setup.target).replace(policy=policy)
+            return jax_record(spec, abstract=setup.planning)
     from jaxmem.compare.bench import has_lean
     from jaxmem.compare.records import torch_record
 

@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxmem.memory.targets import get_target
     from jaxmem.planner.peak import explain_peak
+    from jaxmem.step.spec import StepSpec
 
     if args.fn is not None:
         return own_step.peak(args, NAMES)
@@ -70,17 +71,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         need_jax_backend()
     try:
-        report = explain_peak(
-            job.model,
-            job.memory,
-            job.precision.name,
-            job.optimizer,
-            job.run.batch_size,
-            job.run.seq_len,
-            args.target or "cpu",
-            job.accum.steps,
-            mesh=job.parallel.mesh_text() if job.parallel.sharded else None,
-        )
+        report = explain_peak(StepSpec.of_job(job, target))
     except (RuntimeError, subprocess.TimeoutExpired) as e:  # the compile failed, or XLA's dump
         print(f"jaxmem peak: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED

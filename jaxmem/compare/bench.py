@@ -39,13 +39,13 @@ from jaxmem.config import ModelConfig, OptimizerConfig, get_preset
 from jaxmem.data import lm_batch
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.flops import grad_matmul_flops
-from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.residuals import compiled_plan, saved_residuals, summarize_residuals
 from jaxmem.memory.targets import LOCAL, Target, get_target
 from jaxmem.model import make_model
 from jaxmem.policy import POLICIES, MemoryPolicy
 from jaxmem.precision import PRECISIONS
-from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step
+from jaxmem.step.build import build_step
+from jaxmem.step.spec import StepSpec
 from torch_ref.memory import measure_lm_step
 from torch_ref.remat import apply_loss_policy, apply_memory_policy, resolve_translation
 from torch_ref.train import TORCH_DTYPES, lm_loss_sum
@@ -188,13 +188,11 @@ def memory_point(
     reference = make_model(cfg)  # fp32 weights shared by both frameworks
     model = make_model(cfg, prec)
     nnx.update(model, nnx.state(reference, nnx.Param))
-    graphdef, params = nnx.split(model, nnx.Param)
+    spec = StepSpec(model=cfg, policy=policy, precision=prec, batch=batch, seq_len=seq_len)
+    built, params = build_step(spec, model)
     inputs, targets = lm_batch(cfg, batch, seq_len)
     data = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-    loss = lm_loss_fn(
-        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss_chunks
-    )
-    f = lambda p, b: loss(p, b)[0]  # noqa: E731
+    f = lambda p, b: built.plain_loss(p, b)[0]  # noqa: E731
     res = summarize_residuals(saved_residuals(f, params, data))
     row: dict[str, Any] = {
         "policy": policy_name,
@@ -266,15 +264,13 @@ def step_fns(
     runner = apply_memory_policy(torch_model.blocks, policy)
     apply_loss_policy(torch_model, policy)
     inputs, targets = lm_batch(cfg, batch, seq_len)
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx = make_optimizer(opt_cfg)
-    opt_state = tx.init(params)
-    jax_batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-    loss = lm_loss_fn(
-        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss_chunks
+    spec = StepSpec(
+        model=cfg, policy=policy, precision=prec, optimizer=opt_cfg, batch=batch, seq_len=seq_len
     )
-    step = make_train_step(loss, tx, precision=prec)
-    step = step.lower(params, opt_state, None, jax_batch).compile()
+    built, params = build_step(spec, model)
+    params, opt_state = built.state(params)
+    jax_batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    step = built.step.lower(params, opt_state, None, jax_batch).compile()
     torch_opt = make_torch_optimizer(torch_model, opt_cfg)
     x_t, y_t = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
 

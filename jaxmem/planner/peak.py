@@ -19,44 +19,23 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from jaxmem.config import ModelConfig, OptimizerConfig
 from jaxmem.memory.xla_dump import KIND_HELP, KINDS, LiveValue, PeakReport, parse_dump
-from jaxmem.policy import MemoryPolicy, policy_from_dict, policy_to_dict
+from jaxmem.step.spec import StepSpec
 
 __all__ = ["KINDS", "KIND_HELP", "LiveValue", "PeakReport", "explain_peak", "parse_dump"]
 CHILD_TIMEOUT_S = 1800
 
 
 # ------------------------------------------------------------------------ compiling, in a child
-def explain_peak(
-    cfg: ModelConfig,
-    policy: MemoryPolicy,
-    precision: str,
-    opt_cfg: OptimizerConfig,
-    batch: int,
-    seq_len: int,
-    target: str = "cpu",
-    accum: int = 1,
-    mesh: str | None = None,
-) -> PeakReport:
-    """Compile the train step ``records.plan_step`` plans for ``target`` (one device, or per
-    device over ``mesh``, e.g. ``"fsdp=8"``) in a child process that dumps XLA's buffer
-    assignment, and report what is live at its peak."""
-    spec = {
-        "model": dataclasses.asdict(cfg),
-        "policy": policy_to_dict(policy),
-        "precision": precision,
-        "optimizer": dataclasses.asdict(opt_cfg),
-        "batch": batch,
-        "seq_len": seq_len,
-        "target": target,
-        "accum": accum,
-        "mesh": mesh,
-    }
+def explain_peak(spec: StepSpec) -> PeakReport:
+    """Compile the train step ``records.plan_step`` plans for ``spec`` (one device, or per device
+    over its mesh) in a child process that dumps XLA's buffer assignment, and report what is
+    live at its peak."""
+    local = not spec.target.is_gpu
     with tempfile.TemporaryDirectory(prefix="jaxmem-peak-") as tmp:
         spec_file = os.path.join(tmp, "spec.json")
         with open(spec_file, "w") as f:
-            json.dump(spec, f)
+            json.dump(spec.to_dict(), f)
         dump = os.path.join(tmp, "xla")
         env = dict(os.environ)
         env["XLA_FLAGS"] = (
@@ -64,7 +43,7 @@ def explain_peak(
         ).strip()
         # a step read from JAX's persistent compilation cache is not compiled, so not dumped
         env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-        if target == "cpu":
+        if local:
             env.setdefault("JAX_PLATFORMS", "cpu")
         done = subprocess.run(
             [sys.executable, "-m", "jaxmem.planner.peak", spec_file],
@@ -91,29 +70,15 @@ def _child(argv: Sequence[str]) -> None:
     from jaxmem.backend import contain_cuda_plugin
 
     contain_cuda_plugin()
-    from jaxmem.memory.targets import get_target
-    from jaxmem.parallel import parse_mesh
     from jaxmem.planner.records import plan_step
-    from jaxmem.precision import get_precision
 
     with open(argv[0]) as f:
-        spec = json.load(f)
-    parallel = parse_mesh(spec["mesh"]) if spec.get("mesh") else None
-    if parallel is not None and spec["target"] == "cpu":
+        spec = StepSpec.from_dict(json.load(f))
+    if spec.sharded and not spec.target.is_gpu:
         from jaxmem.sharding import ensure_cpu_devices
 
-        ensure_cpu_devices(parallel.devices)  # before JAX starts its CPU backend
-    plan = plan_step(
-        ModelConfig(**spec["model"]),
-        policy_from_dict(spec["policy"]),
-        get_precision(spec["precision"]),
-        OptimizerConfig(**spec["optimizer"]),
-        spec["batch"],
-        spec["seq_len"],
-        get_target(spec["target"]),
-        accum=spec["accum"],
-        parallel=parallel,
-    )
+        ensure_cpu_devices(spec.parallel.devices)  # before JAX starts its CPU backend
+    plan = plan_step(spec)
     keys = ("compiler", "planned_peak_bytes", "step_time")
     print(json.dumps({k: plan.get(k) for k in keys}))
 

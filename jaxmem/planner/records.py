@@ -18,12 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmem.config import AccumConfig, ConfigError, ModelConfig, OptimizerConfig
+from jaxmem.config import ConfigError, ModelConfig
 from jaxmem.data import lm_batch
 from jaxmem.figures import process_max_rss_bytes
 from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
-from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.residuals import (
     bytes_by_name,
     device_peak_bytes,
@@ -34,21 +33,17 @@ from jaxmem.memory.residuals import (
 from jaxmem.memory.residuals import (
     planned_peak as peak_of_plan,
 )
-from jaxmem.memory.targets import LOCAL, Target
+from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.model.flash import KERNEL_NAMES
 from jaxmem.parallel import ParallelConfig, tensor_share
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
-from jaxmem.sharding import mesh, parallel_loss, sharded_bytes, step_shardings
+from jaxmem.sharding import sharded_bytes
+from jaxmem.step.build import BuiltStep, build_step, model_shapes
 from jaxmem.step.scaling import init_loss_scale
-from jaxmem.step.train_step import (
-    lm_loss_fn,
-    make_optimizer,
-    make_train_step,
-    stack_accumulating_loss,
-    tree_bytes,
-)
+from jaxmem.step.spec import StepSpec
+from jaxmem.step.train_step import lm_loss_fn, tree_bytes
 
 RECORD_FIELDS = (
     "framework",
@@ -100,74 +95,6 @@ def _compile(step: Any, args: tuple, target: Target) -> tuple[dict[str, int], st
     return plan, f"XLA:{jax.devices()[0].platform.upper()} (local backend)"
 
 
-def _compile_sharded(
-    parallel: ParallelConfig,
-    make_loss: Any,
-    policy: MemoryPolicy,
-    n_layers: int,
-    tx: Any,
-    precision: Precision,
-    opt_cfg: OptimizerConfig,
-    accum_cfg: AccumConfig,
-    args: tuple,
-    target: Target,
-) -> tuple[Any, Any, str]:
-    """The train step over a mesh of ``parallel.devices`` devices (this backend's, or a GPU
-    target's without any GPU), compiled from shapes: ``(shardings, plan, compiler)`` (the plan:
-    ``compiled_plan``, per device)."""
-    params, opt_state, scale, data = args
-    devices = None
-    if target.is_gpu:
-        from jaxmem.memory.gpu_plan import target_devices
-
-        devices = target_devices(target, parallel.devices)
-    m = mesh(parallel, devices)
-    loss = parallel_loss(make_loss, layers_fn(policy, n_layers), parallel, m)
-    loss_into = stack_accumulating_loss(
-        lambda lf: parallel_loss(make_loss, lf, parallel, m), policy, n_layers, accum_cfg
-    )
-    shardings = step_shardings(
-        parallel,
-        params,
-        opt_state,
-        state_memory=opt_cfg.state_memory,
-        params_memory=opt_cfg.params_memory,
-        m=m,
-    )
-    step = make_train_step(
-        loss,
-        tx,
-        precision=precision,
-        opt_cfg=opt_cfg,
-        accum=accum_cfg,
-        shardings=shardings,
-        loss_into=loss_into,
-    )
-
-    placed_args = (
-        _placed(params, shardings.params),
-        _placed(opt_state, shardings.opt_state),
-        _everywhere(scale, shardings.replicated),  # None (no loss scaling) stays None
-        _everywhere(data, shardings.batch),
-    )
-    plan, compiler = _compile_on_mesh(step, placed_args, target, parallel)
-    return shardings, plan, compiler
-
-
-def _placed(tree: Any, where: Any) -> Any:
-    """``tree``'s leaves as shape structs placed by the matching shardings of ``where``."""
-    return jax.tree_util.tree_map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, where
-    )
-
-
-def _everywhere(tree: Any, sharding: Any) -> Any:
-    """``tree``'s leaves as shape structs all placed by ``sharding``."""
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
-    )
-
-
 def _compile_on_mesh(
     step: Any, placed_args: tuple, target: Target, parallel: ParallelConfig
 ) -> tuple[dict[str, int], str]:
@@ -194,70 +121,88 @@ def step_time(plan: Any, target: Target, *args: Any, **kwargs: Any) -> dict[str,
     return of_plan(getattr(plan, "work", None), target, *args, **kwargs)
 
 
-def _platform(target: Target) -> str:
-    """The platform the step is planned for: the target's (a GPU's), or this backend's."""
-    return "gpu" if target.is_gpu else jax.devices()[0].platform
+def _spec_time(spec: StepSpec, plan: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """``step_time`` of ``spec``'s plan (per device over its mesh)."""
+    parallel = spec.parallel if spec.sharded else None
+    return step_time(
+        plan, spec.target, spec.model, spec.precision, spec.batch, spec.seq_len, parallel, **kwargs
+    )
 
 
-def plan_step(
-    cfg: ModelConfig,
-    policy: MemoryPolicy,
-    precision: Precision,
-    opt_cfg: OptimizerConfig,
-    batch: int,
-    seq_len: int,
-    target: Target = LOCAL,
-    accum: int = 1,
-    parallel: ParallelConfig | None = None,
-) -> dict[str, Any]:
+def _planned(spec: StepSpec) -> StepSpec:
+    """``spec`` as a plan compiles it from shapes, refused in one line where it cannot: a
+    streamed step without donation (its stack arrives in device memory there, and XLA's
+    host-offload check refuses a device argument donated to a host output; ``stream_plan``
+    counts what donation saves from shapes)."""
+    if spec.accum.mode != "scan":
+        raise ConfigError(
+            f"accum mode {spec.accum.mode!r} updates once per microbatch, a loop of jitted "
+            "micro-steps that only jaxmem train runs; plans compile the scan step: use accum "
+            "mode 'scan'"
+        )
+    return spec.replace(donate=False) if spec.streamed else spec
+
+
+def compile_spec(spec: StepSpec, model: Any = None) -> tuple[BuiltStep, Any, dict[str, int], str]:
+    """``spec``'s step built (``jaxmem.step.build.build_step``) and compiled from shapes for its
+    target, on one device or per device of its mesh: ``(built, params, plan, compiler)``
+    (``params``: ``model``'s, or the spec's decoder as shapes; ``plan``: ``compiled_plan``)."""
+    built, params = build_step(_planned(spec), model)
+    args = built.shapes(params)
+    if spec.sharded:
+        plan, compiler = _compile_on_mesh(built.step, args, spec.target, spec.parallel)
+    else:
+        plan, compiler = _compile(built.step, args, spec.target)
+    return built, params, plan, compiler
+
+
+def lowered_step(spec: StepSpec) -> Any:
+    """The program ``plan_step`` and ``jax_record`` compile for ``spec``, lowered (not compiled),
+    from shapes placed as ``compile_spec`` places them (a GPU target's single device included)."""
+    built, params = build_step(_planned(spec))
+    args = built.shapes(params)
+    if spec.target.is_gpu and not spec.sharded:
+        from jaxmem.memory.gpu_plan import lower_placed, on_target
+
+        return lower_placed(built.step, on_target(args, spec.target))
+    return built.step.lower(*args)
+
+
+def _state_shards(spec: StepSpec) -> int:
+    """Over how many devices the optimizer state is split (``jaxmem.sharding``'s layout)."""
+    parallel = spec.parallel
+    if not spec.sharded:
+        return 1
+    return parallel.tp * (parallel.data if parallel.strategy != "dp" else 1)
+
+
+def plan_step(spec: StepSpec) -> dict[str, Any]:
     """Only the compiled plan of the train step ``jax_record`` plans (from shapes; no residual
     accounting, no FLOPs): the compiler, the plan's bytes and its planned peak (arguments +
-    outputs - aliased + temporaries; per device over ``parallel``'s mesh). Cheap enough to
-    search for the largest batch that fits, or for ``jaxmem plan``'s candidates. A streamed
-    step (``opt_cfg.stream``) is ``stream_plan``'s."""
-    if opt_cfg.stream:
-        return stream_plan(cfg, policy, precision, opt_cfg, batch, seq_len, target, accum, parallel)
-    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=_platform(target)))
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx = make_optimizer(opt_cfg)
-    opt_state = jax.eval_shape(tx.init, params)
-    data = lm_step_batch(cfg, batch, seq_len, abstract=True)
-    accum_cfg = _accum_config(accum, batch)
-    args = (params, opt_state, init_loss_scale(precision), data)
-    if parallel is not None and parallel.sharded:
-        parallel.check_batch(batch, accum)
-    *_, plan, compiler = _compile_step(
-        graphdef, cfg.n_layers, policy, tx, precision, opt_cfg, accum_cfg, args, target, parallel
-    )
+    outputs - aliased + temporaries; per device over the spec's mesh). Cheap enough to search
+    for the largest batch that fits, or for ``jaxmem plan``'s candidates. A streamed step
+    (``optimizer.stream``) is ``stream_plan``'s."""
+    if spec.streamed:
+        return stream_plan(spec)
+    built, params, plan, compiler = compile_spec(spec)
     state_link = 0
-    if target.is_gpu and opt_cfg.state_memory == "pinned_host":  # in and out every step
-        shards = 1
-        if parallel is not None and parallel.sharded:  # the state's shards (jaxmem.sharding)
-            shards = parallel.tp * (parallel.data if parallel.strategy != "dp" else 1)
-        state_link = 2 * tree_bytes(opt_state) // shards
+    if spec.target.is_gpu and spec.optimizer.state_memory == "pinned_host":  # in and out every step
+        state_link = 2 * tree_bytes(built.init_state(params)) // _state_shards(spec)
     return {
         "compiler": compiler,
         "compiled_plan": plan,
         "planned_peak_bytes": peak_of_plan(plan),
-        "step_time": step_time(
-            plan, target, cfg, precision, batch, seq_len, parallel, state_link_bytes=state_link
+        "step_time": _spec_time(
+            spec,
+            plan,
+            state_link_bytes=state_link,
         ),
     }
 
 
-def stream_plan(
-    cfg: ModelConfig,
-    policy: MemoryPolicy,
-    precision: Precision,
-    opt_cfg: OptimizerConfig,
-    batch: int,
-    seq_len: int,
-    target: Target = LOCAL,
-    accum: int = 1,
-    parallel: ParallelConfig | None = None,
-) -> dict[str, Any]:
+def stream_plan(spec: StepSpec) -> dict[str, Any]:
     """The compiled plan of a streamed step (``optimizer.stream``, ``jaxmem.step.stream``), with
-    what a deviceless plan cannot show counted from shapes; over ``parallel``'s mesh (dp, zero1,
+    what a deviceless plan cannot show counted from shapes; over the spec's mesh (dp, zero1,
     fsdp: ``jaxmem.step.stream.placement``), one device's, every figure from its shards.
 
     XLA compiles the step with the stack's parameters and state arriving in device memory (a
@@ -270,61 +215,41 @@ def stream_plan(
     XLA's host-offload check refuses a device argument donated to a host output)."""
     from jaxmem.step import stream
 
-    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=_platform(target)))
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx = make_optimizer(opt_cfg)
-    opt_state = jax.eval_shape(lambda p: stream.init_state(tx, p), params)
-    data = lm_step_batch(cfg, batch, seq_len, abstract=True)
-    _accum_config(accum, batch)
-    update = opt_cfg.stream_update or "device"
-    scale = init_loss_scale(precision)  # fp16's dynamic loss scale (None otherwise)
-
-    def make_loss(lf: Any) -> Any:
-        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks)
-
-    def streamed(loss: Any, **where: Any) -> Any:
-        return stream.make_streamed_step(
-            loss,
-            layers_fn(policy, cfg.n_layers),
-            tx,
-            accum_steps=accum,
-            accum_dtype=jnp.dtype(precision.accum_dtype),
-            donate=False,
-            update=update,
-            **where,
+    built, params, plan, compiler = compile_spec(spec)
+    opt_state = built.init_state(params)
+    update = spec.optimizer.stream_update or "device"
+    if spec.sharded:
+        where = built.placement
+        rest_sh, stack_sh = stream.split(where.params)
+        rest, stack = stream.split(params)
+        host_resident = sharded_bytes(stack, stack_sh) + sharded_bytes(
+            opt_state[1], where.opt_state[1]
         )
-
-    if parallel is None or not parallel.sharded:
-        plan, compiler = _compile(streamed(make_loss), (params, opt_state, scale, data), target)
+        donated = sharded_bytes(rest, rest_sh) + sharded_bytes(opt_state[0], where.opt_state[0])
+        local = (_shards(params, where.params), _shards(opt_state, where.opt_state))
+    else:
         host_resident = stream.host_bytes(params, opt_state)
         rest, _ = stream.split(params)
         # written over in place when donated
         donated = tree_bytes(rest) + tree_bytes(opt_state[0])
         local = (params, opt_state)
-    else:
-        plan, compiler, (host_resident, donated), local = _stream_plan_sharded(
-            parallel, make_loss, streamed, tx, params, opt_state, scale, data, batch, accum, target
-        )
     device_peak = peak_of_plan(plan) - host_resident - donated
     # the plan's host temporaries hold its in-step copy of the resident stack (not made on a
     # real run, where it already lives in host memory) and the stack's new values (written over
     # the old in place); what remains is the gradient and update's host working set
     host_working = plan["host_temp_bytes"] - host_resident
-    transfers = stream_transfers(*local, policy, precision, target, accum, update)
+    transfers = stream_transfers(
+        *local, spec.policy, spec.precision, spec.target, spec.accum.steps, update
+    )
     return {
         "compiler": compiler,
         "compiled_plan": plan,
         "planned_peak_bytes": device_peak,
         # the program's own host copies include moving the resident stack to host memory (a
         # deviceless compile's arguments arrive on the device): priced from shapes instead
-        "step_time": step_time(
+        "step_time": _spec_time(
+            spec,
             plan,
-            target,
-            cfg,
-            precision,
-            batch,
-            seq_len,
-            parallel,
             state_link_bytes=transfers["total_bytes"],
             host_update_bytes=transfers.get("host_update", {}).get("bytes", 0),
             program_host_copies=False,
@@ -345,59 +270,11 @@ def stream_plan(
     }
 
 
-def _stream_plan_sharded(
-    parallel: ParallelConfig,
-    make_loss: Any,
-    streamed: Any,
-    tx: Any,
-    params: Any,
-    opt_state: Any,
-    scale: Any,
-    data: Any,
-    batch: int,
-    accum: int,
-    target: Target,
-) -> tuple[dict[str, int], str, tuple[int, int], tuple[Any, Any]]:
-    """A streamed step over ``parallel``'s mesh (this backend's devices, or a GPU target's
-    without any GPU), compiled from shapes placed as ``jaxmem train`` places them: its plan, the
-    compiler, one device's host-resident and donated bytes, and its shards of the parameters and
-    optimizer state (shapes)."""
-    from jaxmem.step import stream
-
-    parallel.check_batch(batch, accum)
-    devices = None
-    if target.is_gpu:
-        from jaxmem.memory.gpu_plan import target_devices
-
-        devices = target_devices(target, parallel.devices)
-    m = mesh(parallel, devices)
-    shardings = step_shardings(parallel, params, jax.eval_shape(tx.init, params), m=m)
-    where = stream.placement(tx, params, shardings, parallel)
-    step = streamed(
-        lambda lf: parallel_loss(make_loss, lf, parallel, m),
-        shardings=shardings,
-        placement=where,
+def _shards(tree: Any, shardings: Any) -> Any:
+    """``tree``'s leaves as the shape structs of one device's shard."""
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(s.shard_shape(tuple(x.shape)), x.dtype), tree, shardings
     )
-
-    args = (
-        _placed(params, where.params),
-        _placed(opt_state, where.opt_state),
-        _everywhere(scale, shardings.replicated),  # None (no loss scaling) stays None
-        _everywhere(data, shardings.batch),
-    )
-    plan, compiler = _compile_on_mesh(step, args, target, parallel)
-    rest_sh, stack_sh = stream.split(where.params)
-    rest, stack = stream.split(params)
-    host_resident = sharded_bytes(stack, stack_sh) + sharded_bytes(opt_state[1], where.opt_state[1])
-    donated = sharded_bytes(rest, rest_sh) + sharded_bytes(opt_state[0], where.opt_state[0])
-
-    def shards(tree: Any, sh: Any) -> Any:
-        return jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(s.shard_shape(tuple(x.shape)), x.dtype), tree, sh
-        )
-
-    local = (shards(params, where.params), shards(opt_state, where.opt_state))
-    return plan, compiler, (host_resident, donated), local
 
 
 def stream_transfers(
@@ -468,105 +345,17 @@ def require_one_device(parallel: ParallelConfig | None) -> None:
         )
 
 
-def _compile_step(
-    graphdef: Any,
-    n_layers: int,
-    policy: MemoryPolicy,
-    tx: Any,
-    precision: Precision,
-    opt_cfg: OptimizerConfig,
-    accum_cfg: AccumConfig,
-    args: tuple,
-    target: Target,
-    parallel: ParallelConfig | None,
-) -> tuple[Any, Any, Any, str]:
-    """The train step compiled from ``args`` for ``target``, on one device or over
-    ``parallel``'s mesh: ``(step, shardings, plan, compiler)`` (``step``: the one-device
-    jitted step, None when sharded; ``shardings``: None on one device; ``plan``:
-    ``compiled_plan``)."""
-    if parallel is not None and parallel.sharded:
-        shardings, plan, compiler = _compile_sharded(
-            parallel,
-            lambda lf: lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks),
-            policy,
-            n_layers,
-            tx,
-            precision,
-            opt_cfg,
-            accum_cfg,
-            args,
-            target,
-        )
-        return None, shardings, plan, compiler
-    step = _one_device_step(graphdef, policy, n_layers, tx, precision, opt_cfg, accum_cfg)
-    plan, compiler = _compile(step, args, target)
-    return step, None, plan, compiler
-
-
-def _one_device_step(
-    graphdef: Any,
-    policy: MemoryPolicy,
-    n_layers: int,
-    tx: Any,
-    precision: Precision,
-    opt_cfg: OptimizerConfig,
-    accum: AccumConfig,
-) -> Any:
-    """The jitted train step on one device (accumulating the stack's gradient in place)."""
-
-    def make_loss(lf: Any) -> Any:
-        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks)
-
-    return make_train_step(
-        make_loss(layers_fn(policy, n_layers)),
-        tx,
-        precision=precision,
-        opt_cfg=opt_cfg,
-        accum=accum,
-        loss_into=stack_accumulating_loss(make_loss, policy, n_layers, accum),
-    )
-
-
-def runnable_step(
-    cfg: ModelConfig,
-    policy: MemoryPolicy,
-    precision: Precision,
-    opt_cfg: OptimizerConfig,
-    batch: int,
-    seq_len: int,
-    accum: int = 1,
-) -> tuple[Any, tuple]:
-    """The train step ``jax_record`` and ``plan_step`` plan (a streamed one with
-    ``opt_cfg.stream``), on this backend's first device, with real inputs placed where it takes
-    them: ``(step, args)``; ``step(*args)`` returns ``(params, opt_state, loss_scale, metrics)``
-    and donates its inputs, so a loop threads the first three back in. For timing a step and
-    reading a device's runtime peak (``benchmarks/gpu_check.py``)."""
-    from jaxmem.step import stream
-
-    model = make_model(cfg, precision)
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx = make_optimizer(opt_cfg)
-    data = lm_step_batch(cfg, batch, seq_len, abstract=False)
-    accum_cfg = _accum_config(accum, batch)
-    if not opt_cfg.stream:
-        step = _one_device_step(graphdef, policy, cfg.n_layers, tx, precision, opt_cfg, accum_cfg)
-        return step, (params, tx.init(params), init_loss_scale(precision), data)
-    params, opt_state = stream.place(params, stream.init_state(tx, params))
-    step = stream.make_streamed_step(
-        lambda lf: lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks),
-        layers_fn(policy, cfg.n_layers),
-        tx,
-        accum_steps=accum,
-        accum_dtype=jnp.dtype(precision.accum_dtype),
-        update=opt_cfg.stream_update or "device",
-    )
-    return step, (params, opt_state, init_loss_scale(precision), data)
-
-
-def _accum_config(accum: int, batch: int) -> AccumConfig:
-    config = AccumConfig(steps=accum)
-    config.check_batch(batch)
-    return config
+def runnable_step(spec: StepSpec) -> tuple[Any, tuple]:
+    """The train step ``jax_record`` and ``plan_step`` plan for ``spec`` (one device), on this
+    backend's first device, with real inputs placed where it takes them: ``(step, args)``;
+    ``step(*args)`` returns ``(params, opt_state, loss_scale, metrics)`` and donates its inputs,
+    so a loop threads the first three back in. For timing a step and reading a device's runtime
+    peak (``benchmarks/gpu_check.py``)."""
+    require_one_device(spec.parallel)
+    built, params = build_step(spec, make_model(spec.model, spec.precision))
+    params, opt_state = built.state(params)
+    data = lm_step_batch(spec.model, spec.batch, spec.seq_len, abstract=False)
+    return built.step, (params, opt_state, init_loss_scale(spec.precision), data)
 
 
 def _state_offload(opt_state: Any, planned_peak: int, target: Target) -> dict[str, Any]:
@@ -587,32 +376,12 @@ def _state_offload(opt_state: Any, planned_peak: int, target: Target) -> dict[st
     }
 
 
-def jax_record(
-    cfg: ModelConfig,
-    policy: MemoryPolicy,
-    precision: Precision,
-    opt_cfg: OptimizerConfig,
-    batch: int,
-    seq_len: int,
-    *,
-    abstract: bool = False,
-    target: Target = LOCAL,
-    accum: int = 1,
-    parallel: ParallelConfig | None = None,
-) -> dict[str, Any]:
-    """Measure one jaxmem training step (or plan it from shapes when ``abstract``; always from
-    shapes for a GPU target). ``accum``: the step scans that many microbatches of the batch;
-    saved activations and FLOPs are then one microbatch's and the whole step's.
-
-    ``parallel`` (more than one device): the step is planned over a mesh of that many devices
-    (this backend's, or one host of the GPU target's) and the record is **per device**:
-    parameters, gradients and optimizer state from their shard shapes, saved activations and
-    FLOPs of one device's rows of the batch (data parallel: batch / N), the compiled plan of one
-    device."""
-    sharded = parallel is not None and parallel.sharded
-    abstract = abstract or target.is_gpu or sharded
-    state_offload = target.is_gpu and opt_cfg.state_memory == "pinned_host"
-    if target.is_gpu and opt_cfg.params_memory == "pinned_host":
+def _record_spec(spec: StepSpec) -> StepSpec:
+    """``spec`` as ``jax_record`` compiles it: a GPU target's optimizer state in host memory is
+    planned on the device (a deviceless compile drops argument memory kinds; what offloading it
+    moves is counted from shapes) and its parameters must stay on the device."""
+    opt, target = spec.optimizer, spec.target
+    if target.is_gpu and opt.params_memory == "pinned_host":
         # the step brings host-resident parameters to the device for its whole length: the
         # device holds them as if they stayed there, and a deviceless plan cannot tell
         raise ConfigError(
@@ -620,131 +389,179 @@ def jax_record(
             "deviceless compile drops argument memory kinds, and the step holds the parameters "
             "on the device throughout anyway; plan with params_memory='device'"
         )
-    if state_offload:
-        # a deviceless compile drops argument memory kinds: plan the step with the state on the
-        # device and count what offloading it moves, analytically (below)
-        opt_cfg = dataclasses.replace(opt_cfg, state_memory="device")
-    if abstract:
-        model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=_platform(target)))
-    else:
-        model = make_model(cfg, precision)
-    kernel = model.attention_kernel
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx = make_optimizer(opt_cfg)
-    opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
-    accum_cfg = _accum_config(accum, batch)
-    data = lm_step_batch(cfg, batch, seq_len, abstract)
-    n_dev = parallel.data if sharded else 1  # the batch splits over the data axis only
-    if sharded:
-        parallel.check_batch(batch, accum)
-    # one microbatch of one device (its shapes are what the accounting needs)
-    micro = (
-        data
-        if accum == 1 and n_dev == 1
-        else lm_step_batch(cfg, batch // accum // n_dev, seq_len, abstract)
-    )
-    layers = layers_fn(policy, cfg.n_layers)
-    loss = lm_loss_fn(graphdef, layers_fn=layers, loss_chunks=policy.loss_chunks)
+    if target.is_gpu and opt.state_memory == "pinned_host":
+        return spec.replace(optimizer=dataclasses.replace(opt, state_memory="device"))
+    return spec
 
-    def f(p, b):
-        return loss(p, b)[0]
 
-    saved = saved_residuals(f, params, micro)
-    if sharded and parallel.tensor_parallel:  # one tensor device's share of each residual
+def _saved(spec: StepSpec, built: BuiltStep, params: Any, micro: Any) -> list:
+    """The residuals one microbatch's backward keeps (one tensor device's share by tag)."""
+    saved = saved_residuals(lambda p, b: built.plain_loss(p, b)[0], params, micro)
+    if spec.sharded and spec.parallel.tensor_parallel:
         saved = [
-            dataclasses.replace(r, nbytes=r.nbytes // tensor_share(r.name, cfg, parallel))
+            dataclasses.replace(
+                r, nbytes=r.nbytes // tensor_share(r.name, spec.model, spec.parallel)
+            )
             for r in saved
         ]
-    residuals = summarize_residuals(saved)
-    flops_of = f
+    return saved
+
+
+def _flops(spec: StepSpec, built: BuiltStep, kernel: str, params: Any, micro: Any) -> tuple:
+    """``(flops, model_flops)`` of the whole step (per tensor device over a tensor axis)."""
+    cfg, accum, n_dev = spec.model, spec.accum.steps, spec.data_devices
+    loss = built.plain_loss
     if kernel == "cudnn":  # an opaque custom call: count its matmuls as the blockwise kernel's
-        blockwise = nnx.eval_shape(lambda: make_model(cfg, precision, platform="cpu"))
-        blockwise_loss = lm_loss_fn(
-            nnx.split(blockwise, nnx.Param)[0], layers_fn=layers, loss_chunks=policy.loss_chunks
+        blockwise = nnx.eval_shape(lambda: make_model(cfg, spec.precision, platform="cpu"))
+        loss = lm_loss_fn(
+            nnx.split(blockwise, nnx.Param)[0],
+            layers_fn=built.layers,
+            loss_chunks=spec.policy.loss_chunks,
         )
-
-        def flops_of(p, b):
-            return blockwise_loss(p, b)[0]
-
-    grads = jax.eval_shape(jax.grad(f), params, micro)
-    scale = init_loss_scale(precision)
-    step, shardings, plan, compiler = _compile_step(
-        graphdef,
-        cfg.n_layers,
-        policy,
-        tx,
-        precision,
-        opt_cfg,
-        accum_cfg,
-        (params, opt_state, scale, data),
-        target,
-        parallel if sharded else None,
-    )
-    planned_peak = peak_of_plan(plan)
-    peak, peak_source = None, None
-    if not abstract and jax.devices()[0].platform != "cpu":
-        step(params, opt_state, scale, data)
-        peak = device_peak_bytes()
-        peak_source = (
-            "runtime peak (device.memory_stats peak_bytes_in_use: the process's high-water mark)"
-        )
-    if peak is None:
-        peak = planned_peak
-        peak_source = f"compiled plan ({compiler}): arguments + outputs - aliased + temporaries"
-    estimate = analytic.saved_activation_bytes(
-        cfg, policy, batch // accum // n_dev, seq_len, precision, parallel if sharded else None
-    )
-    flops = accum * grad_matmul_flops(flops_of, params, micro)
-    model_flops = analytic.model_flops(cfg, batch // n_dev, seq_len)
-    if sharded and parallel.tensor_parallel:
+    flops = accum * grad_matmul_flops(lambda p, b: loss(p, b)[0], params, micro)
+    model_flops = analytic.model_flops(cfg, spec.batch // n_dev, spec.seq_len)
+    if spec.sharded and spec.parallel.tensor_parallel:
         # every block matmul splits over the tensor devices (heads, columns, rows); the LM head
         # (forward and its two backward matmuls) runs whole on each
-        head = accum * analytic.head_flops(cfg, batch // accum // n_dev, seq_len)
-        flops = head + (flops - head) // parallel.tp
-        model_flops = model_flops // parallel.tp
-    sizes = {"params": tree_bytes(params), "grads": tree_bytes(grads), "opt": tree_bytes(opt_state)}
-    if shardings is not None:  # per device: each leaf's shard
-        grads_sharding = shardings.params  # zero1/dp: replicated like the parameters
-        sizes = {
-            "params": sharded_bytes(params, shardings.params),
-            "grads": sharded_bytes(grads, grads_sharding),
-            "opt": sharded_bytes(opt_state, shardings.opt_state),
+        head = accum * analytic.head_flops(cfg, spec.micro_rows, spec.seq_len)
+        flops = head + (flops - head) // spec.parallel.tp
+        model_flops = model_flops // spec.parallel.tp
+    return flops, model_flops
+
+
+def _translation(policy: MemoryPolicy) -> str:
+    """How the step runs the policy, in words."""
+    return (
+        "jaxmem.memory.remat (jax.checkpoint per block, stack unrolled)"
+        if policy.unroll or not policy.layers.is_all
+        else "jaxmem.memory.remat (jax.checkpoint under lax.scan)"
+    ) + (
+        f"; the LM head and loss in {policy.loss_chunks} chunks (jaxmem.model.loss.chunked_lm_loss)"
+        if policy.loss_chunks
+        else ""
+    )
+
+
+def _sources(spec: StepSpec, kernel: str) -> dict[str, str]:
+    """How the saved bytes and the FLOPs were obtained."""
+    parallel, tp = spec.parallel, spec.sharded and spec.parallel.tensor_parallel
+    saved = "residual accounting (jaxpr of jax.vjp; parameters excluded)" + (
+        f"; one tensor device's share by tag (Megatron's layout over tp={parallel.tp}, "
+        f"sequence parallel: {'yes' if parallel.sequence_parallel else 'no'}; untagged "
+        "residuals whole)"
+        if tp
+        else ""
+    )
+    flops = (
+        "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)"
+        + ("; per tensor device: the blocks' matmuls over tp, the LM head's whole" if tp else "")
+        + (
+            "; cuDNN's attention counted as the blockwise kernel's (the same FlashAttention-2 "
+            "matmuls)"
+            if kernel == "cudnn"
+            else ""
+        )
+    )
+    return {"saved_source": saved, "flops_source": flops}
+
+
+def _peak(spec: StepSpec, built: BuiltStep, args: tuple, abstract: bool, plan, compiler) -> tuple:
+    """``(peak, source)``: the device's runtime peak after running the step once where it can
+    (arrays on a GPU backend), else the compiled plan's."""
+    if not abstract and jax.devices()[0].platform != "cpu":
+        built.step(*args)
+        peak = device_peak_bytes()
+        if peak is not None:
+            return peak, (
+                "runtime peak (device.memory_stats peak_bytes_in_use: the process's high-water "
+                "mark)"
+            )
+    return peak_of_plan(plan), (
+        f"compiled plan ({compiler}): arguments + outputs - aliased + temporaries"
+    )
+
+
+def _arguments(spec: StepSpec, built: BuiltStep, params: Any, abstract: bool) -> tuple:
+    """The step's arguments: placed shapes (``BuiltStep.shapes``), or this backend's arrays
+    (the optimizer's initial state, the deterministic batch)."""
+    if abstract:
+        return built.shapes(params)
+    data = lm_step_batch(spec.model, spec.batch, spec.seq_len, abstract=False)
+    return params, built.tx.init(params), init_loss_scale(spec.precision), data
+
+
+def _sizes(built: BuiltStep, params: Any, grads: Any, opt_state: Any) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state (per device over a mesh: each leaf's
+    shard)."""
+    if built.shardings is None:
+        return {
+            "params": tree_bytes(params),
+            "grads": tree_bytes(grads),
+            "opt": tree_bytes(opt_state),
         }
     return {
+        "params": sharded_bytes(params, built.shardings.params),
+        "grads": sharded_bytes(grads, built.shardings.params),  # zero1/dp: as the parameters
+        "opt": sharded_bytes(opt_state, built.shardings.opt_state),
+    }
+
+
+def jax_record(spec: StepSpec, *, abstract: bool = False) -> dict[str, Any]:
+    """Measure one jaxmem training step (or plan it from shapes when ``abstract``; always from
+    shapes for a GPU target). With ``accum`` microbatches the step scans them; saved
+    activations and FLOPs are then one microbatch's and the whole step's.
+
+    Over a mesh (``spec.parallel`` of more than one device: this backend's, or one host of the
+    GPU target's) the record is **per device**: parameters, gradients and optimizer state from
+    their shard shapes, saved activations and FLOPs of one device's rows of the batch (data
+    parallel: batch / N), the compiled plan of one device."""
+    cfg, policy, target, sharded = spec.model, spec.policy, spec.target, spec.sharded
+    abstract = abstract or target.is_gpu or sharded
+    state_offload = target.is_gpu and spec.optimizer.state_memory == "pinned_host"
+    spec = _record_spec(_planned(spec))
+    model = model_shapes(spec) if abstract else make_model(cfg, spec.precision)
+    kernel = model.attention_kernel
+    built, params = build_step(spec, model)
+    args = _arguments(spec, built, params, abstract)
+    opt_state = args[1]
+    # one microbatch of one device (its shapes are what the accounting needs)
+    micro = lm_step_batch(cfg, spec.micro_rows, spec.seq_len, abstract)
+    saved = _saved(spec, built, params, micro)
+    residuals = summarize_residuals(saved)
+    grads = jax.eval_shape(jax.grad(lambda p, b: built.plain_loss(p, b)[0]), params, micro)
+    if sharded:
+        plan, compiler = _compile_on_mesh(built.step, args, target, spec.parallel)
+    else:
+        plan, compiler = _compile(built.step, args, target)
+    planned_peak = peak_of_plan(plan)
+    peak, peak_source = _peak(spec, built, args, abstract, plan, compiler)
+    estimate = analytic.saved_activation_bytes(
+        cfg,
+        policy,
+        spec.micro_rows,
+        spec.seq_len,
+        spec.precision,
+        spec.parallel if sharded else None,
+    )
+    flops, model_flops = _flops(spec, built, kernel, params, micro)
+    sizes = _sizes(built, params, grads, opt_state)
+    return {
         "framework": "jax",
-        "translation": (
-            "jaxmem.memory.remat (jax.checkpoint per block, stack unrolled)"
-            if policy.unroll or not policy.layers.is_all
-            else "jaxmem.memory.remat (jax.checkpoint under lax.scan)"
-        )
-        + (
-            f"; the LM head and loss in {policy.loss_chunks} chunks "
-            "(jaxmem.model.loss.chunked_lm_loss)"
-            if policy.loss_chunks
-            else ""
-        ),
+        "translation": _translation(policy),
         "policy": policy.name,
-        "precision": precision.name,
+        "precision": spec.precision.name,
         "attention_kernel": KERNEL_NAMES.get(kernel, kernel),
-        "batch": batch,
-        "seq_len": seq_len,
-        "accum": accum,
+        "batch": spec.batch,
+        "seq_len": spec.seq_len,
+        "accum": spec.accum.steps,
         "planned_from_shapes": abstract,
         "params_bytes": sizes["params"],
         "grads_bytes": sizes["grads"],
         "opt_state_bytes": sizes["opt"],
-        "mesh": parallel.mesh_text() if sharded else None,
+        "mesh": spec.parallel.mesh_text() if sharded else None,
         "per_device": sharded,
         "saved_activation_bytes_device": residuals.activation_bytes_device,
         "saved_activation_bytes_host": residuals.activation_bytes_host,
-        "saved_source": "residual accounting (jaxpr of jax.vjp; parameters excluded)"
-        + (
-            f"; one tensor device's share by tag (Megatron's layout over tp={parallel.tp}, "
-            f"sequence parallel: {'yes' if parallel.sequence_parallel else 'no'}; untagged "
-            "residuals whole)"
-            if sharded and parallel.tensor_parallel
-            else ""
-        ),
         "saved_by_name": bytes_by_name(saved),
         "saved_argument_bytes": residuals.argument_bytes,
         "saved_parameter_copy_bytes": residuals.parameter_copy_bytes,
@@ -753,19 +570,8 @@ def jax_record(
         "compiled_temp_bytes": plan["temp_bytes"],
         "compiled_plan": plan,
         "flops": flops,  # per device when sharded
-        "flops_source": "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)"
-        + (
-            "; per tensor device: the blocks' matmuls over tp, the LM head's whole"
-            if sharded and parallel.tensor_parallel
-            else ""
-        )
-        + (
-            "; cuDNN's attention counted as the blockwise kernel's (the same FlashAttention-2 "
-            "matmuls)"
-            if kernel == "cudnn"
-            else ""
-        ),
         "model_flops": model_flops,
+        **_sources(spec, kernel),
         "peak_bytes": peak,
         "peak_source": peak_source,
         "target": target.name,
@@ -779,15 +585,8 @@ def jax_record(
         else planned_peak <= target.device_memory_bytes,
         "state_offload": _state_offload(opt_state, planned_peak, target) if state_offload else None,
         # the state in host memory comes in for the update and goes back (its shards)
-        "step_time": step_time(
-            plan,
-            target,
-            cfg,
-            precision,
-            batch,
-            seq_len,
-            parallel if sharded else None,
-            state_link_bytes=2 * sizes["opt"] if state_offload else 0,
+        "step_time": _spec_time(
+            spec, plan, state_link_bytes=2 * sizes["opt"] if state_offload else 0
         ),
         # the OS's high-water mark of this whole process (everything so far)
         "process_max_rss_bytes": process_max_rss_bytes(),

@@ -53,7 +53,7 @@ from typing import Any
 
 from flax import nnx
 
-from jaxmem.config import ConfigError, ModelConfig, OptimizerConfig, require
+from jaxmem.config import AccumConfig, ConfigError, ModelConfig, OptimizerConfig, require
 from jaxmem.job import JobConfig
 from jaxmem.memory import analytic
 from jaxmem.memory import step_time as st
@@ -76,6 +76,7 @@ from jaxmem.policy import (
     tags_text,
 )
 from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
 
 GIB = 2**30
@@ -820,25 +821,26 @@ def _compiler(problem: Problem) -> Callable[..., tuple[int, str]]:
         tp: int = 1,
     ) -> tuple[int, str]:
         parallel = (
-            None
+            ParallelConfig()
             if strategy is None and tp == 1
             else ParallelConfig(strategy=strategy or "dp", devices=problem.devices, tp=tp)
         )
-        r = plan_step(
-            cfg,
-            policy,
-            precision_of[precision],
-            dataclasses.replace(
+        spec = StepSpec(
+            model=cfg,
+            policy=policy,
+            precision=precision_of[precision],
+            optimizer=dataclasses.replace(
                 problem.opt_cfg,
                 stream=stream is not None,
                 stream_update="host" if stream == "host" else None,
             ),
-            problem.batch,
-            problem.seq_len,
+            batch=problem.batch,
+            seq_len=problem.seq_len,
             target=problem.target,
-            accum=accum,
+            accum=AccumConfig(steps=accum),
             parallel=parallel,
         )
+        r = plan_step(spec)
         compile_peak.step_time = r.get("step_time")  # the compiled plan's own estimate
         return r["planned_peak_bytes"], r["compiler"]
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from rich.console import Console
 
 from jaxmem.config import ConfigError
@@ -25,7 +24,7 @@ from jaxmem.data import PAD
 from jaxmem.figures import Figure, format_bytes, rss_figure
 from jaxmem.job import JobConfig
 from jaxmem.memory import residuals
-from jaxmem.memory.remat import backend_memory_kinds, check_backend, layers_fn
+from jaxmem.memory.remat import backend_memory_kinds, check_backend
 from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.model.flash import KERNEL_NAMES
@@ -33,21 +32,16 @@ from jaxmem.policy import HOST_MEMORY_KIND
 from jaxmem.sharding import (
     ensure_cpu_devices,
     mesh,
-    parallel_loss,
     per_device_bytes,
     sharded_bytes,
-    step_shardings,
 )
 from jaxmem.step import stream
+from jaxmem.step.build import build_step
 from jaxmem.step.scaling import init_loss_scale
+from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import (
     check_precision_backend,
-    lm_loss_fn,
-    make_multisteps_step,
-    make_optimizer,
-    make_train_step,
     place,
-    stack_accumulating_loss,
     tree_bytes,
     valid_tokens,
 )
@@ -213,7 +207,8 @@ def device_peak_figures() -> list[Figure]:
 
 
 class JaxTrainer:
-    """jaxmem's side of ``jaxmem.train.loop.run_job``: a compiled, donating step."""
+    """jaxmem's side of ``jaxmem.train.loop.run_job``: the step ``build_step`` builds for the
+    job (``StepSpec.of_job``), compiled once, donating."""
 
     framework = "jax"
 
@@ -231,157 +226,34 @@ class JaxTrainer:
             from jaxmem.model.hf import load_hf_weights
 
             load_hf_weights(model, r.init_from)  # prepare_job checked every tensor
-        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.spec = StepSpec.of_job(job)
+        self.built, params = build_step(self.spec, model)
         del model  # params are donated to the step; keep no second reference
-        tx = make_optimizer(job.optimizer)
-        self.shardings = None
+        self.graphdef, self.shardings = self.built.graphdef, self.built.shardings
         self.processes = jax.process_count()
         self.local_rows = None  # a multi-process run reads only this process's rows
         if self.processes > 1:
             rows = r.batch_size // self.processes
             self.local_rows = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
-        if job.parallel.sharded:
-            # the same step over a mesh: parameters and optimizer state placed by the strategy
-            # (the state created sharded: jit(tx.init) would otherwise return it replicated)
-            self.shardings = step_shardings(
-                job.parallel,
-                params,
-                jax.eval_shape(tx.init, params),
-                state_memory=job.optimizer.state_memory,
-                params_memory=job.optimizer.params_memory,
-            )
-            params = jax.device_put(params, self.shardings.params)
-        layers = layers_fn(job.memory, cfg.n_layers)
-        chunks = job.memory.loss_chunks
-        plain_loss = lm_loss_fn(self.graphdef, layers_fn=layers, loss_chunks=chunks)
-        self._where = None  # where host-resident parameters go on the device (None: device 0)
-
-        def make_loss(lf: Any) -> Any:
-            return lm_loss_fn(self.graphdef, layers_fn=lf, loss_chunks=chunks)
-
-        make_parallel_loss = make_loss  # the loss as the strategy runs it, of a layers_fn
-        if self.shardings is not None:
-            mesh_ = self.shardings.mesh
-            self._where = self.shardings.params
-
-            def make_parallel_loss(lf: Any) -> Any:
-                return parallel_loss(make_loss, lf, job.parallel, mesh_)
-
-        loss_fn = make_parallel_loss(layers)
-        loss_into = stack_accumulating_loss(make_parallel_loss, job.memory, cfg.n_layers, job.accum)
+        # where host-resident parameters go on the device (None: device 0)
+        self._where = self.shardings.params if self.shardings is not None else None
         self.host_params = job.optimizer.params_memory != "device" or job.optimizer.stream
         self.streamed = job.optimizer.stream
         self.step_time: dict[str, Any] | None = None  # a GPU target's estimate (--target)
-        # parameters kept in host memory are brought to the device inside the jitted evaluation
-        # (a streamed stack block by block, as the step does)
-        eval_loss = (
-            make_parallel_loss(stream.streamed_layers_fn(layers)) if self.streamed else loss_fn
-        )
-        self._eval = jax.jit(
-            lambda p, b: eval_loss(
-                place(p, "device", self._where) if self.host_params and not self.streamed else p,
-                b,
-            )[1]
-        )
+        self._eval = self.built.eval_loss
         self.loss_scale = init_loss_scale(job.precision)
         first = self.transfer(train_batch(prepared.dataset, job, self.local_rows)(1))
-        t0 = time.perf_counter()
         console.print(
             f"compiling the train step ({cfg.n_params / 1e6:.2f} M params, policy "
             f"{job.memory.name}, {job.precision.name}, batch {r.batch_size} x seq {r.seq_len}, "
             f"accum {job.accum.steps}) on {self.platform}..."
         )
-        where = None  # a streamed step's placement over the mesh
-        try:
-            if job.accum.mode == "multisteps":
-                self._step, opt_state = _multisteps(loss_fn, tx, job.accum.steps, params, first)
-            else:
-                # optimizer state / parameters kept in host memory between steps enter the
-                # compiled step there (it moves them to the device for the update and back)
-                if self.streamed:
-                    # the stack's parameters and state live in host memory between steps and
-                    # stream through the step block by block (jaxmem.step.stream)
-                    if self.shardings is not None:
-                        where = stream.placement(tx, params, self.shardings, job.parallel)
-                    params, opt_state = stream.place(params, stream.init_state(tx, params), where)
-                elif self.shardings is not None:
-                    opt_state = jax.jit(tx.init, out_shardings=self.shardings.opt_state)(params)
-                else:
-                    opt_state = place(tx.init(params), job.optimizer.state_memory)
-                    params = place(params, job.optimizer.params_memory)
-                step_fn = (
-                    stream.make_streamed_step(
-                        make_parallel_loss,
-                        layers,
-                        tx,
-                        accum_steps=job.accum.steps,
-                        accum_dtype=jax.numpy.dtype(job.precision.accum_dtype),
-                        shardings=self.shardings,
-                        placement=where,
-                        update=job.optimizer.stream_update or "device",
-                    )
-                    if self.streamed
-                    else make_train_step(
-                        loss_fn,
-                        tx,
-                        precision=job.precision,
-                        accum=job.accum,
-                        opt_cfg=job.optimizer,
-                        shardings=self.shardings,
-                        loss_into=loss_into,
-                    )
-                )
-                self._step = step_fn.lower(params, opt_state, self.loss_scale, first).compile()
-        except Exception as e:
-            if is_out_of_memory(e):
-                raise RunFailed(
-                    out_of_memory_message(
-                        job, None, "while compiling", can_offload=self.can_offload
-                    )
-                ) from None
-            raise
-        self.compile_s = time.perf_counter() - t0
-        self.params, self.opt_state = params, opt_state
+        self._compile(params, first)
         plan = residuals.compiled_plan(self._step)
         self.planned_bytes = residuals.planned_peak(plan)
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state))
-        self._figures = memory_figures(
-            plain_loss,
-            *shapes,
-            first,
-            plan,
-            job.accum.steps,
-            self._placed_by(where) if self.streamed else self.shardings,
-            job.parallel.mesh_text(),
-        )
-        if self.streamed:
-            _, stack = stream.split(params)
-            self._figures.append(
-                Figure(
-                    "streamed stack in host memory (parameters + optimizer state)"
-                    + (", per device" if self.shardings is not None else ""),
-                    per_device_bytes((stack, opt_state[1])),
-                    "counted (arrays in pinned_host)",
-                )
-            )
+        self._figures = self._memory_figures(first, plan)
         if target is not None and target.is_gpu:
-            console.print(f"planning the same step for {target.description} (no GPU needed)...")
-            figures, self.step_time = target_plan_figures(
-                step_fn, (params, opt_state, self.loss_scale, first), target, job
-            )
-            self._figures += figures
-            if self.step_time is not None:
-                console.print(f"{target.name} plan: {self.step_time['line']}")
-                console.print(
-                    f"  an estimate, not a measurement: {self.step_time['assumptions']}",
-                    style="dim",
-                )
-            else:
-                console.print(
-                    f"{target.name} plan: no step-time estimate for a streamed or sharded step "
-                    "here (jaxmem plan --target prices it, with its transfers from shapes)",
-                    style="dim",
-                )
+            self._plan_for(target, first, console)
         self._valid = [self.transfer(self._local(b)) for b in val_batches(prepared.dataset, job)]
         self.ckpt = None
         if prepared.out_dir is not None:
@@ -389,6 +261,77 @@ class JaxTrainer:
 
             self.ckpt = RunCheckpointer(
                 os.path.join(prepared.out_dir, CHECKPOINT_DIR), r.keep_checkpoints
+            )
+
+    def _compile(self, params: Any, first: dict[str, jax.Array]) -> None:
+        """Place ``params`` and the optimizer's state where the step takes them and compile the
+        step for ``first``'s shapes (``self.lowered``: the program, before XLA compiles it); an
+        out-of-memory compile reports a cheaper policy."""
+        t0 = time.perf_counter()
+        try:
+            params, opt_state = self.built.state(params)
+            if self.job.accum.mode == "multisteps":
+                self._step, self.lowered = _multisteps(self.built, params, opt_state, first)
+            else:
+                self.lowered = self.built.step.lower(params, opt_state, self.loss_scale, first)
+                self._step = self.lowered.compile()
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise RunFailed(
+                    out_of_memory_message(
+                        self.job, None, "while compiling", can_offload=self.can_offload
+                    )
+                ) from None
+            raise
+        self.compile_s = time.perf_counter() - t0
+        self.params, self.opt_state = params, opt_state
+
+    def _memory_figures(self, first: dict[str, jax.Array], plan: dict[str, int]) -> list[Figure]:
+        """The memory table of the compiled step (``memory_figures``; a streamed stack's host
+        bytes counted from its arrays)."""
+        job = self.job
+        shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, self.opt_state)
+        )
+        figures = memory_figures(
+            self.built.plain_loss,
+            *shapes,
+            first,
+            plan,
+            job.accum.steps,
+            self._placed_by(self.built.placement) if self.streamed else self.shardings,
+            job.parallel.mesh_text(),
+        )
+        if self.streamed:
+            _, stack = stream.split(self.params)
+            figures.append(
+                Figure(
+                    "streamed stack in host memory (parameters + optimizer state)"
+                    + (", per device" if self.shardings is not None else ""),
+                    per_device_bytes((stack, self.opt_state[1])),
+                    "counted (arrays in pinned_host)",
+                )
+            )
+        return figures
+
+    def _plan_for(self, target: Target, first: dict[str, jax.Array], console: Console) -> None:
+        """This step compiled for a GPU ``target`` without a GPU: its plan's figures and, where
+        priced, its estimated step time."""
+        console.print(f"planning the same step for {target.description} (no GPU needed)...")
+        args = (self.params, self.opt_state, self.loss_scale, first)
+        figures, self.step_time = target_plan_figures(self.built.step, args, target, self.job)
+        self._figures += figures
+        if self.step_time is not None:
+            console.print(f"{target.name} plan: {self.step_time['line']}")
+            console.print(
+                f"  an estimate, not a measurement: {self.step_time['assumptions']}",
+                style="dim",
+            )
+        else:
+            console.print(
+                f"{target.name} plan: no step-time estimate for a streamed or sharded step "
+                "here (jaxmem plan --target prices it, with its transfers from shapes)",
+                style="dim",
             )
 
     def _placed_by(self, where: stream.Placement | None) -> Any:
@@ -520,18 +463,18 @@ def run_training(
     return run_job(prepared, lambda: JaxTrainer(prepared, console, target), console)
 
 
-def _multisteps(loss_fn: Any, tx: Any, k: int, params: Any, batch: dict) -> tuple[Any, Any]:
+def _multisteps(built: Any, params: Any, opt_state: Any, batch: dict) -> tuple[Any, Any]:
     """``optax.MultiSteps`` accumulation as a step with the scan step's signature: the jitted
-    micro-step (compiled once, for one microbatch) runs ``k`` times per step, the parameters
-    changing on the k-th. Returns ``(step, opt_state)``; the step's ``memory_analysis`` is the
-    micro-step's compiled plan."""
-    multi, micro_step = make_multisteps_step(loss_fn, tx, k)
-    opt_state = multi.init(params)
+    micro-step (``built.step``, compiled once, for one microbatch) runs ``k`` times per step,
+    the parameters changing on the k-th. Returns ``(step, lowered micro-step)``; the step's
+    ``memory_analysis`` is the micro-step's compiled plan."""
+    k = built.spec.accum.steps
 
     def split(b: dict, i: int) -> dict:
         return {key: v[i * (v.shape[0] // k) : (i + 1) * (v.shape[0] // k)] for key, v in b.items()}
 
-    micro = micro_step.lower(params, opt_state, split(batch, 0), valid_tokens(batch)).compile()
+    lowered = built.step.lower(params, opt_state, split(batch, 0), valid_tokens(batch))
+    micro = lowered.compile()
 
     def step(params, opt_state, loss_scale, batch):
         n_total = valid_tokens(batch)
@@ -542,4 +485,4 @@ def _multisteps(loss_fn: Any, tx: Any, k: int, params: Any, batch: dict) -> tupl
         return params, opt_state, loss_scale, {"loss": loss_sum / n_total}
 
     step.memory_analysis = micro.memory_analysis  # type: ignore[attr-defined]
-    return step, opt_state
+    return step, lowered
