@@ -142,8 +142,8 @@ def _exported_logits_match(run: str, out: str) -> None:
 
         model = restored_model(run, step, job)
     else:
+        from jaxmem.run_layout import CHECKPOINT_DIR
         from jaxmem.train.checkpoint import restore_params
-        from jaxmem.train.layout import CHECKPOINT_DIR
 
         model = make_model(job.model, job.precision)
         graphdef, like = nnx.split(model, nnx.Param)

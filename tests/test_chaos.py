@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from jaxmem import cli
-from jaxmem.train.layout import MANIFEST, verify
+from jaxmem.run_layout import MANIFEST, verify
 from jaxmem.train.loop import INITIAL_FIELDS, progress_bar
 from tests.test_train import metrics, snapshot
 

@@ -219,7 +219,7 @@ def resolve(args: argparse.Namespace):
     """The job: defaults < the checkpoint's saved config (with --resume) < --config < flags <
     --set; one line for a bad value."""
     from jaxmem.data import DataError
-    from jaxmem.train.layout import CheckpointError
+    from jaxmem.run_layout import CheckpointError
 
     saved = None
     if args.resume and args.out:
@@ -394,7 +394,7 @@ def _framework(job, group):
 def _train(args: argparse.Namespace, job, group, target, watch=None) -> int:
     from jaxmem.data import DataError
     from jaxmem.job import torch_tensor_parallel_refusal
-    from jaxmem.train.layout import CheckpointError
+    from jaxmem.run_layout import CheckpointError
     from jaxmem.train.loop import RunFailed, RunInterrupted
 
     refusal = torch_tensor_parallel_refusal(job) if job.run.framework == "torch" else None

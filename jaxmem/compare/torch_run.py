@@ -31,7 +31,7 @@ from jaxmem.config import ConfigError
 from jaxmem.figures import Figure, format_bytes, rss_figure
 from jaxmem.job import JobConfig, torch_host_memory_refusal, torch_tensor_parallel_refusal
 from jaxmem.model import make_model
-from jaxmem.train.layout import CHECKPOINT_DIR
+from jaxmem.run_layout import CHECKPOINT_DIR
 from jaxmem.train.loop import (
     PreparedJob,
     RunFailed,

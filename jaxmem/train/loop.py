@@ -40,7 +40,7 @@ from jaxmem.config import ConfigError, require
 from jaxmem.figures import Figure, format_bytes, render_table
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.job import JobConfig, config_conflicts, write_config
-from jaxmem.train.layout import CHECKPOINT_DIR, newest_verified, quarantine
+from jaxmem.run_layout import CHECKPOINT_DIR, newest_verified, quarantine
 
 # From most to least device memory at a given size (FLOPs grow the other way).
 CHEAPER_POLICIES = ("none", "mlp", "selective", "offload", "full", "nested")

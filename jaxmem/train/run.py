@@ -30,6 +30,7 @@ from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.model.flash import KERNEL_NAMES
 from jaxmem.policy import HOST_MEMORY_KIND
+from jaxmem.run_layout import CHECKPOINT_DIR
 from jaxmem.sharding import (
     ensure_cpu_devices,
     mesh,
@@ -51,7 +52,6 @@ from jaxmem.step.train_step import (
     tree_bytes,
     valid_tokens,
 )
-from jaxmem.train.layout import CHECKPOINT_DIR
 from jaxmem.train.loop import (
     PreparedJob,
     RunFailed,
