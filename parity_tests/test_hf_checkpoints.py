@@ -172,7 +172,8 @@ def test_a_run_started_from_a_checkpoint_exports_back_into_transformers(hf_dirs,
     assert saved["config"]["preset"] == hf_dirs[name]
     # step 1's loss is the checkpoint's on that batch (a random init's differs by ~1e-2)
     from jaxmem.job import JobConfig
-    from jaxmem.train.loop import prepare_job, train_batch
+    from jaxmem.train.loop import train_batch
+    from jaxmem.train.prepare import prepare_job
 
     job = JobConfig.from_dict(json.loads((run / "summary.json").read_text())["config"])
     batch = train_batch(prepare_job(job, None).dataset, job)(1)

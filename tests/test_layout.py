@@ -36,6 +36,8 @@ PURE = (
     "jaxmem.tokenizer",
     "jaxmem.run_layout",
     "jaxmem.train.loop",
+    "jaxmem.train.prepare",
+    "jaxmem.train.run_dir",
     "jaxmem.compare.tolerances",
 )
 

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         model_type = hf_model_type(job.model)
     params = _params(run_dir, step, job)
     from jaxmem.model.hf import export_hf
-    from jaxmem.train.loop import model_dir
+    from jaxmem.train.prepare import model_dir
 
     source = model_dir(job)
     note = ""

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 def _lost_line(group, args: argparse.Namespace, process: int | None, detail: str) -> str:
     """One line: which process this one lost (None: it ended itself, in a native abort), why,
     and the checkpoint to resume from."""
-    from jaxmem.train.loop import last_verified
+    from jaxmem.train.run_dir import last_verified
 
     me = f"process {group.process_id} of {group.num_processes}"
     if process is None:
@@ -229,7 +229,7 @@ def resolve(args: argparse.Namespace):
         with usage_errors(CheckpointError), quiet_native_stderr():
             _, saved, _ = latest_checkpoint(args.out)  # either framework's layout
     # a run started from a model directory takes its model from there unless --preset (or a
-    # --config's preset) names one; then the two must agree (jaxmem.train.loop.prepare_job)
+    # --config's preset) names one; then the two must agree (jaxmem.train.prepare.prepare_job)
     defaults = {**DEFAULTS, "preset": args.init_from} if args.init_from else DEFAULTS
     return job_from_args(args, NAMES, defaults, saved=saved, errors=(DataError, CheckpointError))
 

@@ -52,17 +52,14 @@ from jaxmem.step.train_step import (
     tree_bytes,
     valid_tokens,
 )
-from jaxmem.train.loop import (
+from jaxmem.train.loop import RunFailed, run_job, train_batch, val_batches
+from jaxmem.train.prepare import (
     PreparedJob,
-    RunFailed,
     check_resident,
     host_available_bytes,
     is_out_of_memory,
     out_of_memory_message,
     prepare_job,
-    run_job,
-    train_batch,
-    val_batches,
 )
 
 
