@@ -142,8 +142,8 @@ def _exported_logits_match(run: str, out: str) -> None:
 
         model = restored_model(run, step, job)
     else:
+        from jaxmem.run_layout import CHECKPOINT_DIR
         from jaxmem.train.checkpoint import restore_params
-        from jaxmem.train.layout import CHECKPOINT_DIR
 
         model = make_model(job.model, job.precision)
         graphdef, like = nnx.split(model, nnx.Param)
@@ -172,7 +172,8 @@ def test_a_run_started_from_a_checkpoint_exports_back_into_transformers(hf_dirs,
     assert saved["config"]["preset"] == hf_dirs[name]
     # step 1's loss is the checkpoint's on that batch (a random init's differs by ~1e-2)
     from jaxmem.job import JobConfig
-    from jaxmem.train.loop import prepare_job, train_batch
+    from jaxmem.train.loop import train_batch
+    from jaxmem.train.prepare import prepare_job
 
     job = JobConfig.from_dict(json.loads((run / "summary.json").read_text())["config"])
     batch = train_batch(prepare_job(job, None).dataset, job)(1)

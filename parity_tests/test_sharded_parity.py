@@ -298,7 +298,7 @@ def _lose_rank(run, common: list[str], victim: int) -> tuple[subprocess.Popen, s
     import signal
     import time
 
-    from jaxmem.train.layout import verify
+    from jaxmem.run_layout import verify
 
     cmd = [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={N}", "--no-python"]
     cmd += _jaxmem("train", "--framework", "torch", *common, "--out", str(run))

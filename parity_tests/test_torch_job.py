@@ -13,7 +13,7 @@ import pytest
 
 from jaxmem import cli
 from jaxmem.compare.tolerances import tolerance
-from jaxmem.train.layout import verify
+from jaxmem.run_layout import verify
 from tests.test_train import TINY, check_non_finite_stop, metrics, train
 
 

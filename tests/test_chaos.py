@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from jaxmem import cli
-from jaxmem.train.layout import MANIFEST, verify
+from jaxmem.run_layout import MANIFEST, verify
 from jaxmem.train.loop import INITIAL_FIELDS, progress_bar
 from tests.test_train import metrics, snapshot
 
@@ -309,7 +309,8 @@ def test_a_full_disk_is_reported_as_a_full_disk_in_one_line(tmp_path):
 
 
 def test_out_of_memory_advice_is_only_for_real_out_of_memory():
-    from jaxmem.train.loop import disk_error, is_out_of_memory
+    from jaxmem.train.prepare import is_out_of_memory
+    from jaxmem.train.run_dir import disk_error
 
     enospc = ValueError(
         'RESOURCE_EXHAUSTED: Error writing "x": Failed to write 207 bytes to file 27: No space '

@@ -18,10 +18,10 @@ from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.job import config_conflicts
 from jaxmem.model import make_model
 from jaxmem.precision import get_precision
+from jaxmem.run_layout import CheckpointError
 from jaxmem.step.scaling import DynamicLossScale, init_loss_scale
 from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step
 from jaxmem.train.checkpoint import TMP_SUFFIX, RunCheckpointer, read_config
-from jaxmem.train.layout import CheckpointError
 
 TINY = get_preset("tiny")
 OPT = OptimizerConfig(lr=3e-3, weight_decay=0.1)

@@ -34,16 +34,18 @@ PURE = (
     "jaxmem.hub",
     "jaxmem.hub_weights",
     "jaxmem.tokenizer",
+    "jaxmem.run_layout",
     "jaxmem.train.loop",
-    "jaxmem.train.layout",
+    "jaxmem.train.prepare",
+    "jaxmem.train.run_dir",
     "jaxmem.compare.tolerances",
 )
 
 
 # jaxmem's packages from the bottom up. A module imports modules of its own package or of packages
 # below it, never above (lazy imports inside functions included): ``base`` is jaxmem's top-level
-# modules (config, policy, precision, parallel, data, files, figures, backend, sharding,
-# distributed, job); ``model`` the decoder; ``memory`` a policy's JAX translation and the
+# modules (config, policy, precision, parallel, data, files, figures, run_layout, backend,
+# sharding, distributed, job); ``model`` the decoder; ``memory`` a policy's JAX translation and the
 # measurements that need no train step; ``step`` the jitted train step; ``train`` the job around
 # it; ``planner`` records, peaks and the search, which compile the step; ``compare`` the
 # PyTorch comparison wing; ``cli`` the command line.
@@ -169,6 +171,17 @@ def test_torch_ref_imports_no_jax_and_only_jaxmems_pure_modules():
         names = imported(m)
         assert not {i for i in names if top(i) in JAX_FAMILY}, m
         assert {i for i in names if top(i) == "jaxmem"} <= set(PURE), (m, names)
+
+
+def test_torch_ref_imports_nothing_from_jaxmems_training_package():
+    """torch_ref stands beside the JAX wing, not above it: the run layout its checkpoints share
+    with JAX runs is a base module (``jaxmem.run_layout``), and the shared step loop is the
+    comparison wing's to drive (``jaxmem.compare.torch_run``)."""
+    offenders = {
+        m: {i for i in imported(m) if i == "jaxmem.train" or i.startswith("jaxmem.train.")}
+        for m in modules("torch_ref")
+    }
+    assert not {m: v for m, v in offenders.items() if v}
 
 
 def test_pure_modules_import_no_framework_in_their_source():

@@ -424,7 +424,7 @@ def _lose_one(run, victim: int, *, worker: bool) -> tuple[subprocess.Popen, str,
     the seconds it took to exit after the kill."""
     import signal
 
-    from jaxmem.train.layout import verify
+    from jaxmem.run_layout import verify
 
     procs = _launch(run, *TWO, processes=2)
     try:

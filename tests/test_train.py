@@ -346,7 +346,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 
 def test_out_of_memory_reports_the_plan_and_a_cheaper_policy(tmp_path, monkeypatch, capsys):
     import jaxmem.train.run as run
-    from jaxmem.train.loop import out_of_memory_message
+    from jaxmem.train.prepare import out_of_memory_message
 
     job = JobConfig.from_dict({"preset": "tiny", "memory": {"policy": "selective"}})
     message = out_of_memory_message(job, 3 << 30, "while training", can_offload=True)

@@ -3,7 +3,7 @@ PyTorch user would write them: the oracle of the parity suite and the other colu
 benchmark.
 
 Imports no JAX: only jaxmem's pure-data modules (``jaxmem.config``, ``jaxmem.policy``,
-``jaxmem.precision``, ``jaxmem.data``, ``jaxmem.train.layout``, and ``jaxmem.positions``: RoPE's
+``jaxmem.precision``, ``jaxmem.data``, ``jaxmem.run_layout``, and ``jaxmem.positions``: RoPE's
 float64 tables), so a policy, a config object or a rotation means the same thing on both sides.
 Modules: ``model``, ``remat`` (a ``MemoryPolicy`` in stock PyTorch, and torch_ref's labelled
 ``lean`` extension), ``train`` (autocast + GradScaler, accumulation, optimizers), ``memory``

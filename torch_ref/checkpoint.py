@@ -1,8 +1,8 @@
-"""Checkpoints of a torch_ref training run, in the PyTorch layout of ``jaxmem.train.layout``.
+"""Checkpoints of a torch_ref training run, in the PyTorch layout of ``jaxmem.run_layout``.
 
 ``checkpoints/<step>/`` holds ``state.pt`` (model, optimizer and GradScaler state dicts),
 ``run_config.json``, ``meta.json`` and, written last, the integrity manifest
-(``jaxmem.train.layout.write_manifest``), all under a temporary name renamed into place, so a
+(``jaxmem.run_layout.write_manifest``), all under a temporary name renamed into place, so a
 killed save leaves nothing that looks complete. A step counts only if its manifest verifies; the
 newest ``keep`` verified steps are kept (``layout.rotate``). They load with
 ``torch.load(weights_only=True)``: no pickled code runs.
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-import jaxmem.train.layout as layout
-from jaxmem.train.layout import META_JSON, RUN_CONFIG_JSON, CheckpointError
+import jaxmem.run_layout as layout
+from jaxmem.run_layout import META_JSON, RUN_CONFIG_JSON, CheckpointError
 
 STATE_FILE = "state.pt"
 _TMP = ".tmp-"

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxmem.hub import hf_model_type
     from jaxmem.hub_weights import check_new_dir
     from jaxmem.job import JobConfig
-    from jaxmem.train.layout import CHECKPOINT_DIR, CheckpointError
+    from jaxmem.run_layout import CHECKPOINT_DIR, CheckpointError
 
     run_dir = args.run_dir
     if not os.path.isdir(os.path.join(run_dir, CHECKPOINT_DIR)):
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         model_type = hf_model_type(job.model)
     params = _params(run_dir, step, job)
     from jaxmem.model.hf import export_hf
-    from jaxmem.train.loop import model_dir
+    from jaxmem.train.prepare import model_dir
 
     source = model_dir(job)
     note = ""
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 def _params(run_dir: str, step: int, job):
     """The checkpoint's parameters as an ``nnx.State`` of the run's model."""
     from jaxmem.config import ConfigError
-    from jaxmem.train.layout import CheckpointError
+    from jaxmem.run_layout import CheckpointError
 
     if job.run.framework == "torch":
         need_torch("jaxmem export of a --framework torch run")
@@ -89,8 +89,8 @@ def _params(run_dir: str, step: int, job):
     from flax import nnx
 
     from jaxmem.model import make_model
+    from jaxmem.run_layout import CHECKPOINT_DIR
     from jaxmem.train.checkpoint import restore_params
-    from jaxmem.train.layout import CHECKPOINT_DIR
 
     like = nnx.split(make_model(job.model, job.precision), nnx.Param)[1]
     try:

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxmem.train.loop import finite_losses, plot_losses
+    from jaxmem.train.run_dir import finite_losses, plot_losses
 
     out = _out_path(args.out)
     runs, notes = [], []
@@ -63,7 +63,7 @@ def _out_path(out: str) -> str:
 def _read_run(run_dir: str) -> tuple[str, list, str | None]:
     """A run's label, its step records, and a note when lines could not be read."""
     from jaxmem.job import read_config_file
-    from jaxmem.train.loop import read_metrics
+    from jaxmem.train.run_dir import read_metrics
 
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 def _lost_line(group, args: argparse.Namespace, process: int | None, detail: str) -> str:
     """One line: which process this one lost (None: it ended itself, in a native abort), why,
     and the checkpoint to resume from."""
-    from jaxmem.train.loop import last_verified
+    from jaxmem.train.run_dir import last_verified
 
     me = f"process {group.process_id} of {group.num_processes}"
     if process is None:
@@ -219,7 +219,7 @@ def resolve(args: argparse.Namespace):
     """The job: defaults < the checkpoint's saved config (with --resume) < --config < flags <
     --set; one line for a bad value."""
     from jaxmem.data import DataError
-    from jaxmem.train.layout import CheckpointError
+    from jaxmem.run_layout import CheckpointError
 
     saved = None
     if args.resume and args.out:
@@ -229,7 +229,7 @@ def resolve(args: argparse.Namespace):
         with usage_errors(CheckpointError), quiet_native_stderr():
             _, saved, _ = latest_checkpoint(args.out)  # either framework's layout
     # a run started from a model directory takes its model from there unless --preset (or a
-    # --config's preset) names one; then the two must agree (jaxmem.train.loop.prepare_job)
+    # --config's preset) names one; then the two must agree (jaxmem.train.prepare.prepare_job)
     defaults = {**DEFAULTS, "preset": args.init_from} if args.init_from else DEFAULTS
     return job_from_args(args, NAMES, defaults, saved=saved, errors=(DataError, CheckpointError))
 
@@ -394,7 +394,7 @@ def _framework(job, group):
 def _train(args: argparse.Namespace, job, group, target, watch=None) -> int:
     from jaxmem.data import DataError
     from jaxmem.job import torch_tensor_parallel_refusal
-    from jaxmem.train.layout import CheckpointError
+    from jaxmem.run_layout import CheckpointError
     from jaxmem.train.loop import RunFailed, RunInterrupted
 
     refusal = torch_tensor_parallel_refusal(job) if job.run.framework == "torch" else None

@@ -31,17 +31,10 @@ from jaxmem.config import ConfigError
 from jaxmem.figures import Figure, format_bytes, rss_figure
 from jaxmem.job import JobConfig, torch_host_memory_refusal, torch_tensor_parallel_refusal
 from jaxmem.model import make_model
-from jaxmem.train.layout import CHECKPOINT_DIR
-from jaxmem.train.loop import (
-    PreparedJob,
-    RunFailed,
-    check_resident,
-    host_available_bytes,
-    last_verified,
-    prepare_job,
-    run_job,
-    val_batches,
-)
+from jaxmem.run_layout import CHECKPOINT_DIR
+from jaxmem.train.loop import RunFailed, run_job, val_batches
+from jaxmem.train.prepare import PreparedJob, check_resident, host_available_bytes, prepare_job
+from jaxmem.train.run_dir import last_verified
 from torch_ref.checkpoint import TorchCheckpointer
 from torch_ref.generate import generate
 from torch_ref.loss import cross_entropy_sum

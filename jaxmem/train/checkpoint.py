@@ -1,5 +1,5 @@
 """Saving and resuming a JAX training run: a thin layer over ``orbax.checkpoint.CheckpointManager``
-(the checkpoint layout of JAX runs; see ``jaxmem.train.layout``).
+(the checkpoint layout of JAX runs; see ``jaxmem.run_layout``).
 
 One checkpoint is one step directory ``<directory>/<step>/`` holding five orbax items:
 
@@ -36,8 +36,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxmem.train import layout
-from jaxmem.train.layout import CHECKPOINT_DIR, CheckpointError, read_json_config
+import jaxmem.run_layout as layout
+from jaxmem.run_layout import CHECKPOINT_DIR, CheckpointError, read_json_config
 
 FORMAT_VERSION = 1
 TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
@@ -257,7 +257,7 @@ class RunCheckpointer(_Reader):
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=save_interval_steps,
             # No preservation policy: orbax would keep the newest `keep` steps, good or bad. The
-            # rotation is jaxmem.train.layout.rotate, over steps whose manifest verifies.
+            # rotation is jaxmem.run_layout.rotate, over steps whose manifest verifies.
             # Remove `<step>.orbax-checkpoint-tmp` left by a killed save.
             cleanup_tmp_directories=True,
             # Synchronous: save() returns once the step directory is renamed into place.
@@ -505,7 +505,7 @@ def _read_saved_config(directory: str, step: int) -> dict | None:
 
 def latest_checkpoint(out_dir: str) -> tuple[int | None, dict | None, list[tuple[int, str]]]:
     """In run directory ``out_dir``: the newest checkpoint that verifies (either layout, see
-    ``jaxmem.train.layout``), its saved config, and the newer steps skipped with their reasons.
+    ``jaxmem.run_layout``), its saved config, and the newer steps skipped with their reasons.
     ``(None, None, skipped)`` when none verifies. Reading the config of the other framework's
     layout lets a resume across frameworks be refused by the config comparison, naming
     ``run.framework``."""

@@ -2,33 +2,22 @@
 
 A framework plugs in as a ``Trainer`` (``jaxmem.train.run.JaxTrainer``;
 ``jaxmem.compare.torch_run.TorchTrainer``): it runs a step without syncing the host, fetches
-metrics when asked, evaluates, saves and restores. Everything else is here, once:
-
-1. ``prepare_job`` checks the whole job before anything is written: config, the framework's
-   backend support (a callback), the data (exists, well-formed, long enough for ``seq_len``) and
-   the run directory (new and writable, or a resumable run whose saved config the new one does
-   not contradict). Errors are ``ConfigError`` / ``DataError`` / ``CheckpointError``: one line,
-   exit code 2 at the CLI.
-2. ``run_job`` trains: batches are a pure function of ``(seed, step)``, built and transferred by
-   a background thread; the host syncs only at the progress refresh, validation and checkpoints.
-   A non-finite loss stops the run before the next checkpoint, so the last checkpoint on disk is
-   always a good one; dynamically scaled (fp16) overflow steps are skipped and counted instead.
-
-The run directory holds ``config.yaml`` (the resolved config: ``--config`` repeats the run),
-``metrics.jsonl`` (one line per step), ``loss.png``, ``summary.json``, ``sample.txt`` and
-``checkpoints/``.
+metrics when asked, evaluates, saves and restores. Everything else is here, once. The job is
+checked first (``jaxmem.train.prepare.prepare_job``); then ``run_job`` trains: batches are a pure
+function of ``(seed, step)``, built and transferred by a background thread; the host syncs only at
+the progress refresh, validation and checkpoints. A non-finite loss stops the run before the next
+checkpoint, so the last checkpoint on disk is always a good one; dynamically scaled (fp16)
+overflow steps are skipped and counted instead. What a run writes, its lock and its stop signals
+are ``jaxmem.train.run_dir``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import platform
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -36,14 +25,19 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jaxmem import data as data_lib
-from jaxmem.config import ConfigError, require
-from jaxmem.figures import Figure, format_bytes, render_table
-from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.job import JobConfig, config_conflicts, write_config
-from jaxmem.train.layout import CHECKPOINT_DIR, newest_verified, quarantine
-
-# From most to least device memory at a given size (FLOPs grow the other way).
-CHEAPER_POLICIES = ("none", "mlp", "selective", "offload", "full", "nested")
+from jaxmem.config import ConfigError
+from jaxmem.figures import Figure, render_table
+from jaxmem.job import JobConfig
+from jaxmem.run_layout import CHECKPOINT_DIR, quarantine
+from jaxmem.train.prepare import PreparedJob, is_out_of_memory, out_of_memory_message
+from jaxmem.train.run_dir import (
+    RunFiles,
+    RunLock,
+    StopRequests,
+    disk_error,
+    holds_only_the_lock,
+    last_verified,
+)
 
 
 class RunFailed(RuntimeError):
@@ -51,19 +45,8 @@ class RunFailed(RuntimeError):
     happened, what is kept on disk and what to try; the CLI exits with code 1."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PreparedJob:
-    job: JobConfig
-    dataset: data_lib.Dataset
-    out_dir: str | None
-    resume_step: int | None  # the checkpoint to continue from (None: a new run)
-    # newer checkpoints that do not verify, with why: moved aside when the run starts
-    skipped: tuple[tuple[int, str], ...] = ()
-    # the process that owns the run directory's files and lock (process 0 of a multi-process
-    # run; the others train beside it and write only their part of each checkpoint)
-    primary: bool = True
-    # what tokenized the text and decodes the sample (jaxmem.tokenizer; None: bytes)
-    tokenizer: Any = None
+class RunInterrupted(RuntimeError):
+    """Ctrl-C or SIGTERM: the run stopped after a step (and saved it); the CLI exits with 130."""
 
 
 class Trainer(Protocol):
@@ -110,353 +93,6 @@ class Trainer(Protocol):
     def close(self) -> None: ...
 
 
-# ------------------------------------------------------------------------------------- prepare
-def host_available_bytes() -> int | None:
-    """Memory this host can still give a process (``MemAvailable``), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def check_resident(
-    job: JobConfig, available: int | None, where: str, devices_here: int | None = None
-) -> None:
-    """Refuse a job whose parameters, gradients and optimizer state alone (analytic, per
-    device: ``jaxmem.memory.analytic.model_state_bytes``) exceed the memory ``where`` has:
-    no memory policy or precision of activations can make it fit, so training would only run
-    out of memory after compiling. ``available``: bytes for the ``devices_here`` devices of
-    the mesh this process or host drives (default all of them; a CPU mesh's devices share its
-    memory); None: unknown, not checked."""
-    from jaxmem.memory.analytic import model_state_bytes
-
-    if available is None:
-        return
-    state = model_state_bytes(job.model, job.optimizer, job.precision, job.parallel)
-    per_device = sum(state.values())
-    total = per_device * (devices_here or job.parallel.devices)
-    mesh = job.parallel.mesh_text()
-    per = f", {format_bytes(per_device)} per device of {mesh}" if job.parallel.sharded else ""
-    require(
-        total <= available,
-        f"{job.preset}'s parameters, gradients and {job.optimizer.name} state alone need "
-        f"{format_bytes(total)} (analytic, {job.precision.name}{per}), more than the "
-        f"{format_bytes(available)} {where}: no memory policy can make it fit; train it where "
-        f"it fits, or see its plan: jaxmem plan --preset {job.preset} --target h100",
-    )
-
-
-def prepare_job(
-    job: JobConfig,
-    out_dir: str | None,
-    *,
-    resume: bool = False,
-    check_backend: Callable[[JobConfig], None] = lambda job: None,
-    primary: bool = True,
-) -> PreparedJob:
-    """Check everything about ``job`` that can be checked before training; write nothing.
-    ``check_backend`` raises ``ConfigError`` for what the framework's backend cannot run.
-    A non-``primary`` process of a multi-process run skips the checks that belong to the
-    directory's owner (lock, emptiness, writability): process 0 makes them."""
-    check_backend(job)
-    require(not (resume and out_dir is None), "--resume needs --out, the directory of the run")
-    resume_step, skipped = _check_run_dir(job, out_dir, resume, primary)
-    if job.run.init_from is not None and resume_step is None:
-        _check_init_from(job)  # before anything is written: the weights fit, every one
-    tokenizer = job_tokenizer(job)
-    dataset = data_lib.load_dataset(
-        job.data.path,
-        val_fraction=job.data.val_fraction,
-        vocab_size=job.model.vocab_size,
-        tokenizer=tokenizer,
-    )
-    need = job.run.seq_len + 2
-    for name, tokens in (("train", dataset.train), ("validation", dataset.val)):
-        if tokens.size < need:
-            raise data_lib.DataError(
-                f"seq_len={job.run.seq_len} needs at least {need} tokens but the {name} split "
-                f"of {dataset.source} has {tokens.size}; use a shorter --seq-len or more data"
-            )
-    return PreparedJob(
-        job=job,
-        dataset=dataset,
-        out_dir=out_dir,
-        resume_step=resume_step,
-        skipped=skipped,
-        primary=primary,
-        tokenizer=tokenizer,
-    )
-
-
-def model_dir(job: JobConfig) -> str | None:
-    """The Hugging Face model directory the job's model comes from: ``run.init_from``, or a
-    ``--preset DIR``; None for a named preset."""
-    from jaxmem.config import PRESETS
-
-    if job.run.init_from is not None:
-        return job.run.init_from
-    return None if job.preset in PRESETS else job.preset
-
-
-def job_tokenizer(job: JobConfig) -> Any:
-    """The run's tokenizer: its model directory's ``tokenizer.json`` when there is one, else
-    bytes (``ConfigError`` when the directory named in the run's config is gone)."""
-    from jaxmem.tokenizer import tokenizer_for
-
-    directory = model_dir(job)
-    require(
-        directory is None or os.path.isdir(directory),
-        f"the run's model directory {directory} does not exist (any more); its tokenizer and "
-        "config come from there: put it back or start a new run",
-    )
-    return tokenizer_for(directory)
-
-
-def _check_init_from(job: JobConfig) -> None:
-    """``--init-from DIR``: the model computes DIR's function and DIR's checkpoint holds every
-    weight it needs (read from the safetensors headers, no data)."""
-    from jaxmem.hub import disagreements, model_config_from_dir
-    from jaxmem.hub_weights import inventory
-
-    directory = job.run.init_from
-    theirs = model_config_from_dir(directory)
-    differ = disagreements(job.model, theirs)
-    require(
-        not differ,
-        f"--init-from {directory}: the model ({job.preset}) differs from its config.json: "
-        + "; ".join(differ[:4])
-        + " (ours vs theirs); drop --preset and the model settings, or give matching ones",
-    )
-    inventory(directory, job.model)
-
-
-def _check_in_use(out_dir: str) -> None:
-    """Refuse a run directory whose lock another live process holds (without taking it)."""
-    import fcntl
-
-    path = os.path.join(out_dir, LOCK_FILE)
-    if not os.path.isfile(path):
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    except BlockingIOError:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        raise ConfigError(
-            f"run directory {out_dir} is in use by process {owner}; wait for it to finish or "
-            "choose another --out"
-        ) from None
-    finally:
-        os.close(fd)
-
-
-def _check_run_dir(
-    job: JobConfig, out_dir: str | None, resume: bool, primary: bool = True
-) -> tuple[int | None, tuple[tuple[int, str], ...]]:
-    """The step to resume from (None: a new run) and the newer steps that do not verify."""
-    if out_dir is None or (not primary and not resume):
-        return None, ()
-    require(
-        not (os.path.exists(out_dir) and not os.path.isdir(out_dir)),
-        f"--out {out_dir} is a file; give a directory",
-    )
-    if os.path.isdir(out_dir) and primary:
-        _check_in_use(out_dir)
-    if not resume:
-        if os.path.isdir(out_dir) and not _holds_only_the_lock(out_dir):
-            hint = (
-                "add --resume to continue it"
-                if os.path.isdir(os.path.join(out_dir, CHECKPOINT_DIR))
-                else "choose a new directory"
-            )
-            raise ConfigError(f"--out {out_dir} exists and is not empty; {hint}")
-        parent = out_dir if os.path.isdir(out_dir) else os.path.dirname(os.path.abspath(out_dir))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        # Try it (os.access says yes to root even on read-only mounts); nothing is left behind.
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".jaxmem-write-test-", dir=parent))
-        except OSError:
-            raise ConfigError(
-                f"--out {out_dir}: {parent} is not writable; choose another --out"
-            ) from None
-        return None, ()
-    require(
-        os.path.isdir(out_dir),
-        f"--resume: {out_dir} does not exist; start the run without --resume",
-    )
-    require(os.access(out_dir, os.W_OK), f"--resume: {out_dir} is not writable")
-    from jaxmem.train.checkpoint import latest_checkpoint  # orbax reads a JAX run's layout
-
-    step, saved, skipped = latest_checkpoint(out_dir)
-    reasons = "; ".join(f"{s}: {why}" for s, why in skipped)
-    require(
-        step is not None and saved is not None,
-        f"--resume: {out_dir} holds no checkpoint that verifies"
-        + (f" ({reasons})" if reasons else "")
-        + "; start a new run in another directory",
-    )
-    conflicts = config_conflicts(saved, job.to_dict())
-    require(
-        not conflicts,
-        f"--resume: the config contradicts the checkpoint in {out_dir}: "
-        + "; ".join(conflicts)
-        + " (resume with the saved config: drop those flags)",
-    )
-    require(
-        step < job.run.steps,
-        f"--resume: {out_dir} is already at step {step} of {job.run.steps}; "
-        f"raise --steps above {step} to train further",
-    )
-    return step, tuple(skipped)
-
-
-# ------------------------------------------------------------------------------------ run files
-class RunFiles:
-    """The files of a run directory. ``metrics.jsonl`` is appended and flushed at every host
-    sync, so a killed run leaves every synced step on disk; a resumed run first drops the lines
-    after its checkpoint."""
-
-    def __init__(self, out_dir: str | None, job: JobConfig):
-        self.out_dir, self.job = out_dir, job
-        self.records: list[dict[str, Any]] = []
-
-    def path(self, name: str) -> str:
-        assert self.out_dir is not None
-        return os.path.join(self.out_dir, name)
-
-    def start(self, resume_step: int | None) -> None:
-        if self.out_dir is None:
-            return
-        os.makedirs(self.out_dir, exist_ok=True)
-        write_config(self.job, self.path("config.yaml"))
-        metrics = self.path("metrics.jsonl")
-        if resume_step is not None and os.path.exists(metrics):
-            # back to the checkpoint's step: a resumed run's file equals an uninterrupted one's
-            # (a line cut by a kill mid-write is dropped with the steps after the checkpoint)
-            kept = [r for r in read_metrics(metrics)[0] if r["step"] <= resume_step]
-            write_atomic(metrics, "".join(json.dumps(r) + "\n" for r in kept))
-            self.records = kept
-        elif os.path.exists(metrics):
-            os.remove(metrics)
-
-    def append(self, records: Sequence[dict[str, Any]]) -> None:
-        self.records.extend(records)
-        if self.out_dir is None or not records:
-            return
-        with open(self.path("metrics.jsonl"), "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-
-    def finish(self, summary: dict[str, Any], sample: str | None) -> list[str]:
-        if self.out_dir is None:
-            return []
-        written = ["config.yaml", "metrics.jsonl"]
-        write_json_atomic(self.path("summary.json"), summary)
-        written.append("summary.json")
-        if sample is not None:
-            write_atomic(self.path("sample.txt"), sample)
-            written.append("sample.txt")
-        plot_losses([(self.job.run.framework, self.records)], self.path("loss.png"))
-        written.append("loss.png")
-        return written
-
-
-def read_metrics(path: str) -> tuple[list[dict[str, Any]], int]:
-    """The step records of a ``metrics.jsonl`` and how many lines could not be read (a line a
-    killed run left half-written)."""
-    records, partial = [], 0
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                partial += 1
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                records.append(record)
-            else:
-                partial += 1
-    return records, partial
-
-
-def finite_losses(records: Sequence[dict[str, Any]]) -> int:
-    """How many of a run's step records hold a finite training loss."""
-    return sum(1 for r in records if isinstance(r.get("loss"), float) and math.isfinite(r["loss"]))
-
-
-def plot_losses(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str) -> None:
-    """Train (and validation) loss against step for one or more runs, on one plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (label, records) in enumerate(runs):
-        color = f"C{i}"
-        train = [(r["step"], r["loss"]) for r in records if math.isfinite(r["loss"])]
-        if train:
-            ax.plot(*zip(*train, strict=True), color=color, lw=1, label=f"{label} train")
-        val = [
-            (r["step"], r["val_loss"])
-            for r in records
-            if r.get("val_loss") is not None and math.isfinite(r["val_loss"])
-        ]
-        if val:
-            ax.plot(*zip(*val, strict=True), "o--", color=color, label=f"{label} validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title("training loss")
-    if ax.get_legend_handles_labels()[0]:  # a run with no finite loss draws nothing
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------- helpers
-def is_out_of_memory(error: BaseException) -> bool:
-    """A real out-of-memory from XLA or PyTorch; not a full disk, which tensorstore also reports
-    as RESOURCE_EXHAUSTED."""
-    if disk_error(error) is not None:
-        return False
-    text = str(error)
-    return (
-        "RESOURCE_EXHAUSTED" in text
-        or "out of memory" in text.lower()
-        or type(error).__name__ == "OutOfMemoryError"  # torch.cuda.OutOfMemoryError
-    )
-
-
-def out_of_memory_message(
-    job: JobConfig, planned_bytes: int | None, where: str, *, can_offload: bool
-) -> str:
-    """What to say when a compile or step runs out of memory: the plan, and what to try."""
-    plan = (
-        f"the step plans {format_bytes(planned_bytes)} (compiled plan)"
-        if planned_bytes is not None
-        else "no plan was available"
-    )
-    name = job.memory.name
-    order = [p for p in CHEAPER_POLICIES if can_offload or p != "offload"]
-    cheaper = order[order.index(name) + 1 :] if name in order else ["full", "nested"]
-    tips = [f"--policy {cheaper[0]}"] if cheaper else []
-    if job.run.batch_size > 1:
-        tips.append(f"--accum {2 * job.accum.steps} (same batch, smaller microbatches)")
-    if job.precision.name == "fp32":
-        tips.append("--precision bf16")
-    return f"out of memory {where} with policy {name!r}: {plan}; try " + ", or ".join(
-        tips or ["a smaller --batch-size or --seq-len"]
-    )
-
-
 def val_batches(dataset: data_lib.Dataset, job: JobConfig) -> list[dict[str, np.ndarray]]:
     """The fixed validation batches (the same for every evaluation, and in both frameworks)."""
     r = job.run
@@ -500,180 +136,6 @@ def progress_bar(console: Console) -> Progress:
     )
 
 
-# ------------------------------------------------------------------------------- the run dir
-LOCK_FILE = ".jaxmem.lock"
-
-
-class RunLock:
-    """An exclusive lock on a run directory for the whole run (``fcntl.flock`` on
-    ``<run>/.jaxmem.lock``, which holds the owner's pid). The OS releases it when the process
-    ends, however it ends; a second run on the directory is refused, naming the owner."""
-
-    def __init__(self, out_dir: str):
-        self.out_dir = out_dir
-        self.path = os.path.join(out_dir, LOCK_FILE)
-        self._fd: int | None = None
-        self.created_dir = False
-
-    def acquire(self) -> None:
-        import fcntl
-
-        if not os.path.isdir(self.out_dir):
-            os.makedirs(self.out_dir)
-            self.created_dir = True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise ConfigError(
-                f"run directory {self.out_dir} is in use by process {owner}; wait for it to "
-                "finish or choose another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the lock
-            self._fd = None
-
-    def abandon(self) -> None:
-        """Release, and remove what acquiring created when nothing else was written."""
-        self.release()
-        if self.created_dir and os.listdir(self.out_dir) == [LOCK_FILE]:
-            os.remove(self.path)
-            os.rmdir(self.out_dir)
-
-
-def _holds_only_the_lock(out_dir: str) -> bool:
-    return not [n for n in os.listdir(out_dir) if n != LOCK_FILE]
-
-
-class RunInterrupted(RuntimeError):
-    """Ctrl-C or SIGTERM: the run stopped after a step (and saved it); the CLI exits with 130."""
-
-
-class _StopRequests:
-    """SIGINT and SIGTERM ask the loop to stop after the current step (torchtitan and the HF
-    Trainer checkpoint on a signal the same way); a second signal aborts at once.
-
-    Python runs a signal's handler once however many times the signal arrived while the main
-    thread was busy in native code (a step, a save): two Ctrl-C 50 ms apart would read as one
-    and save. The C-level handler also writes one byte per delivery to the wakeup fd
-    (``signal.set_wakeup_fd``), so the handler counts deliveries there instead."""
-
-    SIGNALS = ("SIGINT", "SIGTERM")
-
-    def __init__(self, console: Console):
-        self.console = console
-        self.signal: str | None = None
-        self._old: dict[int, Any] = {}
-        self._pipe: tuple[int, int] | None = None
-        self._old_wakeup = -1
-
-    def __enter__(self) -> _StopRequests:
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            self._pipe = os.pipe()
-            for fd in self._pipe:
-                os.set_blocking(fd, False)
-            self._old_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
-            for name in self.SIGNALS:
-                number = getattr(signal, name)
-                self._old[number] = signal.signal(number, self._handle)
-        return self
-
-    def _deliveries(self) -> int:
-        """Stop signals delivered since the last call (at least the one being handled)."""
-        import signal
-
-        numbers = {int(getattr(signal, name)) for name in self.SIGNALS}
-        count = 0
-        while self._pipe is not None:
-            try:
-                data = os.read(self._pipe[0], 512)
-            except BlockingIOError:
-                break
-            if not data:
-                break
-            count += sum(1 for byte in data if byte in numbers)
-        return max(count, 1)
-
-    def _handle(self, number: int, frame: Any) -> None:
-        import signal
-
-        deliveries = self._deliveries()
-        if self.signal is not None or deliveries > 1:  # the second one: abort without saving
-            self.signal = self.signal or signal.Signals(number).name
-            signal.signal(number, signal.SIG_DFL)
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(number).name
-        self.console.print(
-            f"[yellow]{self.signal}: stopping after this step and saving it (again to abort "
-            "without saving)[/]"
-        )
-
-    def __exit__(self, *exc: object) -> None:
-        import signal
-
-        for number, handler in self._old.items():
-            signal.signal(number, handler)
-        if self._pipe is not None:
-            signal.set_wakeup_fd(self._old_wakeup)
-            for fd in self._pipe:
-                os.close(fd)
-            self._pipe = None
-
-
-def last_verified(out_dir: str, every_process: bool = False, launcher: str = "") -> str:
-    """The newest checkpoint of a run that verifies, in words, with the command that continues
-    from it (for a message): ``every_process``: a JAX multi-process run (each process resumes);
-    ``launcher``: what the command runs under (torchrun's)."""
-    directory = os.path.join(out_dir, CHECKPOINT_DIR)
-    step = newest_verified(directory)[0] if os.path.isdir(directory) else None
-    if step is None:
-        return "none"
-    where = ", on every process with its --coordinator/--num-processes/--process-id"
-    return (
-        f"step {step} in {directory} (continue with: {launcher}jaxmem train --out {out_dir} "
-        f"--resume{where if every_process else ''})"
-    )
-
-
-def disk_error(error: BaseException) -> OSError | None:
-    """The OS write error behind ``error`` (itself, a cause, or one that orbax/tensorstore report
-    in their message, e.g. ENOSPC as RESOURCE_EXHAUSTED), or None."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            return e
-        text = str(e)
-        for errno_name, words in _OS_ERROR_TEXT.items():
-            if words in text:
-                import errno
-
-                code = getattr(errno, errno_name)
-                return OSError(code, os.strerror(code))
-        e = e.__cause__ or e.__context__
-    return None
-
-
-_OS_ERROR_TEXT = {
-    "ENOSPC": "No space left on device",
-    "EDQUOT": "Disk quota exceeded",
-    "EFBIG": "File too large",
-    "EROFS": "Read-only file system",
-    "EIO": "Input/output error",
-}
-
-
 # ----------------------------------------------------------------------------------------- run
 def run_job(
     prepared: PreparedJob, make_trainer: Callable[[], Trainer], console: Console
@@ -687,7 +149,7 @@ def run_job(
     if lock is not None:
         lock.acquire()
         # Checked again under the lock: two runs may both have seen an empty directory.
-        if prepared.resume_step is None and not _holds_only_the_lock(prepared.out_dir):
+        if prepared.resume_step is None and not holds_only_the_lock(prepared.out_dir):
             lock.abandon()
             raise ConfigError(f"--out {prepared.out_dir} exists and is not empty; add --resume")
     elif prepared.out_dir is None:
@@ -696,7 +158,7 @@ def run_job(
             "pass --out DIR to keep it[/]"
         )
     try:
-        with _StopRequests(console) as stop:
+        with StopRequests(console) as stop:
             for step, reason in prepared.skipped if prepared.primary else ():
                 where = quarantine(prepared.out_dir, step)
                 console.print(
@@ -710,7 +172,7 @@ def run_job(
 
 
 def _train(
-    prepared: PreparedJob, trainer: Trainer, console: Console, stop: _StopRequests
+    prepared: PreparedJob, trainer: Trainer, console: Console, stop: StopRequests
 ) -> dict[str, Any]:
     return _Run(prepared, trainer, console, stop).train()
 
@@ -721,7 +183,7 @@ class _Run:
     writing, so any failure names both."""
 
     def __init__(
-        self, prepared: PreparedJob, trainer: Trainer, console: Console, stop: _StopRequests
+        self, prepared: PreparedJob, trainer: Trainer, console: Console, stop: StopRequests
     ):
         self.prepared, self.trainer, self.console, self.stop = prepared, trainer, console, stop
         self.job = prepared.job

@@ -29,6 +29,7 @@ from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.model.flash import KERNEL_NAMES
 from jaxmem.policy import HOST_MEMORY_KIND
+from jaxmem.run_layout import CHECKPOINT_DIR
 from jaxmem.sharding import (
     ensure_cpu_devices,
     mesh,
@@ -45,18 +46,14 @@ from jaxmem.step.train_step import (
     tree_bytes,
     valid_tokens,
 )
-from jaxmem.train.layout import CHECKPOINT_DIR
-from jaxmem.train.loop import (
+from jaxmem.train.loop import RunFailed, run_job, train_batch, val_batches
+from jaxmem.train.prepare import (
     PreparedJob,
-    RunFailed,
     check_resident,
     host_available_bytes,
     is_out_of_memory,
     out_of_memory_message,
     prepare_job,
-    run_job,
-    train_batch,
-    val_batches,
 )
 
 

@@ -1,5 +1,6 @@
 """Where a run keeps its checkpoints, how each proves it is whole, and how to read a checkpoint's
-saved config without loading any array (pure: no JAX, no PyTorch).
+saved config without loading any array (pure: no JAX, no PyTorch). A base module, below both
+frameworks' training code: torch_ref's checkpoints use it without importing ``jaxmem.train``.
 
 Two layouts live under ``<run>/checkpoints/<step>/``:
 
