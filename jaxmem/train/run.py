@@ -2,9 +2,10 @@
 
 ``prepare`` checks the job against this backend (offload needs ``pinned_host``; fp16 a backend
 that computes in it; optimizer state or parameters in ``pinned_host`` need that memory kind),
-then the generic checks of ``jaxmem.train.loop.prepare_job``. ``run_training`` compiles the step
-(an out-of-memory compile reports a cheaper policy), restores the latest checkpoint when
-resuming, and trains through the shared loop. Parameters and optimizer state are donated to the
+then the generic checks of ``jaxmem.train.prepare.prepare_job``. ``run_training`` compiles the
+step ``jaxmem.step.build.build_step`` builds for the job (an out-of-memory compile reports a
+cheaper policy), restores the latest checkpoint when resuming, and trains through the shared
+loop. Parameters and optimizer state are donated to the
 step; the host syncs only when the loop fetches metrics.
 """
 
