@@ -2,7 +2,7 @@
 checkpointing policy, at a GPU-scale batch? Measured on this machine, on fake tensors.
 
 The model is built from a config on the ``meta`` device (random init, no download, no memory);
-``torch_ref.measure.saved_activations`` runs one forward and loss on fake tensors
+``torch_ref.module_memory.saved_activations`` runs one forward and loss on fake tensors
 (``FakeTensorMode``) and reports what the backward will read, by op, and the matmul FLOPs of
 forward + backward. The checkpoint units are the decoder layers, ``model.layers.*``, wrapped
 from outside with stock ``torch.utils.checkpoint``.
@@ -26,7 +26,7 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from torch_ref.measure import MODES, CheckpointPlan, SavedActivations, saved_activations
+from torch_ref.module_memory import MODES, CheckpointPlan, SavedActivations, saved_activations
 
 # Llama 3.2 1B's shape (about 1.2 B parameters, tied embeddings)
 LLAMA_1B = {

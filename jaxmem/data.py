@@ -9,7 +9,7 @@ Other sources: a text file or a directory of text files (tokenized on load), or 
 pre-tokenized ``train.bin`` / ``val.bin`` files (raw little-endian ``uint16``, no header, as
 written by karpathy/nanoGPT's ``data/*/prepare.py``; ``uint32`` for vocabularies above 65,536
 ids, as ``meta.json`` says) with our ``meta.json`` beside them; ``prepare_bin`` writes those.
-Text is byte-tokenized unless a ``tokenizer`` is given (``jaxmem.tokenizer``: a Hugging Face
+Text is byte-tokenized unless a ``tokenizer`` is given (``jaxmem.hf.tokenizer``: a Hugging Face
 model directory's ``tokenizer.json``); ``meta.json`` names the tokenizer a ``.bin`` was made
 with. Batches are a pure function of ``(seed, step)`` (``batch_at``) so a resumed run sees
 exactly the data it would have seen, and ``Prefetcher`` overlaps building and transferring the
@@ -80,7 +80,7 @@ def stdlib_files() -> list[pathlib.Path]:
 
 def stdlib_corpus(max_bytes: int = 8 << 20, tokenizer: Any = None) -> np.ndarray:
     """Up to ``max_bytes`` tokens of standard-library source, files separated by ``EOS``. With
-    a ``tokenizer`` (``jaxmem.tokenizer``): the same ``max_bytes`` of source, tokenized by it."""
+    a ``tokenizer`` (``jaxmem.hf.tokenizer``): the same ``max_bytes`` of source, tokenized by it."""
     chunks: list[np.ndarray] = []
     total = 0
     for path in stdlib_files():
@@ -134,17 +134,6 @@ def lm_batch(cfg: Any, batch: int, seq_len: int, seed: int = 0) -> tuple[np.ndar
     return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
 
 
-def seed_example_data(
-    batch: int = 32, seq_len: int = 64, d_model: int = 512, seed: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """The seeds' training example's fixed input and target (``torch.randn`` in the seed; numpy
-    here so both frameworks see the same numbers)."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, seq_len, d_model), dtype=np.float32)
-    target = rng.standard_normal((batch, seq_len, d_model), dtype=np.float32)
-    return x, target
-
-
 def random_windows(
     tokens: np.ndarray, batch: int, seq_len: int, seed: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -190,7 +179,7 @@ def _text_files(root: pathlib.Path) -> list[pathlib.Path]:
 
 def load_text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
     """Byte tokens (``uint16``) of a text file, or of every text file under a directory; with a
-    ``tokenizer`` (``jaxmem.tokenizer``), its ids instead (files separated by its separator).
+    ``tokenizer`` (``jaxmem.hf.tokenizer``), its ids instead (files separated by its separator).
 
     Bytes are used as-is: the byte tokenizer needs no decoding, so text in any encoding (or
     invalid UTF-8) loads fine. A directory is walked recursively in sorted path order; files
@@ -328,7 +317,7 @@ def prepare_bin(
     tokenizer: Any = None,
 ) -> dict[str, Any]:
     """Tokenize ``src`` into ``out_dir/{train.bin, val.bin, meta.json}``; returns the meta dict.
-    Byte tokens in ``uint16``, or ``tokenizer``'s ids (``jaxmem.tokenizer``) in the dtype its
+    Byte tokens in ``uint16``, or ``tokenizer``'s ids (``jaxmem.hf.tokenizer``) in the dtype its
     vocabulary needs (``bin_dtype``), recorded in ``meta.json`` with the tokenizer's name.
 
     ``src`` is a text file or directory (see ``load_text_tokens``), or ``None`` for the embedded

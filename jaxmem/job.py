@@ -44,7 +44,7 @@ from jaxmem.config import (
     OptimizerConfig,
     require,
 )
-from jaxmem.hub import resolve_preset
+from jaxmem.hf.config import resolve_preset
 from jaxmem.parallel import ParallelConfig
 from jaxmem.policy import (
     MemoryPolicy,

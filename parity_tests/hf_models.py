@@ -16,8 +16,8 @@ import torch
 from flax import nnx
 
 from jaxmem.compare.parity import dtype_context, precision_of
-from jaxmem.hub import model_config_from_dir
-from jaxmem.hub_weights import hf_tensors
+from jaxmem.hf.config import model_config_from_dir
+from jaxmem.hf.keys import hf_tensors
 from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
 from jaxmem.model.hf import flat_params, load_hf_weights
@@ -133,7 +133,7 @@ def jaxmem_loss_and_grads(
 ) -> tuple[float, np.ndarray, dict[str, np.ndarray]]:
     """The same from jaxmem's model loaded from ``directory`` (stored and computed in
     ``dtype``), under ``policy``'s translation (``jaxmem.memory.remat.layers_fn``);
-    gradients keyed by Hugging Face's names (``jaxmem.hub_weights.hf_tensors``)."""
+    gradients keyed by Hugging Face's names (``jaxmem.hf.keys.hf_tensors``)."""
     cfg = model_config_from_dir(directory)
     with dtype_context(dtype):
         model = make_model(cfg, precision_of(dtype))
@@ -158,9 +158,9 @@ def hf_names(grads: dict[str, np.ndarray], directory: str) -> dict[str, np.ndarr
 
 
 def _checkpoint_keys(directory: str) -> set[str]:
-    from jaxmem.hub_weights import key_map
+    from jaxmem.hf.keys import key_map
 
-    return {e.key for e in key_map(model_config_from_dir(directory))}
+    return {e.key for e in key_map(model_config_from_dir(directory), "hf")}
 
 
 @contextlib.contextmanager
@@ -178,7 +178,7 @@ def float64_internals() -> Iterator[None]:
         return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
 
     def rope_forward(self, x, position_ids):
-        from jaxmem.hub import model_config_from_hf
+        from jaxmem.hf.config import model_config_from_hf
 
         cfg = model_config_from_hf(self.config.to_dict())
         inv = torch.from_numpy(inverse_frequencies(cfg))

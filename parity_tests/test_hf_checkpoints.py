@@ -124,7 +124,7 @@ def _jaxmem(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def _exported_logits_match(run: str, out: str) -> None:
     """``out`` (``jaxmem export`` of ``run``) in transformers gives the logits of jaxmem's model
     holding the run's newest checkpoint."""
-    from jaxmem.hub import disagreements, model_config_from_dir
+    from jaxmem.hf.config import disagreements, model_config_from_dir
     from jaxmem.job import JobConfig
     from jaxmem.model import make_model
     from jaxmem.model.hf import load_hf_weights
@@ -236,8 +236,8 @@ def test_gpt2_trains_twenty_steps_as_jaxmem_does(tmp_path, optimizer):
     """20 steps of transformers' GPT-2 under torch.optim (decay on matrices and embeddings
     only, as jaxmem) and of jaxmem's step: the same losses and the same final weights."""
     from jaxmem.config import OptimizerConfig
-    from jaxmem.hub import model_config_from_dir
-    from jaxmem.hub_weights import hf_tensors
+    from jaxmem.hf.config import model_config_from_dir
+    from jaxmem.hf.keys import hf_tensors
     from jaxmem.model import make_model
     from jaxmem.model.hf import flat_params, load_hf_weights
     from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step

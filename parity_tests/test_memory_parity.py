@@ -206,7 +206,7 @@ def test_torch_saved_tensor_hooks_agree_with_live_accounting():
     through autograd) they agree to the byte; under a selective policy the hooks miss exactly
     the tensors the policy keeps itself (held by the lean extension's dispatch mode, not by
     autograd)."""
-    from torch_ref.memory import forward_live_bytes, saved_tensor_bytes
+    from torch_ref.forward_memory import forward_live_bytes, saved_tensor_bytes
 
     for name in ("none", "full", "selective"):
         model, runner, x = _torch_case(name, "lean")

@@ -24,11 +24,12 @@ from flax import nnx
 from torch.utils.flop_counter import FlopCounterMode
 
 import torch_ref
+from jaxmem.compare import seed_example
 from jaxmem.compare.parity import dtype_context, model_in, torch_model_from
 from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import load_torch_state_dict, to_torch_state_dict
 from jaxmem.config import PRESETS, ConfigError
-from jaxmem.data import lm_batch, seed_example_data
+from jaxmem.data import lm_batch
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import PEEL_FROM, layers_fn
 from jaxmem.memory.residuals import saved_residuals
@@ -48,10 +49,8 @@ from jaxmem.policy import (
 )
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.train_step import lm_loss_fn
-from jaxmem.train import seed_example as jax_seed
-from torch_ref import seed_example as torch_seed
+from torch_ref.forward_memory import forward_live_bytes
 from torch_ref.loss import cross_entropy_sum
-from torch_ref.memory import forward_live_bytes
 from torch_ref.remat import (
     OffloadCheckpoint,
     apply_memory_policy,
@@ -678,13 +677,13 @@ def test_tags_a_model_does_not_produce_are_refused_by_name_and_ignored_by_preset
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_seed_example_runs_under_every_policy_in_both_frameworks(name):
     policy = POLICIES[name]
-    data = seed_example_data(batch=2, seq_len=16)
-    stack = torch_ref.BlockStack(jax_seed.SEED_CONFIG)
+    data = seed_example.seed_example_data(batch=2, seq_len=16)
+    stack = torch_ref.BlockStack(seed_example.SEED_CONFIG)
     state = {k: v.detach().clone() for k, v in stack.state_dict().items()}
-    losses_t = torch_seed.train(2, data=data, state_dict=state, policy=policy)
-    jax_stack = BlockStack(jax_seed.SEED_CONFIG, rngs=nnx.Rngs(0))
+    losses_t = seed_example.train_torch(2, data=data, state_dict=state, policy=policy)
+    jax_stack = BlockStack(seed_example.SEED_CONFIG, rngs=nnx.Rngs(0))
     load_torch_state_dict(jax_stack, {k: v.numpy() for k, v in state.items()})
-    losses_j = jax_seed.train(2, data=data, stack=jax_stack, policy=policy)
+    losses_j = seed_example.train_jax(2, data=data, stack=jax_stack, policy=policy)
     tol = tolerance(F32, "adamw_loss")
     np.testing.assert_allclose(losses_j, losses_t, rtol=tol.rtol, atol=tol.atol)
 

@@ -1,8 +1,8 @@
-"""``torch_ref.measure`` on models it has never seen: the saved bytes of a stack of MLP blocks
-equal the sums written out by hand under each mode, fake tensors give the real figures, FLOPs
-move by exactly the recomputed matmuls, the CPU step peak equals a hand count and PyTorch's own
-``MemTracker``, the figures on torch_ref's decoder equal ``torch_ref.memory``'s, and a Hugging
-Face model runs under every mode."""
+"""``torch_ref.module_memory`` on models it has never seen: the saved bytes of a stack of MLP
+blocks equal the sums written out by hand under each mode, fake tensors give the real figures,
+FLOPs move by exactly the recomputed matmuls, the CPU step peak equals a hand count and
+PyTorch's own ``MemTracker``, the figures on torch_ref's decoder equal
+``torch_ref.forward_memory``'s, and a Hugging Face model runs under every mode."""
 
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 import torch_ref
 from jaxmem.config import PRESETS, ConfigError
 from jaxmem.policy import POLICIES
+from torch_ref.forward_memory import forward_live_bytes, saved_tensor_bytes
 from torch_ref.loss import cross_entropy_sum
-from torch_ref.measure import (
+from torch_ref.module_memory import (
     CheckpointPlan,
     ModelError,
     applied,
     saved_activations,
     step_peak,
 )
-from torch_ref.memory import forward_live_bytes, saved_tensor_bytes
 from torch_ref.remat import apply_memory_policy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_the_saved_bytes_are_labelled_by_op_and_by_module(stack, batch):
 
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 def test_the_figures_equal_an_independent_live_tensor_count(stack, batch, mode):
-    """``torch_ref.memory.forward_live_bytes`` counts every storage the forward left alive,
+    """``torch_ref.forward_memory.forward_live_bytes`` counts every storage the forward left alive,
     whoever holds it: selective checkpointing's cache included."""
     saved = saved_activations(stack, batch, policy=plan(mode), fake=False)
     with applied(stack, plan(mode)):

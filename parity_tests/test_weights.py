@@ -10,7 +10,6 @@ from safetensors.torch import save_file as torch_save_file
 import torch_ref
 from jaxmem.compare.weights import (
     WeightMapError,
-    key_map,
     load_safetensors,
     load_torch_state_dict,
     read_safetensors_config,
@@ -18,6 +17,7 @@ from jaxmem.compare.weights import (
     to_torch_state_dict,
 )
 from jaxmem.config import PRESETS, ModelConfig
+from jaxmem.hf.keys import key_map
 from jaxmem.model import Block, Decoder
 
 ODD = ModelConfig(
@@ -51,18 +51,18 @@ def test_key_map_covers_the_torch_model_exactly(name, scope):
         "stack": torch_ref.BlockStack,
         "block": torch_ref.Block,
     }[scope](cfg)
-    entries = key_map(cfg, scope)
-    keys = [e.torch_key for e in entries]
-    paths = [(e.jax_path, e.layer) for e in entries]
+    entries = key_map(cfg, "torch_ref", scope)
+    keys = [e.key for e in entries]
+    paths = [(e.path, e.layer) for e in entries]
     assert len(set(keys)) == len(keys) and len(set(paths)) == len(paths)
     assert set(keys) == set(torch_model.state_dict())
     for e in entries:
-        assert tuple(torch_model.state_dict()[e.torch_key].shape) == e.torch_shape
+        assert tuple(torch_model.state_dict()[e.key].shape) == e.shape
 
 
 def test_the_llama_block_maps_the_grouped_projection_and_the_gated_mlp():
     cfg = PRESETS["tiny-llama"]  # d 64, 4 heads of 16, 2 key/value heads, d_ff 160
-    shapes = {e.torch_key: e.torch_shape for e in key_map(cfg, "block")}
+    shapes = {e.key: e.shape for e in key_map(cfg, "torch_ref", "block")}
     assert shapes == {
         "self_attn.in_proj_weight": (64 + 2 * 32, 64),  # q, k, v rows
         "self_attn.out_proj.weight": (64, 64),
@@ -72,9 +72,9 @@ def test_the_llama_block_maps_the_grouped_projection_and_the_gated_mlp():
         "norm1.weight": (64,),
         "norm2.weight": (64,),
     }
-    decoder = {e.torch_key for e in key_map(cfg)}
+    decoder = {e.key for e in key_map(cfg, "torch_ref")}
     assert "wpe.weight" not in decoder and {"norm_f.weight", "lm_head.weight"} <= decoder
-    assert {e.torch_key for e in key_map(QWEN2, "block")} - set(shapes) == {
+    assert {e.key for e in key_map(QWEN2, "torch_ref", "block")} - set(shapes) == {
         "self_attn.in_proj_bias"
     }
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxmem.config import PRESETS, ConfigError, ModelConfig
-from jaxmem.hub import (
+from jaxmem.hf.config import (
     disagreements,
     hf_config_from_model,
     hf_model_type,
@@ -23,13 +23,8 @@ from jaxmem.hub import (
     model_config_from_hf,
     resolve_preset,
 )
-from jaxmem.hub_weights import (
-    hf_tensors,
-    key_map,
-    param_shapes,
-    read_params,
-    write_safetensors,
-)
+from jaxmem.hf.files import read_params, write_safetensors
+from jaxmem.hf.keys import hf_tensors, key_map, param_shapes
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -186,7 +181,7 @@ def test_the_key_map_is_the_models_parameter_tree_and_reads_back_exactly(name, t
     _, state = nnx.split(make_model(cfg), nnx.Param)
     actual = {tuple(map(str, p)): tuple(v[...].shape) for p, v in nnx.to_flat_state(state)}
     assert actual == param_shapes(cfg)
-    keys = [e.key for e in key_map(cfg)]
+    keys = [e.key for e in key_map(cfg, "hf")]
     assert len(keys) == len(set(keys))
     params = random_params(cfg)
     directory = tmp_path / "model"
@@ -283,7 +278,7 @@ def test_prepare_with_a_tokenizer_writes_the_dtype_its_vocabulary_needs(
 ):
     from jaxmem import data
     from jaxmem.cli import main
-    from jaxmem.tokenizer import HFTokenizer
+    from jaxmem.hf.tokenizer import HFTokenizer
 
     words = "the cat sat on mat and dog log".split() + [f"w{i}" for i in range(extra_words)]
     model = word_tokenizer(tmp_path / "model", words)

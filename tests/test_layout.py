@@ -31,10 +31,12 @@ PURE = (
     "jaxmem.memory.analytic",
     "jaxmem.memory.targets",
     "jaxmem.job",
-    "jaxmem.hub",
-    "jaxmem.hub_weights",
-    "jaxmem.tokenizer",
     "jaxmem.run_layout",
+    "jaxmem.hf",
+    "jaxmem.hf.config",
+    "jaxmem.hf.keys",
+    "jaxmem.hf.files",
+    "jaxmem.hf.tokenizer",
     "jaxmem.train.loop",
     "jaxmem.train.prepare",
     "jaxmem.train.run_dir",
@@ -45,19 +47,24 @@ PURE = (
 # jaxmem's packages from the bottom up. A module imports modules of its own package or of packages
 # below it, never above (lazy imports inside functions included): ``base`` is jaxmem's top-level
 # modules (config, policy, precision, parallel, data, files, figures, run_layout, backend,
-# sharding, distributed, job); ``model`` the decoder; ``memory`` a policy's JAX translation and the
-# measurements that need no train step; ``step`` the jitted train step; ``train`` the job around
-# it; ``planner`` records, peaks and the search, which compile the step; ``compare`` the
-# PyTorch comparison wing; ``cli`` the command line.
+# sharding, distributed, job) and the packages in ``BASE_PACKAGES``; ``model`` the decoder;
+# ``memory`` a policy's JAX translation and the measurements that need no train step; ``step`` the
+# jitted train step; ``train`` the job around it; ``planner`` records, peaks and the search, which
+# compile the step; ``compare`` the PyTorch comparison wing; ``cli`` the command line.
 PACKAGE_ORDER = ("base", "model", "memory", "step", "train", "planner", "compare", "cli")
+# packages of the base level, pure throughout (every module in ``PURE``): Hugging Face's files
+BASE_PACKAGES = ("hf",)
 
 
 def package_level(module: str) -> int:
-    """``module``'s place in ``PACKAGE_ORDER`` (a top-level module of jaxmem is ``base``)."""
+    """``module``'s place in ``PACKAGE_ORDER`` (a top-level module of jaxmem, or a module of a
+    package in ``BASE_PACKAGES``, is ``base``)."""
     parts = module.split(".")
     assert parts[0] == "jaxmem", module
     if len(parts) > 1 and parts[1] in PACKAGE_ORDER:
         return PACKAGE_ORDER.index(parts[1])
+    is_package = (ROOT / "jaxmem" / parts[1] / "__init__.py").exists() if len(parts) > 1 else False
+    assert not is_package or parts[1] in BASE_PACKAGES, f"{module}: jaxmem.{parts[1]} has no level"
     return 0
 
 
@@ -138,7 +145,16 @@ def test_packages_import_only_their_own_level_or_below():
 
 def test_every_jaxmem_package_has_a_place_in_the_order():
     packages = {p.name for p in (ROOT / "jaxmem").iterdir() if (p / "__init__.py").exists()}
-    assert packages <= set(PACKAGE_ORDER), packages - set(PACKAGE_ORDER)
+    placed = set(PACKAGE_ORDER) | set(BASE_PACKAGES)
+    assert packages <= placed, packages - placed
+    assert not set(BASE_PACKAGES) & set(PACKAGE_ORDER)
+    assert {package_level(f"jaxmem.{p}.x") for p in BASE_PACKAGES} == {0}
+
+
+def test_the_base_packages_are_pure_throughout():
+    for package in BASE_PACKAGES:
+        found = set(modules(f"jaxmem/{package}"))
+        assert found and found <= set(PURE), found - set(PURE)
 
 
 def test_the_core_imports_no_pytorch_anywhere_in_its_source():

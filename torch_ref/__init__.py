@@ -6,12 +6,14 @@ Imports no JAX: only jaxmem's pure-data modules (``jaxmem.config``, ``jaxmem.pol
 ``jaxmem.precision``, ``jaxmem.data``, ``jaxmem.run_layout``, and ``jaxmem.positions``: RoPE's
 float64 tables), so a policy, a config object or a rotation means the same thing on both sides.
 Modules: ``model``, ``remat`` (a ``MemoryPolicy`` in stock PyTorch, and torch_ref's labelled
-``lean`` extension), ``train`` (autocast + GradScaler, accumulation, optimizers), ``memory``
-(live-tensor and saved-tensor accounting), ``loss``, ``checkpoint``, ``generate``,
-``seed_example``, ``flops`` (FlopCounterMode formulas for the CPU attention kernels), ``measure``
-(checkpoint plans, saved activations and step peaks for any ``nn.Module``). What needs
-both frameworks (weights from jaxmem, parity, benchmarks, ``jaxmem train --framework torch``) is
-``jaxmem.compare``.
+``lean`` extension), ``train`` (autocast + GradScaler, accumulation, optimizers),
+``forward_memory`` (what a forward leaves for the backward: live-tensor and saved-tensor
+accounting, by tag), ``mesh_memory`` (one step's memory per rank over a mesh), ``loss``,
+``checkpoint``, ``generate``, ``flops`` (FlopCounterMode formulas for the CPU attention
+kernels), ``module_memory`` (the public API for any ``nn.Module``: checkpoint plans in
+``checkpoint_plan``, saved activations in ``module_activations``, step peaks in
+``module_peak``). What needs both frameworks (weights from jaxmem, parity, benchmarks, the
+seeds' example, ``jaxmem train --framework torch``) is ``jaxmem.compare``.
 """
 
 import torch_ref.flops  # noqa: F401  (FLOP formulas for the CPU SDPA kernels; see there)

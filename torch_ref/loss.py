@@ -30,8 +30,8 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# how many ChunkedLMLoss forwards are running: torch_ref.memory's accounting names what they
-# allocate "<loss gradients>" (jaxmem's residual accounting does the same)
+# how many ChunkedLMLoss forwards are running: torch_ref.forward_memory's accounting names what
+# they allocate "<loss gradients>" (jaxmem's residual accounting does the same)
 _forming = [0]
 
 

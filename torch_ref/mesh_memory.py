@@ -120,8 +120,8 @@ def measure(
         "saved_activation_bytes_device": saved.device_bytes,
         "saved_activation_bytes_host": saved.host_bytes,
         "saved_by_name": saved.by_name,
-        "saved_source": f"live after the forward (torch_ref.memory.forward_live_bytes; this "
-        f"rank's storages, a DTensor's local shard; {how})",
+        "saved_source": "live after the forward (torch_ref.forward_memory.forward_live_bytes; "
+        f"this rank's storages, a DTensor's local shard; {how})",
         "peak_bytes": peak,
         "peak_source": f"runtime peak ({kind}, {device.split(':')[0]}; a second step: "
         f"optimizer state included; {how})",
@@ -132,9 +132,9 @@ def _saved_activations(
     model: torch.nn.Module, runner: Any, data: dict[str, torch.Tensor], precision: Precision
 ) -> Any:
     """What one forward of this rank's rows leaves alive for the backward
-    (``torch_ref.memory.forward_live_bytes``, grouped by jaxmem tag over the block stack); the
-    backward then runs and its gradients are dropped."""
-    from torch_ref.memory import forward_live_bytes
+    (``torch_ref.forward_memory.forward_live_bytes``, grouped by jaxmem tag over the block
+    stack); the backward then runs and its gradients are dropped."""
+    from torch_ref.forward_memory import forward_live_bytes
     from torch_ref.train import lm_loss_sum
 
     def forward() -> torch.Tensor:

@@ -252,7 +252,7 @@ def _kept(layer: int, names: tuple[str, ...], memory: str, t: torch.Tensor) -> K
         dtype=t.dtype,
         device=t.device,
         nbytes=t.numel() * t.element_size(),
-        # torch_ref.memory.storage_key (not imported: memory imports this module)
+        # torch_ref.forward_memory.storage_key (not imported: forward_memory imports this module)
         storage=t.untyped_storage()._cdata,
     )
 

@@ -28,8 +28,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxmem.hub import hf_model_type
-    from jaxmem.hub_weights import check_new_dir
+    from jaxmem.hf.config import hf_model_type
+    from jaxmem.hf.files import check_new_dir
     from jaxmem.job import JobConfig
     from jaxmem.run_layout import CHECKPOINT_DIR, CheckpointError
 

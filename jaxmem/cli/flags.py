@@ -283,7 +283,7 @@ def job_argv(job) -> list[str]:
     optimizer, accumulation, batch, sequence, mesh and seed): what a command prints for the user
     to run. ``job_from_args`` of them gives ``job`` back (tested)."""
     from jaxmem.config import AccumConfig, OptimizerConfig
-    from jaxmem.hub import resolve_preset
+    from jaxmem.hf.config import resolve_preset
     from jaxmem.job import RunConfig
     from jaxmem.policy import LAYER_FIELDS, policy_to_dict
 

@@ -17,7 +17,7 @@ from jaxmem.cli.common import (
 )
 from jaxmem.cli.flags import add_flags
 from jaxmem.files import write_json_atomic
-from jaxmem.hub import resolve_preset
+from jaxmem.hf.config import resolve_preset
 
 NAMES = ("preset", "batch_size", "seq_len", "seed")
 DEFAULTS = {"preset": "tiny", "run": {"batch_size": 4, "seed": 0}}

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer = None
     if args.tokenizer is not None:
-        from jaxmem.tokenizer import HFTokenizer, has_tokenizer
+        from jaxmem.hf.tokenizer import HFTokenizer, has_tokenizer
 
         if not has_tokenizer(args.tokenizer):
             raise UsageError(

@@ -1,5 +1,6 @@
 """``jaxmem seed-example``: the write-ups' training example (one post-norm ReLU layer, MSE,
-Adam) under a memory policy, in JAX or PyTorch."""
+Adam) under a memory policy, in JAX or PyTorch; the example itself is
+``jaxmem.compare.seed_example`` (PyTorch imported only for ``--framework torch``)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,11 @@ def run(args: argparse.Namespace) -> int:
         policy = parse_policy(args.policy)
     if args.framework == "torch":
         need_torch("jaxmem seed-example --framework torch")
-        from jaxmem.compare.seed_example import train
-
-        losses = train("torch", args.steps, policy)
     else:
         need_jax_backend()
-        from jaxmem.train.seed_example import train
+    from jaxmem.compare.seed_example import train
 
-        losses = train(args.steps, policy=policy)
+    losses = train(args.framework, args.steps, policy)
     for i, loss in enumerate(losses):
         print(f"step {i}: mse {loss:.6f} ({args.framework}, policy {policy.name})")
     return 0

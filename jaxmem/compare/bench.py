@@ -46,7 +46,7 @@ from jaxmem.policy import POLICIES, MemoryPolicy
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.build import build_step
 from jaxmem.step.spec import StepSpec
-from torch_ref.memory import measure_lm_step
+from torch_ref.forward_memory import measure_lm_step
 from torch_ref.remat import apply_loss_policy, apply_memory_policy, resolve_translation
 from torch_ref.train import TORCH_DTYPES, lm_loss_sum
 from torch_ref.train import make_optimizer as make_torch_optimizer

@@ -26,7 +26,7 @@ from jaxmem.parallel import ParallelConfig
 from jaxmem.planner.records import lm_step_batch
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
-from torch_ref.memory import measure_lm_step
+from torch_ref.forward_memory import measure_lm_step
 from torch_ref.remat import apply_loss_policy, apply_memory_policy, describe_loss
 from torch_ref.train import TORCH_DTYPES, accumulate_grads
 from torch_ref.train import make_optimizer as make_torch_optimizer

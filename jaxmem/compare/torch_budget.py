@@ -21,8 +21,8 @@ import torch
 import torch_ref
 from jaxmem.config import ModelConfig
 from jaxmem.planner.records import lm_step_batch
+from torch_ref.forward_memory import saved_tensor_bytes
 from torch_ref.loss import cross_entropy_sum
-from torch_ref.memory import saved_tensor_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Hugging Face checkpoints in and out of a jaxmem ``Decoder`` (JAX; imports no PyTorch and no
-``transformers``): the parameter tree through ``jaxmem.hub_weights``' key-and-shape map,
-``config.json`` through ``jaxmem.hub``.
+"""Hugging Face checkpoints in and out of a jaxmem ``Decoder``: the JAX end of ``jaxmem.hf``
+(imports no PyTorch and no ``transformers``). It lives in ``jaxmem.model`` because it needs the
+``Decoder``, and ``jaxmem.hf`` is pure (base level, below ``model``); the files, the key-and-shape
+map and ``config.json`` are ``jaxmem.hf``'s (``files``, ``keys``, ``config``).
 
 ``load_hf_weights(model, DIR)`` fills a model built from ``DIR``'s config (every tensor present
 once, shapes asserted, converted to the model's parameter dtype); ``export_hf(params, cfg, OUT)``
@@ -16,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmem.config import ConfigError, ModelConfig
-from jaxmem.hub import (
+from jaxmem.hf.config import (
     SPECIAL_TOKEN_IDS,
     TOKENIZER_FILES,
     hf_config_from_model,
@@ -24,7 +25,8 @@ from jaxmem.hub import (
     model_config_from_dir,
     read_hf_config,
 )
-from jaxmem.hub_weights import Path, hf_tensors, read_params, save_model_dir
+from jaxmem.hf.files import read_params, save_model_dir
+from jaxmem.hf.keys import Path, hf_tensors
 from jaxmem.model.decoder import Decoder
 
 
@@ -37,9 +39,9 @@ def flat_params(params: Any) -> dict[Path, Any]:
 def load_hf_weights(model: Decoder, directory: str) -> None:
     """Copy the Hugging Face checkpoint in ``directory`` into ``model`` in place, converted to
     each parameter's dtype. ``model.cfg`` must compute the function of ``directory``'s config
-    (``jaxmem.hub.disagreements``); raises ``ConfigError`` (one line) otherwise, or when a
+    (``jaxmem.hf.config.disagreements``); raises ``ConfigError`` (one line) otherwise, or when a
     tensor is missing, unexpected or mis-shaped; nothing is written unless everything fits."""
-    from jaxmem.hub import disagreements
+    from jaxmem.hf.config import disagreements
 
     cfg = model.cfg
     differ = disagreements(cfg, model_config_from_dir(directory))
@@ -55,7 +57,7 @@ def load_hf_weights(model: Decoder, directory: str) -> None:
     values = read_params(directory, cfg, dtypes.pop())
     ours = {p: tuple(v[...].shape) for p, v in flat.items()}
     theirs = {p: v.shape for p, v in values.items()}
-    assert ours == theirs, f"jaxmem.hub_weights.param_shapes disagrees with the model: {ours}"
+    assert ours == theirs, f"jaxmem.hf.keys.param_shapes disagrees with the model: {ours}"
     for path, var in flat.items():
         var[...] = jnp.asarray(values[path])
 

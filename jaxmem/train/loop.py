@@ -383,7 +383,7 @@ class _Run:
             return None
         tok = self.prepared.tokenizer
         if tok is None:
-            from jaxmem.tokenizer import ByteTokenizer
+            from jaxmem.hf.tokenizer import ByteTokenizer
 
             tok = ByteTokenizer()
         prompt = tok.encode(r.prompt) if r.prompt else np.array([tok.start_id])

@@ -40,7 +40,7 @@ class PreparedJob:
     # the process that owns the run directory's files and lock (process 0 of a multi-process
     # run; the others train beside it and write only their part of each checkpoint)
     primary: bool = True
-    # what tokenized the text and decodes the sample (jaxmem.tokenizer; None: bytes)
+    # what tokenized the text and decodes the sample (jaxmem.hf.tokenizer; None: bytes)
     tokenizer: Any = None
 
 
@@ -138,7 +138,7 @@ def model_dir(job: JobConfig) -> str | None:
 def job_tokenizer(job: JobConfig) -> Any:
     """The run's tokenizer: its model directory's ``tokenizer.json`` when there is one, else
     bytes (``ConfigError`` when the directory named in the run's config is gone)."""
-    from jaxmem.tokenizer import tokenizer_for
+    from jaxmem.hf.tokenizer import tokenizer_for
 
     directory = model_dir(job)
     require(
@@ -152,8 +152,8 @@ def job_tokenizer(job: JobConfig) -> Any:
 def _check_init_from(job: JobConfig) -> None:
     """``--init-from DIR``: the model computes DIR's function and DIR's checkpoint holds every
     weight it needs (read from the safetensors headers, no data)."""
-    from jaxmem.hub import disagreements, model_config_from_dir
-    from jaxmem.hub_weights import inventory
+    from jaxmem.hf.config import disagreements, model_config_from_dir
+    from jaxmem.hf.files import inventory
 
     directory = job.run.init_from
     theirs = model_config_from_dir(directory)

@@ -3,8 +3,8 @@ DIR`` (pure: no JAX, no PyTorch, no ``transformers``).
 
 A model directory is what ``save_pretrained`` writes (or a hub download holds): ``config.json``,
 ``model.safetensors`` (or shards with ``model.safetensors.index.json``) and, optionally, the
-tokenizer files. This module reads and writes the config; ``jaxmem.hub_weights`` the tensors;
-``jaxmem.model.hf`` puts them into a jaxmem model.
+tokenizer files. This module reads and writes the config; ``jaxmem.hf.files`` the tensors,
+through ``jaxmem.hf.keys``' map; ``jaxmem.model.hf`` puts them into a jaxmem model.
 
 Architectures read: ``gpt2`` (``GPT2LMHeadModel``), ``llama``, and where the block is Llama's,
 ``mistral`` (without a sliding window) and ``qwen2`` (q/k/v biases). A field jaxmem cannot
