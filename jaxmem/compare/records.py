@@ -7,6 +7,7 @@ translation of the policy it ran (``translation``: stock PyTorch, or torch_ref's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -58,99 +59,22 @@ def torch_record(
     into ``.grad`` (as a PyTorch user accumulates), then the optimizer; saved activations are one
     microbatch's, FLOPs and the peak the whole step's."""
     AccumConfig(steps=accum).check_batch(batch)  # the same check and message as jax_record
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    device = "cpu" if fake or not torch.cuda.is_available() else "cuda"
-    dtype = TORCH_DTYPES[precision.param_dtype]
-    with FakeTensorMode() if fake else contextlib.nullcontext():
-        if fake:  # Module.to cannot swap fake parameters: build them in their dtype instead
-            with _default_dtype(dtype):
-                model = torch_ref.Decoder(cfg)
-        else:
-            model = torch_ref.Decoder(cfg).to(device, dtype)
-        runner = apply_memory_policy(model.blocks, policy, translation)
-        apply_loss_policy(model, policy)
-        opt = make_torch_optimizer(model, opt_cfg)
-        if fake:  # token ids do not change the bytes or the FLOPs
-            x = torch.zeros(batch, seq_len, dtype=torch.long)
-            y = torch.zeros(batch, seq_len, dtype=torch.long)
-        else:
-            data = lm_step_batch(cfg, batch, seq_len, abstract=False)
-            x = torch.from_numpy(np.array(data["inputs"])).long().to(device)
-            y = torch.from_numpy(np.array(data["targets"])).long().to(device)
-        micro = batch // accum
-        xs, ys = x.split(micro), y.split(micro)
-
-        def microbatches() -> tuple[Any, Any, int]:
-            """Forward + backward of every microbatch under the accounting (gradients
-            accumulate in ``.grad``): what the first left for its backward, and the FLOPs of
-            all."""
-            flops, first = 0, None
-            for xi, yi in zip(xs, ys, strict=True):
-                live, hooks, f = measure_lm_step(model, runner, xi, yi, precision)
-                first = first or (live, hooks)
-                flops += f
-            return *first, flops
-
-        def plain_microbatches(tracker: Any) -> None:
-            """The same microbatches through torch_ref's own training step (``accumulate_grads``:
-            each summed loss over the batch's token count) with no accounting attached, for the
-            peak: the accounting's hooks keep tensors in reference cycles until Python's
-            collector runs, which moved MemTracker's peak with the collector's timing (`small`
-            fp32 `full`: 109.1-115.4 MiB over runs; 123.4 with the collector off)."""
-            n_total = torch.tensor(float(y.numel()), device=y.device)
-            for i, (xi, yi) in enumerate(zip(xs, ys, strict=True)):
-                if i:
-                    # MemTracker refuses a module run twice in one context (NotImplementedError,
-                    # "multiple iterative calls"); its per-module stats are cleared, the peak
-                    # over the whole step is kept
-                    tracker.reset_mod_stats()
-                accumulate_grads(
-                    model,
-                    {"inputs": xi, "targets": yi},
-                    precision=precision,
-                    divisor=lambda _: n_total,
-                )
-
-        # the accounted step first, untracked; the measured step is then a steady one, holding
-        # the optimizer state a first step has not created yet
-        live, hooks, flops = microbatches()
-        grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
-        opt.step()
-        if not fake:
-            opt.zero_grad(set_to_none=True)
-            tracker = MemTracker()
-            tracker.track_external(model, opt)
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            with tracker:
-                plain_microbatches(tracker)
-                opt.step()
-        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        opt_state_bytes = sum(t.numel() * t.element_size() for t in state)
-    if fake:
-        peak, source = None, "none (fake tensors allocate nothing)"
-    elif device == "cuda":
-        peak = torch.cuda.max_memory_allocated()
-        source = "runtime peak (max_memory_allocated; a second step: optimizer state included)"
-    else:
-        peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
-        source = "runtime peak (torch MemTracker, CPU; a second step: optimizer state included)"
-    estimate = analytic.saved_activation_bytes(cfg, policy, micro, seq_len, precision)
+    step = _measure_step(cfg, policy, precision, opt_cfg, batch, seq_len, translation, fake, accum)
+    live, hooks = step.live, step.hooks
+    estimate = analytic.saved_activation_bytes(cfg, policy, batch // accum, seq_len, precision)
     how = " under FakeTensorMode (shapes only: no memory, no arithmetic)" if fake else ""
     return {
         "framework": framework_label(translation),
-        "translation": runner.description + describe_loss(policy),
+        "translation": step.translation + describe_loss(policy),
         "policy": policy.name,
         "precision": precision.name,
         "batch": batch,
         "seq_len": seq_len,
         "accum": accum,
         "planned_from_shapes": fake,
-        "params_bytes": params_bytes,
-        "grads_bytes": grads_bytes,
-        "opt_state_bytes": opt_state_bytes,
+        "params_bytes": step.params_bytes,
+        "grads_bytes": step.grads_bytes,
+        "opt_state_bytes": step.opt_state_bytes,
         "saved_activation_bytes_device": live.device_bytes,
         "saved_activation_bytes_host": live.host_bytes,
         "saved_source": "live-tensor accounting (forward allocations alive at its end)" + how,
@@ -165,15 +89,165 @@ def torch_record(
         "analytic_source": analytic.ANALYTIC_SOURCE,
         "compiled_temp_bytes": None,
         "compiled_plan": None,
-        "flops": flops,
+        "flops": step.flops,
         "flops_source": "torch.utils.flop_counter.FlopCounterMode (hardware FLOPs)" + how,
         "model_flops": analytic.model_flops(cfg, batch, seq_len),
-        "peak_bytes": None if peak is None else int(peak),
-        "peak_source": source,
+        "peak_bytes": step.peak_bytes,
+        "peak_source": step.peak_source,
         # the OS's high-water mark of this whole process (both frameworks, everything so far)
         "process_max_rss_bytes": process_max_rss_bytes(),
         "process_max_rss_source": "OS (getrusage ru_maxrss), whole process so far, host",
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What one torch_ref step measured (``_measure_step``) gives its record."""
+
+    live: Any  # the live-tensor accounting of the first microbatch's forward
+    hooks: Any  # and its saved-tensor hooks' accounting
+    flops: int  # of every microbatch's forward and backward
+    translation: str  # how the policy was applied (the runner's description)
+    params_bytes: int
+    grads_bytes: int
+    opt_state_bytes: int
+    peak_bytes: int | None  # the runtime peak (None under fake tensors)
+    peak_source: str
+
+
+def _measure_step(
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    precision: Precision,
+    opt_cfg: OptimizerConfig,
+    batch: int,
+    seq_len: int,
+    translation: str,
+    fake: bool,
+    accum: int,
+) -> _Step:
+    """Build the model and run ``torch_record``'s step: the accounted step first, untracked;
+    then (real tensors) a steady step, holding the optimizer state a first step has not created
+    yet, measured for the runtime peak."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = "cpu" if fake or not torch.cuda.is_available() else "cuda"
+    dtype = TORCH_DTYPES[precision.param_dtype]
+    tracker = None
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        model, runner, opt = _model_and_optimizer(
+            cfg, policy, opt_cfg, translation, device, dtype, fake
+        )
+        xs, ys = _token_microbatches(cfg, batch, seq_len, accum, device, fake)
+        live, hooks, flops = _accounted_microbatches(model, runner, xs, ys, precision)
+        grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+        opt.step()
+        if not fake:
+            tracker = _tracked_step(model, opt, xs, ys, precision, device)
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        opt_state_bytes = sum(t.numel() * t.element_size() for t in state)
+    if fake:
+        peak, source = None, "none (fake tensors allocate nothing)"
+    elif device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+        source = "runtime peak (max_memory_allocated; a second step: optimizer state included)"
+    else:
+        peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        source = "runtime peak (torch MemTracker, CPU; a second step: optimizer state included)"
+    return _Step(
+        live=live,
+        hooks=hooks,
+        flops=flops,
+        translation=runner.description,
+        params_bytes=params_bytes,
+        grads_bytes=grads_bytes,
+        opt_state_bytes=opt_state_bytes,
+        peak_bytes=None if peak is None else int(peak),
+        peak_source=source,
+    )
+
+
+def _model_and_optimizer(
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    opt_cfg: OptimizerConfig,
+    translation: str,
+    device: str,
+    dtype: torch.dtype,
+    fake: bool,
+) -> tuple[Any, Any, Any]:
+    """torch_ref's decoder in ``dtype`` on ``device``, ``policy`` applied to its blocks
+    (``translation``) and its loss, the policy's runner, and the optimizer."""
+    if fake:  # Module.to cannot swap fake parameters: build them in their dtype instead
+        with _default_dtype(dtype):
+            model = torch_ref.Decoder(cfg)
+    else:
+        model = torch_ref.Decoder(cfg).to(device, dtype)
+    runner = apply_memory_policy(model.blocks, policy, translation)
+    apply_loss_policy(model, policy)
+    return model, runner, make_torch_optimizer(model, opt_cfg)
+
+
+def _token_microbatches(
+    cfg: ModelConfig, batch: int, seq_len: int, accum: int, device: str, fake: bool
+) -> tuple[Any, Any]:
+    """The step's inputs and targets, split into ``accum`` microbatches: ``lm_step_batch``'s
+    tokens (zeros under fake tensors: token ids do not change the bytes or the FLOPs)."""
+    if fake:
+        x = torch.zeros(batch, seq_len, dtype=torch.long)
+        y = torch.zeros(batch, seq_len, dtype=torch.long)
+    else:
+        data = lm_step_batch(cfg, batch, seq_len, abstract=False)
+        x = torch.from_numpy(np.array(data["inputs"])).long().to(device)
+        y = torch.from_numpy(np.array(data["targets"])).long().to(device)
+    micro = batch // accum
+    return x.split(micro), y.split(micro)
+
+
+def _accounted_microbatches(
+    model: Any, runner: Any, xs: Any, ys: Any, precision: Precision
+) -> tuple[Any, Any, int]:
+    """Forward + backward of every microbatch under the accounting (gradients accumulate in
+    ``.grad``): what the first left for its backward, and the FLOPs of all."""
+    flops, first = 0, None
+    for xi, yi in zip(xs, ys, strict=True):
+        live, hooks, f = measure_lm_step(model, runner, xi, yi, precision)
+        first = first or (live, hooks)
+        flops += f
+    return *first, flops
+
+
+def _tracked_step(
+    model: Any, opt: Any, xs: Any, ys: Any, precision: Precision, device: str
+) -> MemTracker:
+    """A steady step under MemTracker (and CUDA's peak statistics, reset): the microbatches
+    through torch_ref's own training step (``accumulate_grads``: each summed loss over the
+    batch's token count) with no accounting attached, then the optimizer. The accounting's
+    hooks keep tensors in reference cycles until Python's collector runs, which moved
+    MemTracker's peak with the collector's timing (`small` fp32 `full`: 109.1-115.4 MiB over
+    runs; 123.4 with the collector off)."""
+    opt.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with tracker:
+        n_total = torch.tensor(float(sum(yi.numel() for yi in ys)), device=ys[0].device)
+        for i, (xi, yi) in enumerate(zip(xs, ys, strict=True)):
+            if i:
+                # MemTracker refuses a module run twice in one context (NotImplementedError,
+                # "multiple iterative calls"); its per-module stats are cleared, the peak
+                # over the whole step is kept
+                tracker.reset_mod_stats()
+            accumulate_grads(
+                model,
+                {"inputs": xi, "targets": yi},
+                precision=precision,
+                divisor=lambda _: n_total,
+            )
+        opt.step()
+    return tracker
 
 
 @contextlib.contextmanager

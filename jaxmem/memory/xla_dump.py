@@ -151,18 +151,135 @@ def parse_dump(directory: str, module: str = "jit_step") -> dict[str, Any]:
     list adds them up, and counts host memory too). Host-memory values (offloaded residuals,
     colour != 0) are left out: they are not on the device. ``module``: the jitted program's
     HLO module name (``jit_`` and the function's name)."""
-    live_range = _one(directory, "-live-range.txt", module)
-    values_text = _one(directory, "-buffer-assignment-values.txt", module)
-    assignment = _one(directory, "-buffer-assignment.txt", module)
-    usage = _one(directory, "-memory-usage-report.txt", module)
-    module = _one(directory, ".txt", module)
-
-    length = int(re.search(r"HloLiveRange \(max (\d+)\)", live_range).group(1)) + 1
-    sequence = {int(i): n for i, n in re.findall(r"^    (\d+):(\S+)$", live_range, re.M)}
-    ranges = {
-        n: (int(a), int(b)) for n, a, b in re.findall(r"^    (\S+):(\d+)-(\d+)$", live_range, re.M)
+    dump = _Dump.read(directory, module)
+    live_at: list[list[str]] = [[] for _ in range(dump.length)]
+    for name, (start, end) in dump.ranges.items():
+        if name in dump.placed:
+            for t in range(start, end + 1):
+                live_at[t].append(name)
+    position = max(range(dump.length), key=lambda t: dump.used(live_at[t]))
+    live = dump.live_values(live_at[position])
+    at = dump.sequence.get(position, "")
+    allocated = dump.allocated
+    return {
+        "allocated_bytes": dump.used(live_at[position]) if allocated is None else allocated,
+        "live_bytes": sum(v.bytes for v in live),
+        "position": position,
+        "length": dump.length,
+        "at_peak": dump.op_names.get(at) or at,
+        "values": live,
     }
 
+
+@dataclasses.dataclass(frozen=True)
+class _Dump:
+    """What ``parse_dump`` reads from the dump's files: the scheduled program's length and its
+    instructions by position, every value's live range, the JAX operation of every instruction,
+    the entry computation's parameters, where each device-memory value is placed and which
+    values share a place, and the dump's total for device memory (None if not given)."""
+
+    length: int
+    sequence: dict[int, str]  # position -> instruction
+    ranges: dict[str, tuple[int, int]]  # value -> (first, last position)
+    op_names: dict[str, str]  # instruction -> its op_name ("" without one)
+    parameters: set[str]
+    placed: dict[str, tuple[int, int, int, str]]  # value -> (allocation, offset, size, shape)
+    sharing: dict[tuple[int, int, int], list[str]]  # (allocation, offset, size) -> values
+    allocated: int | None
+
+    @classmethod
+    def read(cls, directory: str, module: str) -> _Dump:
+        """The dump's files of ``module`` under ``directory`` (``_one``: of the last module of
+        that name compiled, the program itself)."""
+        live_range = _one(directory, "-live-range.txt", module)
+        values_text = _one(directory, "-buffer-assignment-values.txt", module)
+        assignment = _one(directory, "-buffer-assignment.txt", module)
+        usage = _one(directory, "-memory-usage-report.txt", module)
+        module_text = _one(directory, ".txt", module)
+        length = int(re.search(r"HloLiveRange \(max (\d+)\)", live_range).group(1)) + 1
+        sequence = {int(i): n for i, n in re.findall(r"^    (\d+):(\S+)$", live_range, re.M)}
+        ranges = {
+            n: (int(a), int(b))
+            for n, a, b in re.findall(r"^    (\S+):(\d+)-(\d+)$", live_range, re.M)
+        }
+        placed = _placed(assignment)
+        sharing: dict[tuple[int, int, int], list[str]] = {}
+        for name, (a, offset, size, _) in placed.items():
+            sharing.setdefault((a, offset, size), []).append(name)
+        total = re.search(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)", usage)
+        return cls(
+            length=length,
+            sequence=sequence,
+            ranges=ranges,
+            op_names=_op_names(values_text),
+            parameters=_entry_parameters(module_text),
+            placed=placed,
+            sharing=sharing,
+            allocated=int(total.group(1)) if total else None,
+        )
+
+    def used(self, names: list[str]) -> int:
+        """Device bytes the values ``names`` cover together (shared spans once)."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for n in names:
+            a, offset, size, _ = self.placed[n]
+            spans.setdefault(a, []).append((offset, offset + size))
+        return sum(_occupied(s) for s in spans.values())
+
+    def op_of(self, name: str) -> str:
+        """The JAX operation that made ``name``; for a value without one (a loop body's
+        parameter: the loop's carried state), that of the nearest value in the same buffer
+        that has one (the loop itself, or what it was started from)."""
+        op = self.op_names.get(name.split("{")[0], "")
+        if op:
+            return op
+        a, offset, size, _ = self.placed[name]
+        start, end = self.ranges[name]
+        nearest = []
+        for other in self.sharing[(a, offset, size)]:
+            other_op = self.op_names.get(other.split("{")[0], "")
+            if other_op and other in self.ranges:
+                s, e = self.ranges[other]
+                nearest.append((max(s - end, start - e, 0), other_op))
+        return min(nearest)[1] if nearest else ""
+
+    def live_values(self, names: list[str]) -> list[LiveValue]:
+        """The values ``names`` (those live at one position), each with the bytes only it
+        covers, largest first: shared bytes are credited to the value that has held them
+        longest (defined first); a value left with none is left out."""
+        live = []
+        covered: dict[int, list[tuple[int, int]]] = {}
+        for name in sorted(names, key=lambda n: (self.ranges[n][0], n)):
+            a, offset, size, shape = self.placed[name]
+            before = _occupied(covered.get(a, []))
+            covered.setdefault(a, []).append((offset, offset + size))
+            own = _occupied(covered[a]) - before
+            if own == 0:
+                continue
+            instr = name.split("{")[0]
+            is_param = instr in self.parameters
+            if is_param:
+                op = _argument_path(name, self.op_names.get(instr, ""))
+            else:
+                op = self.op_of(name)
+            live.append(
+                LiveValue(
+                    name=name,
+                    shape=shape,
+                    bytes=own,
+                    start=self.ranges[name][0],
+                    end=self.ranges[name][1],
+                    op_name=op,
+                    kind=_kind(name, op, is_param),
+                )
+            )
+        live.sort(key=lambda v: (-v.bytes, v.start))
+        return live
+
+
+def _op_names(values_text: str) -> dict[str, str]:
+    """Every instruction's JAX operation (its ``op_name`` metadata; "" without one), from the
+    ``-buffer-assignment-values.txt`` file."""
     op_names = {}
     for block in values_text.split("\n<")[1:]:
         instr = re.search(r"from instruction: %(\S+) = (.*)$", block, re.M)
@@ -170,14 +287,23 @@ def parse_dump(directory: str, module: str = "jit_step") -> dict[str, Any]:
             continue
         op = re.search(r'op_name="([^"]*)"', instr.group(2))
         op_names[instr.group(1)] = op.group(1) if op else ""
-    # the step's own arguments: the entry computation's parameters (a loop body's parameters
-    # are its carried state)
-    entry = re.search(r"^ENTRY .*?^}", module, re.M | re.S)
-    parameters = set(
+    return op_names
+
+
+def _entry_parameters(module_text: str) -> set[str]:
+    """The step's own arguments: the entry computation's parameters (a loop body's parameters
+    are its carried state)."""
+    entry = re.search(r"^ENTRY .*?^}", module_text, re.M | re.S)
+    return set(
         re.findall(r"^\s+%(\S+) = .*?\bparameter\(\d+\)", entry.group(0) if entry else "", re.M)
     )
 
-    placed: dict[str, tuple[int, int, int, str]] = {}  # name -> (allocation, offset, size, shape)
+
+def _placed(assignment: str) -> dict[str, tuple[int, int, int, str]]:
+    """Where each device-memory value is placed, from the ``-buffer-assignment.txt`` file:
+    its name (spelled as the live-range file spells it) -> (allocation, offset, size, shape).
+    Values in host memory (an allocation of a colour other than 0) are left out."""
+    placed: dict[str, tuple[int, int, int, str]] = {}
     allocation, on_host = -1, False
     for line in assignment.splitlines():
         alloc = _ALLOCATION.match(line)
@@ -190,74 +316,4 @@ def parse_dump(directory: str, module: str = "jit_step") -> dict[str, Any]:
             name = m.group(1) if "{" in m.group(1) else m.group(1) + "{}"  # live-range's spelling
             shape = m.group(4) if m.group(4).startswith("(") else m.group(4).split("{")[0]
             placed[name] = (allocation, int(m.group(3)), int(m.group(2)), shape)
-
-    live_at: list[list[str]] = [[] for _ in range(length)]
-    for name, (start, end) in ranges.items():
-        if name in placed:
-            for t in range(start, end + 1):
-                live_at[t].append(name)
-
-    def used(names: list[str]) -> int:
-        spans: dict[int, list[tuple[int, int]]] = {}
-        for n in names:
-            a, offset, size, _ = placed[n]
-            spans.setdefault(a, []).append((offset, offset + size))
-        return sum(_occupied(s) for s in spans.values())
-
-    sharing: dict[tuple[int, int, int], list[str]] = {}
-    for name, (a, offset, size, _) in placed.items():
-        sharing.setdefault((a, offset, size), []).append(name)
-
-    def op_of(name: str) -> str:
-        """The JAX operation that made ``name``; for a value without one (a loop body's
-        parameter: the loop's carried state), that of the nearest value in the same buffer
-        that has one (the loop itself, or what it was started from)."""
-        op = op_names.get(name.split("{")[0], "")
-        if op:
-            return op
-        a, offset, size, _ = placed[name]
-        start, end = ranges[name]
-        nearest = []
-        for other in sharing[(a, offset, size)]:
-            other_op = op_names.get(other.split("{")[0], "")
-            if other_op and other in ranges:
-                s, e = ranges[other]
-                nearest.append((max(s - end, start - e, 0), other_op))
-        return min(nearest)[1] if nearest else ""
-
-    position = max(range(length), key=lambda t: used(live_at[t]))
-    live = []
-    covered: dict[int, list[tuple[int, int]]] = {}
-    # credit shared bytes to the value that has held them longest (defined first)
-    for name in sorted(live_at[position], key=lambda n: (ranges[n][0], n)):
-        a, offset, size, shape = placed[name]
-        before = _occupied(covered.get(a, []))
-        covered.setdefault(a, []).append((offset, offset + size))
-        own = _occupied(covered[a]) - before
-        if own == 0:
-            continue
-        instr = name.split("{")[0]
-        is_param = instr in parameters
-        op = _argument_path(name, op_names.get(instr, "")) if is_param else op_of(name)
-        live.append(
-            LiveValue(
-                name=name,
-                shape=shape,
-                bytes=own,
-                start=ranges[name][0],
-                end=ranges[name][1],
-                op_name=op,
-                kind=_kind(name, op, is_param),
-            )
-        )
-    live.sort(key=lambda v: (-v.bytes, v.start))
-    total = re.search(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)", usage)
-    at = sequence.get(position, "")
-    return {
-        "allocated_bytes": int(total.group(1)) if total else used(live_at[position]),
-        "live_bytes": sum(v.bytes for v in live),
-        "position": position,
-        "length": length,
-        "at_peak": op_names.get(at) or at,
-        "values": live,
-    }
+    return placed
