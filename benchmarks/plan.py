@@ -37,16 +37,9 @@ from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory import analytic
 from jaxmem.memory.targets import get_target
-from jaxmem.planner.search import (
-    GIB,
-    USABLE_FRACTION,
-    FlopModel,
-    PlanSpace,
-    Problem,
-    _compiler,
-    _flops_per_row,
-    search,
-)
+from jaxmem.planner.predict import FlopModel, _flops_per_row
+from jaxmem.planner.search import GIB, USABLE_FRACTION, _compiler, search
+from jaxmem.planner.space import PlanSpace, Problem
 from jaxmem.policy import POLICIES, MemoryPolicy, backward_reads, model_tags
 from jaxmem.precision import PRECISIONS
 

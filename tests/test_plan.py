@@ -14,21 +14,16 @@ import pytest
 from flax import nnx
 
 from jaxmem.cli import main
+from jaxmem.cli.common import parse_bytes
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
 from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import LOCAL
 from jaxmem.model import make_model
+from jaxmem.planner.predict import FlopModel
 from jaxmem.planner.records import lm_step_batch, plan_step
-from jaxmem.planner.search import (
-    FlopModel,
-    PlanSpace,
-    Problem,
-    _compiler,
-    enumerate_candidates,
-    parse_bytes,
-    search,
-)
+from jaxmem.planner.search import _compiler, search
+from jaxmem.planner.space import PlanSpace, Problem, enumerate_candidates
 from jaxmem.policy import (
     POLICIES,
     LayerSelection,
@@ -110,7 +105,7 @@ def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
     )
     problem = Problem(CFG, BATCH, SEQ, LOCAL, 10**12, OptimizerConfig())
     candidates = enumerate_candidates(problem, SPACE, FlopModel(CFG, SEQ))
-    from jaxmem.planner.search import MemoryModel
+    from jaxmem.planner.predict import MemoryModel
 
     model = MemoryModel(problem, lambda *a: _compiler(problem)(*a)[0])
     for name in ("none:2+full", "selective:1+full"):  # the best and the worst measured
@@ -126,7 +121,7 @@ def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
 def test_mixed_stack_flops_are_each_parts_blocks():
     """The FLOP model (per-block FLOPs of each preset from depths 1 and 2) equals the count of
     the mixed stack's own gradient jaxpr."""
-    from jaxmem.planner.search import _flops_per_row
+    from jaxmem.planner.predict import _flops_per_row
 
     model = FlopModel(CFG, SEQ)
     for policy in (mixed_policy("full", 1, "none"), mixed_policy("none", 3, "selective")):
@@ -327,7 +322,7 @@ def test_the_tag_frontier_is_pareto_optimal_and_its_bytes_are_what_jax_keeps():
     bytes always cost more FLOPs along the frontier, which runs from keeping the block input
     alone (``full``'s FLOPs) to recomputing no matmul (``none``'s) and leaves out only
     dominated subsets, and each point's bytes are what JAX's vjp keeps for a block."""
-    from jaxmem.planner.search import _flops_per_row
+    from jaxmem.planner.predict import _flops_per_row
     from jaxmem.planner.tags import measure, pareto
 
     cfg, seq = PRESETS["tiny-llama"], 32
@@ -398,7 +393,7 @@ def test_on_a_gpu_target_the_planner_unrolls_a_stack_whose_scan_does_not_fit():
     from jaxmem.job import JobConfig, RunConfig
     from jaxmem.memory import analytic
     from jaxmem.memory.targets import get_target
-    from jaxmem.planner.search import candidate_job
+    from jaxmem.planner.space import candidate_job
 
     cfg, batch, seq = PRESETS["tiny"].replace(n_layers=4), 4, 32
 
@@ -495,7 +490,8 @@ def test_the_planner_searches_tensor_parallel_layouts_where_data_parallelism_doe
     from jaxmem.job import JobConfig, RunConfig
     from jaxmem.memory import analytic
     from jaxmem.memory.targets import LOCAL
-    from jaxmem.planner.search import FlopModel, candidate_job, enumerate_candidates, tensor_sizes
+    from jaxmem.planner.predict import FlopModel
+    from jaxmem.planner.space import candidate_job, enumerate_candidates, tensor_sizes
 
     cfg, batch, seq = PRESETS["tiny"], 4, 32
 
