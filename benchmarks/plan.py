@@ -37,16 +37,10 @@ from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory import analytic
 from jaxmem.memory.targets import get_target
-from jaxmem.planner.search import (
-    GIB,
-    USABLE_FRACTION,
-    FlopModel,
-    PlanSpace,
-    Problem,
-    _compiler,
-    _flops_per_row,
-    search,
-)
+from jaxmem.parallel import ParallelConfig
+from jaxmem.planner.predict import FlopModel, _flops_per_row
+from jaxmem.planner.search import GIB, USABLE_FRACTION, _compiler, search
+from jaxmem.planner.space import PlanSpace, Problem
 from jaxmem.policy import POLICIES, MemoryPolicy, backward_reads, model_tags
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec
@@ -71,21 +65,23 @@ def cached(compile_peak, cache: dict):
     """``compile_peak`` memoised in ``cache``; ``run.step_time`` is the last call's compiled
     plan's estimated step time (as ``search._compiler`` gives it)."""
 
-    def run(cfg, policy, accum, strategy, precision, stream=None, **tensor):
-        key = (cfg.n_layers, policy, accum, strategy, precision, stream, *sorted(tensor.items()))
-        if key not in cache:
+    def run(spec: StepSpec):
+        if spec not in cache:
             t = time.time()
-            peak = compile_peak(cfg, policy, accum, strategy, precision, stream, **tensor)
-            cache[key] = (*peak, getattr(compile_peak, "step_time", None))
+            peak = compile_peak(spec)
+            cache[spec] = (*peak, getattr(compile_peak, "step_time", None))
+            policy = spec.policy
             chunks = f", loss in {policy.loss_chunks} chunks" if policy.loss_chunks else ""
+            mesh = f" {spec.parallel.mesh_text()}" if spec.sharded else ""
+            streamed = spec.optimizer.stream_update or "device" if spec.streamed else None
             print(
-                f"  compiled {policy.name}{chunks} L={cfg.n_layers} accum {accum} {strategy}"
-                f"{f', streamed ({stream})' if stream else ''}: "
-                f"{cache[key][0] / GIB:.2f} GiB in {time.time() - t:.0f} s",
+                f"  compiled {policy.name}{chunks} L={spec.model.n_layers} accum "
+                f"{spec.accum.steps}{mesh}{f', streamed ({streamed})' if streamed else ''}: "
+                f"{cache[spec][0] / GIB:.2f} GiB in {time.time() - t:.0f} s",
                 flush=True,
             )
-        run.step_time = cache[key][2]
-        return cache[key][:2]
+        run.step_time = cache[spec][2]
+        return cache[spec][:2]
 
     run.step_time = None
     return run
@@ -109,7 +105,20 @@ def greedy(problem: Problem, strategy: str | None, budgets: list[int], compile_p
         if tag is not None:
             choice[tag] = where
         policy = MemoryPolicy.custom(choice, name=f"greedy{step}")
-        peak, _ = compile_peak(cfg, policy, 1, strategy, PRECISION)
+        peak, _ = compile_peak(
+            StepSpec(
+                model=cfg,
+                policy=policy,
+                precision=precision,
+                optimizer=problem.opt_cfg,
+                batch=problem.batch,
+                seq_len=problem.seq_len,
+                parallel=ParallelConfig(strategy=strategy, devices=problem.devices)
+                if strategy
+                else ParallelConfig(),
+                target=problem.target,
+            )
+        )
         estimate = compile_peak.step_time  # the compiled plan's, as the plan's choices show it
         flops = _flops_per_row(cfg, policy, precision, problem.seq_len) * rows
         host = (

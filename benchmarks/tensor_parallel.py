@@ -215,7 +215,8 @@ PLAN = {
 
 def plan_part() -> dict:
     from jaxmem.memory.targets import get_target
-    from jaxmem.planner.search import PlanSpace, Problem, default_budget, search
+    from jaxmem.planner.search import default_budget, search
+    from jaxmem.planner.space import PlanSpace, Problem
 
     target = get_target("h100")
     budget, budget_source = default_budget(target)

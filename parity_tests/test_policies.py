@@ -727,7 +727,7 @@ def test_the_planners_per_tag_policies_execute_their_counted_flops_in_both_frame
     backward needs, not before the q·kᵀ matmul whose softmax it reads from storage, one
     attention matmul per block); its first point keeps only the block input (``full``'s FLOPs)
     and its last recomputes no matmul (``none``'s)."""
-    from jaxmem.planner.search import _flops_per_row
+    from jaxmem.planner.predict import _flops_per_row
     from jaxmem.planner.tags import frontier
 
     case = tag_case

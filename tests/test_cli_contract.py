@@ -23,7 +23,7 @@ from jaxmem.figures import format_bytes
 from jaxmem.job import JobConfig
 from jaxmem.memory.analytic import model_state_bytes
 from jaxmem.parallel import ParallelConfig
-from jaxmem.planner.search import policy_text
+from jaxmem.planner.space import policy_text
 from jaxmem.policy import POLICIES, MemoryPolicy, mixed_policy, parse_policy
 from jaxmem.precision import PRECISIONS
 

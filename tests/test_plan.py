@@ -14,20 +14,22 @@ import pytest
 from flax import nnx
 
 from jaxmem.cli import main
+from jaxmem.cli.common import parse_bytes
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import LOCAL
 from jaxmem.model import make_model
+from jaxmem.parallel import ParallelConfig
+from jaxmem.planner.predict import FlopModel
 from jaxmem.planner.records import lm_step_batch, plan_step
-from jaxmem.planner.search import (
-    FlopModel,
+from jaxmem.planner.search import _compiler, search
+from jaxmem.planner.space import (
     PlanSpace,
     Problem,
-    _compiler,
+    candidate_job,
+    candidate_spec,
     enumerate_candidates,
-    parse_bytes,
-    search,
 )
 from jaxmem.policy import (
     POLICIES,
@@ -81,6 +83,12 @@ def test_plan_is_optimal_on_the_lattice(bounds):
     assert chosen.compiled <= budget
     # the chosen plan is the one compiled: recompile it from scratch
     assert _peak(chosen.candidate.policy) == chosen.compiled
+    # and it is the step jaxmem train runs for the command the plan prints
+    from jaxmem.job import JobConfig, RunConfig
+
+    job = JobConfig(preset="small", model=CFG, run=RunConfig(batch_size=BATCH, seq_len=SEQ))
+    trained = StepSpec.of_job(candidate_job(job, chosen.candidate, 1), LOCAL)
+    assert candidate_spec(problem, chosen.candidate) == trained
     # every cheaper candidate, compiled whether or not the search compiled it, is over
     compile_peak = _compiler(problem)
     cheaper = result.outcomes[: result.outcomes.index(chosen)]
@@ -88,7 +96,7 @@ def test_plan_is_optimal_on_the_lattice(bounds):
     for o in cheaper:
         c = o.candidate
         assert c.seconds <= chosen.candidate.seconds
-        peak, _ = compile_peak(CFG, c.policy, c.accum, c.strategy, c.precision)
+        peak, _ = compile_peak(candidate_spec(problem, c))
         assert peak > budget, f"{c.describe()} fits ({peak} <= {budget}) and costs less"
         if o.compiled is not None:
             assert o.compiled == peak
@@ -121,7 +129,7 @@ def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
     )
     problem = Problem(CFG, BATCH, SEQ, LOCAL, 10**12, OptimizerConfig())
     candidates = enumerate_candidates(problem, SPACE, FlopModel(CFG, SEQ))
-    from jaxmem.planner.search import MemoryModel
+    from jaxmem.planner.predict import MemoryModel
 
     model = MemoryModel(problem, lambda *a: _compiler(problem)(*a)[0])
     for name in ("none:2+full", "selective:1+full"):  # the best and the worst measured
@@ -137,7 +145,7 @@ def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
 def test_mixed_stack_flops_are_each_parts_blocks():
     """The FLOP model (per-block FLOPs of each preset from depths 1 and 2) equals the count of
     the mixed stack's own gradient jaxpr."""
-    from jaxmem.planner.search import _flops_per_row
+    from jaxmem.planner.predict import _flops_per_row
 
     model = FlopModel(CFG, SEQ)
     for policy in (mixed_policy("full", 1, "none"), mixed_policy("none", 3, "selective")):
@@ -365,7 +373,7 @@ def test_the_tag_frontier_is_pareto_optimal_and_its_bytes_are_what_jax_keeps():
     bytes always cost more FLOPs along the frontier, which runs from keeping the block input
     alone (``full``'s FLOPs) to recomputing no matmul (``none``'s) and leaves out only
     dominated subsets, and each point's bytes are what JAX's vjp keeps for a block."""
-    from jaxmem.planner.search import _flops_per_row
+    from jaxmem.planner.predict import _flops_per_row
     from jaxmem.planner.tags import measure, pareto
 
     cfg, seq = PRESETS["tiny-llama"], 32
@@ -436,16 +444,17 @@ def test_on_a_gpu_target_the_planner_unrolls_a_stack_whose_scan_does_not_fit():
     from jaxmem.job import JobConfig, RunConfig
     from jaxmem.memory import analytic
     from jaxmem.memory.targets import get_target
-    from jaxmem.planner.search import candidate_job
 
     cfg, batch, seq = PRESETS["tiny"].replace(n_layers=4), 4, 32
 
-    def compile_peak(c, policy, accum, strategy, precision, streamed=False):
-        est = analytic.saved_activation_bytes(c, policy, batch // accum, seq, FP32)
-        return int(2**20 + est.device_bytes * (0.85 if policy.unroll else 1.0)), "stand-in"
+    def compile_peak(spec):
+        rows = batch // spec.accum.steps
+        est = analytic.saved_activation_bytes(spec.model, spec.policy, rows, seq, FP32)
+        return int(2**20 + est.device_bytes * (0.85 if spec.policy.unroll else 1.0)), "stand-in"
 
-    scanned, _ = compile_peak(cfg, POLICIES["none"], 1, None, "fp32")
-    unrolled, _ = compile_peak(cfg, POLICIES["none"].replace(unroll=True), 1, None, "fp32")
+    one = StepSpec(model=cfg, policy=POLICIES["none"], batch=batch, seq_len=seq)
+    scanned, _ = compile_peak(one)
+    unrolled, _ = compile_peak(one.replace(policy=POLICIES["none"].replace(unroll=True)))
     space = PlanSpace(
         policies=("none", "selective", "full"), mix=(), accum=(1,), state_memory=("device",)
     )
@@ -489,10 +498,10 @@ def test_on_a_gpu_target_the_planner_confirms_its_choice_by_the_compiled_estimat
     # predicted from its scan's fits)
     planned = {order[0].name: 2**30}
 
-    def compile_peak(c, policy, accum, strategy, precision, streamed=False):
-        seconds = compiled_s.get(policy, 9.0)
+    def compile_peak(spec):
+        seconds = compiled_s.get(spec.policy, 9.0)
         compile_peak.step_time = {"seconds": seconds, "mfu": 0.1, "hfu": 0.1, "line": ""}
-        return planned.get(policy.name, 2**20), "stand-in"
+        return planned.get(spec.policy.name, 2**20), "stand-in"
 
     def statuses(**kwargs):
         result = search(problem, space, compile_peak=compile_peak, **kwargs)
@@ -533,15 +542,16 @@ def test_the_planner_searches_tensor_parallel_layouts_where_data_parallelism_doe
     from jaxmem.job import JobConfig, RunConfig
     from jaxmem.memory import analytic
     from jaxmem.memory.targets import LOCAL
-    from jaxmem.planner.search import FlopModel, candidate_job, enumerate_candidates, tensor_sizes
+    from jaxmem.planner.predict import FlopModel
+    from jaxmem.planner.space import tensor_sizes
 
     cfg, batch, seq = PRESETS["tiny"], 4, 32
 
-    def compile_peak(c, policy, accum, strategy, precision, stream=None, tp=1):
+    def compile_peak(spec):
         # dp replicates the weights, gradients and AdamW state; tensor devices split them
-        data = 4 // tp if strategy or tp > 1 else 1
-        est = analytic.saved_activation_bytes(c, policy, batch // accum // data, seq, FP32)
-        state = 4 * analytic.param_bytes(c, FP32)
+        rows, tp = spec.micro_rows, spec.parallel.tp
+        est = analytic.saved_activation_bytes(spec.model, spec.policy, rows, seq, FP32)
+        state = 4 * analytic.param_bytes(spec.model, FP32)
         return int(2**20 + (est.device_bytes + state) // tp), "stand-in"
 
     space = PlanSpace(
@@ -549,7 +559,15 @@ def test_the_planner_searches_tensor_parallel_layouts_where_data_parallelism_doe
     )
     problem = Problem(cfg, batch, seq, LOCAL, 0, OptimizerConfig(), devices=4)
     assert tensor_sizes(problem, space) == [1, 2, 4]
-    dp_only, _ = compile_peak(cfg, POLICIES["none"], 1, "dp", "fp32")
+    dp_only, _ = compile_peak(
+        StepSpec(
+            model=cfg,
+            policy=POLICIES["none"],
+            batch=batch,
+            seq_len=seq,
+            parallel=ParallelConfig(strategy="dp", devices=4),
+        )
+    )
     problem.budget_bytes = dp_only - 1  # data parallelism alone (one row each) is over
     result = search(problem, dataclasses.replace(space, tags=False), compile_peak=compile_peak)
     chosen = result.chosen.candidate

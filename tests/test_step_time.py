@@ -147,7 +147,8 @@ def test_the_planners_terms_move_as_defined():
     """On an H100: more microbatches of the same batch run smaller matmuls (a lower efficiency,
     more time); a streamed step's transfers are exposed; tensor parallelism divides the blocks'
     compute; the update and accumulation bytes are the ones the docstrings state."""
-    from jaxmem.planner.search import FlopModel, PlanSpace, Problem, enumerate_candidates
+    from jaxmem.planner.predict import FlopModel
+    from jaxmem.planner.space import PlanSpace, Problem, enumerate_candidates
 
     cfg, opt = PRESETS["small"], OptimizerConfig()
     space = PlanSpace(

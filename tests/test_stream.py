@@ -328,7 +328,8 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
     from jaxmem.job import resolve_job
     from jaxmem.memory.targets import get_target
     from jaxmem.planner.records import plan_step
-    from jaxmem.planner.search import PlanSpace, Problem, candidate_job, search
+    from jaxmem.planner.search import search
+    from jaxmem.planner.space import PlanSpace, Problem, candidate_job
 
     cfg, prec, h100 = PRESETS["tiny"], PRECISIONS["bf16"], get_target("h100")
     streamed = plan_step(
@@ -375,13 +376,8 @@ def test_the_planner_streams_over_a_data_parallel_mesh_counting_each_devices_sha
     sharded), zero1 in between (state sharded); its command trains it over the mesh."""
     from jaxmem.job import resolve_job
     from jaxmem.memory.targets import get_target
-    from jaxmem.planner.search import (
-        FlopModel,
-        PlanSpace,
-        Problem,
-        candidate_job,
-        enumerate_candidates,
-    )
+    from jaxmem.planner.predict import FlopModel
+    from jaxmem.planner.space import PlanSpace, Problem, candidate_job, enumerate_candidates
 
     cfg = PRESETS["tiny"]
     space = PlanSpace(
@@ -413,7 +409,8 @@ def test_the_planner_weighs_a_host_update_against_the_device_update_by_their_est
     faster than the link (every reference host), the device update first where it is not."""
     from jaxmem.memory import targets
     from jaxmem.memory.targets import get_target
-    from jaxmem.planner.search import FlopModel, PlanSpace, Problem, enumerate_candidates
+    from jaxmem.planner.predict import FlopModel
+    from jaxmem.planner.space import PlanSpace, Problem, enumerate_candidates
 
     cfg, v100 = PRESETS["tiny"], get_target("v100-32gb")
     space = PlanSpace(

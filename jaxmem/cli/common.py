@@ -1,5 +1,6 @@
-"""What every command shares: exit codes, the one-line usage error, argument types, the checks
-for PyTorch, a JAX backend and an output path. Imports no JAX and no PyTorch at start."""
+"""What every command shares: exit codes, the one-line usage error, argument types (sizes such as
+``70GiB`` among them), the checks for PyTorch, a JAX backend and an output path. Imports no JAX
+and no PyTorch at start."""
 
 from __future__ import annotations
 
@@ -90,6 +91,25 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
     if not values or min(values) <= 0:
         raise UsageError(f"{flag} {text!r}: give comma-separated positive integers, e.g. 1,2,4")
     return values
+
+
+def parse_bytes(text: str) -> int:
+    """``70GiB``, ``200MiB``, ``1.5GB``, ``123456`` -> bytes; bad text raises ``ConfigError``."""
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+    units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper()
+    number = t.rstrip("KMGTIB")
+    unit = t[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"budget {text!r} is not a size: give a positive number with a unit, e.g. 70GiB, "
+            "512MiB or 1.5GB"
+        )
+    return int(value * units[unit])
 
 
 def names(text: str, valid: Sequence[str], what: str) -> list[str]:

@@ -16,6 +16,7 @@ from jaxmem.cli.common import (
     need_gpu_plan,
     need_jax_backend,
     non_negative_int,
+    parse_bytes,
     positive_float,
     positive_int,
     usage_errors,
@@ -157,7 +158,8 @@ def _lattice_flags(g) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxmem.memory.targets import get_target
-    from jaxmem.planner.search import Problem, default_budget, parse_bytes
+    from jaxmem.planner.search import default_budget
+    from jaxmem.planner.space import Problem
 
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
     not_streamed(job, "plan")
@@ -185,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _space(args: argparse.Namespace, job):
-    from jaxmem.planner.search import PlanSpace
+    from jaxmem.planner.space import PlanSpace
 
     policies = tuple(parse_names(args.policies, list(POLICIES), "policies"))
     return PlanSpace(
@@ -297,7 +299,7 @@ def _nothing_fits(args, result, where: str) -> None:
 
 def _commands(job, result) -> dict[str, str | None]:
     """The chosen configuration as commands that run it, each complete (tested by running)."""
-    from jaxmem.planner.search import candidate_job
+    from jaxmem.planner.space import candidate_job
 
     chosen = candidate_job(job, result.chosen.candidate, result.problem.devices)
     argv = job_argv(chosen)
@@ -334,7 +336,7 @@ def shell_lines(command: str, width: int = render.DEFAULT_WIDTH) -> str:
 
 
 def _summary(out, args, job, result, commands: dict) -> None:
-    from jaxmem.planner.search import rates_for
+    from jaxmem.memory.targets import rates_for
 
     problem, chosen = result.problem, result.chosen.candidate
     error = result.max_fit_error()
@@ -413,7 +415,7 @@ def cost_assumptions(target) -> str:
 
 
 def _json(job, problem, result, budget_source: str, commands: dict) -> dict:
-    from jaxmem.planner.search import rates_for
+    from jaxmem.memory.targets import rates_for
 
     return {
         "preset": job.preset,

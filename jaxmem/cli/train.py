@@ -15,6 +15,7 @@ from jaxmem.cli.common import (
     need_gpu_plan,
     need_jax_backend,
     need_torch,
+    parse_bytes,
     positive_int,
     usage_errors,
 )
@@ -308,7 +309,8 @@ def _auto_policy(job, budget_text: str):
     from rich.console import Console
 
     from jaxmem.memory.targets import LOCAL
-    from jaxmem.planner.search import PlanSpace, Problem, parse_bytes, search, smallest_plan
+    from jaxmem.planner.search import search, smallest_plan
+    from jaxmem.planner.space import PlanSpace, Problem
 
     with usage_errors():
         budget = parse_bytes(budget_text)

@@ -7,8 +7,16 @@ function of the candidate's choices:
   ``update_bytes`` (the optimizer's update reads and writes parameters, gradient and state) and
   ``accumulation_bytes`` (each further microbatch's gradient added to the running sum), priced
   per kernel (matmuls at an efficiency of their shape, memory-bound work at the HBM's rate);
-- host link, collectives and a host update: bytes from shapes (``jaxmem.planner.search``
-  computes them per candidate), each hidden under the compute up to ``Overlap``'s fraction.
+- host link, collectives and a host update: bytes from shapes (``tensor_parallel_bytes``,
+  ``data_parallel_bytes``, ``activation_offload_bytes``, ``state_transfer_bytes``,
+  ``streamed_bytes``), each hidden under the compute up to ``Overlap``'s fraction;
+  ``gpu_step_time`` puts a GPU candidate's terms together;
+- matmul FLOPs per device (``device_flops``): what the local backend's order counts and what a
+  candidate reports.
+
+The terms take the candidate's choices (stack, precision, rows, mesh, microbatches, where the
+state lives), not the candidate: ``jaxmem.planner.space`` enumerates the lattice and prices each
+point with them, so this module sits below it.
 
 ``WorkModel`` traces each part of a stack (a preset or a per-tag policy) at depths 1 and 2 and
 at one and two rows, so that any stack, depth and microbatch is read off four traces: the
@@ -36,7 +44,7 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import Rates
 from jaxmem.memory.work import Traced, Work, at_rows, combine, trace_jaxpr
 from jaxmem.model import make_model
-from jaxmem.policy import MemoryPolicy, preset_named, split_policy
+from jaxmem.policy import POLICIES, MemoryPolicy, preset_named, split_policy
 from jaxmem.precision import Precision
 from jaxmem.step.train_step import lm_loss_fn
 
@@ -196,4 +204,168 @@ def nominal_seconds(
         + link / rates.host_link
         + collectives / rates.interconnect
         + host_update / rates.host_memory
+    )
+
+
+# -------------------------------------------------------------- the candidate's bytes and FLOPs
+def device_flops(cfg: ModelConfig, per_row: int, *, rows: int, seq_len: int, tp: int) -> int:
+    """Matmul FLOPs one device runs per step (``per_row``: one row's gradient, recompute
+    included, ``predict.FlopModel``; ``rows``: the rows of its data-parallel group): with tensor
+    parallelism the blocks' matmuls split over ``tp`` devices, the LM head's whole on each."""
+    if tp == 1:
+        return per_row * rows
+    head_per_row = analytic.head_flops(cfg, 1, seq_len)
+    return head_per_row * rows + (per_row - head_per_row) * rows // tp
+
+
+def tensor_parallel_bytes(
+    cfg: ModelConfig, precision: Precision, policy: MemoryPolicy, *, rows: int, seq_len: int,
+    tp: int,
+) -> int:  # fmt: skip
+    """Bytes per device and step over the interconnect for tensor parallelism, from shapes:
+    Megatron-SP's all-gathers and reduce-scatters of one row's ``[S, D]`` activations, 4 per
+    block forward, 4 backward (4 more when the block is replayed), each moving ``(tp - 1) / tp``
+    of them (ring estimate)."""
+    passes = 12 if policy.remat else 8
+    return int(
+        passes
+        * (tp - 1)
+        / tp
+        * rows
+        * seq_len
+        * cfg.d_model
+        * precision.compute_bytes
+        * cfg.n_layers
+    )
+
+
+def data_parallel_bytes(
+    cfg: ModelConfig, precision: Precision, strategy: str | None, *, data: int, tp: int,
+    accum: int,
+) -> int:  # fmt: skip
+    """Bytes per device and step over the interconnect for data parallelism over ``data``
+    devices, from shapes (ring estimate, on one tensor group member's share of the weights):
+    dp and zero1 all-reduce the gradient (or reduce-scatter it and gather the parameters),
+    fsdp gathers the parameters twice and reduce-scatters the gradient per microbatch; one
+    device (``strategy`` None) moves none."""
+    ring = 2 * (data - 1) / data if data > 1 else 0.0
+    shard = analytic.param_bytes(cfg, precision) / tp
+    if strategy in ("dp", "zero1"):
+        return int(ring * shard)
+    if strategy == "fsdp":
+        return int(1.5 * ring * shard * accum)
+    return 0
+
+
+@functools.lru_cache(maxsize=64)
+def offloaded_bytes_per_row(cfg: ModelConfig, precision: Precision, seq: int) -> int:
+    """Bytes one row's block sends to host memory under ``offload`` (analytic, per block; kept:
+    every candidate of a search asks)."""
+    one = cfg.replace(n_layers=1)
+    return analytic.saved_activation_bytes(one, POLICIES["offload"], 1, seq, precision).host_bytes
+
+
+def offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:
+    """How many of the stack's ``n_layers`` blocks run a part that offloads."""
+    return sum(n for n, p in split_policy(policy, n_layers) if p.offload)
+
+
+def activation_offload_bytes(
+    cfg: ModelConfig, precision: Precision, policy: MemoryPolicy, *, rows: int, seq_len: int,
+    tp: int,
+) -> int:  # fmt: skip
+    """Bytes per device and step over the host link for offloaded activations, from shapes:
+    each offloading block's tensors out and back in (``offloaded_bytes_per_row``), for the
+    device's rows, split over tensor devices."""
+    per_row = offloaded_bytes_per_row(cfg, precision, seq_len)
+    return 2 * per_row * rows * offloaded_blocks(policy, cfg.n_layers) // tp
+
+
+def state_transfer_bytes(
+    cfg: ModelConfig, opt_cfg: OptimizerConfig, precision: Precision, *, shards: int
+) -> int:
+    """Bytes per device and step over the host link for optimizer state kept in host memory,
+    from shapes: the device's share of the state (``shards`` ways), in and out."""
+    return 2 * analytic.opt_state_bytes(cfg, opt_cfg, precision) // shards
+
+
+def streamed_bytes(
+    cfg: ModelConfig,
+    opt_cfg: OptimizerConfig,
+    precision: Precision,
+    policy: MemoryPolicy,
+    accum: int = 1,
+    update: str = "device",
+    *,
+    param_shards: int = 1,
+    state_shards: int = 1,
+) -> tuple[int, int]:
+    """Bytes of a streamed step (from shapes, as ``records.stream_transfers``): over the host
+    link, the stack's parameters in (twice under a replaying policy), its gradient out and, for
+    a device update, the update's parameters, gradient and state in and parameters and state
+    out; and the bytes of host memory a host update reads and writes instead (the same arrays:
+    parameters, gradient and state read, parameters and state written), plus the gradient
+    read for fp16's overflow check. Over a mesh, one device's: its shards of the stack's
+    parameters (and gradient) and state."""
+    per_block = analytic.param_bytes(cfg.replace(n_layers=2), precision) - analytic.param_bytes(
+        cfg.replace(n_layers=1), precision
+    )
+    state_block = analytic.opt_state_bytes(
+        cfg.replace(n_layers=2), opt_cfg, precision
+    ) - analytic.opt_state_bytes(cfg.replace(n_layers=1), opt_cfg, precision)
+    p = per_block * cfg.n_layers // param_shards
+    s = state_block * cfg.n_layers // state_shards
+    fetches = 2 if policy.remat else 1
+    summed = accum * 3 * p if accum > 1 else 0  # the running sum added to block by block
+    updated = (2 * p + s) + (p + s)
+    link = accum * (fetches * p + p) + summed
+    checked = p if precision.loss_scale == "dynamic" else 0  # fp16's overflow check, on host
+    return (link + updated, checked) if update == "device" else (link, updated + checked)
+
+
+def gpu_step_time(
+    cfg: ModelConfig,
+    opt_cfg: OptimizerConfig,
+    work: WorkModel,
+    device: st.Device,
+    policy: MemoryPolicy,
+    precision: Precision,
+    *,
+    batch: int,
+    seq_len: int,
+    devices: int,
+    accum: int,
+    strategy: str | None,
+    tp: int,
+    update: str | None,
+    transfers: st.Transfers,
+) -> st.StepTime:
+    """A GPU candidate's estimated step time (module docstring): its microbatches' gradient
+    work (``work``), its update's and accumulation's bytes (``update_bytes``,
+    ``accumulation_bytes``; a host update's stack in host memory, not here), its transfers."""
+    data = devices // tp
+    rows = batch // data // accum
+    outside, blocks = work.micro(policy, precision, rows)
+    param_shards = (data if strategy == "fsdp" else 1) * tp  # what each device holds
+    state_shards = (data if strategy in ("zero1", "fsdp") else 1) * tp  # and updates
+    memory = update_bytes(
+        cfg, opt_cfg, precision, param_shards=state_shards, state_shards=state_shards
+    ) + accumulation_bytes(cfg, precision, accum, param_shards)
+    if update == "host":  # the stack's update runs in host memory: only the rest's here
+        one, two = (
+            update_bytes(cfg.replace(n_layers=n), opt_cfg, precision,
+                         param_shards=state_shards, state_shards=state_shards)
+            for n in (1, 2)
+        )  # fmt: skip
+        memory -= cfg.n_layers * (two - one)
+    return step_estimate(
+        outside,
+        blocks,
+        device,
+        accum=accum,
+        tp=tp,
+        memory_bytes=max(0, memory),
+        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len) // tp,
+        transfers=transfers,
+        compute_dtype=precision.compute_dtype,
     )

@@ -76,7 +76,7 @@ def block_bytes(cfg: ModelConfig, policy: MemoryPolicy, seq_len: int, p: Precisi
 def measure(cfg: ModelConfig, precision: Precision, seq_len: int, flops_per_row) -> list[TagPoint]:
     """Every subset of ``units(cfg)`` as a per-tag policy with its bytes and FLOPs per block and
     row. ``flops_per_row(cfg, policy, precision, seq_len)``: the matmul FLOPs of one row's
-    gradient (``search._flops_per_row``); each subset is traced on a one-block model (whose
+    gradient (``predict._flops_per_row``); each subset is traced on a one-block model (whose
     head and embeddings cost the same under every policy), ``none``'s block FLOPs from a
     two-block trace less the one-block one."""
     one = cfg.replace(n_layers=1)

@@ -1,0 +1,204 @@
+"""The planner's predictors, fitted from traces and compiles so that most of the lattice is
+never compiled: matmul FLOPs of any stack (``FlopModel``, exact: affine in the blocks under each
+policy) and the planned peak bytes of any candidate (``MemoryModel``: a family's plan at two
+depths, calibrated by each compile), with the two memory terms that adjust a plan's bytes
+(``state_host_bytes``: optimizer state in host memory; ``chunk_savings_bound``: what the loss in
+chunks can take off). ``jaxmem.planner.search`` compiles candidates in the order
+``jaxmem.planner.space`` gives and skips the ones these predict over the budget.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from flax import nnx
+
+from jaxmem.config import ModelConfig
+from jaxmem.memory import analytic
+from jaxmem.memory.flops import grad_matmul_flops
+from jaxmem.memory.remat import layers_fn
+from jaxmem.model import make_model
+from jaxmem.planner import tags
+from jaxmem.planner.records import lm_step_batch
+from jaxmem.planner.space import Candidate, Problem, candidate_spec, part_key
+from jaxmem.policy import POLICIES, MemoryPolicy, can_replay_embedding, split_policy
+from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.step.train_step import lm_loss_fn
+
+
+# ---------------------------------------------------------------------------------- FLOPs
+def _flops_per_row(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int) -> int:
+    """Matmul FLOPs of one row's gradient (forward, recompute, backward) under ``policy``."""
+    model = nnx.eval_shape(lambda: make_model(cfg, precision))
+    graphdef, params = nnx.split(model, nnx.Param)
+    micro = lm_step_batch(cfg, 1, seq, abstract=True)
+    loss = lm_loss_fn(
+        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss_chunks
+    )
+    return grad_matmul_flops(lambda p, b: loss(p, b)[0], params, micro)
+
+
+class FlopModel:
+    """Per-row FLOPs of any stack: ``c + Σ_parts n_blocks · s_preset``, each preset's per-block
+    FLOPs ``s`` and the rest ``c`` from traces at depths 1 and 2 (matmul FLOPs are exactly
+    affine in the number of blocks under each policy; nested, √L segments, is traced at its
+    real depth)."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int):
+        self.cfg, self.seq_len = cfg, seq_len
+        self._fit: dict[tuple, tuple[int, int]] = {}
+        self._nested: dict[str, int] = {}
+
+    def _part(self, policy: MemoryPolicy, precision: Precision) -> tuple[int, int]:
+        key = (part_key(policy), precision.name)
+        if key not in self._fit:
+            f1, f2 = (
+                _flops_per_row(self.cfg.replace(n_layers=d), policy, precision, self.seq_len)
+                for d in (1, 2)
+            )
+            self._fit[key] = (f1 - (f2 - f1), f2 - f1)
+        return self._fit[key]
+
+    def tag_frontier(self, precision: Precision) -> list[tags.TagPoint]:
+        """The per-tag policies of one block on the bytes/FLOPs Pareto frontier."""
+        return _tag_frontier(self.cfg, precision, self.seq_len)
+
+    def per_row(self, policy: MemoryPolicy, precision: Precision) -> int:
+        if policy.nested:
+            if precision.name not in self._nested:
+                self._nested[precision.name] = _flops_per_row(
+                    self.cfg, policy, precision, self.seq_len
+                )
+            return self._nested[precision.name]
+        total = None
+        for n, part in split_policy(policy, self.cfg.n_layers):
+            c, s = self._part(part, precision)
+            total = (c if total is None else total) + n * s
+        return total
+
+
+@functools.lru_cache(maxsize=16)
+def _tag_frontier(cfg: ModelConfig, precision: Precision, seq_len: int) -> list[tags.TagPoint]:
+    """``tags.frontier`` once per model, precision and sequence length in a process (its
+    2^units jaxpr traces are the same for every search of that model: ``--policy auto``,
+    repeated budgets)."""
+    return tags.frontier(cfg, precision, seq_len, _flops_per_row)
+
+
+# ---------------------------------------------------------------------------------- memory
+class MemoryModel:
+    """Planned peak bytes predicted from compiles: for each family (preset, microbatches,
+    strategy, precision), the plan at two small depths gives ``a + L · b``; a mixed stack is
+    ``max(a_A, a_B) + k · b_A + (L - k) · b_B``; nested is compiled at its real depth."""
+
+    def __init__(self, problem: Problem, compile_fn: Callable[..., int]):
+        self.problem, self.compile_fn = problem, compile_fn
+        self.fits: dict[tuple, tuple[float, float]] = {}
+        self.corrections: dict[tuple, float] = {}
+        self.residuals: dict[tuple, list[float]] = {}
+        self.compiles = 0
+
+    def _family(self, part: MemoryPolicy, cand: Candidate) -> tuple[float, float]:
+        name = part_key(part)
+        if not isinstance(name, str):
+            # a per-tag policy: selective's family, each block keeping the analytic difference
+            # in bytes per row (the compile of the candidate itself is the proof)
+            a, b = self._family(POLICIES["selective"], cand)
+            precision = PRECISIONS[cand.precision]
+            rows = self.problem.batch // (self.problem.devices // cand.tp * cand.accum)
+            cfg, seq = self.problem.cfg, self.problem.seq_len
+            delta = tags.block_bytes(cfg, part, seq, precision) - tags.block_bytes(
+                cfg, POLICIES["selective"], seq, precision
+            )
+            return a, b + rows * delta / cand.tp  # the tags' bytes split over tensor devices
+        # fitted on the scanned stack; an unrolled one is predicted from its scan's fit (it
+        # plans within ~20 % of it: 0.79x to 0.94x measured, offload 2.2x) and calibrated by
+        # its own compiles (``observe``): no unrolled fit compiles, which are the slowest
+        family = tuple(f for f in cand.family if f != "unrolled")
+        key = (name, *family)
+        if key not in self.fits:
+            d1, d2 = self.problem.fit_depths
+            fitted = POLICIES[name]
+            if "replay" in family and can_replay_embedding(fitted):
+                fitted = fitted.replace(replay_embedding=True)
+            peaks = [
+                self.compile_fn(
+                    candidate_spec(self.problem, cand, fitted, self.problem.cfg.replace(n_layers=d))
+                )
+                for d in dict.fromkeys((d1, d2))
+            ]
+            self.compiles += len(peaks)
+            # a model of at most 2 blocks is compiled at its own depth alone: no slope needed
+            b = (peaks[-1] - peaks[0]) / (d2 - d1) if d2 > d1 else 0.0
+            p1 = peaks[0]
+            self.fits[key] = (p1 - d1 * b, b)
+        return self.fits[key]
+
+    def predict(self, cand: Candidate) -> float | None:
+        """Predicted planned peak (device bytes); None for nested (compiled, not predicted)."""
+        if cand.policy.nested:
+            return None
+        parts = split_policy(cand.policy, self.problem.cfg.n_layers)
+        fits = [(n, self._family(p, cand)) for n, p in parts]
+        peak = max(a for _, (a, _) in fits) + sum(n * b for n, (_, b) in fits)
+        return (
+            peak
+            + self.corrections.get(self._pair(cand), 0.0)
+            - state_host_bytes(self.problem, cand)
+        )
+
+    def _pair(self, cand: Candidate) -> tuple:
+        """Candidates whose prediction errs alike: the same presets in the same family."""
+        parts = split_policy(cand.policy, self.problem.cfg.n_layers)
+        return (
+            *sorted(str(part_key(p)) for _, p in parts),
+            cand.policy.unroll,
+            cand.policy.replay_embedding,
+            cand.accum,
+            cand.strategy,
+            cand.tp,
+            cand.precision,
+        )
+
+    def observe(self, cand: Candidate, predicted: float | None, compiled: int) -> None:
+        """Calibrate: the next predictions of candidates that mix the same presets in the same
+        family carry the error this compile showed (mixed stacks of one pair err alike, by the
+        overlap of the two parts' working sets; measured)."""
+        if predicted is not None:
+            key = self._pair(cand)
+            if key in self.corrections:  # a calibrated prediction: how far it still erred
+                self.residuals.setdefault(key, []).append(abs(compiled - predicted) / compiled)
+            self.corrections[key] = self.corrections.get(key, 0.0) + compiled - predicted
+
+    def slack(self, cand: Candidate, default: float) -> float:
+        """How far over the budget a prediction may be and still be compiled: ``default``
+        until the candidate's pair is calibrated, then twice the largest error calibrated
+        predictions of that pair showed (at least 1 %)."""
+        errors = self.residuals.get(self._pair(cand))
+        if self._pair(cand) not in self.corrections:
+            return default
+        return min(default, max(0.01, 2 * max(errors))) if errors else min(default, 0.02)
+
+
+def state_host_bytes(problem: Problem, cand: Candidate) -> int:
+    """Optimizer-state bytes per device a candidate keeps in host memory (from shapes); a
+    streamed candidate's plan is already its device's (``records.stream_plan``)."""
+    if cand.state_memory == "device" or cand.stream:
+        return 0
+    precision = PRECISIONS[cand.precision]
+    total = analytic.opt_state_bytes(problem.cfg, problem.opt_cfg, precision)
+    data = problem.devices // cand.tp
+    shards = (data if cand.strategy in ("zero1", "fsdp") else 1) * cand.tp
+    return total // shards
+
+
+def chunk_savings_bound(problem: Problem, cand: Candidate) -> int:
+    """At most what running the loss in chunks takes off a whole-loss plan: the whole loss's
+    vocabulary-sized buffers of one device's microbatch, three fp32 ``[rows, S, V]``: its logits,
+    their gradient and a working buffer (measured: the head and loss gradient of 8 MiB of logits
+    holds 10.0 MiB of temporaries on an H100 plan, 24.0 on XLA:CPU, which gives the gradient a
+    buffer of its own; llama-3.2-1b's whole H100 step plans 5,515 MiB less in chunks for 8,016
+    MiB of logits). The LM head is whole on every tensor device."""
+    rows = problem.batch // (problem.devices // cand.tp * cand.accum)
+    return 3 * rows * problem.seq_len * problem.cfg.vocab_size * 4

@@ -1,0 +1,463 @@
+"""The lattice ``jaxmem plan`` searches and its order: what is planned (``Problem``), the choices
+searched (``PlanSpace``), one point of them with its estimated cost (``Candidate``), every point
+priced and sorted cheapest first (``enumerate_candidates``, ``candidate_order``), and the job a
+chosen point runs (``candidate_job``). The terms of the cost are ``jaxmem.planner.cost``'s; the
+predictors of bytes and FLOPs are ``jaxmem.planner.predict``'s; the search that compiles
+candidates in this order is ``jaxmem.planner.search``.
+
+The lattice (``PlanSpace``): the stack's memory policy — a preset, or the first k blocks under one
+preset and the other L - k under another (``jaxmem.policy.mixed_policy``: two consecutive scans;
+on identical blocks the order does not change the peak, measured: ``selective:2+full`` and
+``full:6+selective`` plan the same bytes on an 8-layer H100 plan) — × microbatch count × where the
+optimizer state lives × data-parallel strategy (with a mesh) × precision (only when the user
+allows it).
+
+Cost (``Candidate.seconds``, an **estimate**, never a measurement): on a GPU target, the step
+time ``jaxmem.planner.cost`` estimates before compiling (the gradient's jaxpr read kernel by
+kernel: matmuls at a shape-dependent share of the target's peak, memory-bound work at its HBM
+bandwidth, host-link and collective bytes with the overlap ``jaxmem.memory.step_time`` states);
+on the local backend a nominal order (matmul FLOPs at a nominal rate plus bytes), not a time.
+
+The FLOP model is taken as ``FlopCounts`` (what the lattice asks of ``predict.FlopModel``), so
+that this module sits below the predictors, which read its ``Problem`` and ``Candidate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import Protocol
+
+from jaxmem.config import AccumConfig, ConfigError, ModelConfig, OptimizerConfig, require
+from jaxmem.job import JobConfig
+from jaxmem.memory import step_time as st
+from jaxmem.memory.step_time import Device, StepTime
+from jaxmem.memory.targets import Target, rates_for
+from jaxmem.parallel import ParallelConfig
+from jaxmem.planner import cost, tags
+from jaxmem.policy import (
+    POLICIES,
+    MemoryPolicy,
+    can_replay_embedding,
+    is_preset,
+    mixed_policy,
+    preset_named,
+    tags_text,
+)
+from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.step.spec import StepSpec
+
+# placements of the state beside device and pinned_host: the stack's parameters and state
+# streamed through host memory (optimizer.stream), updated block by block on the device or in
+# host memory (optimizer.stream_update)
+STREAMED = "stream"
+STREAMED_HOST = "stream-host"
+STREAM_UPDATE = {STREAMED: "device", STREAMED_HOST: "host"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSpace:
+    """The lattice ``jaxmem plan`` searches."""
+
+    policies: tuple[str, ...] = ("none", "selective", "mlp", "offload", "full", "nested")
+    mix: tuple[str, ...] = ("none", "selective", "offload", "full")  # presets mixed in pairs
+    accum: tuple[int, ...] = (1, 2, 4, 8)
+    state_memory: tuple[str, ...] = ("device", "pinned_host")  # and STREAM_UPDATE's
+    strategies: tuple[str, ...] = ("dp", "zero1", "fsdp")
+    # tensor-parallel sizes (Megatron's layout with sequence parallelism, ``--mesh ...,tp=T``):
+    # each that divides the devices and the model (``ParallelConfig.check_model``) is searched
+    tensor: tuple[int, ...] = (1,)
+    precisions: tuple[str, ...] = ("fp32",)
+    # also the per-tag policies on the Pareto frontier of one block (``jaxmem.planner.tags``),
+    # each over the whole stack
+    tags: bool = True
+    # also each stack unrolled (``MemoryPolicy.unroll``: the same FLOPs, another plan; GPU
+    # targets only: XLA:CPU reflects remat only under scan)
+    unroll: bool = True
+    # also each stack with the head and loss in chunks (``MemoryPolicy.loss_chunks``: the same
+    # FLOPs, no logits kept): at most this many, the largest count dividing the sequence
+    # (``chunk_count``); 0 (default): the whole loss only. Off by default: where the logits are a
+    # small part of the step the twins' compiles crowd out the rest of a search (gpt2-1.5b on an
+    # H100 at 24 GiB: the twins of selective:k+full, each within chunk_savings_bound of the
+    # budget, used the compile cap before the state-offload plan that fits was reached)
+    loss_chunks: int = 0
+    # also each stack whose first block is rematerialised with the embedding lookup replayed in
+    # its backward (``MemoryPolicy.replay_embedding``: the same FLOPs, one block input fewer kept;
+    # GPU targets only: XLA:CPU keeps the activations of a block outside a loop). Its twins
+    # compile memory-model fits of their own, so it is off by default: it matters where one
+    # block input is a real part of the budget (a shallow model)
+    replay_embedding: bool = False
+    # also mixes of two per-tag policies (adjacent points of the lower convex hull of the
+    # frontier, ``tags.hull``): the first k blocks under one, the rest under the other; with
+    # ``tags``
+    tag_mixes: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("policies", "mix"):
+            bad = [p for p in getattr(self, field) if p not in POLICIES]
+            require(not bad, f"plan {field} {bad} are not presets; valid: {', '.join(POLICIES)}")
+        require("nested" not in self.mix, "nested applies to a whole stack: it does not mix")
+        bad = [m for m in self.accum if not (isinstance(m, int) and m > 0)]
+        require(not bad and self.accum, f"plan microbatch counts {bad} must be positive integers")
+        bad = [p for p in self.precisions if p not in PRECISIONS]
+        require(not bad, f"plan precisions {bad} are not one of {', '.join(PRECISIONS)}")
+        require(
+            isinstance(self.loss_chunks, int) and self.loss_chunks >= 0,
+            f"plan loss_chunks={self.loss_chunks!r} must be 0 (whole loss only) or a count",
+        )
+
+
+def chunk_count(most: int, seq_len: int) -> int:
+    """The largest number of loss chunks at most ``most`` that divides ``seq_len`` (0: none)."""
+    return max((k for k in range(1, most + 1) if seq_len % k == 0), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the lattice, with its estimated cost."""
+
+    policy: MemoryPolicy
+    accum: int
+    state_memory: str
+    strategy: str | None  # None: one device
+    precision: str
+    flops: int  # per device and step, recompute included (jaxpr count)
+    host_bytes: int  # per device and step over the host link (estimate: what offload moves)
+    collective_bytes: int  # per device and step over the interconnect (ring estimate)
+    seconds: float  # estimated step time (FLOPs / rate + bytes / bandwidths)
+    # bytes of host memory a host update reads and writes per step (estimate, from shapes)
+    host_update_bytes: int = 0
+    tp: int = 1  # tensor-parallel devices (the rest of the mesh is the strategy's data axis)
+    # the step time's parts, MFU and assumptions (jaxmem.planner.cost; None on the local
+    # backend, which is ordered by nominal rates)
+    estimate: StepTime | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def stream(self) -> str | None:
+        """Where a streamed stack's update runs (device | host); None: not streamed."""
+        return STREAM_UPDATE.get(self.state_memory)
+
+    @property
+    def family(self) -> tuple:
+        # a streamed step is another program (and its update placement another): its plans
+        # fit apart
+        streamed = ("streamed", self.stream) if self.stream else ()
+        unrolled = ("unrolled",) if self.policy.unroll else ()
+        tensor = (f"tp={self.tp}",) if self.tp > 1 else ()
+        replay = ("replay",) if self.policy.replay_embedding else ()
+        return (self.accum, self.strategy, *tensor, self.precision, *streamed, *unrolled, *replay)
+
+    def describe(self) -> str:
+        stack = policy_text(self.policy) + (" (unrolled)" if self.policy.unroll else "")
+        parts = [stack, self.precision, f"accum {self.accum}"]
+        if self.policy.replay_embedding:
+            parts.append("embedding replayed")
+        if self.policy.loss_chunks:
+            parts.append(f"loss in {self.policy.loss_chunks} chunks")
+        if self.stream == "device":
+            parts.append("streamed")
+        elif self.stream == "host":
+            parts.append("streamed, update on host")
+        elif self.state_memory != "device":
+            parts.append(f"state {self.state_memory}")
+        if self.strategy is not None:
+            parts.append(self.strategy)
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
+        return ", ".join(parts)
+
+    def parallel(self, devices: int) -> ParallelConfig:
+        """The mesh the candidate runs on (one device: the default)."""
+        if self.strategy is None and self.tp == 1:
+            return ParallelConfig()
+        return ParallelConfig(strategy=self.strategy or "dp", devices=devices, tp=self.tp)
+
+
+@dataclasses.dataclass
+class Problem:
+    """What is planned: the model, the step's shape, the target, the mesh and the budget."""
+
+    cfg: ModelConfig
+    batch: int
+    seq_len: int
+    target: Target
+    budget_bytes: int
+    opt_cfg: OptimizerConfig
+    devices: int = 1  # data-parallel devices (a mesh of one axis)
+    # skip a candidate predicted over the budget by more than this fraction: the memory model's
+    # measured error on mixed stacks (compare.tolerances "mixed_stack_prediction")
+    slack: float = 0.20
+
+    @property
+    def fit_depths(self) -> tuple[int, int]:
+        """The two depths each family is compiled at: half the model and the model, up to 16
+        blocks (XLA plans a 2-block stack unlike a deep one: gpt2-1.5b bf16 8 x 1024, 8
+        microbatches, H100 plan, `none` grows 0.808 GiB a block from 2 to 4 blocks and 0.7106
+        from 4 to 8 and from 8 to 12; fitted at 2 and 4 it erred by 11.6 % at 48 blocks,
+        at 8 and 16 by 0.3 %)."""
+        d2 = min(self.cfg.n_layers, 16)
+        return min(max(2, d2 // 2), d2), d2
+
+
+def policy_text(policy: MemoryPolicy) -> str:
+    """A candidate's stack in words: a preset's or mix's name, or what a per-tag policy keeps."""
+    if is_preset(policy) or policy.rest is not None or not policy.remat:
+        return policy.name
+    return f"keep {tags_text(policy.save) or 'block_input'}"
+
+
+def part_key(policy: MemoryPolicy) -> str | tuple[str, ...]:
+    """What identifies one part of a stack: its preset's name, or a per-tag policy's saves
+    (scanned or unrolled alike)."""
+    policy = policy.replace(unroll=False, loss_chunks=0, replay_embedding=False)
+    name = preset_named(policy)
+    return name if name is not None else ("tags", *policy.save)
+
+
+class FlopCounts(Protocol):
+    """What the lattice asks of a FLOP model (``jaxmem.planner.predict.FlopModel``)."""
+
+    def per_row(self, policy: MemoryPolicy, precision: Precision) -> int:
+        """Matmul FLOPs of one row's gradient under ``policy``, recompute included."""
+        ...
+
+    def tag_frontier(self, precision: Precision) -> list[tags.TagPoint]:
+        """The per-tag policies of one block on the bytes/FLOPs Pareto frontier."""
+        ...
+
+
+# ---------------------------------------------------------------------------------- lattice
+def _stacks(
+    problem: Problem, space: PlanSpace, flops: FlopCounts, precision: Precision
+) -> list[MemoryPolicy]:
+    """The stacks searched at ``precision``: the presets, the per-tag policies of the frontier
+    that keep what no preset keeps, the presets mixed in pairs and the hull's neighbours mixed,
+    each at every split; then (GPU targets) each with the embedding replayed and each unrolled,
+    and each with the loss in chunks, where ``space`` asks for them."""
+    n_layers = problem.cfg.n_layers
+    host = problem.target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
+    frontier = flops.tag_frontier(precision) if space.tags else []
+    hull = [t.policy for t in tags.hull(frontier)] if space.tag_mixes else []
+    stacks = [POLICIES[p] for p in space.policies if host or not POLICIES[p].offload]
+    # per-tag policies that keep what no searched preset keeps (a frontier point may be one)
+    kept = {(p.remat, frozenset(p.save)) for p in stacks if not p.nested}
+    stacks += [t.policy for t in frontier if (t.policy.remat, frozenset(t.policy.save)) not in kept]
+    mix = [p for p in space.mix if host or not POLICIES[p].offload]
+    for i, a in enumerate(mix):
+        for b in mix[i + 1 :]:
+            for k in range(1, n_layers):
+                stacks.append(mixed_policy(a, k, b))
+    # per-tag mixes: neighbours on the hull (fewest bytes first), the one keeping more first
+    for lean, rich in itertools.pairwise(hull):
+        for k in range(1, n_layers):
+            stacks.append(mixed_policy(rich, k, lean))
+    if host and space.replay_embedding:  # a GPU target (XLA:CPU: see PlanSpace)
+        stacks += [p.replace(replay_embedding=True) for p in stacks if can_replay_embedding(p)]
+    if host and space.unroll:  # a GPU target: each stack unrolled too (nested scans)
+        stacks += [p.replace(unroll=True) for p in stacks if not p.nested]
+    chunks = chunk_count(space.loss_chunks, problem.seq_len)
+    if chunks and precision.loss_scale != "dynamic":  # jaxmem.job.check_loss_chunks
+        stacks += [p.replace(loss_chunks=chunks) for p in stacks]
+    return stacks
+
+
+def tensor_sizes(problem: Problem, space: PlanSpace) -> list[int]:
+    """The tensor-parallel sizes searched: those of ``space.tensor`` that divide the devices
+    and split the model's heads, MLP and sequence (``ParallelConfig.check_model``)."""
+    out = []
+    for tp in space.tensor:
+        if tp < 1 or problem.devices % tp:
+            continue
+        try:
+            ParallelConfig(devices=problem.devices, tp=tp).check_model(problem.cfg, problem.seq_len)
+        except ConfigError:
+            continue
+        out.append(tp)
+    return out
+
+
+def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bool:
+    """A streamed step applies (``jaxmem.job.check_stream``): one device or a data-parallel
+    mesh (dp, zero1, fsdp), a preset over the whole scanned stack, an elementwise optimizer (any
+    microbatch count: it sums them in its own scan; fp16 too)."""
+    from jaxmem.config import STREAM_OPTIMIZERS
+
+    return (
+        (strategy is None) == (problem.devices == 1)
+        and policy.rest is None
+        and not policy.replay_embedding
+        and not policy.nested
+        and policy.layers.is_all
+        and not policy.unroll
+        and problem.opt_cfg.name in STREAM_OPTIMIZERS
+    )
+
+
+def _choices(
+    problem: Problem, space: PlanSpace, policy: MemoryPolicy, sizes: list[int]
+) -> Iterator[tuple[int, int, str | None, str]]:
+    """(tensor size, microbatches, strategy, state placement) ``policy``'s stack is searched
+    with: a tensor size of ``sizes`` (a scanned stack only), a microbatch count dividing the
+    batch, a strategy (with a data-parallel axis), a placement (host ones on a GPU target,
+    streaming where it applies)."""
+    host = problem.target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
+    for tp in sizes:
+        if tp > 1 and (policy.unroll or policy.nested):
+            continue  # tensor parallelism runs a scanned stack (JobConfig)
+        data = problem.devices // tp
+        strategies = space.strategies if data > 1 else (None,)
+        for accum in space.accum:
+            if problem.batch % (data * accum):
+                continue
+            for strategy in strategies:
+                for place in space.state_memory if host else ("device",):
+                    update = STREAM_UPDATE.get(place)
+                    if update and (tp > 1 or not _streams(problem, policy, strategy)):
+                        continue
+                    yield tp, accum, strategy, place
+
+
+def _priced(
+    problem: Problem, work: cost.WorkModel, policy: MemoryPolicy, precision_name: str,
+    per_row: int, choice: tuple[int, int, str | None, str],
+) -> Candidate:  # fmt: skip
+    """``policy`` under ``choice`` (``_choices``) with its cost, each term ``jaxmem.planner.cost``'s
+    for one device: a GPU target's the estimated step time, the local backend's the nominal
+    order (``cost.nominal_seconds``)."""
+    tp, accum, strategy, place = choice
+    cfg, opt_cfg, seq_len = problem.cfg, problem.opt_cfg, problem.seq_len
+    precision = PRECISIONS[precision_name]
+    data = problem.devices // tp
+    rows = problem.batch // data
+    flops = cost.device_flops(cfg, per_row, rows=rows, seq_len=seq_len, tp=tp)
+    tensor = cost.tensor_parallel_bytes(cfg, precision, policy, rows=rows, seq_len=seq_len, tp=tp)
+    collective = tensor + cost.data_parallel_bytes(
+        cfg, precision, strategy, data=data, tp=tp, accum=accum
+    )
+    offloaded = cost.activation_offload_bytes(
+        cfg, precision, policy, rows=rows, seq_len=seq_len, tp=tp
+    )
+    update = STREAM_UPDATE.get(place)
+    state, on_host = 0, 0
+    if update:  # one device's shards of the stack (jaxmem.sharding's layout)
+        state, on_host = cost.streamed_bytes(
+            cfg, opt_cfg, precision, policy, accum, update,
+            param_shards=data if strategy == "fsdp" else 1,
+            state_shards=data if strategy in ("zero1", "fsdp") else 1,
+        )  # fmt: skip
+    elif place != "device":
+        shards = (data if strategy in ("zero1", "fsdp") else 1) * tp
+        state = cost.state_transfer_bytes(cfg, opt_cfg, precision, shards=shards)
+    moved, estimate = offloaded + state, None
+    device = Device.of(problem.target)
+    if device is None:
+        seconds = cost.nominal_seconds(
+            flops, rates_for(problem.target), precision.compute_dtype, link=moved,
+            collectives=collective, host_update=on_host,
+        )  # fmt: skip
+    else:
+        transfers = st.Transfers(
+            activation_offload=offloaded, state=state, data_parallel=collective - tensor,
+            tensor_parallel=tensor, host_update=on_host,
+        )  # fmt: skip
+        estimate = cost.gpu_step_time(
+            cfg, opt_cfg, work, device, policy, precision, batch=problem.batch, seq_len=seq_len,
+            devices=problem.devices, accum=accum, strategy=strategy, tp=tp, update=update,
+            transfers=transfers,
+        )  # fmt: skip
+        seconds = estimate.seconds
+    return Candidate(
+        policy, accum, place, strategy, precision_name, flops, moved, collective, seconds,
+        on_host, tp, estimate,
+    )  # fmt: skip
+
+
+def enumerate_candidates(
+    problem: Problem, space: PlanSpace, flops: FlopCounts, work: cost.WorkModel | None = None
+) -> list[Candidate]:
+    """Every candidate of the lattice with its cost, cheapest first (``candidate_order``). A GPU
+    target's cost is the estimated step time (``jaxmem.planner.cost``, ``work``'s traces); the
+    local backend's the nominal order."""
+    work = work or cost.WorkModel(problem.cfg, problem.seq_len)
+    sizes = tensor_sizes(problem, space)
+    out = []
+    for precision_name in space.precisions:
+        precision = PRECISIONS[precision_name]
+        for policy in _stacks(problem, space, flops, precision):
+            per_row = flops.per_row(policy, precision)
+            for choice in _choices(problem, space, policy, sizes):
+                out.append(_priced(problem, work, policy, precision_name, per_row, choice))
+    out.sort(key=candidate_order)
+    return out
+
+
+_PLACES = ("device", "pinned_host", STREAMED, STREAMED_HOST)
+
+
+def candidate_order(c: Candidate) -> tuple:
+    """The lattice's order: the cheapest first; among equal costs, fewer microbatches, the whole
+    loss (chunks only where it does not fit: they run the head, not the whole step, as a loop of
+    smaller matmuls), the state on the device, the scanned stack, then a preset before a per-tag
+    policy (the cost counts matmuls only: a per-tag policy with none's FLOPs still recomputes
+    the norms and activations), then the stack's name."""
+    return (
+        c.seconds,
+        c.accum,
+        c.policy.loss_chunks > 0,
+        c.policy.replay_embedding,
+        _PLACES.index(c.state_memory),
+        c.policy.unroll,
+        c.policy.rest is None and not is_preset(c.policy),
+        policy_text(c.policy),
+    )
+
+
+def candidate_spec(
+    problem: Problem,
+    cand: Candidate,
+    policy: MemoryPolicy | None = None,
+    model: ModelConfig | None = None,
+) -> StepSpec:
+    """The step the planner compiles for ``cand`` (under ``policy``, at ``model``'s depth: a
+    family's fit compiles; by default the candidate's own). It is the step ``jaxmem train``
+    runs for ``candidate_job``, but for optimizer state kept in host memory: a deviceless
+    compile drops argument memory kinds, so that state is compiled on the device and its bytes
+    taken off the plan from shapes (``predict.state_host_bytes``)."""
+    return StepSpec(
+        model=model or problem.cfg,
+        policy=policy or cand.policy,
+        precision=PRECISIONS[cand.precision],
+        optimizer=dataclasses.replace(
+            problem.opt_cfg,
+            stream=cand.stream is not None,
+            stream_update="host" if cand.stream == "host" else None,
+        ),
+        batch=problem.batch,
+        seq_len=problem.seq_len,
+        accum=AccumConfig(steps=cand.accum),
+        parallel=cand.parallel(problem.devices),
+        target=problem.target,
+    )
+
+
+def candidate_job(job: JobConfig, cand: Candidate, devices: int) -> JobConfig:
+    """``job`` with ``cand``'s choices applied: what ``jaxmem train`` runs for it."""
+    return dataclasses.replace(
+        job,
+        memory=cand.policy,
+        precision=PRECISIONS[cand.precision],
+        accum=dataclasses.replace(job.accum, steps=cand.accum),
+        optimizer=dataclasses.replace(
+            job.optimizer,
+            state_memory="device",
+            stream=True,
+            # the device update is the default: a streamed command names only the host one
+            stream_update="host" if cand.stream == "host" else None,
+        )
+        if cand.stream
+        else dataclasses.replace(
+            job.optimizer, state_memory=cand.state_memory, stream=False, stream_update=None
+        ),
+        parallel=cand.parallel(devices),
+    )
