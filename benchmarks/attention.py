@@ -33,7 +33,7 @@ import jax
 from jaxmem.config import ModelConfig, OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.planner.records import jax_record
-from jaxmem.policy import POLICIES, MemoryPolicy, model_tags
+from jaxmem.policy import POLICIES, BlockPolicy, MemoryPolicy, model_tags
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec
 
@@ -59,7 +59,9 @@ def policy(name: str, attention: str) -> MemoryPolicy:
         return POLICIES[name]
     drop = MEGATRON_RECOMPUTES[attention]
     tags = model_tags(CFG.replace(attention=attention))
-    return MemoryPolicy(name="megatron", save=tuple(n for n in tags if n not in drop))
+    return MemoryPolicy.of(
+        BlockPolicy(save=tuple(n for n in tags if n not in drop)), name="megatron"
+    )
 
 
 GPU_NAMES = NAMES[:4]  # the naive H100 rows come from gpu_plans.py, which plans the presets

@@ -54,6 +54,7 @@ from typing import Any
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from jaxmem.backend import contain_cuda_plugin
+from jaxmem.policy import LossPolicy
 
 contain_cuda_plugin()
 
@@ -89,7 +90,7 @@ class Case:
         from jaxmem.policy import POLICIES
 
         policy = POLICIES[self.policy]
-        return policy.replace(loss_chunks=self.loss_chunks) if self.loss_chunks else policy
+        return policy.replace(loss=LossPolicy(self.loss_chunks)) if self.loss_chunks else policy
 
     def optimizer(self) -> Any:
         from jaxmem.config import OptimizerConfig

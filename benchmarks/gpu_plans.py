@@ -34,7 +34,7 @@ from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.remat import REMAT_REVISION
 from jaxmem.memory.targets import get_target
 from jaxmem.planner.records import jax_record, plan_step
-from jaxmem.policy import POLICIES, nested_segment_size
+from jaxmem.policy import POLICIES, MemoryPolicy, nested_segment_size
 from jaxmem.precision import get_precision
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import STEP_REVISION
@@ -120,6 +120,20 @@ def search_largest(plan: Callable[[int], int], budget: int, known: dict[int, int
         peak(guess)
 
 
+def _measured_repr(policy: MemoryPolicy) -> str:
+    """A preset as the measured rows name it: the repr of the flat policy they were measured
+    under (its fields before a policy was made of parts, without those added since at their
+    defaults), rebuilt from the preset's parts, so the rows whose definition did not change
+    still match."""
+    block = policy.head
+    return (
+        f"MemoryPolicy(name={policy.name!r}, remat={block.remat}, save={block.save!r}, "
+        f"offload={block.offload!r}, save_dots={block.save_dots}, nested={policy.nested}, "
+        "layers=LayerSelection(every=None, first=None, layers=None), "
+        f"use_reentrant={policy.use_reentrant})"
+    )
+
+
 def measure(
     target_name: str,
     presets: list[str],
@@ -150,17 +164,7 @@ def measure(
             # A row measured under another definition of the policy or another translation of
             # it is measured again; one measured under another accounting (``ACCOUNTING``) is
             # measured again but keeps its largest batch, which the accounting does not touch.
-            # (the repr leaves out MemoryPolicy's fields added since the rows were measured,
-            # at their defaults, which no preset sets, so the rows whose definitions name none
-            # of them still match)
-            policy_repr = repr(POLICIES[name])
-            for default in (
-                ", unroll=False",
-                ", rest=None",
-                ", rest_save=(), rest_offload=(), replay_embedding=False",
-                ", loss_chunks=0",
-            ):
-                policy_repr = policy_repr.replace(default, "")
+            policy_repr = _measured_repr(POLICIES[name])
             definition = (
                 f"{policy_repr} remat revision {REMAT_REVISION} step revision {STEP_REVISION}"
             )

@@ -34,7 +34,7 @@ from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.targets import LOCAL, get_target
 from jaxmem.planner.records import jax_record, plan_step
-from jaxmem.policy import POLICIES
+from jaxmem.policy import POLICIES, LossPolicy
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec
 
@@ -72,7 +72,7 @@ def measure(row: tuple) -> dict:
     }
     start = time.perf_counter()
     for chunks in (0, CHUNKS):
-        policy = POLICIES[policy_name].replace(loss_chunks=chunks)
+        policy = POLICIES[policy_name].replace(loss=LossPolicy(chunks))
         key = "whole" if chunks == 0 else "chunked"
         plan = plan_step(
             StepSpec(

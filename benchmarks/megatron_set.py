@@ -21,15 +21,17 @@ from jaxmem.compare.bench import (
 )
 from jaxmem.config import get_preset
 from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.policy import CHECKPOINT_NAMES, POLICIES, MemoryPolicy
+from jaxmem.policy import CHECKPOINT_NAMES, POLICIES, BlockPolicy, MemoryPolicy
 
-MEGATRON = MemoryPolicy(
-    name="megatron",
-    save=tuple(
-        n
-        for n in CHECKPOINT_NAMES
-        if n not in ("attn_scores", "attn_probs", "attn_lse", "attn_context")
+MEGATRON = MemoryPolicy.of(
+    BlockPolicy(
+        save=tuple(
+            n
+            for n in CHECKPOINT_NAMES
+            if n not in ("attn_scores", "attn_probs", "attn_lse", "attn_context")
+        )
     ),
+    name="megatron",
 )
 MIB = 1 << 20
 

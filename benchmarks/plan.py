@@ -71,7 +71,7 @@ def cached(compile_peak, cache: dict):
             peak = compile_peak(spec)
             cache[spec] = (*peak, getattr(compile_peak, "step_time", None))
             policy = spec.policy
-            chunks = f", loss in {policy.loss_chunks} chunks" if policy.loss_chunks else ""
+            chunks = f", loss in {policy.loss.chunks} chunks" if policy.loss.chunks else ""
             mesh = f" {spec.parallel.mesh_text()}" if spec.sharded else ""
             streamed = spec.optimizer.stream_update or "device" if spec.streamed else None
             print(
@@ -200,9 +200,9 @@ def run_config(name: str, target) -> dict:
         result = search(problem, space, compile_peak=compile_peak, max_compiles=30)
         wall = time.time() - t
         if base is None:
-            base = FlopModel(cfg, seq).per_row(
-                MemoryPolicy(name="none", remat=False), PRECISIONS[PRECISION]
-            ) * (batch // devices)
+            base = FlopModel(cfg, seq).per_row(POLICIES["none"], PRECISIONS[PRECISION]) * (
+                batch // devices
+            )
         chosen = result.chosen
         rows_out.append(
             {

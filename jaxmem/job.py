@@ -46,13 +46,8 @@ from jaxmem.config import (
 )
 from jaxmem.hf.config import resolve_preset
 from jaxmem.parallel import ParallelConfig
-from jaxmem.policy import (
-    MemoryPolicy,
-    check_policy,
-    describe_kept,
-    policy_from_dict,
-    policy_to_dict,
-)
+from jaxmem.policy import POLICIES, MemoryPolicy, check_policy, describe_kept
+from jaxmem.policy_config import policy_from_dict, policy_to_dict
 from jaxmem.precision import PRECISIONS, Precision, get_precision
 
 FRAMEWORKS: tuple[str, ...] = ("jax", "torch")
@@ -207,10 +202,10 @@ def check_stream(
     require(
         not (
             policy.unroll
-            or not policy.layers.is_all
+            or len(policy.parts) > 1
+            or policy.selects
             or policy.nested
-            or policy.rest
-            or policy.replay_embedding
+            or policy.embedding.replay
         ),
         f"optimizer.stream runs the stack as one scan: policy {policy.name!r} unrolls, selects "
         "layers, nests, mixes or replays the embedding; use a preset over every layer (none, "
@@ -219,8 +214,8 @@ def check_stream(
 
 
 def check_loss_chunks(policy: MemoryPolicy, precision: Precision, seq_len: int) -> None:
-    """``ConfigError`` when ``policy.loss_chunks`` cannot split this step's loss."""
-    chunks = policy.loss_chunks
+    """``ConfigError`` when ``policy.loss``'s chunks cannot split this step's loss."""
+    chunks = policy.loss.chunks
     if not chunks:
         return
     require(
@@ -310,7 +305,7 @@ def torch_host_memory_refusal(job: JobConfig) -> str | None:
 class JobConfig:
     preset: str
     model: ModelConfig
-    memory: MemoryPolicy = MemoryPolicy(name="none", remat=False)
+    memory: MemoryPolicy = POLICIES["none"]
     precision: Precision = Precision(name="fp32")
     optimizer: OptimizerConfig = OptimizerConfig()
     accum: AccumConfig = AccumConfig()
@@ -339,7 +334,7 @@ class JobConfig:
             f"precision {self.precision.name!r} is not one of the named precisions "
             f"({', '.join(PRECISIONS)}): a run config names its precision",
         )
-        self.memory.layers.indices(self.model.n_layers)  # layer indices exist in this model
+        self.memory.layer_blocks(self.model.n_layers)  # its layers exist in this model
         check_policy(self.model, self.memory)  # its tags exist under this model's attention
         require(
             self.precision.loss_scale == "none" or self.accum.mode == "scan",
@@ -416,8 +411,8 @@ class JobConfig:
         """The step in words: preset, batch, precision, policy, optimizer (report headers)."""
         micro = f" in {self.accum.steps} microbatches" if self.accum.steps > 1 else ""
         stack = self.memory.name + (" (unrolled)" if self.memory.unroll else "")
-        if self.memory.loss_chunks:
-            stack += f", loss in {self.memory.loss_chunks} chunks"
+        if self.memory.loss.chunks:
+            stack += f", loss in {self.memory.loss.chunks} chunks"
         mesh = f", {self.parallel.mesh_text()}" if self.parallel.sharded else ""
         return (
             f"{self.preset}, batch {self.run.batch_size} x {self.run.seq_len}{micro}, "

@@ -3,9 +3,14 @@
 This module imports neither JAX nor PyTorch. It holds the vocabulary both frameworks share —
 the tag names the model puts on its intermediates (``CHECKPOINT_NAMES``), the facts of which
 tags a block's backward reads (``backward_reads``, ``kept_tags``) — and the policy objects
-themselves. Each framework translates a policy in exactly one place: ``jaxmem.memory.remat``
-(``jax.checkpoint`` policies under ``lax.scan``) and ``torch_ref.remat`` (stock
-``torch.utils.checkpoint``, selective checkpointing, ``checkpoint_sequential``).
+themselves: a ``MemoryPolicy`` is an ordered tuple of ``StackPart``s (a run of layers under a
+``BlockPolicy``: a preset's, or per-tag ``save``/``offload`` names), the stack-wide form
+(``nested``, ``unroll``, PyTorch's ``use_reentrant``), the loss (``LossPolicy``) and the
+embedding's replay (``EmbeddingReplay``); each validates itself. Names (``[memory]`` sections,
+``--policy`` strings) are read and written in ``jaxmem.policy_config``. Each framework
+translates a policy in exactly one place: ``jaxmem.memory.remat`` (``jax.checkpoint``
+policies under ``lax.scan``) and ``torch_ref.remat`` (stock ``torch.utils.checkpoint``,
+selective checkpointing, ``checkpoint_sequential``).
 
 Presets (``POLICIES``):
 
@@ -18,7 +23,7 @@ Presets (``POLICIES``):
   FLOPs. The paper also keeps the elementwise outputs: more bytes at the same FLOPs and, measured,
   no faster a step (``benchmarks/results/megatron_set.md``), so that set is not a preset
   (``MemoryPolicy.custom`` writes it). Kept by name rather than with JAX's
-  ``dots_with_no_batch_dims_saveable`` (a benchmark peer row, ``MemoryPolicy(save_dots=True)``):
+  ``dots_with_no_batch_dims_saveable`` (a benchmark peer row, ``BlockPolicy(save_dots=True)``):
   the projections accumulate in fp32, so the built-in keeps their fp32 results under bf16; the
   tags hold the compute-dtype values.
 - ``mlp``: keep the attention side, recompute the MLP (fewer FLOPs than ``selective`` only when
@@ -28,10 +33,11 @@ Presets (``POLICIES``):
 - ``nested``: about √L segments: checkpoint every ``nested_segment_size(L)`` blocks and fully
   recompute inside.
 - ``HEAD:K+REST`` (``parse_policy``, e.g. ``none:2+selective``): the first K blocks under one
-  preset, the others under another (``mixed_policy``; what ``jaxmem plan`` searches); a part may
-  be a per-tag policy (``rest="custom"``), named ``keep(...)`` by what it keeps.
-- ``replay_embedding``: with any policy that rematerialises the first block, that block keeps
-  no input; its backward replays the embedding lookup.
+  preset, the others under another (``mixed_policy``: two ``StackPart``s; what ``jaxmem plan``
+  searches); a part may be a per-tag block policy, named ``keep(...)`` by what it keeps.
+- ``EmbeddingReplay(True)`` (``replay_embedding`` in a run config): with any policy that
+  rematerialises the first block, that block keeps no input; its backward replays the
+  embedding lookup.
 - ``MemoryPolicy.custom({...})``: a per-name choice of ``device`` / ``offload`` / ``recompute``,
   like MaxText's per-tensor remat config.
 
@@ -102,7 +108,7 @@ def model_tags(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(n for n in CHECKPOINT_NAMES if n not in absent)
 
 
-def _check_names(field: str, names: tuple[str, ...]) -> None:
+def check_names(field: str, names: tuple[str, ...]) -> None:
     unknown = [n for n in names if n not in CHECKPOINT_NAMES]
     require(
         not unknown,
@@ -168,19 +174,154 @@ class LayerSelection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MemoryPolicy:
-    """What the backward pass of each selected block keeps, recomputes or offloads.
+class BlockPolicy:
+    """What the backward pass of one block keeps, recomputes or offloads.
 
     Attributes:
-      name: label used in reports.
       remat: False = plain autodiff (keep every residual); True = checkpoint the block and keep
-        only what ``save`` / ``offload`` / ``save_dots`` name.
+        only what ``save`` / ``offload`` / ``save_dots`` name (nothing named: ``full``).
       save: tag names kept in device memory.
       offload: tag names moved to host memory (``pinned_host``) in the forward pass and brought
         back for the backward pass.
       save_dots: also keep matmul outputs without batch dimensions (the projections).
-      nested: about √L segments of fully recomputed blocks (takes no names).
-      layers: which layers the policy applies to.
+    """
+
+    remat: bool = True
+    save: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()
+    save_dots: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("save", "offload"):
+            value = getattr(self, field)
+            require(isinstance(value, tuple), f"{field}={value!r} must be a tuple of tag names")
+            check_names(field, value)
+        both = sorted(set(self.save) & set(self.offload))
+        # jax.checkpoint_policies.save_and_offload_only_these_names silently keeps such a name
+        # on device and never offloads it.
+        require(not both, f"{both} are both saved and offloaded; choose one place for each name")
+        require(
+            self.remat or not (self.save or self.offload or self.save_dots),
+            "remat=False keeps everything: it takes no save/offload/save_dots/nested",
+        )
+        # save_from_both_policies (dots + names) raises on offloading policies.
+        require(
+            not (self.save_dots and self.offload),
+            f"save_dots cannot be combined with offload={list(self.offload)}: name the "
+            "projections to offload instead",
+        )
+
+    @classmethod
+    def custom(cls, choices: Mapping[str, Choice]) -> BlockPolicy:
+        """Per-name choices; names not mentioned are recomputed:
+        ``BlockPolicy.custom({"query_proj": "device", "mlp_up": "offload"})``."""
+        bad = {k: v for k, v in choices.items() if v not in CHOICES}
+        require(not bad, f"choices {bad} must each be one of {CHOICES}")
+        check_names("choices", tuple(choices))
+        return cls(
+            save=tuple(n for n in CHECKPOINT_NAMES if choices.get(n) == "device"),
+            offload=tuple(n for n in CHECKPOINT_NAMES if choices.get(n) == "offload"),
+        )
+
+    def choice(self, name: str) -> Choice:
+        """Where tag ``name`` lives under this block policy."""
+        if not self.remat or name in self.save:
+            return "device"
+        return "offload" if name in self.offload else "recompute"
+
+    @property
+    def is_named(self) -> bool:
+        """Keeps chosen tensors by name (``save``/``offload``/``save_dots``)."""
+        return bool(self.save or self.offload or self.save_dots)
+
+    @property
+    def label(self) -> str:
+        """The block policy in words: a preset's name, or a per-tag policy's ``keep(...)``
+        (``tags_text``; ``host(...)`` for offloaded tags)."""
+        preset = next((n for n, b in BLOCKS.items() if b == self), None)
+        if preset is not None:
+            return preset
+        host = f" host({tags_text(self.offload)})" if self.offload else ""
+        return f"keep({tags_text(self.save) or 'block_input'}){host}"
+
+
+# The block policies of the presets (``nested`` is a stack form over ``full`` blocks).
+BLOCKS: dict[str, BlockPolicy] = {
+    "none": BlockPolicy(remat=False),
+    "full": BlockPolicy(),
+    "selective": BlockPolicy(save=PROJECTIONS),
+    "mlp": BlockPolicy(save=tuple(n for n in CHECKPOINT_NAMES if n not in MLP_SIDE)),
+    "offload": BlockPolicy(save=("block_input",), offload=PROJECTIONS),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StackPart:
+    """A part of the block stack under one block policy.
+
+    ``layers``: in a stack of several parts, ``first=k`` takes the next k blocks and the last
+    part (no selection) every block the others left. A one-part stack may select its layers
+    (``every=k``, ``first=n``, ``layers=(...)``): the layers it leaves out run without remat
+    (everything kept) and the stack runs unrolled.
+    """
+
+    layers: LayerSelection = LayerSelection()
+    block: BlockPolicy = BlockPolicy()
+
+
+@dataclasses.dataclass(frozen=True)
+class LossPolicy:
+    """How the LM head and loss run. ``chunks`` 0 (default): the loss reads the whole
+    ``[B, S, V]`` logits and its backward keeps them (fp32; at a 128k vocabulary the largest
+    activation a step makes). N >= 1: the final norm, LM head and loss run over N sequence
+    chunks, each chunk's gradients formed in the forward where its logits exist (Liger-Kernel's
+    fused linear cross-entropy), so no logits are kept and one chunk's exist at a time, at no
+    recomputed FLOP: the backward keeps the stack output's gradient and the head's instead
+    (``jaxmem.model.loss.chunked_lm_loss``, ``torch_ref.loss.ChunkedLMLoss``). N must divide
+    the sequence length (``jaxmem.job.check_loss_chunks``)."""
+
+    chunks: int = 0
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.chunks, int) and not isinstance(self.chunks, bool) and self.chunks >= 0,
+            f"loss_chunks={self.chunks!r} must be 0 (the whole logits, kept for the "
+            "backward) or a number of sequence chunks >= 1",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingReplay:
+    """``replay``: the first block does not keep its input: its backward replays the embedding
+    lookup (a gather from the token ids: no matmul) to get it back, as AOTAutograd's min-cut
+    partitioner does. Saves one ``[B, S, D]`` block input for no FLOP; needs the first block
+    rematerialised (``can_replay_embedding``; ``jaxmem.memory.remat``'s first unit runs the
+    lookup inside its checkpoint; torch_ref's first block checkpoints the lookup with the
+    block)."""
+
+    replay: bool = False
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.replay, bool),
+            f"replay_embedding={self.replay!r} must be True or False",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryPolicy:
+    """What a step keeps for its backward pass: the block stack's parts, the loss, the
+    embedding's replay, and two stack-wide switches.
+
+    Attributes:
+      name: label used in reports.
+      parts: the stack's parts in order, each a run of layers under a block policy
+        (``StackPart``). One part over every layer: one policy for the whole stack. Several:
+        ``jaxmem plan``'s mixed stacks (``mixed_policy``), which JAX runs as consecutive scans
+        with one gradient buffer for the whole stack. One part selecting layers: the others
+        keep everything, the stack unrolled.
+      nested: about √L segments of fully recomputed blocks over the whole stack (one part of
+        ``full`` blocks, scanned).
       use_reentrant: PyTorch only: ``torch.utils.checkpoint``'s mode (chosen explicitly, never
         left to its default).
       unroll: JAX only: run the blocks as an unrolled loop instead of one ``lax.scan`` (MaxText's
@@ -190,25 +331,8 @@ class MemoryPolicy:
         slower, and XLA:CPU drops remat in an unrolled stack (a GPU compiler keeps it): see
         ``jaxmem.memory.remat``. A layer selection always runs unrolled. PyTorch always runs
         its blocks one by one, so torch_ref ignores it.
-      rest: the preset the layers ``layers`` leaves out run under (``layers=first=k``: the first
-        k blocks under this policy, the other L - k under ``rest``; ``jaxmem plan``'s mixed
-        stacks), or ``"custom"``: they keep the tags ``rest_save`` on the device and send
-        ``rest_offload`` to host memory (a per-tag policy, as ``custom``'s ``save``/``offload``).
-        JAX runs the two parts as consecutive scans, with one gradient buffer for the whole
-        stack. None: the left-out layers keep everything (no remat), the stack unrolled.
-      replay_embedding: the first block does not keep its input: its backward replays the
-        embedding lookup (a gather from the token ids: no matmul) to get it back, as
-        AOTAutograd's min-cut partitioner does. Saves one ``[B, S, D]`` block input for no
-        FLOP; needs the first block rematerialised (``jaxmem.memory.remat``'s first unit runs
-        the lookup inside its checkpoint; torch_ref's first block checkpoints the lookup with
-        the block).
-      loss_chunks: 0 (default): the loss reads the whole ``[B, S, V]`` logits and its backward
-        keeps them (fp32; at a 128k vocabulary the largest activation a step makes). N >= 1: the
-        final norm, LM head and loss run over N sequence chunks, each chunk's gradients formed
-        in the forward where its logits exist (Liger-Kernel's fused linear cross-entropy), so no
-        logits are kept and one chunk's exist at a time, at no recomputed FLOP: the backward
-        keeps the stack output's gradient and the head's instead (``jaxmem.model.loss
-        .chunked_lm_loss``, ``torch_ref.loss.ChunkedLMLoss``). N must divide the sequence length.
+      loss: the LM head and loss (``LossPolicy``).
+      embedding: the embedding lookup's replay (``EmbeddingReplay``).
 
     Why two switches that only one framework reads (``use_reentrant``, ``unroll``) live here
     rather than in each framework's translation: a run's ``[memory]`` section records the whole
@@ -221,100 +345,75 @@ class MemoryPolicy:
     """
 
     name: str = "custom"
-    remat: bool = True
-    save: tuple[str, ...] = ()
-    offload: tuple[str, ...] = ()
-    save_dots: bool = False
+    parts: tuple[StackPart, ...] = (StackPart(),)
     nested: bool = False
-    layers: LayerSelection = LayerSelection()
     use_reentrant: bool = False
     unroll: bool = False
-    rest: str | None = None
-    rest_save: tuple[str, ...] = ()
-    rest_offload: tuple[str, ...] = ()
-    replay_embedding: bool = False
-    loss_chunks: int = 0
+    loss: LossPolicy = LossPolicy()
+    embedding: EmbeddingReplay = EmbeddingReplay()
 
     def __post_init__(self) -> None:
-        for field in ("save", "offload"):
-            value = getattr(self, field)
-            require(isinstance(value, tuple), f"{field}={value!r} must be a tuple of tag names")
-            _check_names(field, value)
-        both = sorted(set(self.save) & set(self.offload))
-        # jax.checkpoint_policies.save_and_offload_only_these_names silently keeps such a name
-        # on device and never offloads it.
-        require(not both, f"{both} are both saved and offloaded; choose one place for each name")
         require(
-            self.remat or not (self.save or self.offload or self.save_dots or self.nested),
-            "remat=False keeps everything: it takes no save/offload/save_dots/nested",
-        )
-        # save_from_both_policies (dots + names) raises on offloading policies.
-        require(
-            not (self.save_dots and self.offload),
-            f"save_dots cannot be combined with offload={list(self.offload)}: name the "
-            "projections to offload instead",
-        )
-        require(
-            not (self.nested and (self.save or self.offload or self.save_dots)),
-            "nested recomputes whole segments: it takes no save/offload names",
-        )
-        require(
-            not (self.nested and not self.layers.is_all),
-            "nested applies to the whole stack: it takes no layer selection",
+            isinstance(self.parts, tuple)
+            and bool(self.parts)
+            and all(isinstance(p, StackPart) for p in self.parts),
+            f"parts={self.parts!r} must be a non-empty tuple of StackPart",
         )
         require(
             isinstance(self.use_reentrant, bool),
             f"use_reentrant={self.use_reentrant!r} must be True or False",
         )
         require(isinstance(self.unroll, bool), f"unroll={self.unroll!r} must be True or False")
-        require(
-            isinstance(self.loss_chunks, int)
-            and not isinstance(self.loss_chunks, bool)
-            and self.loss_chunks >= 0,
-            f"loss_chunks={self.loss_chunks!r} must be 0 (the whole logits, kept for the "
-            "backward) or a number of sequence chunks >= 1",
-        )
-        require(
-            self.rest == "custom" or not (self.rest_save or self.rest_offload),
-            f"rest_save/rest_offload name the tags of a custom rest: set rest='custom' (not "
-            f"{self.rest!r}) or drop them",
-        )
-        if self.rest is not None:
-            presets = [n for n in POLICIES if n != "nested"]
+        if len(self.parts) > 1:
+            rest = self.parts[-1]
+            for part in self.parts[:-1]:
+                require(
+                    part.layers.first is not None,
+                    f"rest={rest.block.label!r} needs layers first=k (the first k blocks under "
+                    f"{self.name!r}, the others under {rest.block.label!r}); got {part.layers}",
+                )
             require(
-                self.rest in presets or self.rest == "custom",
-                f"rest={self.rest!r} must name a preset the other layers run under, one of "
-                f"{', '.join(presets)} (nested applies to a whole stack), or 'custom' (with "
-                "rest_save/rest_offload)",
+                rest.layers.is_all,
+                f"a stack's last part takes the blocks the others leave: it takes no layer "
+                f"selection, got {rest.layers}",
             )
-            for field in ("rest_save", "rest_offload"):
-                value = getattr(self, field)
-                require(isinstance(value, tuple), f"{field}={value!r} must be a tuple of tag names")
-                _check_names(field, value)
-            both = sorted(set(self.rest_save) & set(self.rest_offload))
-            require(not both, f"{both} are both saved and offloaded in the rest; choose one place")
-            require(
-                self.layers.first is not None,
-                f"rest={self.rest!r} needs layers first=k (the first k blocks under "
-                f"{self.name!r}, the others under {self.rest!r}); got {self.layers}",
-            )
-            require(not self.nested, "nested applies to the whole stack: it takes no rest policy")
-        require(
-            not (self.nested and self.unroll),
-            "nested runs its segments under scan (that is how it keeps √L block inputs): it "
-            "takes no unroll",
-        )
-        require(
-            isinstance(self.replay_embedding, bool),
-            f"replay_embedding={self.replay_embedding!r} must be True or False",
-        )
-        if self.replay_embedding:
+        if self.nested:
+            self._check_nested()
+        if self.embedding.replay:
             require(
                 can_replay_embedding(self),
                 f"replay_embedding needs the first block rematerialised (policy {self.name!r} "
                 "keeps its input anyway: no remat, nested or a layer selection without layer "
                 "0); drop replay_embedding or choose such a policy",
             )
+
+    def _check_nested(self) -> None:
+        block = self.head
+        require(
+            block.remat,
+            "remat=False keeps everything: it takes no save/offload/save_dots/nested",
+        )
+        require(
+            not block.is_named,
+            "nested recomputes whole segments: it takes no save/offload names",
+        )
+        require(len(self.parts) == 1, "nested applies to the whole stack: it takes no rest policy")
+        require(
+            self.parts[0].layers.is_all,
+            "nested applies to the whole stack: it takes no layer selection",
+        )
+        require(
+            not self.unroll,
+            "nested runs its segments under scan (that is how it keeps √L block inputs): it "
+            "takes no unroll",
+        )
+
+    @classmethod
+    def of(
+        cls, block: BlockPolicy, *, layers: LayerSelection = LayerSelection(), **fields: Any
+    ) -> MemoryPolicy:
+        """One block policy over the layers ``layers`` selects (all by default)."""
+        return cls(parts=(StackPart(layers=layers, block=block),), **fields)
 
     @classmethod
     def custom(
@@ -326,18 +425,15 @@ class MemoryPolicy:
         use_reentrant: bool = False,
         unroll: bool = False,
     ) -> MemoryPolicy:
-        """Per-name choices; names not mentioned are recomputed.
+        """Per-name choices (``BlockPolicy.custom``) over the selected layers; names not
+        mentioned are recomputed.
 
         ``MemoryPolicy.custom({"query_proj": "device", "mlp_up": "offload"})``
         """
-        bad = {k: v for k, v in choices.items() if v not in CHOICES}
-        require(not bad, f"choices {bad} must each be one of {CHOICES}")
-        _check_names("choices", tuple(choices))
-        return cls(
-            name=name,
-            save=tuple(n for n in CHECKPOINT_NAMES if choices.get(n) == "device"),
-            offload=tuple(n for n in CHECKPOINT_NAMES if choices.get(n) == "offload"),
+        return cls.of(
+            BlockPolicy.custom(choices),
             layers=layers,
+            name=name,
             use_reentrant=use_reentrant,
             unroll=unroll,
         )
@@ -345,54 +441,77 @@ class MemoryPolicy:
     def replace(self, **changes: Any) -> MemoryPolicy:
         return dataclasses.replace(self, **changes)
 
-    def choice(self, name: str) -> Choice:
-        """Where tag ``name`` lives under this policy (for remat layers)."""
-        if not self.remat or name in self.save:
-            return "device"
-        return "offload" if name in self.offload else "recompute"
+    @property
+    def head(self) -> BlockPolicy:
+        """The first part's block policy (the only one's, in a one-part stack)."""
+        return self.parts[0].block
 
     @property
-    def is_named(self) -> bool:
-        """Keeps chosen tensors by name (``save``/``offload``/``save_dots``)."""
-        return bool(self.save or self.offload or self.save_dots)
+    def blocks(self) -> tuple[BlockPolicy, ...]:
+        """Each part's block policy, in order."""
+        return tuple(p.block for p in self.parts)
 
+    @property
+    def selects(self) -> bool:
+        """The parts leave layers out (one part with a layer selection): those keep everything
+        and the stack runs unrolled."""
+        return not self.parts[-1].layers.is_all
 
-POLICIES: dict[str, MemoryPolicy] = {
-    "none": MemoryPolicy(name="none", remat=False),
-    "full": MemoryPolicy(name="full"),
-    "selective": MemoryPolicy(name="selective", save=PROJECTIONS),
-    "mlp": MemoryPolicy(name="mlp", save=tuple(n for n in CHECKPOINT_NAMES if n not in MLP_SIDE)),
-    "offload": MemoryPolicy(
-        name="offload",
-        save=("block_input",),
-        offload=PROJECTIONS,
-    ),
-    "nested": MemoryPolicy(name="nested", nested=True),
-}
+    def layer_blocks(self, n_layers: int) -> tuple[BlockPolicy, ...]:
+        """Each layer's block policy in a stack of ``n_layers`` (layers the parts leave out:
+        ``none``'s, keeping everything); raises if a selection does not fit the stack."""
+        if len(self.parts) == 1:
+            chosen = set(self.parts[0].layers.indices(n_layers))
+            return tuple(self.head if i in chosen else BLOCKS["none"] for i in range(n_layers))
+        out: list[BlockPolicy] = []
+        for part in self.parts[:-1]:
+            require(
+                len(out) + part.layers.first <= n_layers,
+                f"layers first={len(out) + part.layers.first} exceeds n_layers={n_layers}",
+            )
+            out += [part.block] * part.layers.first
+        return tuple(out + [self.parts[-1].block] * (n_layers - len(out)))
+
+    def runs(self, n_layers: int) -> list[tuple[int, BlockPolicy]]:
+        """The stack as consecutive runs ``[(n_blocks, block policy), ...]`` covering its
+        ``n_layers`` (one per part of a several-part stack, empty parts dropped)."""
+        out: list[tuple[int, BlockPolicy]] = []
+        if len(self.parts) > 1:
+            for part in self.parts[:-1]:
+                out.append((part.layers.first, part.block))
+            out.append((n_layers - sum(n for n, _ in out), self.parts[-1].block))
+            self.layer_blocks(n_layers)  # the runs fit the stack
+            return [(n, b) for n, b in out if n]
+        for block in self.layer_blocks(n_layers):
+            if out and out[-1][1] is block:
+                out[-1] = (out[-1][0] + 1, block)
+            else:
+                out.append((1, block))
+        return out
+
+    @property
+    def offloads(self) -> tuple[str, ...]:
+        """The tags any part sends to host memory, once each."""
+        return tuple(dict.fromkeys(n for b in self.blocks for n in b.offload))
 
 
 def can_replay_embedding(policy: MemoryPolicy) -> bool:
     """The policy rematerialises the first block (so ``replay_embedding`` can apply): remat,
-    not nested, block 0 among its layers."""
-    first = policy.layers.layers is None or 0 in policy.layers.layers
-    return policy.remat and not policy.nested and first
+    not nested, block 0 among its first part's layers."""
+    layers = policy.parts[0].layers
+    first = layers.layers is None or 0 in layers.layers
+    return policy.head.remat and not policy.nested and first
 
 
-def rest_policy(policy: MemoryPolicy) -> MemoryPolicy | None:
-    """The policy of the blocks ``policy.layers`` leaves out when ``rest`` is set: its preset,
-    or the per-tag policy of ``rest_save``/``rest_offload``, in ``policy``'s checkpoint mode and
-    stack form; None without ``rest``."""
-    if policy.rest is None:
-        return None
-    modes = dict(use_reentrant=policy.use_reentrant, unroll=policy.unroll)
-    if policy.rest == "custom":
-        return MemoryPolicy(
-            name=part_label(MemoryPolicy(save=policy.rest_save, offload=policy.rest_offload)),
-            save=policy.rest_save,
-            offload=policy.rest_offload,
-            **modes,
-        )
-    return POLICIES[policy.rest].replace(**modes)
+POLICIES: dict[str, MemoryPolicy] = {
+    **{name: MemoryPolicy.of(block, name=name) for name, block in BLOCKS.items()},
+    "nested": MemoryPolicy(name="nested", nested=True),
+}
+
+
+def get_policy(name: str) -> MemoryPolicy:
+    """The preset called ``name``; an unknown name raises ``ConfigError`` listing the valid ones."""
+    return lookup(POLICIES, name, "memory policy")
 
 
 SHORT_TAGS = {"attn_probs": "probs", "attn_context": "context", "attn_lse": "lse"}
@@ -411,90 +530,56 @@ def tags_text(tags: tuple[str, ...]) -> str:
     return "+".join(SHORT_TAGS.get(n, n) for n in out)
 
 
-def part_label(policy: MemoryPolicy) -> str:
-    """A stack part in words: a preset's name, or a per-tag policy's ``keep(...)``
-    (``tags_text``; ``host(...)`` for offloaded tags)."""
-    preset = preset_named(_as_preset(policy.replace(name="custom")))
-    if preset is not None:
-        return preset
-    host = f" host({tags_text(policy.offload)})" if policy.offload else ""
-    return f"keep({tags_text(policy.save) or 'block_input'}){host}"
-
-
 def is_preset(policy: MemoryPolicy) -> bool:
-    """``policy`` is a preset of ``POLICIES`` (with any layer selection and checkpoint mode)."""
+    """``policy``'s first part is the preset its name (its head's, ``full`` in ``full:3+none``)
+    says, with any layer selection, checkpoint mode, other parts, loss and replay."""
     preset = POLICIES.get(base_preset_name(policy))
-    return preset is not None and _as_preset(policy) == preset
+    return preset is not None and (preset.head, preset.nested) == (policy.head, policy.nested)
 
 
 def base_preset_name(policy: MemoryPolicy) -> str:
     """The preset name of a mixed stack's first part (``full:3+none`` -> ``full``)."""
-    return policy.name.split(":", 1)[0] if policy.rest is not None else policy.name
+    return policy.name.split(":", 1)[0] if len(policy.parts) > 1 else policy.name
 
 
-def _as_preset(policy: MemoryPolicy) -> MemoryPolicy:
-    """``policy`` without the settings a preset may carry (layers, checkpoint mode, unroll,
-    the other layers' preset)."""
-    return policy.replace(
-        name=base_preset_name(policy),
-        layers=LayerSelection(),
-        use_reentrant=False,
-        unroll=False,
-        rest=None,
-        rest_save=(),
-        rest_offload=(),
-        replay_embedding=False,
-        loss_chunks=0,
+def rest_block(name: str) -> BlockPolicy:
+    """The block policy of preset ``name`` for a stack's other part (``nested`` is none)."""
+    presets = list(BLOCKS)
+    require(
+        name in BLOCKS,
+        f"rest={name!r} must name a preset the other layers run under, one of "
+        f"{', '.join(presets)} (nested applies to a whole stack), or 'custom' (with "
+        "rest_save/rest_offload)",
     )
-
-
-def split_policy(policy: MemoryPolicy, n_layers: int) -> list[tuple[int, MemoryPolicy]]:
-    """A policy with ``rest`` as consecutive parts ``[(n_blocks, policy), ...]`` covering the
-    stack, each part's policy applying to all its blocks; one part for any other policy."""
-    if policy.rest is None:
-        return [(n_layers, policy)]
-    k = len(policy.layers.indices(n_layers))
-    head = policy.replace(
-        name=base_preset_name(policy),
-        layers=LayerSelection(),
-        rest=None,
-        rest_save=(),
-        rest_offload=(),
-        loss_chunks=0,
-    )
-    tail = rest_policy(policy)
-    return [(n, p) for n, p in ((k, head), (n_layers - k, tail)) if n]
+    return BLOCKS[name]
 
 
 def mixed_policy(
     head: str | MemoryPolicy, k: int, rest: str | MemoryPolicy, *, unroll: bool = False
 ) -> MemoryPolicy:
     """The first ``k`` blocks under ``head``, the others under ``rest``, each a preset (by
-    name) or a per-tag policy (``MemoryPolicy.custom``), named ``head:k+rest`` with
-    ``part_label``'s words for a per-tag part."""
+    name) or a one-part policy (``MemoryPolicy.custom``), named ``head:k+rest`` with
+    ``BlockPolicy.label``'s words for each part."""
     first = POLICIES[head] if isinstance(head, str) else head
     for part in (first, rest):
         require(
-            isinstance(part, str) or (part.layers.is_all and part.rest is None and not part.nested),
+            isinstance(part, str)
+            or (len(part.parts) == 1 and not part.selects and not part.nested),
             f"a mixed stack's part is a preset or a per-tag policy over its blocks, not "
             f"{getattr(part, 'name', part)!r}",
         )
-    if isinstance(rest, str):  # a preset, by name (MemoryPolicy names a bad one)
-        label, fields = rest, {"rest": rest}
-    else:
-        label = part_label(rest)
-        custom = label not in POLICIES
-        fields = {
-            "rest": "custom" if custom else label,
-            "rest_save": rest.save if custom else (),
-            "rest_offload": rest.offload if custom else (),
-        }
-    return first.replace(
-        name=f"{part_label(first)}:{k}+{label}",
-        layers=LayerSelection(first=k),
-        unroll=unroll,
-        **fields,
-    )
+    tail = rest_block(rest) if isinstance(rest, str) else rest.head
+    parts = (StackPart(layers=LayerSelection(first=k), block=first.head), StackPart(block=tail))
+    return first.replace(name=mixed_name(parts), parts=parts, unroll=unroll)
+
+
+def mixed_name(parts: tuple[StackPart, ...]) -> str:
+    """A two-part stack's name, ``HEAD:K+REST`` (``BlockPolicy.label``'s words for each)."""
+    head, rest = parts
+    return f"{head.block.label}:{head.layers.first}+{rest.block.label}"
+
+
+FIELDS = ("save", "offload")
 
 
 def check_policy(cfg: ModelConfig, policy: MemoryPolicy) -> None:
@@ -503,11 +588,10 @@ def check_policy(cfg: ModelConfig, policy: MemoryPolicy) -> None:
     nothing where the user asked for something would be a silent no-op. Presets are written for
     both attention forms: under ``fused`` the attention core they recompute or keep is the fused
     op's output and log-sum-exp (e.g. ``selective`` re-runs the fused forward in the backward)."""
-    if is_preset(policy):
-        return
     tags = set(model_tags(cfg))
-    for field in ("save", "offload"):
-        absent = [n for n in getattr(policy, field) if n not in tags]
+    blocks = policy.blocks[1:] if is_preset(policy) else policy.blocks
+    for block, field in ((b, f) for b in blocks if b not in BLOCKS.values() for f in FIELDS):
+        absent = [n for n in getattr(block, field) if n not in tags]
         if absent:
             raise ConfigError(
                 f"policy {policy.name!r} {field}s {absent}, which this model does not produce "
@@ -531,32 +615,6 @@ def _why_absent(cfg: ModelConfig, names: list[str]) -> list[str]:
     return why
 
 
-def get_policy(name: str) -> MemoryPolicy:
-    """The preset called ``name``; an unknown name raises ``ConfigError`` listing the valid ones."""
-    return lookup(POLICIES, name, "memory policy")
-
-
-MIXED_NOTATION = "HEAD:K+REST"
-
-
-def parse_policy(text: str) -> MemoryPolicy:
-    """A policy as it is written on the command line, in config files and in ``jaxmem plan``'s
-    output: a preset name (``selective``), or ``HEAD:K+REST`` (``none:2+selective``: the first
-    K blocks under preset HEAD, the others under preset REST)."""
-    head, colon, tail = text.partition(":")
-    if not colon:
-        return get_policy(text)
-    k, plus, rest = tail.partition("+")
-    require(
-        bool(plus) and k.isdigit() and int(k) > 0,
-        f"policy {text!r} is neither a preset nor {MIXED_NOTATION} (e.g. none:2+selective: the "
-        "first 2 blocks under none, the rest under selective)",
-    )
-    for name in (head, rest):
-        get_policy(name)  # an unknown preset is named with the valid ones
-    return mixed_policy(head, int(k), rest)
-
-
 def nested_segment_size(n_layers: int) -> int:
     """Blocks per segment, about √L (Chen et al. 2016, "Training Deep Nets with Sublinear
     Memory"): the divisor of L (other than 1 and L) nearest √L, the smaller on a tie, when its
@@ -574,111 +632,6 @@ def nested_segment_size(n_layers: int) -> int:
         return ceil
     best = min(divisors, key=lambda d: (abs(d - math.sqrt(n_layers)), d))
     return best if best + n_layers // best <= cost + 1 else ceil
-
-
-# ---------------------------------------------------------------------- files and command lines
-LAYER_FIELDS = {"layers_every": "every", "layers_first": "first", "layers": "layers"}
-
-
-def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
-    """The ``[memory]`` section of a run config: a preset by name (with its layer selection and
-    checkpoint mode), or ``policy = "custom"`` with the tag lists. ``policy_from_dict`` inverts
-    it exactly."""
-    layers = {key: getattr(policy.layers, attr) for key, attr in LAYER_FIELDS.items()}
-    layers = {k: (list(v) if isinstance(v, tuple) else v) for k, v in layers.items()}
-    modes = {"use_reentrant": policy.use_reentrant, "unroll": policy.unroll}
-    if policy.rest is not None:
-        modes["rest"] = policy.rest
-    if policy.rest == "custom":
-        modes["rest_save"] = list(policy.rest_save)
-        modes["rest_offload"] = list(policy.rest_offload)
-    if policy.replay_embedding:
-        modes["replay_embedding"] = True
-    if policy.loss_chunks:
-        modes["loss_chunks"] = policy.loss_chunks
-    if is_preset(policy):
-        return {"policy": base_preset_name(policy), **layers, **modes}
-    require(
-        not (policy.save_dots or policy.nested) and policy.remat,
-        f"policy {policy.name!r} (save_dots/nested/no remat, not a preset) cannot be written to a "
-        "run config; use a preset or save/offload tag lists",
-    )
-    return {
-        "policy": "custom",
-        "save": list(policy.save),
-        "offload": list(policy.offload),
-        **layers,
-        **modes,
-    }
-
-
-def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
-    """A ``MemoryPolicy`` from a ``[memory]`` section (see ``policy_to_dict``); bad names, a tag
-    both saved and offloaded and bad layer selections raise ``ConfigError``."""
-    known = {
-        "policy",
-        "save",
-        "offload",
-        "use_reentrant",
-        "unroll",
-        "rest",
-        "rest_save",
-        "rest_offload",
-        "replay_embedding",
-        "loss_chunks",
-        *LAYER_FIELDS,
-    }
-    unknown = sorted(set(section) - known)
-    require(not unknown, f"unknown setting(s) {unknown} in [memory]; valid: {', '.join(known)}")
-    name = section.get("policy", "none")
-    require(isinstance(name, str), f"memory policy={name!r} must be a name")
-    save, offload = tuple(section.get("save") or ()), tuple(section.get("offload") or ())
-    if name != "custom":
-        require(
-            not (save or offload),
-            f"save/offload lists define a custom policy: set policy = 'custom' (not {name!r}) "
-            "or drop them",
-        )
-    layers = {}
-    for key, attr in LAYER_FIELDS.items():
-        value = section.get(key)
-        layers[attr] = tuple(value) if isinstance(value, list) else value
-    selection = LayerSelection(**layers)
-    modes = {
-        "use_reentrant": section.get("use_reentrant", False),
-        "unroll": section.get("unroll", False),
-        "rest": section.get("rest"),
-        "rest_save": tuple(section.get("rest_save") or ()),
-        "rest_offload": tuple(section.get("rest_offload") or ()),
-    }
-    chunks = {
-        "loss_chunks": section.get("loss_chunks", 0),
-        "replay_embedding": section.get("replay_embedding", False),
-    }
-    if name == "custom":
-        policy = MemoryPolicy(
-            name="custom", save=save, offload=offload, layers=selection, **modes, **chunks
-        )
-        return policy.replace(name=mixed_name(policy)) if policy.rest is not None else policy
-    if ":" in name:  # HEAD:K+REST, as the command line writes it
-        require(
-            selection.is_all and modes["rest"] is None,
-            f"memory policy={name!r} already says which layers run under which preset: drop "
-            "layers_every/layers_first/layers/rest",
-        )
-        mixed = parse_policy(name)
-        return mixed.replace(use_reentrant=modes["use_reentrant"], unroll=modes["unroll"], **chunks)
-    preset = get_policy(name).replace(layers=selection, **modes, **chunks)
-    if preset.rest is not None:
-        preset = preset.replace(name=mixed_name(preset))
-    return preset
-
-
-def mixed_name(policy: MemoryPolicy) -> str:
-    """A mixed stack's name, ``HEAD:K+REST`` (``part_label``'s words for each part), from its
-    fields (the name ``mixed_policy`` gives it)."""
-    head = policy.replace(layers=LayerSelection(), rest=None, rest_save=(), rest_offload=())
-    return f"{part_label(head)}:{policy.layers.first}+{part_label(rest_policy(policy))}"
 
 
 # ------------------------------------------------------------------------- the block's backward
@@ -731,13 +684,13 @@ def recomputed_from(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
-def kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
-    """The tags a rematerialised block keeps (in device or host memory) under ``policy`` when
+def kept_tags(cfg: ModelConfig, block: BlockPolicy) -> frozenset[str]:
+    """The tags a rematerialised block keeps (in device or host memory) under ``block`` when
     only what the backward needs is kept (JAX's partial evaluation; torch_ref's ``lean``
     extension): the stored tags its backward reads, plus stored sources of unstored tags it
     reads."""
     reads = backward_reads(cfg)
-    stored = set(policy.save) | set(policy.offload)
+    stored = set(block.save) | set(block.offload)
     kept = stored & (reads | {"block_input"})
     for needed, source in recomputed_from(cfg).items():
         if needed in reads and needed not in stored and source in stored:
@@ -746,25 +699,24 @@ def kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
 
 
 def describe_kept(cfg: ModelConfig, policy: MemoryPolicy) -> str:
-    """One line for ``config.yaml`` and reports: what the JAX translation keeps and where."""
-    loss = (
-        f"; the LM head and loss in {policy.loss_chunks} chunks (no logits kept)"
-        if policy.loss_chunks
-        else ""
-    )
+    """One line for ``config.yaml`` and reports: what the JAX translation keeps and where (in
+    the first part's blocks)."""
+    chunks = policy.loss.chunks
+    loss = f"; the LM head and loss in {chunks} chunks (no logits kept)" if chunks else ""
     return _describe_blocks(cfg, policy) + loss
 
 
 def _describe_blocks(cfg: ModelConfig, policy: MemoryPolicy) -> str:
-    if not policy.remat:
+    block = policy.head
+    if not block.remat:
         return "keeps every activation (no remat)"
     if policy.nested:
         return "keeps one block input per segment of about √L blocks and recomputes the rest"
-    needed = kept_tags(cfg, policy) | {"block_input"}
-    on_device = ["block_input"] + [n for n in policy.save if n in needed - {"block_input"}]
-    on_host = [n for n in policy.offload if n in needed]
+    needed = kept_tags(cfg, block) | {"block_input"}
+    on_device = ["block_input"] + [n for n in block.save if n in needed - {"block_input"}]
+    on_host = [n for n in block.offload if n in needed]
     return (
         f"keeps on device {on_device}, offloads {on_host or '-'}"
-        f"{', and matmul outputs' if policy.save_dots else ''} (what the backward needs of what "
+        f"{', and matmul outputs' if block.save_dots else ''} (what the backward needs of what "
         "it stores); recomputes the rest"
     )

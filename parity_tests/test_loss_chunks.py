@@ -14,7 +14,7 @@ from jaxmem.compare.parity import dtype_context, model_in, torch_model_from
 from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import to_torch_state_dict
 from jaxmem.model import Decoder
-from jaxmem.policy import POLICIES
+from jaxmem.policy import POLICIES, LossPolicy
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
 from parity_tests.conftest import PARITY_CONFIGS
@@ -34,7 +34,7 @@ def _jax(model, batch, chunks):
 
 
 def _torch(model, batch, chunks):
-    apply_loss_policy(model, POLICIES["none"].replace(loss_chunks=chunks))
+    apply_loss_policy(model, POLICIES["none"].replace(loss=LossPolicy(chunks)))
     model.zero_grad(set_to_none=True)
     b = torch_batch(batch)
     loss_sum, n = model(b["inputs"], b["targets"], b["mask"].double())
@@ -77,7 +77,7 @@ def test_both_frameworks_keep_the_same_loss_gradients_and_no_logits():
     logits = batch * seq * cfg.vocab_size * 4
     saved = {}
     for chunks in (0, 4):
-        policy = POLICIES["full"].replace(loss_chunks=chunks)
+        policy = POLICIES["full"].replace(loss=LossPolicy(chunks))
         saved[("jax", chunks)] = jax_record(
             StepSpec(
                 model=cfg, policy=policy, precision=fp32, optimizer=opt, batch=batch, seq_len=seq

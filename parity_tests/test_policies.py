@@ -35,10 +35,12 @@ from jaxmem.memory.remat import PEEL_FROM, layers_fn
 from jaxmem.memory.residuals import saved_residuals
 from jaxmem.model import BlockStack, Decoder, make_model
 from jaxmem.policy import (
+    BLOCKS,
     CHECKPOINT_NAMES,
     CHOICES,
     POLICIES,
     QKV,
+    BlockPolicy,
     LayerSelection,
     MemoryPolicy,
     backward_reads,
@@ -223,12 +225,12 @@ CUSTOM_SEEDS = (0, 1, 2, 3, 4, 5)
 
 def test_random_custom_policies_cover_every_choice():
     policies = [random_custom_policy(s) for s in CUSTOM_SEEDS]
-    assert sum(bool(p.offload) for p in policies) == 3  # through the extension
-    assert sum(not p.offload for p in policies) == 3  # through stock selective checkpointing
+    assert sum(bool(p.head.offload) for p in policies) == 3  # through the extension
+    assert sum(not p.head.offload for p in policies) == 3  # through stock selective checkpointing
     for name in model_tags(CONFIGS["pre_causal"]):
-        seen = {p.choice(name) for p in policies}
+        seen = {p.head.choice(name) for p in policies}
         assert len(seen) >= 2, (name, seen)
-    offloaded = {n for p in policies for n in p.offload}
+    offloaded = {n for p in policies for n in p.head.offload}
     assert len(offloaded) >= 8, offloaded
     # the Llama block's own tags (RoPE's rotated q and k, the gate) get every kind of choice
     llama = [
@@ -237,8 +239,8 @@ def test_random_custom_policies_cover_every_choice():
         for s in CUSTOM_SEEDS
     ]
     for name in ("query_rope", "key_rope", "mlp_gate"):
-        assert {p.choice(name) for p in llama} >= {"device", "recompute"}, name
-    assert {"key_rope", "mlp_gate"} <= {n for p in llama for n in p.offload}
+        assert {p.head.choice(name) for p in llama} >= {"device", "recompute"}, name
+    assert {"key_rope", "mlp_gate"} <= {n for p in llama for n in p.head.offload}
 
 
 @pytest.mark.slow
@@ -251,7 +253,7 @@ def test_random_custom_policies_agree_across_frameworks(case64, seed):
     _, base_grads_j, _ = case64.jax(POLICIES["none"])
     loss_j, grads_j, _ = case64.jax(policy)
     assert_grads(grads_j, base_grads_j, F64, "remat_vs_none")
-    translations = ("lean",) if policy.offload else ("stock", "lean")
+    translations = ("lean",) if policy.head.offload else ("stock", "lean")
     for translation in translations:
         loss_t, grads_t, _, runner, _ = case64.torch(policy, translation)
         assert_loss(loss_j, loss_t, F64, "loss")
@@ -261,7 +263,7 @@ def test_random_custom_policies_agree_across_frameworks(case64, seed):
             assert_lean_keeps(kept, jax_kept(case64, policy), cfg, policy)
         else:
             produced = {n for names in block_ops(cfg).values() for n in names}
-            assert set(kept) == set(policy.save) & produced
+            assert set(kept) == set(policy.head.save) & produced
             assert all(where == {"device"} for where in kept.values())
 
 
@@ -277,7 +279,7 @@ def assert_lean_keeps(lean: dict, jax: dict, cfg, policy: MemoryPolicy) -> None:
     """The lean extension keeps the tags JAX keeps, each in the same memory, at torch_ref's
     granularity: an op's whole output (under RoPE, ``mlp`` keeps v and with it the q and k
     projections of the same fused matmul; ``op_kept_tags``)."""
-    assert lean.keys() == op_kept_tags(cfg, policy) - {"block_input"}
+    assert lean.keys() == op_kept_tags(cfg, policy.head) - {"block_input"}
     assert {n: lean[n] for n in jax} == jax
 
 
@@ -302,7 +304,7 @@ def test_backward_reads_what_both_frameworks_save_without_remat(case):
     what each framework measures on its own: the tags JAX keeps when a policy may keep them all,
     and the op outputs PyTorch's autograd saves without checkpointing."""
     cfg = case.cfg
-    everything = MemoryPolicy(name="all", save=model_tags(cfg))
+    everything = MemoryPolicy.of(BlockPolicy(save=model_tags(cfg)), name="all")
     block_output = "mlp_residual" if cfg.norm == "pre" else "norm2_out"
     jax_needed = set(jax_kept(case, everything)) | {"block_input"}
     jax_needed |= {block_output} if block_output in backward_reads(cfg) else set()
@@ -344,8 +346,8 @@ def test_lean_extension_keeps_what_jax_keeps_in_the_same_memory(case, name, prec
         {torch.float32} if prec.is_mixed and with_fp32 else set()
     )
     assert_lean_keeps(kept_by_tag(runner), expected, cfg, policy)
-    assert expected.keys() == kept_tags(cfg, policy) - {"block_input"}
-    assert not set(kept_by_tag(runner)) & unread_by_backward(cfg, policy)
+    assert expected.keys() == kept_tags(cfg, policy.head) - {"block_input"}
+    assert not set(kept_by_tag(runner)) & unread_by_backward(cfg, policy.head)
     per_layer = {
         i: {n for k in runner.kept if k.layer == i for n in k.names} for i in range(cfg.n_layers)
     }
@@ -363,9 +365,9 @@ def test_stock_selective_checkpointing_also_keeps_what_nothing_reads(case, name)
     *_, stock, stock_live = case.torch(policy, "stock")
     *_, lean, lean_live = case.torch(policy, "lean")
     produced = {n for names in block_ops(cfg).values() for n in names}
-    assert set(kept_by_tag(stock)) == set(policy.save) & produced
+    assert set(kept_by_tag(stock)) == set(policy.head.save) & produced
     extra = set(kept_by_tag(stock)) - set(kept_by_tag(lean))
-    assert extra == (set(policy.save) & produced) - op_kept_tags(cfg, policy)
+    assert extra == (set(policy.head.save) & produced) - op_kept_tags(cfg, policy.head)
     assert extra <= unread_by_backward(cfg)
     # Every byte of difference is on those tags. A stored block output is also the next block's
     # input (and the last one the stack's output): one storage, which the lean run lists as
@@ -472,7 +474,7 @@ def test_reentrant_stock_nested_gives_the_same_gradients(case64):
 
 def test_layer_selection_two_of_three_like_seed_004(case64):
     attention_agnostic(case64)
-    policy = MemoryPolicy(name="first_two", layers=LayerSelection(first=2))
+    policy = MemoryPolicy.of(BLOCKS["full"], name="first_two", layers=LayerSelection(first=2))
     _, base_t, f0, *_ = case64.torch(POLICIES["none"])
     _, grads_t, f2, *_ = case64.torch(policy)
     _, _, f_full, *_ = case64.torch(POLICIES["full"])
@@ -564,8 +566,8 @@ def test_torch_offload_moves_exactly_the_offloaded_bytes_to_host(case):
     by exactly the offloaded tensors' bytes, as in jaxmem (tests/test_remat.py)."""
     attention_agnostic(case)
     offload = POLICIES["offload"]
-    names = tuple(n for n in offload.save + offload.offload if n in model_tags(case.cfg))
-    on_device = MemoryPolicy(name="on_device", save=names)
+    names = tuple(n for n in offload.head.save + offload.head.offload if n in model_tags(case.cfg))
+    on_device = MemoryPolicy.of(BlockPolicy(save=names), name="on_device")
     *_, runner, off = case.torch(offload)
     offloaded_bytes = sum(k.nbytes for k in runner.kept if k.memory == "host")
     assert runner.translation == "lean"  # no stock API: the extension, and it says so
@@ -740,7 +742,7 @@ def test_the_planners_per_tag_policies_execute_their_counted_flops_in_both_frame
     assert case.jax_flops(points[0].policy) == case.jax_flops(POLICIES["full"])
     for p in points:
         want = none + L * B * (p.flops_per_block - top)
-        assert case.jax_flops(p.policy) == want, p.policy.save
-        assert case.torch(p.policy, "lean")[2] == want, p.policy.save
-        replay = L * 2 * B * S * S * cfg.d_model if "attn_probs" in p.policy.save else 0
-        assert case.torch(p.policy, "stock")[2] == want + replay, p.policy.save
+        assert case.jax_flops(p.policy) == want, p.policy.head.save
+        assert case.torch(p.policy, "lean")[2] == want, p.policy.head.save
+        replay = L * 2 * B * S * S * cfg.d_model if "attn_probs" in p.policy.head.save else 0
+        assert case.torch(p.policy, "stock")[2] == want + replay, p.policy.head.save

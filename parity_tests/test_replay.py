@@ -14,7 +14,7 @@ from jaxmem.compare.parity import dtype_context, model_in, torch_model_from
 from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import to_torch_state_dict
 from jaxmem.model import Decoder
-from jaxmem.policy import POLICIES, QKV, MemoryPolicy, mixed_policy
+from jaxmem.policy import POLICIES, QKV, EmbeddingReplay, MemoryPolicy, mixed_policy
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
 from parity_tests.conftest import PARITY_CONFIGS
@@ -66,7 +66,7 @@ def test_replayed_embedding_and_tag_mixes_are_plain_autodiff_in_float64(name):
         runs["jax none"] = _jax(model, batch, POLICIES["none"])
         for key, policy in POLICY_CASES.items():
             for replay in (False, True):
-                p = policy.replace(replay_embedding=replay)
+                p = policy.replace(embedding=EmbeddingReplay(replay))
                 runs[f"jax {key} replay={replay}"] = _jax(model, batch, p)
                 runs[f"jax {key} unrolled replay={replay}"] = _jax(
                     model, batch, p.replace(unroll=True)
@@ -74,7 +74,7 @@ def test_replayed_embedding_and_tag_mixes_are_plain_autodiff_in_float64(name):
     torch_model = torch_model_from(model)
     for key, policy in POLICY_CASES.items():
         for translation in ("stock", "lean"):
-            p = policy.replace(replay_embedding=True)
+            p = policy.replace(embedding=EmbeddingReplay(True))
             runs[f"torch-{translation} {key} replay"] = _torch(torch_model, batch, p, translation)
     loss_tol, grad_tol = tolerance("float64", "loss"), tolerance("float64", "remat_vs_none")
     ref_loss, ref_grads = runs["jax none"]
@@ -106,7 +106,7 @@ def test_a_replayed_embedding_keeps_one_block_input_fewer_in_both_frameworks(pol
     base = POLICY_CASES[policy]
     saved = {}
     for replay in (False, True):
-        p = base.replace(replay_embedding=replay)
+        p = base.replace(embedding=EmbeddingReplay(replay))
         saved[("jax", replay)] = jax_record(
             StepSpec(model=cfg, policy=p, precision=fp32, optimizer=opt, batch=batch, seq_len=seq),
             abstract=True,

@@ -23,7 +23,7 @@ from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig  # noqa: E402
 from jaxmem.job import JobConfig, RunConfig  # noqa: E402
 from jaxmem.parallel import ParallelConfig  # noqa: E402
 from jaxmem.planner import records  # noqa: E402
-from jaxmem.policy import POLICIES, LayerSelection, MemoryPolicy  # noqa: E402
+from jaxmem.policy import POLICIES, BlockPolicy, LayerSelection, LossPolicy, MemoryPolicy, StackPart  # noqa: E402
 from jaxmem.precision import PRECISIONS  # noqa: E402
 from jaxmem.step.spec import StepSpec  # noqa: E402
 from jaxmem.train import run  # noqa: E402
@@ -32,10 +32,15 @@ from jaxmem.train import run  # noqa: E402
 # the projections, the other recomputes all but q/k/v
 MIXED = MemoryPolicy(
     name="custom",
-    save=("attn_probs", "query_proj", "key_proj", "value_proj", "attn_out", "mlp_up"),
-    layers=LayerSelection(first=1),
-    rest="custom",
-    rest_save=("query_proj", "key_proj", "value_proj"),
+    parts=(
+        StackPart(
+            layers=LayerSelection(first=1),
+            block=BlockPolicy(
+                save=("attn_probs", "query_proj", "key_proj", "value_proj", "attn_out", "mlp_up")
+            ),
+        ),
+        StackPart(block=BlockPolicy(save=("query_proj", "key_proj", "value_proj"))),
+    ),
 )
 JOBS = {
     "plain": dict(memory=POLICIES["selective"], accum=AccumConfig(steps=2)),
@@ -46,7 +51,7 @@ JOBS = {
         parallel=ParallelConfig(strategy="fsdp", devices=4, tp=2),
     ),
     "loss_chunks": dict(
-        memory=POLICIES["full"].replace(loss_chunks=2), precision=PRECISIONS["bf16"]
+        memory=POLICIES["full"].replace(loss=LossPolicy(2)), precision=PRECISIONS["bf16"]
     ),
 }
 

@@ -19,7 +19,7 @@ from jaxmem.memory.remat import accumulating_layers_fn, layers_fn
 from jaxmem.model import STACK_PATH, make_model
 from jaxmem.planner import records
 from jaxmem.planner.records import lm_step_batch, plan_step
-from jaxmem.policy import POLICIES, LayerSelection
+from jaxmem.policy import BLOCKS, POLICIES, LayerSelection, MemoryPolicy
 from jaxmem.precision import FP64, PRECISIONS
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn, stack_accumulating_loss, summed_grads, tree_bytes
@@ -125,7 +125,7 @@ def test_the_compiled_step_holds_one_stack_gradient_fewer(policy, monkeypatch):
 
 
 def test_unrolled_stacks_accumulate_with_the_carry():
-    pol = dataclasses.replace(POLICIES["full"], layers=LayerSelection(every=2))
+    pol = MemoryPolicy.of(BLOCKS["full"], name="full", layers=LayerSelection(every=2))
     make = lambda lf: lf  # noqa: E731
     assert stack_accumulating_loss(make, pol, 4, AccumConfig(steps=2)) is None
     assert stack_accumulating_loss(make, POLICIES["full"], 4, AccumConfig(steps=1)) is None

@@ -22,7 +22,14 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.residuals import bytes_by_name, saved_residuals
 from jaxmem.model import Decoder
 from jaxmem.model.flash import flash_attention
-from jaxmem.policy import POLICIES, MemoryPolicy, backward_reads, check_policy, model_tags
+from jaxmem.policy import (
+    POLICIES,
+    BlockPolicy,
+    MemoryPolicy,
+    backward_reads,
+    check_policy,
+    model_tags,
+)
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.train_step import lm_loss_fn
 
@@ -181,7 +188,7 @@ def test_fused_attention_keeps_no_seq_by_seq_tensor():
 def test_fused_attention_backward_reads_what_jax_keeps():
     """With every tag stored, what JAX keeps is ``backward_reads`` (the policy vocabulary)."""
     cfg = CFG.replace(attention="fused")
-    everything = MemoryPolicy(name="all", save=model_tags(cfg))
+    everything = MemoryPolicy.of(BlockPolicy(save=model_tags(cfg)), name="all")
     seen = {r.name for r in kept(cfg, everything) if r.origin == "computed" and r.name}
     seen -= {"<layer input>", "<stack output>"}
     assert seen == set(backward_reads(cfg))

@@ -24,7 +24,8 @@ from jaxmem.job import JobConfig
 from jaxmem.memory.analytic import model_state_bytes
 from jaxmem.parallel import ParallelConfig
 from jaxmem.planner.space import policy_text
-from jaxmem.policy import POLICIES, MemoryPolicy, mixed_policy, parse_policy
+from jaxmem.policy import POLICIES, EmbeddingReplay, MemoryPolicy, mixed_policy
+from jaxmem.policy_config import parse_policy
 from jaxmem.precision import PRECISIONS
 
 # lines that are not jaxmem's: the CUDA plugin's start-up, XLA's own logging, Python warnings
@@ -109,7 +110,7 @@ JOBS = [
             MemoryPolicy.custom({n: "device" for n in ("query_proj", "key_proj", "value_proj")}),
             3,
             MemoryPolicy.custom({"attn_out": "device", "mlp_up": "device"}),
-        ).replace(replay_embedding=True),
+        ).replace(embedding=EmbeddingReplay(True)),
     ),
     dataclasses.replace(
         JobConfig.from_dict({"preset": "small"}),
@@ -228,7 +229,7 @@ def test_the_commands_plan_prints_run_as_printed(plan_run, tmp_path):
         job = JobConfig.from_dict(json.loads((out / "summary.json").read_text())["config"])
         # the stack as the plan names it (a per-tag policy by what it keeps) and what it saves
         assert policy_text(job.memory) == chosen["policy"] and job.accum.steps == chosen["accum"]
-        assert list(job.memory.save) == chosen["save"]
+        assert list(job.memory.head.save) == chosen["save"]
         assert (job.preset, job.run.batch_size, job.run.seq_len) == ("small", 8, 128)
         assert job.run.framework == framework
 

@@ -9,7 +9,8 @@ from flax import nnx
 from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig, get_preset
 from jaxmem.job import JobConfig
 from jaxmem.model import Decoder
-from jaxmem.policy import POLICIES, LayerSelection, MemoryPolicy, policy_from_dict, policy_to_dict
+from jaxmem.policy import BLOCKS, POLICIES, BlockPolicy, LayerSelection, LossPolicy, MemoryPolicy
+from jaxmem.policy_config import policy_from_dict, policy_to_dict
 from jaxmem.precision import FP64, PRECISIONS
 from jaxmem.step.train_step import tree_bytes
 
@@ -97,18 +98,22 @@ def test_bad_optimizer_values_are_named(kwargs, fragment):
     "policy",
     [
         *POLICIES.values(),
-        POLICIES["full"].replace(layers=LayerSelection(every=2), use_reentrant=True),
-        POLICIES["selective"].replace(layers=LayerSelection(layers=(0, 2))),
+        MemoryPolicy.of(
+            BLOCKS["full"], layers=LayerSelection(every=2), name="full", use_reentrant=True
+        ),
+        MemoryPolicy.of(
+            BLOCKS["selective"], layers=LayerSelection(layers=(0, 2)), name="selective"
+        ),
         POLICIES["none"].replace(unroll=True),
         MemoryPolicy.custom({"mlp_up": "device"}, unroll=True),
         MemoryPolicy.custom({"mlp_up": "device", "norm1_out": "offload"}),
         MemoryPolicy.custom({"attn_out": "offload"}, layers=LayerSelection(first=1)),
-        POLICIES["selective"].replace(loss_chunks=4),
-        MemoryPolicy.custom({"mlp_up": "device"}).replace(loss_chunks=2),
+        POLICIES["selective"].replace(loss=LossPolicy(4)),
+        MemoryPolicy.custom({"mlp_up": "device"}).replace(loss=LossPolicy(2)),
     ],
     ids=lambda p: (
-        f"{p.name}-{p.layers}{'-unrolled' if p.unroll else ''}"
-        f"{f'-loss{p.loss_chunks}' if p.loss_chunks else ''}"
+        f"{p.name}-{p.parts[0].layers}{'-unrolled' if p.unroll else ''}"
+        f"{f'-loss{p.loss.chunks}' if p.loss.chunks else ''}"
     ),
 )
 def test_memory_policies_round_trip_through_the_run_config(policy):
@@ -128,6 +133,6 @@ def test_a_job_holds_objects_and_refuses_what_a_file_cannot_name():
     with pytest.raises(ConfigError, match="must be a MemoryPolicy"):
         JobConfig(preset="tiny", model=PRESETS["tiny"], memory="selective")
     with pytest.raises(ConfigError, match="cannot be written to a run config"):
-        policy_to_dict(MemoryPolicy(name="mine", save_dots=True))
+        policy_to_dict(MemoryPolicy.of(BlockPolicy(save_dots=True), name="mine"))
     with pytest.raises(ConfigError, match="layer indices \\[5\\] are out of range"):
         JobConfig.from_dict({"preset": "tiny", "memory": {"policy": "full", "layers": [5]}})

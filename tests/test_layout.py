@@ -23,6 +23,7 @@ PURE = (
     "jaxmem.config",
     "jaxmem.parallel",
     "jaxmem.policy",
+    "jaxmem.policy_config",
     "jaxmem.positions",
     "jaxmem.precision",
     "jaxmem.data",

@@ -26,6 +26,7 @@ from jaxmem.model.flash import flash_attention
 from jaxmem.policy import (
     CHECKPOINT_NAMES,
     POLICIES,
+    BlockPolicy,
     MemoryPolicy,
     backward_reads,
     check_policy,
@@ -235,7 +236,7 @@ def test_with_every_tag_stored_jax_keeps_what_the_backward_reads(attention):
     """The rotated q/k, not the projections; gate and up (the product's sources) and the
     product (down's input); RMSNorm's inputs."""
     cfg = LLAMA.replace(attention=attention)
-    everything = MemoryPolicy(name="all", save=model_tags(cfg))
+    everything = MemoryPolicy.of(BlockPolicy(save=model_tags(cfg)), name="all")
     assert kept_names(cfg, everything) == set(backward_reads(cfg))
     assert {"query_rope", "key_rope", "mlp_gate", "mlp_up", "mlp_act"} <= backward_reads(cfg)
     assert not {"query_proj", "key_proj"} & backward_reads(cfg)
@@ -250,10 +251,12 @@ def test_selective_keeps_the_projections_and_recomputes_rope_and_the_activation(
 def test_tags_the_block_does_not_produce_are_refused_with_the_reason():
     gpt = PRESETS["tiny"]
     with pytest.raises(ConfigError, match="query_rope and key_rope exist only with positions"):
-        check_policy(gpt, MemoryPolicy(name="custom", save=("query_rope",)))
+        check_policy(gpt, MemoryPolicy.of(BlockPolicy(save=("query_rope",)), name="custom"))
     with pytest.raises(ConfigError, match="mlp_gate exists only with mlp='gated'"):
-        check_policy(gpt, MemoryPolicy(name="custom", save=("mlp_gate",)))
-    check_policy(LLAMA, MemoryPolicy(name="custom", save=("query_rope", "mlp_gate")))
+        check_policy(gpt, MemoryPolicy.of(BlockPolicy(save=("mlp_gate",)), name="custom"))
+    check_policy(
+        LLAMA, MemoryPolicy.of(BlockPolicy(save=("query_rope", "mlp_gate")), name="custom")
+    )
     assert set(CHECKPOINT_NAMES) - set(model_tags(LLAMA)) == {"attn_lse"}
 
 

@@ -32,13 +32,14 @@ from jaxmem.planner.space import (
     enumerate_candidates,
 )
 from jaxmem.policy import (
+    BLOCKS,
     POLICIES,
-    LayerSelection,
+    EmbeddingReplay,
     MemoryPolicy,
+    StackPart,
     mixed_policy,
-    policy_from_dict,
-    policy_to_dict,
 )
+from jaxmem.policy_config import policy_from_dict, policy_to_dict
 from jaxmem.precision import FP64, PRECISIONS
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
@@ -180,11 +181,11 @@ def test_mixed_policy_round_trips_and_bad_ones_are_refused():
     policy = mixed_policy("selective", 3, "full")
     assert policy_from_dict(policy_to_dict(policy)) == policy
     with pytest.raises(ConfigError, match="rest='nested'"):
-        POLICIES["full"].replace(layers=LayerSelection(first=2), rest="nested")
+        mixed_policy("full", 2, "nested")
     with pytest.raises(ConfigError, match="needs layers first=k"):
-        POLICIES["full"].replace(rest="none")
+        POLICIES["full"].replace(parts=(*POLICIES["full"].parts, StackPart(block=BLOCKS["none"])))
     with pytest.raises(ConfigError, match="rest='sometimes'"):
-        POLICIES["full"].replace(layers=LayerSelection(first=2), rest="sometimes")
+        mixed_policy("full", 2, "sometimes")
 
 
 @pytest.mark.parametrize(
@@ -473,7 +474,7 @@ def test_on_a_gpu_target_the_planner_unrolls_a_stack_whose_scan_does_not_fit():
     off = search(
         problem, dataclasses.replace(space, tags=False, unroll=False), compile_peak=compile_peak
     )
-    assert not off.chosen.candidate.policy.unroll and off.chosen.candidate.policy.remat
+    assert not off.chosen.candidate.policy.unroll and off.chosen.candidate.policy.head.remat
 
 
 def test_on_a_gpu_target_the_planner_confirms_its_choice_by_the_compiled_estimates():
@@ -630,10 +631,11 @@ def test_on_a_gpu_target_the_planner_replays_the_embedding_where_that_fits():
     problem = Problem(cfg, 8, 128, get_target("h100"), int(99.27 * MIB), opt)
     result = search(problem, dataclasses.replace(space, replay_embedding=True))
     replayed = result.chosen
-    assert replayed.candidate.policy.replay_embedding
+    assert replayed.candidate.policy.embedding.replay
     assert replayed.compiled <= problem.budget_bytes
     twin = dataclasses.replace(
-        replayed.candidate, policy=replayed.candidate.policy.replace(replay_embedding=False)
+        replayed.candidate,
+        policy=replayed.candidate.policy.replace(embedding=EmbeddingReplay(False)),
     )
     order = [o.candidate for o in result.outcomes]
     assert order.index(twin) < order.index(replayed.candidate)

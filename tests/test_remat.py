@@ -18,17 +18,20 @@ from jaxmem.memory.remat import check_backend, layers_fn
 from jaxmem.memory.residuals import saved_residuals, summarize_residuals
 from jaxmem.model import CHECKPOINT_NAMES, Decoder, make_model
 from jaxmem.policy import (
+    BLOCKS,
     POLICIES,
+    BlockPolicy,
+    EmbeddingReplay,
     LayerSelection,
+    LossPolicy,
     MemoryPolicy,
+    StackPart,
     get_policy,
     kept_tags,
     mixed_policy,
     nested_segment_size,
-    parse_policy,
-    policy_from_dict,
-    policy_to_dict,
 )
+from jaxmem.policy_config import parse_policy, policy_from_dict, policy_to_dict
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.train_step import lm_loss_fn
 
@@ -63,7 +66,7 @@ def named(residuals):
 def needed_names(setup):
     """The tags the backward pass reads: what a policy allowed to save every name saves."""
     graphdef, params, batch = setup
-    everything = MemoryPolicy(name="all", save=CHECKPOINT_NAMES)
+    everything = MemoryPolicy.of(BlockPolicy(save=CHECKPOINT_NAMES), name="all")
     return set(named(saved_residuals(scalar_loss(graphdef, everything), params, batch)))
 
 
@@ -77,8 +80,11 @@ def test_a_mixed_stack_is_written_one_way_everywhere():
     """``HEAD:K+REST``: what `jaxmem plan` prints is what --policy and config files take."""
     mixed = parse_policy("none:2+selective")
     assert mixed == mixed_policy("none", 2, "selective")
-    assert mixed.name == "none:2+selective" and mixed.rest == "selective"
-    assert mixed.layers == LayerSelection(first=2)
+    assert mixed.name == "none:2+selective"
+    assert mixed.parts == (
+        StackPart(layers=LayerSelection(first=2), block=BLOCKS["none"]),
+        StackPart(block=BLOCKS["selective"]),
+    )
     assert parse_policy("full") == POLICIES["full"]
     assert policy_from_dict({"policy": "none:2+selective"}) == mixed
     assert policy_from_dict(policy_to_dict(mixed)) == mixed
@@ -118,15 +124,16 @@ def test_saved_names_are_exactly_what_the_policy_keeps(setup, needed_names, name
     seen = named(saved_residuals(scalar_loss(graphdef, policy), params, batch))
     # what the backward needs, of what the policy stores; plus a stored source of an unstored
     # needed tag (selective stores attn_out, not attn_residual, which is recomputed from it)
-    expected = needed_names & (set(policy.save) | set(policy.offload))
+    block = policy.head
+    expected = needed_names & (set(block.save) | set(block.offload))
     if name in ("selective", "offload"):
         expected |= {"attn_out"}
     assert set(seen) - {LAYER_INPUT} == expected
-    assert expected - {"block_input"} <= kept_tags(CFG, policy)
-    for n in policy.offload:
+    assert expected - {"block_input"} <= kept_tags(CFG, block)
+    for n in block.offload:
         if n in expected:
             assert seen[n] == {"host"}, (n, seen[n])
-    for n in policy.save:
+    for n in block.save:
         if n in expected:
             assert seen[n] == {None}, (n, seen[n])
 
@@ -178,7 +185,7 @@ def test_offload_cuda_program_places_each_offloaded_name_in_pinned_host(setup, n
     }
     # what the backward reads of the offloaded projections, plus attn_out: the source of the
     # attention residual the norm2 backward reads
-    offloaded = kept_tags(CFG, POLICIES["offload"]) - {"block_input"}
+    offloaded = kept_tags(CFG, BLOCKS["offload"]) - {"block_input"}
     assert offloaded == {"query_proj", "key_proj", "value_proj", "attn_out", "mlp_up"}
     assert len(placed) == len(offloaded)  # one host placement per offloaded name per layer body
     for name in offloaded:
@@ -190,8 +197,9 @@ def test_offload_changes_device_and_host_bytes_by_the_offloaded_tensors(setup):
     offload = summarize_residuals(
         saved_residuals(scalar_loss(graphdef, POLICIES["offload"]), params, batch)
     )
-    same_on_device = MemoryPolicy(
-        name="x", save=POLICIES["offload"].save + POLICIES["offload"].offload
+    offload_block = BLOCKS["offload"]
+    same_on_device = MemoryPolicy.of(
+        BlockPolicy(save=offload_block.save + offload_block.offload), name="x"
     )
     device = summarize_residuals(
         saved_residuals(scalar_loss(graphdef, same_on_device), params, batch)
@@ -227,7 +235,9 @@ def test_flops_rise_and_saved_bytes_fall_in_order(setup):
 @pytest.mark.slow
 def test_layer_selection_checkpoints_only_the_chosen_layers(setup):
     graphdef, params, batch = setup
-    policy = MemoryPolicy(name="two_of_four", layers=LayerSelection(layers=(0, 2)))
+    policy = MemoryPolicy.of(
+        BLOCKS["full"], name="two_of_four", layers=LayerSelection(layers=(0, 2))
+    )
     f = scalar_loss(graphdef, policy)
     base = scalar_loss(graphdef, POLICIES["none"])
     full = scalar_loss(graphdef, POLICIES["full"])
@@ -297,19 +307,32 @@ def test_unrolled_blocks_keep_no_copy_of_their_weights_in_bf16():
     ("make", "fragment"),
     [
         (
-            lambda: MemoryPolicy(save=("query_proj", "qkv")),
+            lambda: BlockPolicy(save=("query_proj", "qkv")),
             "unknown tag name(s) ['qkv']; valid names: block_input",
         ),
         (
-            lambda: MemoryPolicy(save=("mlp_up",), offload=("mlp_up",)),
+            lambda: BlockPolicy(save=("mlp_up",), offload=("mlp_up",)),
             "['mlp_up'] are both saved and offloaded",
         ),
         (
-            lambda: MemoryPolicy(save_dots=True, offload=("mlp_up",)),
+            lambda: BlockPolicy(save_dots=True, offload=("mlp_up",)),
             "save_dots cannot be combined with offload",
         ),
-        (lambda: MemoryPolicy(nested=True, save=("mlp_up",)), "nested recomputes whole segments"),
-        (lambda: MemoryPolicy(remat=False, save=("mlp_up",)), "remat=False keeps everything"),
+        (
+            lambda: MemoryPolicy.of(BlockPolicy(save=("mlp_up",)), nested=True),
+            "nested recomputes whole segments",
+        ),
+        (lambda: BlockPolicy(remat=False, save=("mlp_up",)), "remat=False keeps everything"),
+        (
+            lambda: MemoryPolicy.of(BLOCKS["none"], nested=True),
+            "remat=False keeps everything",
+        ),
+        (
+            lambda: MemoryPolicy.of(BLOCKS["full"], layers=LayerSelection(every=2), nested=True),
+            "nested applies to the whole stack: it takes no layer selection",
+        ),
+        (lambda: LossPolicy(-1), "loss_chunks=-1 must be 0"),
+        (lambda: EmbeddingReplay(1), "replay_embedding=1 must be True or False"),
         (lambda: MemoryPolicy(nested=True, unroll=True), "nested runs its segments under scan"),
         (lambda: MemoryPolicy.custom({"mlp_up": "disk"}), "must each be one of"),
         (lambda: LayerSelection(every=2, first=1), "takes one of every/first/layers"),
@@ -339,9 +362,9 @@ def test_offload_on_a_backend_without_pinned_host_raises():
 
 
 def test_custom_policy_matches_the_equivalent_preset():
-    choices = {n: "device" for n in POLICIES["selective"].save}
+    choices = {n: "device" for n in BLOCKS["selective"].save}
     assert MemoryPolicy.custom(choices, name="selective") == POLICIES["selective"]
-    mixed = MemoryPolicy.custom({"query_proj": "offload", "mlp_up": "device"})
+    mixed = MemoryPolicy.custom({"query_proj": "offload", "mlp_up": "device"}).head
     assert mixed.offload == ("query_proj",) and mixed.save == ("mlp_up",)
     assert mixed.choice("attn_probs") == "recompute"
 

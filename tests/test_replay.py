@@ -19,14 +19,17 @@ from jaxmem.memory.remat import accumulating_layers_fn, layers_fn
 from jaxmem.model import make_model
 from jaxmem.planner.records import lm_step_batch
 from jaxmem.policy import (
+    BLOCKS,
     POLICIES,
     QKV,
+    BlockPolicy,
+    EmbeddingReplay,
     LayerSelection,
     MemoryPolicy,
+    StackPart,
     mixed_policy,
-    policy_from_dict,
-    policy_to_dict,
 )
+from jaxmem.policy_config import policy_from_dict, policy_to_dict
 from jaxmem.precision import FP64
 from jaxmem.step.train_step import lm_loss_fn
 from tests.test_train import TINY, metrics, snapshot
@@ -38,17 +41,21 @@ TAG_MIX = mixed_policy(QKV_UP, 2, OUT_UP)
 
 def test_a_per_tag_mix_is_data_named_by_what_each_part_keeps():
     assert TAG_MIX.name == "keep(qkv+mlp_up):2+keep(attn_out+mlp_up)"
-    assert (TAG_MIX.rest, TAG_MIX.rest_save) == ("custom", ("attn_out", "mlp_up"))
+    assert TAG_MIX.parts[1] == StackPart(block=BlockPolicy(save=("attn_out", "mlp_up")))
+    section = policy_to_dict(TAG_MIX)
+    assert (section["rest"], section["rest_save"]) == ("custom", ["attn_out", "mlp_up"])
     for policy in (
         TAG_MIX,
-        TAG_MIX.replace(replay_embedding=True),
+        TAG_MIX.replace(embedding=EmbeddingReplay(True)),
         mixed_policy("full", 1, OUT_UP),
     ):
         assert policy_from_dict(policy_to_dict(policy)) == policy
     with pytest.raises(ConfigError, match="set rest='custom'"):
-        POLICIES["full"].replace(layers=LayerSelection(first=1), rest="none", rest_save=("mlp_up",))
+        policy_from_dict(
+            {"policy": "full", "layers_first": 1, "rest": "none", "rest_save": ["mlp_up"]}
+        )
     with pytest.raises(ConfigError, match="rest_save has unknown tag"):
-        TAG_MIX.replace(rest_save=("mlp_upp",))
+        policy_from_dict({**section, "rest_save": ["mlp_upp"]})
 
 
 @pytest.mark.parametrize(
@@ -57,13 +64,13 @@ def test_a_per_tag_mix_is_data_named_by_what_each_part_keeps():
         POLICIES["none"],
         POLICIES["nested"],
         mixed_policy("none", 2, "full"),
-        POLICIES["full"].replace(layers=LayerSelection(layers=(1, 2))),
+        MemoryPolicy.of(BLOCKS["full"], name="full", layers=LayerSelection(layers=(1, 2))),
     ],
     ids=["none", "nested", "none-first", "layers-without-0"],
 )
 def test_replay_is_refused_where_the_first_block_keeps_its_input(policy):
     with pytest.raises(ConfigError, match="replay_embedding needs the first block rematerialised"):
-        policy.replace(replay_embedding=True)
+        policy.replace(embedding=EmbeddingReplay(True))
 
 
 @pytest.mark.slow
@@ -83,7 +90,7 @@ def test_replay_in_every_step_form_is_plain_autodiff_in_float64():
         reference = grads(layers_fn(POLICIES["none"], cfg.n_layers))
         stack = reference["blocks"]["layers"]
         for base in (POLICIES["selective"], TAG_MIX):
-            policy = base.replace(replay_embedding=True)
+            policy = base.replace(embedding=EmbeddingReplay(True))
             runs = [layers_fn(policy, cfg.n_layers), layers_fn(policy.replace(unroll=True), 3)]
             for lf in runs:
                 got = grads(lf)

@@ -15,7 +15,7 @@ import pytest
 from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.memory.targets import get_target
 from jaxmem.parallel import ParallelConfig
-from jaxmem.policy import POLICIES
+from jaxmem.policy import POLICIES, LossPolicy
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec
 
@@ -74,7 +74,7 @@ def test_the_normalisation_keeps_real_differences():
 def test_a_spec_round_trips_through_json_for_a_child_process():
     spec = StepSpec(
         model=PRESETS["tiny"],
-        policy=POLICIES["selective"].replace(loss_chunks=2),
+        policy=POLICIES["selective"].replace(loss=LossPolicy(2)),
         precision=PRECISIONS["bf16"],
         optimizer=OptimizerConfig(state_memory="pinned_host"),
         batch=8,

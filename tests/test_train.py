@@ -110,7 +110,8 @@ def test_config_round_trips_through_yaml_toml_and_flags(tmp_path):
     assert job.model.n_layers == 3 and job.precision.name == "bf16" and job.run.steps == 7
     # objects, not names: the config holds the Precision and the MemoryPolicy themselves
     assert job.precision.compute_dtype == "bfloat16"
-    assert set(job.memory.save) == {"norm1_out", "mlp_up"} and job.memory.offload == ("mlp_act",)
+    block = job.memory.head
+    assert set(block.save) == {"norm1_out", "mlp_up"} and block.offload == ("mlp_act",)
     assert job.run.seq_len == 64  # default 128 capped at tiny's max_seq_len
     path = tmp_path / "config.yaml"
     write_config(job, str(path))
@@ -457,3 +458,69 @@ def test_loss_chunks_train_and_resume_to_the_whole_losses(tmp_path, capsys):
         train("--steps", "7", *common, "--loss-chunks", "2", "--out", str(chunked), "--resume")
     assert exc.value.code == 2 and "loss_chunks" in capsys.readouterr().err
     assert snapshot(chunked) == before
+
+
+# A run directory's config.yaml as ``jaxmem train`` wrote it before a memory policy was made of
+# parts (a per-tag mix, the loss in 2 chunks, the embedding replayed): its policy line and its
+# [memory] section, verbatim.
+OLD_POLICY_LINE = (
+    "# memory policy 'keep(qkv+mlp_up):1+keep(attn_out+mlp_up)' keeps on device ['block_input', "
+    "'query_proj', 'key_proj', 'value_proj', 'mlp_up'], offloads - (what the backward needs of "
+    "what it stores); recomputes the rest; the LM head and loss in 2 chunks (no logits kept)"
+)
+OLD_MEMORY_SECTION = """\
+memory:
+  policy: custom
+  save:
+  - query_proj
+  - key_proj
+  - value_proj
+  - mlp_up
+  offload: []
+  layers_every: null
+  layers_first: 1
+  layers: null
+  use_reentrant: false
+  unroll: false
+  rest: custom
+  rest_save:
+  - attn_out
+  - mlp_up
+  rest_offload: []
+  replay_embedding: true
+  loss_chunks: 2
+"""
+OLD_MIX = [
+    *("--precision", "bf16", "--policy", "custom"),
+    *("--save", "query_proj,key_proj,value_proj,mlp_up"),
+    *("--set", "memory.layers_first=1", "--set", "memory.rest=custom"),
+    *("--set", 'memory.rest_save=["attn_out", "mlp_up"]', "--set", "memory.rest_offload=[]"),
+    *("--replay-embedding", "--loss-chunks", "2", "--checkpoint-every", "2", "--eval-every", "2"),
+]
+
+
+def test_a_run_written_before_policies_had_parts_reads_back_and_resumes(tmp_path):
+    """The [memory] section of a run written before reads back to the policy built from parts
+    (and is written back key for key); ``jaxmem train --resume`` continues such a run."""
+    from jaxmem.policy import EmbeddingReplay, LossPolicy, MemoryPolicy, mixed_policy
+    from jaxmem.policy_config import policy_from_dict, policy_to_dict
+
+    qkv_up = MemoryPolicy.custom(
+        {n: "device" for n in ("query_proj", "key_proj", "value_proj", "mlp_up")}
+    )
+    out_up = MemoryPolicy.custom({"attn_out": "device", "mlp_up": "device"})
+    built = mixed_policy(qkv_up, 1, out_up).replace(
+        loss=LossPolicy(2), embedding=EmbeddingReplay(True)
+    )
+    (tmp_path / "old.yaml").write_text(OLD_MEMORY_SECTION)
+    section = read_config_file(str(tmp_path / "old.yaml"))["memory"]
+    assert policy_from_dict(section) == built and policy_to_dict(built) == section
+    out = tmp_path / "run"
+    assert train("--steps", "2", *OLD_MIX, "--out", str(out)) == 0
+    config = out / "config.yaml"
+    text = config.read_text()
+    assert OLD_POLICY_LINE in text.splitlines() and text.endswith(OLD_MEMORY_SECTION)
+    head, _, _ = text.partition("memory:\n")
+    config.write_text(head + OLD_MEMORY_SECTION)  # the section exactly as the old code wrote it
+    assert train("--steps", "4", *OLD_MIX, "--out", str(out), "--resume") == 0
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]

@@ -128,7 +128,7 @@ class _BlockScope:
     def label(self, func: Any) -> str:
         kind = self.op_kind(func)
         if forming_loss_gradients():
-            return "<loss gradients>"  # MemoryPolicy.loss_chunks: formed in the forward
+            return "<loss gradients>"  # LossPolicy.chunks: formed in the forward
         if self.depth == 0:
             return f"<{kind} outside the stack>"
         index = self.counts.get(kind, 0)

@@ -34,7 +34,8 @@ import torch_ref.distributed as tdist
 from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig
 from jaxmem.job import torch_mesh_refusal
 from jaxmem.parallel import ParallelConfig, parse_mesh
-from jaxmem.policy import MemoryPolicy, parse_policy
+from jaxmem.policy import MemoryPolicy
+from jaxmem.policy_config import parse_policy
 from jaxmem.precision import PRECISIONS, Precision
 from torch_ref.remat import apply_loss_policy, apply_memory_policy
 from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer

@@ -46,7 +46,7 @@ class EmbeddingLookup:
     """The stack's input handed over unevaluated (``Decoder.features``, when the stack's runner
     asks with ``replays_embedding``): ``embed(tokens)`` run inside the first block's checkpoint,
     so its backward replays the lookup instead of keeping its output
-    (``MemoryPolicy.replay_embedding``). Carries what ``BlockStack.forward`` reads of its
+    (``jaxmem.policy.EmbeddingReplay``). Carries what ``BlockStack.forward`` reads of its
     input: shape, dtype (the compute dtype), device."""
 
     def __init__(
@@ -350,7 +350,7 @@ class Decoder(nn.Module):
         self.lm_head = (
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
-        # MemoryPolicy.loss_chunks, set by torch_ref.remat.apply_loss_policy: 0 computes the whole
+        # LossPolicy.chunks, set by torch_ref.remat.apply_loss_policy: 0 computes the whole
         # logits (autograd keeps them for the loss's backward); N runs the head and loss over N
         # sequence chunks (torch_ref.loss.chunked_lm_loss, an extension)
         self.loss_chunks = 0

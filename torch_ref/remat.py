@@ -65,13 +65,13 @@ from jaxmem.config import ConfigError, ModelConfig
 from jaxmem.policy import (
     CHECKPOINT_NAMES,
     QKV,
+    BlockPolicy,
     LayerSelection,
     MemoryPolicy,
     backward_reads,
     check_policy,
     kept_tags,
     nested_segment_size,
-    split_policy,
 )
 from torch_ref.compat import selective_checkpoint_contexts
 from torch_ref.model import BlockStack, EmbeddingLookup, RopeTables, materialize, run_layers
@@ -193,35 +193,35 @@ class _OpNamer:
 QK_MATMUL = ("bmm", 0)
 
 
-def op_kept_tags(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
+def op_kept_tags(cfg: ModelConfig, block: BlockPolicy) -> frozenset[str]:
     """``jaxmem.policy.kept_tags`` at torch_ref's granularity, an op's output: the tags of every
     op one of whose tags is kept. q, k and v come out of one matmul, one tensor: under RoPE the
     backward reads v and only the rotated q and k, so keeping v (``mlp``) keeps the q and k
     projections' bytes too, where JAX keeps v alone."""
-    kept = kept_tags(cfg, policy)
+    kept = kept_tags(cfg, block)
     grouped = {n for names in block_ops(cfg).values() if kept & set(names) for n in names}
     return kept | grouped
 
 
-def unread_by_backward(cfg: ModelConfig, policy: MemoryPolicy | None = None) -> frozenset[str]:
-    """Tags the lean translation need not keep under ``policy``: no backward op reads them, no
+def unread_by_backward(cfg: ModelConfig, block: BlockPolicy | None = None) -> frozenset[str]:
+    """Tags the lean translation need not keep under ``block``: no backward op reads them, no
     read tag is recomputed from them (``jaxmem.policy.kept_tags``) and they share no op with a
-    kept tag (``op_kept_tags``). Without ``policy``: the tags no backward op reads."""
+    kept tag (``op_kept_tags``). Without ``block``: the tags no backward op reads."""
     reads = backward_reads(cfg) | {"block_input"}
     unread = frozenset(CHECKPOINT_NAMES) - reads
-    return unread if policy is None else unread - op_kept_tags(cfg, policy)
+    return unread if block is None else unread - op_kept_tags(cfg, block)
 
 
 # The block's matmul outputs and their one consumer: (matmul tag, the consumer's tag).
 _FEEDS = {"attn_out": "attn_residual", "mlp_down": "mlp_residual", "mlp_up": "mlp_act"}
 
 
-def skippable_in_recompute(cfg: ModelConfig, policy: MemoryPolicy) -> frozenset[str]:
+def skippable_in_recompute(cfg: ModelConfig, block: BlockPolicy) -> frozenset[str]:
     """Matmul tags the lean recompute need not compute: not kept, read by no backward op, and
     their one consumer (a residual addition, or ReLU, whose backward reads its output) is
     either kept — its value comes back from storage — or read by no backward op. Their inputs
     are still saved by autograd when the op is replayed; only the product is skipped."""
-    kept, reads = kept_tags(cfg, policy), backward_reads(cfg)
+    kept, reads = kept_tags(cfg, block), backward_reads(cfg)
     return frozenset(
         tag
         for tag, consumer in _FEEDS.items()
@@ -266,7 +266,7 @@ class _Phase:
 
 
 def _stock_contexts(
-    policy: MemoryPolicy, cfg: ModelConfig, kept: list, layer: int, phase: _Phase | None = None
+    block: BlockPolicy, cfg: ModelConfig, kept: list, layer: int, phase: _Phase | None = None
 ):
     """``create_selective_checkpoint_contexts`` with a policy function over jaxmem's tags."""
     name_op = _OpNamer(cfg)
@@ -275,7 +275,7 @@ def _stock_contexts(
         if phase is not None and phase.embedding:
             return CheckpointPolicy.PREFER_RECOMPUTE, None
         kind, names = name_op(op)
-        save = (policy.save_dots and kind == "linear") or (bool(names) and names[0] in policy.save)
+        save = (block.save_dots and kind == "linear") or (bool(names) and names[0] in block.save)
         if not save:
             return CheckpointPolicy.PREFER_RECOMPUTE, None
 
@@ -298,14 +298,14 @@ def _stock_contexts(
 class _Decider:
     """Lean translation: counts ops per kind within one block, returns the policy's choice."""
 
-    def __init__(self, policy: MemoryPolicy, cfg: ModelConfig, phase: _Phase | None = None):
-        self.policy, self.phase = policy, phase
-        self.unread = unread_by_backward(cfg, policy)
-        self.skip = skippable_in_recompute(cfg, policy)
+    def __init__(self, block: BlockPolicy, cfg: ModelConfig, phase: _Phase | None = None):
+        self.block, self.phase = block, phase
+        self.unread = unread_by_backward(cfg, block)
+        self.skip = skippable_in_recompute(cfg, block)
         # q·kᵀ need not be replayed when the scores or probabilities come back from storage:
         # nothing the backward uses reads its product (stock selective checkpointing replays it:
         # its replay runs every op it does not cache)
-        kept = kept_tags(cfg, policy)
+        kept = kept_tags(cfg, block)
         self.skip_qk = cfg.attention == "naive" and bool({"attn_scores", "attn_probs"} & kept)
         self.namers = {False: _OpNamer(cfg), True: _OpNamer(cfg)}
 
@@ -315,13 +315,13 @@ class _Decider:
         kind, names = self.namers[recompute](func)
         if recompute and self.skip_qk and self.namers[True].last == QK_MATMUL:
             return "skip", names
-        if self.policy.save_dots and kind == "linear":
+        if self.block.save_dots and kind == "linear":
             return "device", names or ("<linear>",)
         if recompute and kind == "linear" and names and names[0] in self.skip:
             return "skip", names
         if not names or names[0] in self.unread:
             return "recompute", names
-        return self.policy.choice(names[0]), names
+        return self.block.choice(names[0]), names
 
 
 class _KeepMode(TorchDispatchMode):
@@ -383,28 +383,42 @@ class _ReplayMode(TorchDispatchMode):
 
 # ------------------------------------------------------------------------------------ policy
 def resolve_translation(policy: MemoryPolicy, translation: str) -> Translation:
-    """The translation that runs: ``lean`` where the policy offloads by name (no stock API in
-    eager PyTorch), ``stock`` where the extension would run what stock runs (no remat, or whole
-    blocks without names), else the one asked for."""
+    """The translation that runs: ``lean`` where a part offloads by name (no stock API in eager
+    PyTorch), ``stock`` where the extension would run what stock runs (no remat, or whole
+    blocks without names), else the one asked for; ``lean`` when any part's is."""
     if translation not in TRANSLATIONS:
         raise ConfigError(f"translation={translation!r} is not one of {TRANSLATIONS}")
-    if policy.offload:
+    used = {_block_translation(policy, b, translation) for b in policy.blocks}
+    return "lean" if "lean" in used else "stock"
+
+
+def _block_translation(policy: MemoryPolicy, block: BlockPolicy, translation: str) -> Translation:
+    if block.offload:
         return "lean"
-    if not (policy.remat and (policy.is_named or policy.nested)):
+    if not (block.remat and (block.is_named or policy.nested)):
         return "stock"
     return translation  # type: ignore[return-value]
 
 
 def describe(policy: MemoryPolicy, translation: str) -> str:
-    """What runs, in PyTorch's own words (one line for reports)."""
-    used = resolve_translation(policy, translation)
+    """What runs, in PyTorch's own words (one line for reports; one clause per part)."""
+    if len(policy.parts) == 1:
+        return _describe_block(policy, policy.head, translation)
+    return "; ".join(
+        f"blocks {i}: {_describe_block(policy, b, translation)}"
+        for i, b in enumerate(policy.blocks)
+    )
+
+
+def _describe_block(policy: MemoryPolicy, block: BlockPolicy, translation: str) -> str:
+    used = _block_translation(policy, block, translation)
     mode = f"use_reentrant={policy.use_reentrant}"
-    if not policy.remat:
+    if not block.remat:
         return "stock: plain loop (autograd keeps what each op saves)"
     if used == "stock":
         if policy.nested:
             return f"stock: checkpoint_sequential({mode}; its last segment is not checkpointed)"
-        if policy.is_named:
+        if block.is_named:
             return (
                 "stock: checkpoint(use_reentrant=False, context_fn=create_selective_checkpoint_"
                 "contexts: MUST_SAVE for the stored tags)"
@@ -426,34 +440,40 @@ def validate_for_torch(
     ``cfg``, for tags that model does not produce: ``jaxmem.policy.check_policy``)."""
     if cfg is not None:
         check_policy(cfg, policy)
-    qkv = {policy.choice(n) for n in QKV}
+    resolve_translation(policy, translation)  # a translation torch_ref has
+    for block in policy.blocks:
+        _validate_block(block, cfg)
+    if policy.use_reentrant and policy.embedding.replay:
+        raise ConfigError(
+            "replay_embedding needs use_reentrant=False: a reentrant checkpoint of the first "
+            "block would take the token ids, which need no gradient, and give the parameters none"
+        )
+    for block in policy.blocks:
+        two_level = policy.nested and _block_translation(policy, block, translation) == "lean"
+        if policy.use_reentrant and (block.is_named or two_level):
+            raise ConfigError(
+                f"policy {policy.name!r} needs use_reentrant=False: reentrant checkpoint "
+                "supports neither selective context_fn nor nesting"
+            )
+
+
+def _validate_block(block: BlockPolicy, cfg: ModelConfig | None) -> None:
+    qkv = {block.choice(n) for n in QKV}
     if len(qkv) > 1:
         raise ConfigError(
             "torch_ref computes query_proj, key_proj and value_proj with one fused matmul: give "
             f"them the same choice (got {sorted(qkv)})"
         )
-    core = {policy.choice(n) for n in ("attn_context", "attn_lse")}
+    core = {block.choice(n) for n in ("attn_context", "attn_lse")}
     if cfg is not None and cfg.attention == "fused" and len(core) > 1:
         raise ConfigError(
             "fused attention returns attn_context and attn_lse from one op "
             f"(F.scaled_dot_product_attention): give them the same choice (got {sorted(core)})"
         )
-    if "block_input" in policy.offload:
+    if "block_input" in block.offload:
         raise ConfigError(
             "offloading block_input is not expressible in torch_ref (checkpoint keeps its input "
             "itself); use OffloadCheckpoint for that"
-        )
-    used = resolve_translation(policy, translation)
-    two_level = policy.nested and used == "lean"
-    if policy.use_reentrant and policy.replay_embedding:
-        raise ConfigError(
-            "replay_embedding needs use_reentrant=False: a reentrant checkpoint of the first "
-            "block would take the token ids, which need no gradient, and give the parameters none"
-        )
-    if policy.use_reentrant and (policy.is_named or two_level):
-        raise ConfigError(
-            f"policy {policy.name!r} needs use_reentrant=False: reentrant checkpoint supports "
-            "neither selective context_fn nor nesting"
         )
 
 
@@ -485,46 +505,36 @@ class PolicyLayers:
     under stock, what the dispatch modes kept under lean); ``translation`` says which ran."""
 
     def __init__(self, policy: MemoryPolicy, cfg: ModelConfig, translation: str = "stock"):
-        self.parts: list[tuple[int, PolicyLayers]] = []
-        if policy.rest is not None:
-            # a mixed stack: consecutive runs of blocks, each part under its own preset
-            for n, part in split_policy(policy, cfg.n_layers):
-                self.parts.append((n, PolicyLayers(part, cfg.replace(n_layers=n), translation)))
-            translations = {runner.translation for _, runner in self.parts}
-            self.policy, self.cfg, self.kept = policy, cfg, []
-            self.translation = "lean" if "lean" in translations else "stock"
-            self.description = "; ".join(
-                f"blocks {i}: {runner.description}" for i, (_, runner) in enumerate(self.parts)
-            )
-            self.selected = set(range(cfg.n_layers))
-            self.replays_embedding = policy.replay_embedding
-            return
         validate_for_torch(policy, translation, cfg)
         # ``torch_ref.Decoder.features`` hands the first block the lookup unevaluated
-        self.replays_embedding = policy.replay_embedding
+        self.replays_embedding = policy.embedding.replay
         self.policy, self.cfg = policy, cfg
+        self.blocks = policy.layer_blocks(cfg.n_layers)  # each layer's block policy
+        self.translations = {b: _block_translation(policy, b, translation) for b in self.blocks}
         self.translation = resolve_translation(policy, translation)
         self.description = describe(policy, translation)
-        self.selected = set(policy.layers.indices(cfg.n_layers))
         self.kept: list[KeptTensor] = []
 
     def _checkpointed(
         self, i: int, layer: nn.Module, x: Any, mask: Any, rope: RopeTables | None
     ) -> torch.Tensor:
-        policy, phase = self.policy, None
+        """Block ``i`` under its block policy: the one checkpoint of a stack of blocks."""
+        block, phase = self.blocks[i], None
+        if not block.remat:
+            return layer(materialize(x), mask, rope)
         if isinstance(x, EmbeddingLookup):  # the first block replays the lookup
             phase = _Phase()
             layer, x = _LookupThenBlock(layer, x.embed, phase), x.tokens
-        if policy.use_reentrant:
+        if self.policy.use_reentrant:
             return checkpoint(layer, _grad_input(x), mask, rope, use_reentrant=True)
-        if not policy.is_named:
+        if not block.is_named:
             return checkpoint(layer, x, mask, rope, use_reentrant=False)
-        if self.translation == "stock":
-            context_fn = functools.partial(_stock_contexts, policy, self.cfg, self.kept, i, phase)
+        if self.translations[block] == "stock":
+            context_fn = functools.partial(_stock_contexts, block, self.cfg, self.kept, i, phase)
         else:
 
             def context_fn():
-                decide, storage = _Decider(policy, self.cfg, phase), []
+                decide, storage = _Decider(block, self.cfg, phase), []
                 return _KeepMode(decide, storage, self.kept, i), _ReplayMode(decide, storage)
 
         return checkpoint(layer, x, mask, rope, use_reentrant=False, context_fn=context_fn)
@@ -542,26 +552,16 @@ class PolicyLayers:
     ) -> torch.Tensor:
         """Run ``layers`` on ``x``; ``mask`` and ``rope`` (RoPE's tables) go to every block."""
         self.kept = []
-        if not (self.replays_embedding and self.policy.remat):
+        if not (self.replays_embedding and self.policy.head.remat):
             x = materialize(x)
-        if self.parts:
-            start = 0
-            for n, runner in self.parts:
-                x = runner(layers[start : start + n], x, mask, rope)
-                self.kept += [dataclasses.replace(k, layer=k.layer + start) for k in runner.kept]
-                start += n
-            return x
-        if not self.policy.remat:
+        if not any(b.remat for b in self.blocks):
             return run_layers(layers, x, mask, rope)
         if self.policy.nested:
             if self.translation == "stock":
                 return self._sequential(layers, x, mask, rope)
             return self._two_level(layers, x, mask, rope)
         for i, layer in enumerate(layers):
-            if i in self.selected:
-                x = self._checkpointed(i, layer, x, mask, rope)
-            else:
-                x = layer(x, mask, rope)
+            x = self._checkpointed(i, layer, x, mask, rope)
         return x
 
     def _sequential(
@@ -600,19 +600,19 @@ def apply_memory_policy(
 
 def describe_loss(policy: MemoryPolicy) -> str:
     """What runs the head and loss, for reports ('' for the whole loss, stock)."""
-    if not policy.loss_chunks:
+    if not policy.loss.chunks:
         return ""
     return (
-        f"; the LM head and loss in {policy.loss_chunks} chunks: torch_ref.loss.chunked_lm_loss "
+        f"; the LM head and loss in {policy.loss.chunks} chunks: torch_ref.loss.chunked_lm_loss "
         "(torch_ref extension; no stock fused loss in PyTorch)"
     )
 
 
 def apply_loss_policy(decoder: nn.Module, policy: MemoryPolicy) -> None:
     """Run ``decoder``'s head and loss (``torch_ref.Decoder.forward`` given targets) as
-    ``policy.loss_chunks`` says: the whole logits (0), or over N sequence chunks with each chunk's
+    ``policy.loss`` says: the whole logits (0), or over N sequence chunks with each chunk's
     gradients formed in the forward (``torch_ref.loss.chunked_lm_loss``, an extension)."""
-    decoder.loss_chunks = policy.loss_chunks
+    decoder.loss_chunks = policy.loss.chunks
 
 
 def save_on_cpu_layers_fn(selection: LayerSelection, n_layers: int) -> Callable[..., Any]:

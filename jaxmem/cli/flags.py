@@ -285,7 +285,7 @@ def job_argv(job) -> list[str]:
     from jaxmem.config import AccumConfig, OptimizerConfig
     from jaxmem.hf.config import resolve_preset
     from jaxmem.job import RunConfig
-    from jaxmem.policy import LAYER_FIELDS, policy_to_dict
+    from jaxmem.policy_config import LAYER_FIELDS, policy_to_dict
 
     argv = ["--preset", job.preset]
     direct = {"n_layers": "--n-layers", "d_model": "--d-model", "n_heads": "--n-heads"}
@@ -300,8 +300,9 @@ def job_argv(job) -> list[str]:
                 else ["--set", f"model.{f.name}={_yaml(value)}"]
             )
     memory = policy_to_dict(job.memory)
+    rest = memory.get("rest")
     # two presets mixed read as HEAD:K+REST; a per-tag part needs its tags and the split
-    mixed = job.memory.rest not in (None, "custom") and memory["policy"] != "custom"
+    mixed = rest not in (None, "custom") and memory["policy"] != "custom"
     argv += ["--policy", job.memory.name if mixed else memory["policy"]]
     if memory["policy"] == "custom":
         argv += ["--save", ",".join(memory["save"])] if memory["save"] else []
@@ -310,14 +311,15 @@ def job_argv(job) -> list[str]:
         if memory[key] is not None and not mixed:
             argv += ["--set", f"memory.{key}={_yaml(memory[key])}"]
     argv += ["--unroll"] if job.memory.unroll else []
-    argv += ["--replay-embedding"] if job.memory.replay_embedding else []
-    if job.memory.rest is not None and not mixed:
-        argv += ["--set", f"memory.rest={job.memory.rest}"]
-    if job.memory.rest == "custom":
+    argv += ["--replay-embedding"] if job.memory.embedding.replay else []
+    if rest is not None and not mixed:
+        argv += ["--set", f"memory.rest={rest}"]
+    if rest == "custom":
         argv += ["--set", f"memory.rest_save={_yaml(memory['rest_save'])}"]
         if memory["rest_offload"]:
             argv += ["--set", f"memory.rest_offload={_yaml(memory['rest_offload'])}"]
-    argv += ["--loss-chunks", str(job.memory.loss_chunks)] if job.memory.loss_chunks else []
+    chunks = job.memory.loss.chunks
+    argv += ["--loss-chunks", str(chunks)] if chunks else []
     if job.memory.use_reentrant:
         argv += ["--set", "memory.use_reentrant=true"]
     argv += ["--precision", job.precision.name, "--optimizer", job.optimizer.name]

@@ -26,7 +26,8 @@ from jaxmem.cli.common import names as parse_names
 from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, not_streamed
 from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.files import write_json_atomic
-from jaxmem.policy import can_replay_embedding, parse_policy
+from jaxmem.policy import EmbeddingReplay, can_replay_embedding
+from jaxmem.policy_config import parse_policy
 
 FRAMEWORKS = ("jax", "torch", "torch-lean")
 NAMES = (*STEP_FLAGS, "accum", "unroll", "loss_chunks", "replay_embedding", "mesh")
@@ -114,7 +115,7 @@ def _policies(args: argparse.Namespace, job) -> list:
     """``--policies``, or the config's own policy when a --config gives one."""
     if args.policies is None and args.config:
         replay = getattr(args, "replay_embedding", None)
-        return [job.memory.replace(replay_embedding=True) if replay else job.memory]
+        return [job.memory.replace(embedding=EmbeddingReplay(True)) if replay else job.memory]
     with usage_errors():
         given = list(
             dict.fromkeys(n.strip() for n in (args.policies or DEFAULT_POLICIES).split(","))
@@ -130,8 +131,8 @@ def _policies(args: argparse.Namespace, job) -> list:
         )
     if unroll:
         policies = [p.replace(unroll=True) for p in policies]
-    if job.memory.loss_chunks:
-        policies = [p.replace(loss_chunks=job.memory.loss_chunks) for p in policies]
+    if job.memory.loss.chunks:
+        policies = [p.replace(loss=job.memory.loss) for p in policies]
     if getattr(args, "replay_embedding", None):
         # to every policy that rematerialises its first block (none and nested keep its input)
         replays = [can_replay_embedding(p) for p in policies]
@@ -142,14 +143,14 @@ def _policies(args: argparse.Namespace, job) -> list:
                 "does (e.g. full, selective) or drop --replay-embedding"
             )
         policies = [
-            p.replace(replay_embedding=True) if r else p
+            p.replace(embedding=EmbeddingReplay(True)) if r else p
             for p, r in zip(policies, replays, strict=True)
         ]
     from jaxmem.policy import check_policy
 
     with usage_errors():
         for p in policies:
-            p.layers.indices(job.model.n_layers)
+            p.layer_blocks(job.model.n_layers)
             check_policy(job.model, p)
     return policies
 

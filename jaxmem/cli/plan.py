@@ -394,8 +394,7 @@ def _summary(out, args, job, result, commands: dict) -> None:
     )
     if chosen.estimate is not None:
         out.print(
-            f"cost: an estimated step time, not a measurement: {chosen.estimate.assumptions}"
-            f"{host}",
+            f"cost: an estimated step time, not a measurement: {chosen.estimate.assumptions}{host}",
             style="dim",
         )
     else:

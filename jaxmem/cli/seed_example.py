@@ -8,7 +8,8 @@ import argparse
 
 from jaxmem.cli.common import need_jax_backend, need_torch, positive_int, usage_errors
 from jaxmem.job import FRAMEWORKS
-from jaxmem.policy import POLICIES, parse_policy
+from jaxmem.policy import POLICIES
+from jaxmem.policy_config import parse_policy
 
 
 def add_parser(sub) -> None:

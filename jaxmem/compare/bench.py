@@ -42,7 +42,7 @@ from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.residuals import compiled_plan, saved_residuals, summarize_residuals
 from jaxmem.memory.targets import LOCAL, Target, get_target
 from jaxmem.model import make_model
-from jaxmem.policy import POLICIES, MemoryPolicy
+from jaxmem.policy import POLICIES, BlockPolicy, MemoryPolicy
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.build import build_step
 from jaxmem.step.spec import StepSpec
@@ -99,7 +99,7 @@ QUICK = SweepPlan(
 # PyTorch's stock selective checkpointing with ``MUST_SAVE`` for every ``mm``/``addmm``. (JAX's
 # ``everything_saveable`` / ``nothing_saveable`` are ``none`` / ``full``.)
 PEERS: dict[str, MemoryPolicy] = {
-    "built-in dots": MemoryPolicy(name="built-in dots", save_dots=True),
+    "built-in dots": MemoryPolicy.of(BlockPolicy(save_dots=True), name="built-in dots"),
 }
 PEER_NOTE = (
     "built-in dots = JAX `dots_with_no_batch_dims_saveable` / PyTorch selective checkpointing "

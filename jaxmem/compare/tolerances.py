@@ -207,7 +207,7 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
         "loss_chunks_loss": Tolerance(
             rtol=2e-4,
             atol=0.0,
-            reason="the head and loss in chunks vs whole (MemoryPolicy.loss_chunks), bf16 "
+            reason="the head and loss in chunks vs whole (LossPolicy.chunks), bf16 "
             "compute: the head's parameter gradient is rounded to bf16 once per chunk and the "
             "partials added in fp32 (whole: one rounding), compounding through the AdamW "
             "updates; measured max relative diff 1.5e-5 (tiny, selective, 2 microbatches, 4 "

@@ -59,7 +59,6 @@ from jaxmem.policy import (
     kept_tags,
     nested_segment_size,
     recomputed_from,
-    split_policy,
 )
 from jaxmem.precision import Precision
 
@@ -136,8 +135,8 @@ def saved_activation_bytes(
     - ``save_dots`` (custom policies: every matmul without batch dimensions): q, k, v and
       mlp_up;
     - nested: one input per segment (``nested_segment_size``: about √L blocks);
-    - a mixed stack (``rest``): each part's blocks under its own policy;
-    - ``replay_embedding``: the first block without its input (the lookup is replayed).
+    - several parts (``MemoryPolicy.parts``): each part's blocks under its own block policy;
+    - ``EmbeddingReplay``: the first block without its input (the lookup is replayed).
     Embeddings, the LM head and the loss are outside this model. With tensor parallelism
     (``parallel.tp``) each tag is one device's share of it (``jaxmem.parallel.tensor_share``:
     Megatron's layout, with or without sequence parallelism); ``batch`` is one device's rows.
@@ -152,35 +151,24 @@ def saved_activation_bytes(
         n_seg = math.ceil(cfg.n_layers / k)
         per_layer = [sizes["block_input"] if i % k == 0 else 0 for i in range(cfg.n_layers)]
         return ActivationEstimate(n_seg * sizes["block_input"], 0, tuple(per_layer))
-    if policy.rest is not None:
-        parts = split_policy(policy, cfg.n_layers)
-        ests = [
-            saved_activation_bytes(cfg.replace(n_layers=n), p, batch, seq_len, precision, parallel)
-            for n, p in parts
-        ]
-        return ActivationEstimate(
-            sum(e.device_bytes for e in ests),
-            sum(e.host_bytes for e in ests),
-            tuple(b for e in ests for b in e.per_layer),
-        )
-    selected = set(policy.layers.indices(cfg.n_layers))
+    blocks = policy.layer_blocks(cfg.n_layers)
     device = host = 0
     per_layer = []
-    for i in range(cfg.n_layers):
-        if not policy.remat or i not in selected:
+    for i, block in enumerate(blocks):
+        if not block.remat:
             device += everything
             per_layer.append(everything)
             continue
-        if policy.save_dots:
+        if block.save_dots:
             sources = {recomputed_from(cfg)[n] for n in reads if n in recomputed_from(cfg)}
             dots = {"query_proj", "key_proj", "value_proj", "mlp_gate", "mlp_up"}
             kept = dots & (reads | (sources & set(ROPE_SOURCES)))
             on_device, on_host = kept | {"block_input"}, set()
         else:
-            kept = kept_tags(cfg, policy)
-            on_device = ({"block_input"} | set(policy.save)) & (kept | {"block_input"})
-            on_host = set(policy.offload) & kept - on_device
-        if i == 0 and policy.replay_embedding:
+            kept = kept_tags(cfg, block)
+            on_device = ({"block_input"} | set(block.save)) & (kept | {"block_input"})
+            on_host = set(block.offload) & kept - on_device
+        if i == 0 and policy.embedding.replay:
             on_device = on_device - {"block_input"}
         d = sum(_remat_kept_bytes(n, sizes) for n in on_device)
         h = sum(_remat_kept_bytes(n, sizes) for n in on_host)

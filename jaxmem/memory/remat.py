@@ -16,13 +16,17 @@ How each policy runs in JAX:
 - a layer subset: the stack unrolled, remat only on the selected layers;
 - ``unroll``: every block unrolled (``none`` included), each slicing its parameters out of the
   stack inside its own ``jax.checkpoint`` (see ``layers_fn``);
-- a mixed stack (``rest``: the first k blocks under one preset or per-tag policy, the others
-  under another): consecutive scans under one custom VJP that writes both parts' gradients into
-  one buffer (``_own_gradient_stack``);
-- ``replay_embedding``: the stack's input arrives as the unevaluated embedding lookup
+- several parts (``MemoryPolicy.parts``: the first k blocks under one block policy, the others
+  under another): consecutive scans under one custom VJP that writes every part's gradients
+  into one buffer (``_custom_stack``);
+- ``EmbeddingReplay``: the stack's input arrives as the unevaluated embedding lookup
   (``EmbeddingLookup``); the first block runs outside the scan, in a checkpoint that takes the
   lookup, so its backward replays it instead of keeping the block input (``_replayed``; every
   other form runs the lookup first, ``materialize``).
+
+Each kind of stack applies ``jax.checkpoint`` in one place, reading the policy's parts: the
+scanned stacks (one part, several parts, in-place accumulation) through ``_checkpointed``,
+the unrolled stack in ``_unrolled_stack``, nested in ``_nested_segment``.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ from jaxmem.model import LayerFn, LayersFn, scan_layers
 from jaxmem.model.decoder import EmbeddingLookup, materialize
 from jaxmem.policy import (
     HOST_MEMORY_KIND,
+    BlockPolicy,
     MemoryPolicy,
     nested_segment_size,
-    split_policy,
 )
 
 # Bumped whenever a policy's translation changes what runs (benchmarks that keep measured rows
@@ -57,26 +61,30 @@ def backend_memory_kinds(device: jax.Device | None = None) -> tuple[str, ...]:
 
 def check_backend(policy: MemoryPolicy, device: jax.Device | None = None) -> None:
     """Raise if the policy needs a memory kind the backend lacks (offload needs pinned_host)."""
-    offloaded = [n for _, part in split_policy(policy, _enough(policy)) for n in part.offload]
+    offloaded = policy.offloads
     if offloaded:
         kinds = backend_memory_kinds(device)
         if HOST_MEMORY_KIND not in kinds:
             raise ConfigError(
-                f"policy {policy.name!r} offloads {list(dict.fromkeys(offloaded))} to "
-                f"{HOST_MEMORY_KIND}, "
+                f"policy {policy.name!r} offloads {list(offloaded)} to {HOST_MEMORY_KIND}, "
                 f"but this backend only has memory kinds {list(kinds)}; use a policy without "
                 "offload (e.g. selective)"
             )
 
 
-def _enough(policy: MemoryPolicy) -> int:
-    """A stack depth that holds every part of ``policy`` (its first k blocks and one more)."""
-    return (policy.layers.first or 0) + 1
+def block_checkpoint_policy(block: BlockPolicy) -> Any:
+    """The ``jax.checkpoint`` policy for a remat block under ``block``."""
+    return names_policy(block.save, block.offload, save_dots=block.save_dots)
 
 
-def jax_checkpoint_policy(policy: MemoryPolicy) -> Any:
-    """The ``jax.checkpoint`` policy for one remat block of ``policy``."""
-    return names_policy(policy.save, policy.offload, save_dots=policy.save_dots)
+def _checkpointed(block: BlockPolicy, fn: Any, *, in_scan: bool) -> Any:
+    """``fn`` (one block, or the replayed first block) checkpointed as ``block`` says, or as it
+    is when ``block`` keeps everything: the one ``jax.checkpoint`` of the scanned stacks
+    (``_scanned_stack``, ``_units``)."""
+    if not block.remat:
+        return fn
+    # prevent_cse=False is safe (and faster) inside scan, which cannot CSE across iterations.
+    return jax.checkpoint(fn, policy=block_checkpoint_policy(block), prevent_cse=not in_scan)
 
 
 def names_policy(
@@ -125,9 +133,11 @@ def _keep_all_but_parameter_copies(prim: Any, *_: Any, **__: Any) -> bool:
     return prim.name not in _PARAMETER_COPY_PRIMITIVES
 
 
-def _nested_segment(layer_fn: LayerFn, ckpt_policy: Any) -> LayerFn:
+def _nested_segment(layer_fn: LayerFn, block: BlockPolicy) -> LayerFn:
     """``nested``'s segment: ``(x, state of n blocks) -> x``, checkpointed, each block inside
-    checkpointed again."""
+    checkpointed again: the one ``jax.checkpoint`` of the nested stacks (``_nested_stack``,
+    ``_units``)."""
+    ckpt_policy = block_checkpoint_policy(block)
     inner = jax.checkpoint(layer_fn, policy=ckpt_policy, prevent_cse=False)
 
     def segment(x: jax.Array, seg_state: Any) -> jax.Array:
@@ -152,11 +162,13 @@ def _nested_segment(layer_fn: LayerFn, ckpt_policy: Any) -> LayerFn:
 def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
     """How the block stack runs under ``policy`` (pass as ``model(tokens, layers_fn=...)``).
 
-    - all layers, one policy: one ``lax.scan`` over a ``jax.checkpoint``-ed body (the default
+    - one part over all layers: one ``lax.scan`` over a ``jax.checkpoint``-ed body (the default
       path; XLA's compiled memory plan reflects remat only under scan);
     - nested: an outer scan over equal segments of about √L blocks, each segment checkpointed,
       each block inside fully recomputed; a shorter last segment only when no divisor of L is
       near √L (``nested_segment_size``);
+    - several parts, or the embedding replayed: the parts' scans under one custom VJP
+      (``_custom_stack``);
     - a layer subset: unrolled, remat only on the selected layers;
     - ``unroll``: every block unrolled, each slicing its parameters out of the stack inside
       its own ``jax.checkpoint``, so the backward re-slices (and re-casts) them instead of
@@ -164,84 +176,78 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
       (measured, H100 plans: gpt2-124m bf16 8 x 1024 `none` 14.73 GB scanned, 12.37 GB
       unrolled; unrolled keeping the slices and casts, 15.95 GB).
     """
-    return _replaying(policy, _layers_fn(policy, n_layers))
+    check_backend(policy)
+    if policy.nested:
+        run = _nested_stack(policy.head, n_layers)
+    elif _unrolled(policy, n_layers):
+        run = _unrolled_stack(policy, n_layers)
+    elif len(policy.parts) > 1 or policy.embedding.replay:
+        run = _custom_stack(policy, n_layers, None)
+    else:
+        run = _scanned_stack(policy.head)
+    return _replaying(policy, run)
 
 
 def _replaying(policy: MemoryPolicy, run: LayersFn) -> LayersFn:
     """``run``, marked to take the unevaluated embedding lookup when ``policy`` replays it
     (``Decoder.features`` hands it over only then)."""
-    run.replays_embedding = policy.replay_embedding  # type: ignore[attr-defined]
+    run.replays_embedding = policy.embedding.replay  # type: ignore[attr-defined]
     return run
 
 
-def _layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
-    check_backend(policy)
-    selected = policy.layers.indices(n_layers)
-    scanned = not policy.unroll and len(selected) == n_layers
-    if not policy.unroll and (policy.rest is not None or (policy.replay_embedding and scanned)):
-        return _own_gradient_stack(policy, n_layers)
-    rest_policy = None
-    if policy.rest is not None:  # unrolled mixed stack: the other layers under their preset
-        rest_policy = split_policy(policy, n_layers)[-1][1]
-        rest_policy = rest_policy if rest_policy.remat else None
-    if not policy.remat:
-        if not policy.unroll:
-            return scan_layers
-        ckpt_policy, selected = _keep_all_but_parameter_copies, tuple(range(n_layers))
-    else:
-        ckpt_policy = jax_checkpoint_policy(policy)
+def _unrolled(policy: MemoryPolicy, n_layers: int) -> bool:
+    """The stack runs unrolled: ``unroll``, or a rematerialising part that leaves layers out."""
+    part = policy.parts[0]
+    leaves_out = len(policy.parts) == 1 and len(part.layers.indices(n_layers)) < n_layers
+    return policy.unroll or (leaves_out and part.block.remat)
 
-    def remat(fn: LayerFn, *, in_scan: bool = True) -> LayerFn:
-        # prevent_cse=False is safe (and faster) inside scan, which cannot CSE across iterations.
-        return jax.checkpoint(fn, policy=ckpt_policy, prevent_cse=not in_scan)
 
-    if policy.nested:
-        k = nested_segment_size(n_layers)
+def _scanned_stack(block: BlockPolicy) -> LayersFn:
+    def run_scanned(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
+        return scan_layers(_checkpointed(block, layer_fn, in_scan=True), materialize(x), stacked)
 
-        def run_nested(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
-            x = materialize(x)
-            segment = _nested_segment(layer_fn, ckpt_policy)
-            n_full = n_layers // k
-            if n_full:
-                # [L, ...] -> [L/k, k, ...] is a reshape (no copy) of the resident parameters; the
-                # segment's slice then arrives through scan, so the backward accumulates each
-                # segment's gradient into its own slice (slicing inside the checkpoint instead
-                # makes XLA build full-size [L, ...] gradient buffers per segment).
-                head = jax.tree_util.tree_map(
-                    lambda a: a[: n_full * k].reshape(n_full, k, *a.shape[1:]), stacked
-                )
-                x = scan_layers(segment, x, head)
-            if n_layers % k:
-                tail = jax.tree_util.tree_map(lambda a: a[n_full * k :], stacked)
-                x = segment(x, tail)
-            return x
+    return run_scanned
 
-        return run_nested
 
-    if len(selected) == n_layers and not policy.unroll:
+def _nested_stack(block: BlockPolicy, n_layers: int) -> LayersFn:
+    k = nested_segment_size(n_layers)
 
-        def run_scanned(layer_fn: LayerFn, x: jax.Array, stacked: Any) -> jax.Array:
-            return scan_layers(remat(layer_fn), x, stacked)
+    def run_nested(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
+        x = materialize(x)
+        segment = _nested_segment(layer_fn, block)
+        n_full = n_layers // k
+        if n_full:
+            # [L, ...] -> [L/k, k, ...] is a reshape (no copy) of the resident parameters; the
+            # segment's slice then arrives through scan, so the backward accumulates each
+            # segment's gradient into its own slice (slicing inside the checkpoint instead
+            # makes XLA build full-size [L, ...] gradient buffers per segment).
+            head = jax.tree_util.tree_map(
+                lambda a: a[: n_full * k].reshape(n_full, k, *a.shape[1:]), stacked
+            )
+            x = scan_layers(segment, x, head)
+        if n_layers % k:
+            tail = jax.tree_util.tree_map(lambda a: a[n_full * k :], stacked)
+            x = segment(x, tail)
+        return x
 
-        return run_scanned
+    return run_nested
+
+
+def _unrolled_stack(policy: MemoryPolicy, n_layers: int) -> LayersFn:
+    blocks = policy.layer_blocks(n_layers)
 
     def run_unrolled(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
-        replay = policy.replay_embedding and isinstance(x, EmbeddingLookup)
+        replay = policy.embedding.replay and isinstance(x, EmbeddingLookup)
         x = x if replay else materialize(x)
-        for i in range(n_layers):
+        for i, block in enumerate(blocks):
             # Slice inside the checkpoint: the layer's parameters stay views, not saved copies
-            # (a layer without remat keeps everything else).
+            # (a layer without remat keeps everything else). Under replay the first layer's
+            # checkpoint runs (and replays) the lookup.
             def one_layer(x, stacked, i=i):
                 return layer_fn(materialize(x), _layer(stacked, i))
 
-            if i == 0 and replay:  # the lookup runs (and is replayed) inside the checkpoint
-                x = remat(one_layer, in_scan=False)(x, stacked)
-            elif i in selected:
-                x = remat(one_layer, in_scan=False)(x, stacked)
-            elif rest_policy is not None:
-                x = jax.checkpoint(one_layer, policy=jax_checkpoint_policy(rest_policy))(x, stacked)
-            else:
-                x = jax.checkpoint(one_layer, policy=_keep_all_but_parameter_copies)(x, stacked)
+            keep = block_checkpoint_policy(block) if block.remat else _keep_all_but_parameter_copies
+            x = jax.checkpoint(one_layer, policy=keep)(x, stacked)
         return x
 
     return run_unrolled
@@ -302,46 +308,39 @@ class _Unit:
 
 
 def accumulates_in_place(policy: MemoryPolicy, n_layers: int) -> bool:
-    """Whether ``accumulating_layers_fn`` can run ``policy``: the scanned stacks (one policy on
-    every block, ``none`` included, and ``nested``). An unrolled stack (``unroll``, a layer
-    subset) slices each block's parameters inside its own checkpoint, which a per-block
-    pullback taking the block's slice cannot reproduce."""
-    if policy.unroll:
-        return False
-    if not policy.remat or policy.nested or policy.rest is not None:
-        return True
-    return len(policy.layers.indices(n_layers)) == n_layers
+    """Whether ``accumulating_layers_fn`` can run ``policy``: the scanned stacks (every part's
+    blocks, ``none`` included, and ``nested``). An unrolled stack (``unroll``, a layer subset)
+    slices each block's parameters inside its own checkpoint, which a per-block pullback taking
+    the block's slice cannot reproduce."""
+    return not _unrolled(policy, n_layers)
 
 
 def _replayed(units: list[_Unit], layer_fn: LayerFn, policy: MemoryPolicy) -> list[_Unit]:
     """``units`` with the first block split off into a unit of its own whose checkpointed body
     takes the ``EmbeddingLookup`` and runs it first: the block's backward replays the lookup
-    rather than keeping its output (``MemoryPolicy.replay_embedding``)."""
+    rather than keeping its output (``EmbeddingReplay``)."""
     first, *rest = units
-    ckpt_policy = jax_checkpoint_policy(split_policy(policy, _enough(policy))[0][1])
 
     def body(e: Any, w: Any) -> jax.Array:
         return layer_fn(materialize(e), w)
 
-    replay = _Unit(jax.checkpoint(body, policy=ckpt_policy), 0, 1, replay=True)
+    replay = _Unit(_checkpointed(policy.head, body, in_scan=False), 0, 1, replay=True)
     after = [dataclasses.replace(first, start=1, count=first.count - 1)] if first.count > 1 else []
     return [replay, *after, *rest]
 
 
 def _units(policy: MemoryPolicy, n_layers: int, layer_fn: LayerFn) -> list[_Unit]:
-    if policy.rest is not None:
+    """The stack as scanned units: one per part (``MemoryPolicy.runs``), or nested's
+    segments."""
+    if not policy.nested:
         units, start = [], 0
-        for n, part in split_policy(policy, n_layers):
-            units += [dataclasses.replace(u, start=start) for u in _units(part, n, layer_fn)]
+        for n, block in policy.runs(n_layers):
+            body = _checkpointed(block, layer_fn, in_scan=True)
+            units.append(_Unit(body, start, n, recomputes=block.remat))
             start += n
         return units
-    if not policy.remat:
-        return [_Unit(layer_fn, 0, n_layers, recomputes=False)]
-    ckpt_policy = jax_checkpoint_policy(policy)
-    if not policy.nested:
-        return [_Unit(jax.checkpoint(layer_fn, policy=ckpt_policy, prevent_cse=False), 0, n_layers)]
     k = nested_segment_size(n_layers)
-    segment = _nested_segment(layer_fn, ckpt_policy)
+    segment = _nested_segment(layer_fn, policy.head)
     n_full, rest = divmod(n_layers, k)
     units = [_Unit(segment, 0, n_full, k, grouped=True)] if n_full else []
     if rest:
@@ -376,25 +375,48 @@ def _drop_weights(pb: Any, w: Any, layout: dict[str, Any]) -> list:
     return [leaf for leaf in leaves if id(leaf) not in position]
 
 
-def _own_gradient_stack(policy: MemoryPolicy, n_layers: int) -> LayersFn:
-    """A mixed stack (``rest``) without accumulation: its parts' scans under the custom VJP of
-    ``accumulating_layers_fn``, adding each block's gradient into a zero buffer that becomes
-    the stacked parameters' cotangent. Differentiating two scans over slices of the stack the
-    usual way would build each part's gradient and then concatenate them into one more
-    gradient-sized buffer (the cost ``nested_segment_size`` avoids for nested's tail)."""
-    return _custom_stack(policy, n_layers, None)
+def _forward_units(
+    units: list[_Unit], layouts: list[dict[str, Any]], x: Any, stacked: Any
+) -> tuple[jax.Array, list]:
+    """``_custom_stack``'s forward: each unit's blocks run under ``jax.vjp``; returns the
+    output and each unit's pullbacks (its residuals: what the policy keeps)."""
+    pullbacks = []
+    for u, layout in zip(units, layouts, strict=True):
+        if u.replay:  # one block, outside a scan: its input is the lookup
+            w = u.block(stacked, 0)
+            x, pb = jax.vjp(u.body, x, w)
+            pullbacks.append(_drop_weights(pb, w, layout))
+            continue
+        if u.whole(stacked):
+            # each block's pullback stacked by scan; JAX forwards the weights the pullbacks
+            # keep to the stack itself
+            x, pb = jax.lax.scan(lambda x, w, f=u.body: jax.vjp(f, x, w), x, u.state(stacked))
+            pullbacks.append(pb)
+            continue
+
+        def body(x, j, u=u, layout=layout):
+            w = u.block(stacked, j)
+            y, pb = jax.vjp(u.body, x, w)
+            return y, _drop_weights(pb, w, layout)
+
+        x, kept = jax.lax.scan(body, x, jnp.arange(u.count))
+        pullbacks.append(kept)
+    return x, pullbacks
 
 
 def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
     """The stack's units under one custom VJP: each block's pullback runs in reverse and adds
     its weight gradient into its slice of a buffer carried by the backward's scans: ``acc``
     (returned as ``acc``'s cotangent) or, with ``acc`` None, zeros (returned as the stacked
-    parameters' cotangent)."""
+    parameters' cotangent). Without accumulation it runs a stack of several parts: there,
+    differentiating the parts' scans over slices of the stack the usual way would build each
+    part's gradient and then concatenate them into one more gradient-sized buffer (the cost
+    ``nested_segment_size`` avoids for nested's tail)."""
     own = acc is None
 
     def run(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
         units = _units(policy, n_layers, layer_fn)
-        if policy.replay_embedding and isinstance(x, EmbeddingLookup):
+        if policy.embedding.replay and isinstance(x, EmbeddingLookup):
             units = _replayed(units, layer_fn, policy)
         else:
             x = materialize(x)
@@ -415,29 +437,7 @@ def _custom_stack(policy: MemoryPolicy, n_layers: int, acc: Any) -> LayersFn:
         layouts: list[dict[str, Any]] = [{} for _ in units]
 
         def fwd(x, stacked, acc):
-            pullbacks = []
-            for u, layout in zip(units, layouts, strict=True):
-                if u.replay:  # one block, outside a scan: its input is the lookup
-                    w = u.block(stacked, 0)
-                    x, pb = jax.vjp(u.body, x, w)
-                    pullbacks.append(_drop_weights(pb, w, layout))
-                    continue
-                if u.whole(stacked):
-                    # each block's pullback (its residuals: what the policy keeps) stacked by
-                    # scan; JAX forwards the weights the pullbacks keep to the stack itself
-                    x, pb = jax.lax.scan(
-                        lambda x, w, f=u.body: jax.vjp(f, x, w), x, u.state(stacked)
-                    )
-                    pullbacks.append(pb)
-                    continue
-
-                def body(x, j, u=u, layout=layout):
-                    w = u.block(stacked, j)
-                    y, pb = jax.vjp(u.body, x, w)
-                    return y, _drop_weights(pb, w, layout)
-
-                x, kept = jax.lax.scan(body, x, jnp.arange(u.count))
-                pullbacks.append(kept)
+            x, pullbacks = _forward_units(units, layouts, x, stacked)
             return x, (pullbacks, stacked, None if own else acc)
 
         def bwd(res, ct):

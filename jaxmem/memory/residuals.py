@@ -195,7 +195,7 @@ def _residual_name(jaxpr: Any, var: Any, depth: int = 0) -> str | None:
         if sub is None:
             return None
         if prim in ("jit", "pjit") and eqn.params.get("name") == chunked_loss_gradients.__name__:
-            return "<loss gradients>"  # formed in the forward (MemoryPolicy.loss_chunks)
+            return "<loss gradients>"  # formed in the forward (LossPolicy.chunks)
         index = eqn.outvars.index(var)
         n_consts, n_carry = scan_operand_counts(eqn) if prim == "scan" else (0, 0)
         if prim == "scan" and index < n_carry:

@@ -510,12 +510,13 @@ class TagPolicy:
                         out.append(m)
             return tuple(out)
 
+        block = policy.head
         return cls(
             name=name,
-            remat=policy.remat,
-            save=yours(policy.save),
-            offload=yours(policy.offload),
-            save_dots=policy.save_dots,
+            remat=block.remat,
+            save=yours(block.save),
+            offload=yours(block.offload),
+            save_dots=block.save_dots,
         )
 
     @classmethod

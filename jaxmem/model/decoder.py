@@ -63,7 +63,7 @@ class EmbeddingLookup:
     """The stack's input handed over unevaluated (``Decoder.features``, to a ``layers_fn`` whose
     ``replays_embedding`` attribute is true): the embedding tables and the token ids. It runs the
     lookup inside the first block's checkpoint, so that block's backward replays the lookup
-    instead of keeping its output (``MemoryPolicy.replay_embedding``). A pytree: it passes
+    instead of keeping its output (``jaxmem.policy.EmbeddingReplay``). A pytree: it passes
     through ``jax.custom_vjp`` and ``jax.vjp``, its cotangent the tables' gradients."""
 
     params: dict[str, Array]

@@ -44,7 +44,7 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import Rates
 from jaxmem.memory.work import Traced, Work, at_rows, combine, trace_jaxpr
 from jaxmem.model import make_model
-from jaxmem.policy import POLICIES, MemoryPolicy, preset_named, split_policy
+from jaxmem.policy import POLICIES, EmbeddingReplay, LossPolicy, MemoryPolicy, preset_named
 from jaxmem.precision import Precision
 from jaxmem.step.train_step import lm_loss_fn
 
@@ -53,9 +53,20 @@ def _part_key(policy: MemoryPolicy) -> Any:
     """One part of a stack: its preset or saved tags, its loss chunks, and whether it is
     unrolled (an unrolled stack keeps each block's residuals as arrays of their own, where a
     scan writes them into stacked buffers and slices them out again)."""
-    policy = policy.replace(replay_embedding=False)
-    name = preset_named(policy.replace(loss_chunks=0, unroll=False))
-    return (name or ("tags", *policy.save), policy.loss_chunks, policy.unroll)
+    policy = policy.replace(embedding=EmbeddingReplay())
+    name = preset_named(policy.replace(loss=LossPolicy(), unroll=False))
+    return (name or ("tags", *policy.head.save), policy.loss.chunks, policy.unroll)
+
+
+def priced_runs(policy: MemoryPolicy, n_layers: int) -> list[tuple[int, MemoryPolicy]]:
+    """``policy``'s stack as the planner fits and prices it, ``[(n_blocks, stack), ...]``: a
+    one-part stack whole; a stack of several parts run by run (``MemoryPolicy.runs``), each
+    traced as a one-part stack of its block policy under the stack's switches (the whole loss,
+    no replay: the FLOP and work models trace the embedding, head and loss with the first)."""
+    if len(policy.parts) == 1:
+        return [(n_layers, policy)]
+    switches = {"unroll": policy.unroll, "use_reentrant": policy.use_reentrant}
+    return [(n, MemoryPolicy.of(b, **switches)) for n, b in policy.runs(n_layers)]
 
 
 @functools.lru_cache(maxsize=512)
@@ -69,7 +80,7 @@ def _trace(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: in
     graphdef, params = nnx.split(model, nnx.Param)
     micro = lm_step_batch(cfg, rows, seq, abstract=True)
     loss = lm_loss_fn(
-        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss_chunks
+        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss.chunks
     )
     return trace_jaxpr(jax.make_jaxpr(jax.grad(lambda p, b: loss(p, b)[0]))(params, micro))
 
@@ -84,7 +95,7 @@ class WorkModel:
     def _part(self, policy: MemoryPolicy, precision: Precision) -> tuple[Traced, ...]:
         key = (_part_key(policy), precision.name)
         if key not in self._parts:
-            part = policy.replace(replay_embedding=False)
+            part = policy.replace(embedding=EmbeddingReplay())
             self._parts[key] = tuple(
                 _trace(self.cfg.replace(n_layers=d), part, precision, self.seq_len, r)
                 for d in (1, 2)
@@ -99,7 +110,7 @@ class WorkModel:
             return whole.work(), Work()
         outside: Work | None = None
         blocks: list[tuple[Work, int]] = []
-        for n, part in split_policy(policy, self.cfg.n_layers):
+        for n, part in priced_runs(policy, self.cfg.n_layers):
             d1r1, d1r2, d2r1, d2r2 = self._part(part, precision)
             one, two = at_rows(d1r1, d1r2, rows), at_rows(d2r1, d2r2, rows)
             per_block = combine([(two.work(), 1), (one.work(), -1)])
@@ -226,7 +237,7 @@ def tensor_parallel_bytes(
     Megatron-SP's all-gathers and reduce-scatters of one row's ``[S, D]`` activations, 4 per
     block forward, 4 backward (4 more when the block is replayed), each moving ``(tp - 1) / tp``
     of them (ring estimate)."""
-    passes = 12 if policy.remat else 8
+    passes = 12 if policy.head.remat else 8
     return int(
         passes
         * (tp - 1)
@@ -267,7 +278,7 @@ def offloaded_bytes_per_row(cfg: ModelConfig, precision: Precision, seq: int) ->
 
 def offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:
     """How many of the stack's ``n_layers`` blocks run a part that offloads."""
-    return sum(n for n, p in split_policy(policy, n_layers) if p.offload)
+    return sum(n for n, block in policy.runs(n_layers) if block.offload)
 
 
 def activation_offload_bytes(
@@ -315,7 +326,7 @@ def streamed_bytes(
     ) - analytic.opt_state_bytes(cfg.replace(n_layers=1), opt_cfg, precision)
     p = per_block * cfg.n_layers // param_shards
     s = state_block * cfg.n_layers // state_shards
-    fetches = 2 if policy.remat else 1
+    fetches = 2 if policy.head.remat else 1
     summed = accum * 3 * p if accum > 1 else 0  # the running sum added to block by block
     updated = (2 * p + s) + (p + s)
     link = accum * (fetches * p + p) + summed

@@ -20,9 +20,10 @@ from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
 from jaxmem.planner import tags
+from jaxmem.planner.cost import priced_runs
 from jaxmem.planner.records import lm_step_batch
 from jaxmem.planner.space import Candidate, Problem, candidate_spec, part_key
-from jaxmem.policy import POLICIES, MemoryPolicy, can_replay_embedding, split_policy
+from jaxmem.policy import POLICIES, EmbeddingReplay, MemoryPolicy, can_replay_embedding
 from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.step.train_step import lm_loss_fn
 
@@ -34,7 +35,7 @@ def _flops_per_row(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision,
     graphdef, params = nnx.split(model, nnx.Param)
     micro = lm_step_batch(cfg, 1, seq, abstract=True)
     loss = lm_loss_fn(
-        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss_chunks
+        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss.chunks
     )
     return grad_matmul_flops(lambda p, b: loss(p, b)[0], params, micro)
 
@@ -72,7 +73,7 @@ class FlopModel:
                 )
             return self._nested[precision.name]
         total = None
-        for n, part in split_policy(policy, self.cfg.n_layers):
+        for n, part in priced_runs(policy, self.cfg.n_layers):
             c, s = self._part(part, precision)
             total = (c if total is None else total) + n * s
         return total
@@ -121,7 +122,7 @@ class MemoryModel:
             d1, d2 = self.problem.fit_depths
             fitted = POLICIES[name]
             if "replay" in family and can_replay_embedding(fitted):
-                fitted = fitted.replace(replay_embedding=True)
+                fitted = fitted.replace(embedding=EmbeddingReplay(True))
             peaks = [
                 self.compile_fn(
                     candidate_spec(self.problem, cand, fitted, self.problem.cfg.replace(n_layers=d))
@@ -139,7 +140,7 @@ class MemoryModel:
         """Predicted planned peak (device bytes); None for nested (compiled, not predicted)."""
         if cand.policy.nested:
             return None
-        parts = split_policy(cand.policy, self.problem.cfg.n_layers)
+        parts = priced_runs(cand.policy, self.problem.cfg.n_layers)
         fits = [(n, self._family(p, cand)) for n, p in parts]
         peak = max(a for _, (a, _) in fits) + sum(n * b for n, (_, b) in fits)
         return (
@@ -150,11 +151,11 @@ class MemoryModel:
 
     def _pair(self, cand: Candidate) -> tuple:
         """Candidates whose prediction errs alike: the same presets in the same family."""
-        parts = split_policy(cand.policy, self.problem.cfg.n_layers)
+        parts = priced_runs(cand.policy, self.problem.cfg.n_layers)
         return (
             *sorted(str(part_key(p)) for _, p in parts),
             cand.policy.unroll,
-            cand.policy.replay_embedding,
+            cand.policy.embedding.replay,
             cand.accum,
             cand.strategy,
             cand.tp,

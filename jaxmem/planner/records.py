@@ -297,7 +297,7 @@ def stream_transfers(
     _, stack = stream.split(params)
     p = tree_bytes(stack)
     state = tree_bytes(opt_state[1])
-    fetches = 2 if policy.remat else 1  # a remat policy replays the block: fetched again
+    fetches = 2 if policy.head.remat else 1  # a remat policy replays the block: fetched again
     moved = {
         "parameters to the device": accum * fetches * p,
         "gradients to host": accum * p,
@@ -416,7 +416,7 @@ def _flops(spec: StepSpec, built: BuiltStep, kernel: str, params: Any, micro: An
         loss = lm_loss_fn(
             nnx.split(blockwise, nnx.Param)[0],
             layers_fn=built.layers,
-            loss_chunks=spec.policy.loss_chunks,
+            loss_chunks=spec.policy.loss.chunks,
         )
     flops = accum * grad_matmul_flops(lambda p, b: loss(p, b)[0], params, micro)
     model_flops = analytic.model_flops(cfg, spec.batch // n_dev, spec.seq_len)
@@ -433,11 +433,11 @@ def _translation(policy: MemoryPolicy) -> str:
     """How the step runs the policy, in words."""
     return (
         "jaxmem.memory.remat (jax.checkpoint per block, stack unrolled)"
-        if policy.unroll or not policy.layers.is_all
+        if policy.unroll or not policy.parts[0].layers.is_all
         else "jaxmem.memory.remat (jax.checkpoint under lax.scan)"
     ) + (
-        f"; the LM head and loss in {policy.loss_chunks} chunks (jaxmem.model.loss.chunked_lm_loss)"
-        if policy.loss_chunks
+        f"; the LM head and loss in {policy.loss.chunks} chunks (jaxmem.model.loss.chunked_lm_loss)"
+        if policy.loss.chunks
         else ""
     )
 

@@ -40,6 +40,7 @@ from typing import Any
 
 from jaxmem.config import ConfigError
 from jaxmem.memory.targets import Target, rates_for
+from jaxmem.planner.cost import priced_runs
 from jaxmem.planner.predict import FlopModel, MemoryModel, chunk_savings_bound, state_host_bytes
 from jaxmem.planner.records import plan_step
 from jaxmem.planner.space import (
@@ -51,7 +52,7 @@ from jaxmem.planner.space import (
     part_key,
     policy_text,
 )
-from jaxmem.policy import POLICIES, MemoryPolicy, can_replay_embedding, split_policy
+from jaxmem.policy import POLICIES, EmbeddingReplay, LossPolicy, MemoryPolicy, can_replay_embedding
 from jaxmem.step.spec import StepSpec
 
 GIB = 2**30
@@ -76,8 +77,8 @@ class Outcome:
         return {
             "configuration": c.describe(),
             "policy": policy_text(c.policy),
-            "save": list(c.policy.save),
-            "loss_chunks": c.policy.loss_chunks,
+            "save": list(c.policy.head.save),
+            "loss_chunks": c.policy.loss.chunks,
             "accum": c.accum,
             "state_memory": c.state_memory,
             "strategy": c.strategy,
@@ -159,7 +160,7 @@ def _floor_probes(c: Candidate, lean: list[MemoryPolicy], outs: set) -> list[Mem
     twins = [
         p.replace(
             unroll=c.policy.unroll,
-            replay_embedding=c.policy.replay_embedding and can_replay_embedding(p),
+            embedding=EmbeddingReplay(c.policy.embedding.replay and can_replay_embedding(p)),
         )
         for p in lean
     ]
@@ -205,7 +206,7 @@ class _TimeCalibration:
 
     def _parts(self, c: Candidate) -> list[tuple[int, tuple]]:
         family = (c.accum, c.strategy, c.tp, c.precision, c.stream, c.state_memory)
-        parts = split_policy(c.policy, self.n_layers)
+        parts = priced_runs(c.policy, self.n_layers)
         return [(n, (part_key(p), *family)) for n, p in parts]
 
     def observe(self, o: Outcome) -> None:
@@ -294,7 +295,7 @@ def search(
                 break
             if verdict == "skip":
                 continue
-        if c.policy.loss_chunks:
+        if c.policy.loss.chunks:
             # the loss-chunk twin of a whole-loss candidate: bounded by its twin's numbers, no
             # fits or floors of its own (they would double the compiles); its compile is the
             # proof (``_chunked_twin_status``)
@@ -374,7 +375,7 @@ def _chunked_twin_status(
     prediction, over the budget by more than chunks can save (``chunk_savings_bound``). The
     prediction is taken without the search's slack: a twin is worth a compile when the logits,
     not the memory model's error, may bring it under."""
-    whole = dataclasses.replace(cand, policy=cand.policy.replace(loss_chunks=0))
+    whole = dataclasses.replace(cand, policy=cand.policy.replace(loss=LossPolicy()))
     budget, bound = problem.budget_bytes, chunk_savings_bound(problem, cand)
     key = (whole.policy, whole.accum, whole.strategy, whole.tp, whole.precision, whole.stream)
     if key in at_depth:

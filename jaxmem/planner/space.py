@@ -38,6 +38,8 @@ from jaxmem.parallel import ParallelConfig
 from jaxmem.planner import cost, tags
 from jaxmem.policy import (
     POLICIES,
+    EmbeddingReplay,
+    LossPolicy,
     MemoryPolicy,
     can_replay_embedding,
     is_preset,
@@ -75,7 +77,7 @@ class PlanSpace:
     # also each stack unrolled (``MemoryPolicy.unroll``: the same FLOPs, another plan; GPU
     # targets only: XLA:CPU reflects remat only under scan)
     unroll: bool = True
-    # also each stack with the head and loss in chunks (``MemoryPolicy.loss_chunks``: the same
+    # also each stack with the head and loss in chunks (``LossPolicy``: the same
     # FLOPs, no logits kept): at most this many, the largest count dividing the sequence
     # (``chunk_count``); 0 (default): the whole loss only. Off by default: where the logits are a
     # small part of the step the twins' compiles crowd out the rest of a search (gpt2-1.5b on an
@@ -83,7 +85,7 @@ class PlanSpace:
     # budget, used the compile cap before the state-offload plan that fits was reached)
     loss_chunks: int = 0
     # also each stack whose first block is rematerialised with the embedding lookup replayed in
-    # its backward (``MemoryPolicy.replay_embedding``: the same FLOPs, one block input fewer kept;
+    # its backward (``EmbeddingReplay``: the same FLOPs, one block input fewer kept;
     # GPU targets only: XLA:CPU keeps the activations of a block outside a loop). Its twins
     # compile memory-model fits of their own, so it is off by default: it matters where one
     # block input is a real part of the budget (a shallow model)
@@ -145,16 +147,16 @@ class Candidate:
         streamed = ("streamed", self.stream) if self.stream else ()
         unrolled = ("unrolled",) if self.policy.unroll else ()
         tensor = (f"tp={self.tp}",) if self.tp > 1 else ()
-        replay = ("replay",) if self.policy.replay_embedding else ()
+        replay = ("replay",) if self.policy.embedding.replay else ()
         return (self.accum, self.strategy, *tensor, self.precision, *streamed, *unrolled, *replay)
 
     def describe(self) -> str:
         stack = policy_text(self.policy) + (" (unrolled)" if self.policy.unroll else "")
         parts = [stack, self.precision, f"accum {self.accum}"]
-        if self.policy.replay_embedding:
+        if self.policy.embedding.replay:
             parts.append("embedding replayed")
-        if self.policy.loss_chunks:
-            parts.append(f"loss in {self.policy.loss_chunks} chunks")
+        if self.policy.loss.chunks:
+            parts.append(f"loss in {self.policy.loss.chunks} chunks")
         if self.stream == "device":
             parts.append("streamed")
         elif self.stream == "host":
@@ -202,17 +204,17 @@ class Problem:
 
 def policy_text(policy: MemoryPolicy) -> str:
     """A candidate's stack in words: a preset's or mix's name, or what a per-tag policy keeps."""
-    if is_preset(policy) or policy.rest is not None or not policy.remat:
+    if is_preset(policy) or len(policy.parts) > 1 or not policy.head.remat:
         return policy.name
-    return f"keep {tags_text(policy.save) or 'block_input'}"
+    return f"keep {tags_text(policy.head.save) or 'block_input'}"
 
 
 def part_key(policy: MemoryPolicy) -> str | tuple[str, ...]:
-    """What identifies one part of a stack: its preset's name, or a per-tag policy's saves
-    (scanned or unrolled alike)."""
-    policy = policy.replace(unroll=False, loss_chunks=0, replay_embedding=False)
+    """What identifies one part of a stack (a one-part stack, ``cost.priced_runs``): its preset's
+    name, or a per-tag policy's saves (scanned or unrolled alike)."""
+    policy = policy.replace(unroll=False, loss=LossPolicy(), embedding=EmbeddingReplay())
     name = preset_named(policy)
-    return name if name is not None else ("tags", *policy.save)
+    return name if name is not None else ("tags", *policy.head.save)
 
 
 class FlopCounts(Protocol):
@@ -239,11 +241,15 @@ def _stacks(
     host = problem.target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
     frontier = flops.tag_frontier(precision) if space.tags else []
     hull = [t.policy for t in tags.hull(frontier)] if space.tag_mixes else []
-    stacks = [POLICIES[p] for p in space.policies if host or not POLICIES[p].offload]
+    stacks = [POLICIES[p] for p in space.policies if host or not POLICIES[p].offloads]
     # per-tag policies that keep what no searched preset keeps (a frontier point may be one)
-    kept = {(p.remat, frozenset(p.save)) for p in stacks if not p.nested}
-    stacks += [t.policy for t in frontier if (t.policy.remat, frozenset(t.policy.save)) not in kept]
-    mix = [p for p in space.mix if host or not POLICIES[p].offload]
+    kept = {(p.head.remat, frozenset(p.head.save)) for p in stacks if not p.nested}
+    stacks += [
+        t.policy
+        for t in frontier
+        if (t.policy.head.remat, frozenset(t.policy.head.save)) not in kept
+    ]
+    mix = [p for p in space.mix if host or not POLICIES[p].offloads]
     for i, a in enumerate(mix):
         for b in mix[i + 1 :]:
             for k in range(1, n_layers):
@@ -253,12 +259,13 @@ def _stacks(
         for k in range(1, n_layers):
             stacks.append(mixed_policy(rich, k, lean))
     if host and space.replay_embedding:  # a GPU target (XLA:CPU: see PlanSpace)
-        stacks += [p.replace(replay_embedding=True) for p in stacks if can_replay_embedding(p)]
+        replay = EmbeddingReplay(True)
+        stacks += [p.replace(embedding=replay) for p in stacks if can_replay_embedding(p)]
     if host and space.unroll:  # a GPU target: each stack unrolled too (nested scans)
         stacks += [p.replace(unroll=True) for p in stacks if not p.nested]
     chunks = chunk_count(space.loss_chunks, problem.seq_len)
     if chunks and precision.loss_scale != "dynamic":  # jaxmem.job.check_loss_chunks
-        stacks += [p.replace(loss_chunks=chunks) for p in stacks]
+        stacks += [p.replace(loss=LossPolicy(chunks)) for p in stacks]
     return stacks
 
 
@@ -285,10 +292,10 @@ def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bo
 
     return (
         (strategy is None) == (problem.devices == 1)
-        and policy.rest is None
-        and not policy.replay_embedding
+        and len(policy.parts) == 1
+        and not policy.embedding.replay
         and not policy.nested
-        and policy.layers.is_all
+        and not policy.selects
         and not policy.unroll
         and problem.opt_cfg.name in STREAM_OPTIMIZERS
     )
@@ -404,11 +411,11 @@ def candidate_order(c: Candidate) -> tuple:
     return (
         c.seconds,
         c.accum,
-        c.policy.loss_chunks > 0,
-        c.policy.replay_embedding,
+        c.policy.loss.chunks > 0,
+        c.policy.embedding.replay,
         _PLACES.index(c.state_memory),
         c.policy.unroll,
-        c.policy.rest is None and not is_preset(c.policy),
+        len(c.policy.parts) == 1 and not is_preset(c.policy),
         policy_text(c.policy),
     )
 

@@ -58,7 +58,7 @@ class TagPoint:
 
     @property
     def saves(self) -> tuple[str, ...]:
-        return self.policy.save
+        return self.policy.head.save
 
 
 def tag_policy(save: tuple[str, ...]) -> MemoryPolicy:

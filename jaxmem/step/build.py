@@ -199,7 +199,7 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
     layers = layers_fn(policy, cfg.n_layers)
 
     def plain(lf: Any) -> Loss:
-        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss_chunks)
+        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss.chunks)
 
     shardings = _mesh_shardings(spec, tx, params)
     make_loss = plain

@@ -15,7 +15,8 @@ from typing import Any
 from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig, require
 from jaxmem.memory.targets import LOCAL, Target
 from jaxmem.parallel import ParallelConfig
-from jaxmem.policy import MemoryPolicy, policy_from_dict, policy_to_dict
+from jaxmem.policy import MemoryPolicy
+from jaxmem.policy_config import policy_from_dict, policy_to_dict
 from jaxmem.precision import PRECISIONS, Precision
 
 SINGLE_DEVICE = ParallelConfig()

@@ -155,6 +155,7 @@ def _host_stack_update(tx, params_h, grads_h, state_h, divisor, finite=None):
     host, where the parameters, gradient and state live); returns (params, state) in host
     memory and the divided gradient's sum of squares. The same arithmetic as on the device,
     ``finite`` too."""
+
     @jax.jit
     def update(p, g, s, d, ok):
         g = jax.tree_util.tree_map(lambda t: (t / d).astype(t.dtype), g)
@@ -180,6 +181,7 @@ def _stack_finite(grads_h: Any) -> jax.Array:
     """Whether every element of the stack's gradient (in host memory) is finite, computed on
     the host (``compute_on("device_host")``): it reads the gradient where it lies, so fp16's
     skip decision costs no host-link traffic."""
+
     @jax.jit
     def check(g):
         return all_finite(g)

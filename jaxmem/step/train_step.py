@@ -84,7 +84,7 @@ def lm_loss_fn(
     """``loss(params, batch) -> (mean_loss, (loss_sum, n_tokens))`` for next-token prediction.
 
     ``batch`` is ``{"inputs": [B, S] ids, "targets": [B, S] ids, "mask": [B, S] (optional)}``.
-    ``loss_chunks`` (``MemoryPolicy.loss_chunks``): 0 computes the whole logits and keeps them
+    ``loss_chunks`` (``LossPolicy.chunks``): 0 computes the whole logits and keeps them
     for the backward; N runs the head and loss over N sequence chunks with each chunk's gradients
     formed in the forward (``chunked_lm_loss``).
     """
