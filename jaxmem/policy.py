@@ -474,7 +474,9 @@ class MemoryPolicy:
 
     def runs(self, n_layers: int) -> list[tuple[int, BlockPolicy]]:
         """The stack as consecutive runs ``[(n_blocks, block policy), ...]`` covering its
-        ``n_layers`` (one per part of a several-part stack, empty parts dropped)."""
+        ``n_layers``: one per part of a several-part stack (empty parts dropped); a one-part
+        stack's layers grouped by equal block policy (a selection's chosen and left-out
+        layers)."""
         out: list[tuple[int, BlockPolicy]] = []
         if len(self.parts) > 1:
             for part in self.parts[:-1]:
@@ -483,7 +485,7 @@ class MemoryPolicy:
             self.layer_blocks(n_layers)  # the runs fit the stack
             return [(n, b) for n, b in out if n]
         for block in self.layer_blocks(n_layers):
-            if out and out[-1][1] is block:
+            if out and out[-1][1] == block:
                 out[-1] = (out[-1][0] + 1, block)
             else:
                 out.append((1, block))

@@ -369,6 +369,18 @@ def test_custom_policy_matches_the_equivalent_preset():
     assert mixed.choice("attn_probs") == "recompute"
 
 
+def test_a_policy_lays_its_parts_over_the_stack():
+    full, none = BLOCKS["full"], BLOCKS["none"]
+    assert parse_policy("none:2+selective").runs(5) == [(2, none), (3, BLOCKS["selective"])]
+    assert parse_policy("full:4+none").runs(4) == [(4, full)]
+    every = MemoryPolicy.of(full, layers=LayerSelection(every=2))
+    assert every.layer_blocks(3) == (full, none, full) and every.selects
+    assert every.runs(3) == [(1, full), (1, none), (1, full)]
+    assert POLICIES["selective"].runs(3) == [(3, BLOCKS["selective"])]
+    with pytest.raises(ConfigError, match="layers first=5 exceeds n_layers=4"):
+        parse_policy("none:5+full").runs(4)
+
+
 def test_layer_selection_indices():
     assert LayerSelection(every=2).indices(5) == (0, 2, 4)
     assert LayerSelection(first=2).indices(3) == (0, 1)
