@@ -294,7 +294,7 @@ def part_jax_case(payload: dict[str, Any]) -> dict[str, Any]:
     from jaxmem.memory.residuals import planned_peak as peak_of_plan
     from jaxmem.memory.targets import get_target, rates_for
     from jaxmem.memory.work import work_of_hlo
-    from jaxmem.planner import records
+    from jaxmem.planner import plans, records
     from jaxmem.precision import get_precision
     from jaxmem.step.spec import StepSpec
 
@@ -307,7 +307,7 @@ def part_jax_case(payload: dict[str, Any]) -> dict[str, Any]:
                     batch=case.batch, seq_len=case.seq_len)  # fmt: skip
     # 1. deviceless, for this GPU's captured target (the shipped H100's in a dry run)
     try:
-        planned = records.plan_step(spec.replace(target=target))
+        planned = plans.plan_step(spec.replace(target=target))
         out["deviceless"] = {
             "planned_peak_bytes": planned["planned_peak_bytes"],
             "compiled_plan": dict(planned["compiled_plan"]),
@@ -347,7 +347,7 @@ def part_jax_case(payload: dict[str, Any]) -> dict[str, Any]:
     model_flops = analytic.mfu_flops(cfg, case.batch, case.seq_len)
     peak_rate = rates_for(target).matmul_flops["bfloat16"]
     estimate = (
-        records.step_time(plan, target, cfg, precision, case.batch, case.seq_len)
+        plans.step_time(plan, target, cfg, precision, case.batch, case.seq_len)
         if on_gpu
         else None
     )

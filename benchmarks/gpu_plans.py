@@ -33,7 +33,8 @@ from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.remat import REMAT_REVISION
 from jaxmem.memory.targets import get_target
-from jaxmem.planner.records import jax_record, plan_step
+from jaxmem.planner.plans import plan_step
+from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES, MemoryPolicy, nested_segment_size
 from jaxmem.precision import get_precision
 from jaxmem.step.spec import StepSpec

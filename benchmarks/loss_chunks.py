@@ -33,7 +33,8 @@ from jaxmem.compare.records import torch_record
 from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.targets import LOCAL, get_target
-from jaxmem.planner.records import jax_record, plan_step
+from jaxmem.planner.plans import plan_step
+from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES, LossPolicy
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec

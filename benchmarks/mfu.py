@@ -33,8 +33,8 @@ from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.targets import get_target
 from jaxmem.parallel import ParallelConfig
+from jaxmem.planner.plans import plan_step
 from jaxmem.planner.predict import FlopModel
-from jaxmem.planner.records import plan_step
 from jaxmem.planner.space import PlanSpace, Problem, enumerate_candidates
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS

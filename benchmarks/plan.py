@@ -261,7 +261,8 @@ def run_torch_peer(target) -> dict:
     ``activation_memory_budget`` at the same saved-activation bytes."""
     from jaxmem.compare.records import torch_record
     from jaxmem.compare.torch_budget import budgeted_steps
-    from jaxmem.planner.records import jax_record, plan_step
+    from jaxmem.planner.plans import plan_step
+    from jaxmem.planner.records import jax_record
 
     cfg, batch, seq, fp32, opt = get_preset("small"), 8, 128, PRECISIONS["fp32"], OptimizerConfig()
     ends = [

@@ -12,7 +12,7 @@ activations), for each target and GPT/Llama preset:
 - **on the device**: the compiled plan's planned peak (``memory_analysis()``);
 - **state on host**: that plan without the optimizer state (``--state-memory pinned_host``'s
   lower bound, counted from shapes: a deviceless compile drops argument memory kinds);
-- **streamed**: the streamed step's plan (``jaxmem.planner.records.stream_plan``: XLA's device
+- **streamed**: the streamed step's plan (``jaxmem.planner.plans.stream_plan``: XLA's device
   temporaries and host bytes, corrected from shapes for the host-resident stack and donation),
   its host memory, and the step's host-link transfers over the target's datasheet bandwidth
   beside the matmul time at its datasheet rate (estimates, labelled);
@@ -44,7 +44,7 @@ import jax
 from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.targets import get_target, rates_for
-from jaxmem.planner.records import plan_step
+from jaxmem.planner.plans import plan_step
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec

@@ -49,7 +49,8 @@ from jaxmem.compare.records import torch_record
 from jaxmem.config import AccumConfig, OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.targets import get_target
-from jaxmem.planner.records import jax_record, plan_step
+from jaxmem.planner.plans import plan_step
+from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec

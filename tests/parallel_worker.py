@@ -1,8 +1,9 @@
 """Run by ``tests/test_parallel.py`` in a subprocess: JAX fixes its CPU device count when its
 backends start, so the N-device runs need a process of their own. Trains ``tiny`` for a few
 AdamW steps on one device and under each strategy over ``DEVICES`` CPU devices, from the same
-weights and batches, and prints JSON: per case and strategy, the losses and the per-device
-bytes of parameters and optimizer state actually resident on the first device. A case with
+weights and batches, each step built as ``jaxmem train`` builds it (``jaxmem.step.build``),
+and prints JSON: per case and strategy, the losses and the per-device bytes of parameters and
+optimizer state actually resident on the first device. A case with
 ``"stream": true`` also runs each strategy's streamed step (``jaxmem.step.stream``) as
 ``"<strategy>+stream"``. A case with ``"tp": T`` runs each strategy on a data x tensor mesh
 (``DEVICES // T`` x ``T``: Megatron's tensor parallelism on the second axis) and, with
@@ -23,23 +24,19 @@ DEVICES = 4
 jax.config.update("jax_num_cpu_devices", DEVICES)
 
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig  # noqa: E402
 from jaxmem.data import lm_batch  # noqa: E402
-from jaxmem.memory.remat import layers_fn  # noqa: E402
 from jaxmem.model import make_model  # noqa: E402
 from jaxmem.parallel import STRATEGIES, ParallelConfig  # noqa: E402
-from jaxmem.policy import get_policy  # noqa: E402
+from jaxmem.policy import LossPolicy, get_policy  # noqa: E402
 from jaxmem.precision import PRECISIONS  # noqa: E402
-from jaxmem.sharding import parallel_loss, per_device_bytes, step_shardings  # noqa: E402
+from jaxmem.sharding import per_device_bytes  # noqa: E402
 from jaxmem.step import stream as streaming  # noqa: E402
+from jaxmem.step.build import build_step  # noqa: E402
 from jaxmem.step.scaling import init_loss_scale  # noqa: E402
+from jaxmem.step.spec import StepSpec  # noqa: E402
 from jaxmem.step.train_step import (  # noqa: E402
-    lm_loss_fn,
-    make_optimizer,
-    make_train_step,
-    place,
     tree_bytes,
 )
 
@@ -48,43 +45,20 @@ BATCH, SEQ = 8, 32
 
 def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
     precision = PRECISIONS[case["precision"]]
-    opt_cfg = OptimizerConfig(state_memory=case.get("state_memory", "device"))
-    accum = AccumConfig(steps=case.get("accum", 1))
     cfg = PRESETS[case.get("preset", "tiny")]
-    g, params = nnx.split(make_model(cfg, precision, seed=0), nnx.Param)
-    tx = make_optimizer(opt_cfg)
-    layers = layers_fn(get_policy(case["policy"]), cfg.n_layers)
-    chunks = case.get("loss_chunks", 0)
-    loss = lm_loss_fn(g, layers_fn=layers, loss_chunks=chunks)
-    sh = None
-    if parallel.sharded:
-        sh = step_shardings(
-            parallel, params, jax.eval_shape(tx.init, params), state_memory=opt_cfg.state_memory
-        )
-        loss = parallel_loss(
-            lambda lf: lm_loss_fn(g, layers_fn=lf, loss_chunks=chunks), layers, parallel, sh.mesh
-        )
-        params = jax.device_put(params, sh.params)
-        opt_state = jax.jit(tx.init, out_shardings=sh.opt_state)(params)
-    else:
-        opt_state = place(tx.init(params), opt_cfg.state_memory)
-    step = make_train_step(
-        loss, tx, precision=precision, accum=accum, opt_cfg=opt_cfg, shardings=sh
+    spec = StepSpec(
+        model=cfg,
+        policy=get_policy(case["policy"]).replace(loss=LossPolicy(case.get("loss_chunks", 0))),
+        precision=precision,
+        optimizer=OptimizerConfig(state_memory=case.get("state_memory", "device"), stream=stream),
+        batch=BATCH,
+        seq_len=SEQ,
+        accum=AccumConfig(steps=case.get("accum", 1)),
+        parallel=parallel,
     )
-    if stream:
-        where = streaming.placement(tx, params, sh, parallel)
-        params, opt_state = streaming.place(params, streaming.init_state(tx, params), where)
-        step = streaming.make_streamed_step(
-            lambda lf: parallel_loss(
-                lambda f: lm_loss_fn(g, layers_fn=f, loss_chunks=chunks), lf, parallel, sh.mesh
-            ),
-            layers,
-            tx,
-            accum_steps=accum.steps,
-            accum_dtype=jnp.dtype(precision.accum_dtype),
-            shardings=sh,
-            placement=where,
-        )
+    built, params = build_step(spec, make_model(cfg, precision, seed=0))
+    params, opt_state = built.state(params)
+    step, sh = built.step, built.shardings
     scale = init_loss_scale(precision)
     losses = []
     for i in range(case["steps"]):

@@ -1,6 +1,6 @@
 """Run by ``tests/test_step_spec.py`` in a subprocess (JAX fixes its CPU device count when its
 backends start; the fsdp x tp job needs four). For each job named on the command line: the
-program ``jaxmem plan`` compiles for it (``jaxmem.planner.records.lowered_step`` of the spec the
+program ``jaxmem plan`` compiles for it (``jaxmem.planner.plans.lowered_step`` of the spec the
 planner builds for the job's candidate) and the program ``jaxmem train`` runs for it (the
 ``JaxTrainer``'s lowered step, built from real arrays), as StableHLO text; prints JSON.
 
@@ -22,7 +22,7 @@ from rich.console import Console  # noqa: E402
 from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig  # noqa: E402
 from jaxmem.job import JobConfig, RunConfig  # noqa: E402
 from jaxmem.parallel import ParallelConfig  # noqa: E402
-from jaxmem.planner import records  # noqa: E402
+from jaxmem.planner import plans  # noqa: E402
 from jaxmem.policy import POLICIES, BlockPolicy, LayerSelection, LossPolicy, MemoryPolicy, StackPart  # noqa: E402
 from jaxmem.precision import PRECISIONS  # noqa: E402
 from jaxmem.step.spec import StepSpec  # noqa: E402
@@ -45,7 +45,9 @@ MIXED = MemoryPolicy(
 JOBS = {
     "plain": dict(memory=POLICIES["selective"], accum=AccumConfig(steps=2)),
     "mixed": dict(memory=MIXED),
-    "streamed": dict(memory=POLICIES["full"], optimizer=OptimizerConfig(stream=True)),
+    "streamed": dict(
+        memory=POLICIES["full"], optimizer=OptimizerConfig(stream=True), accum=AccumConfig(steps=2)
+    ),
     "fsdp_tp": dict(
         memory=POLICIES["selective"],
         parallel=ParallelConfig(strategy="fsdp", devices=4, tp=2),
@@ -63,7 +65,7 @@ def job_of(name: str) -> JobConfig:
 
 def programs(name: str) -> dict[str, str]:
     job = job_of(name)
-    planned = records.lowered_step(StepSpec.of_job(job)).as_text()
+    planned = plans.lowered_step(StepSpec.of_job(job)).as_text()
     trainer = run.JaxTrainer(run.prepare(job, None), Console(quiet=True))
     return {"plan": planned, "train": trainer.lowered.as_text()}
 

@@ -17,8 +17,8 @@ from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig
 from jaxmem.memory.flops import jaxpr_matmul_flops
 from jaxmem.memory.remat import accumulating_layers_fn, layers_fn
 from jaxmem.model import STACK_PATH, make_model
-from jaxmem.planner import records
-from jaxmem.planner.records import lm_step_batch, plan_step
+from jaxmem.planner.plans import plan_step
+from jaxmem.planner.records import lm_step_batch
 from jaxmem.policy import BLOCKS, POLICIES, LayerSelection, MemoryPolicy
 from jaxmem.precision import FP64, PRECISIONS
 from jaxmem.step.spec import StepSpec
@@ -86,37 +86,23 @@ def test_in_place_accumulation_executes_the_same_matmul_flops():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "none"])
-def test_the_compiled_step_holds_one_stack_gradient_fewer(policy, monkeypatch):
+def test_the_compiled_step_holds_one_stack_gradient_fewer(policy):
     """XLA:CPU plan of the whole train step, small preset, 4 microbatches: the in-place step
     needs at least 90 % of one stack gradient less than the carry step (measured: 100 %)."""
     cfg = PRESETS["small"]
-    opt = OptimizerConfig(name="adamw")
-    pol = POLICIES[policy]
-    inplace = plan_step(
-        StepSpec(
-            model=cfg,
-            policy=pol,
-            precision=PRECISIONS["fp32"],
-            optimizer=opt,
-            batch=8,
-            seq_len=64,
-            accum=AccumConfig(steps=4),
-        )
-    )["planned_peak_bytes"]
-    monkeypatch.setattr(  # the same plan with the scan-carry accumulation
-        records, "_accum_config", lambda k, _b: AccumConfig(steps=k, inplace=False)
+    spec = StepSpec(
+        model=cfg,
+        policy=POLICIES[policy],
+        precision=PRECISIONS["fp32"],
+        optimizer=OptimizerConfig(name="adamw"),
+        batch=8,
+        seq_len=64,
+        accum=AccumConfig(steps=4),
     )
-    carry = plan_step(
-        StepSpec(
-            model=cfg,
-            policy=pol,
-            precision=PRECISIONS["fp32"],
-            optimizer=opt,
-            batch=8,
-            seq_len=64,
-            accum=AccumConfig(steps=4),
-        )
-    )["planned_peak_bytes"]
+    inplace = plan_step(spec)["planned_peak_bytes"]
+    # the same plan with the scan-carry accumulation
+    carry = plan_step(spec.replace(accum=AccumConfig(steps=4, inplace=False)))
+    carry = carry["planned_peak_bytes"]
     params = nnx.split(nnx.eval_shape(lambda: make_model(cfg)), nnx.Param)[1]
     stack = params
     for key in STACK_PATH:

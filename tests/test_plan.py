@@ -21,8 +21,9 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import LOCAL
 from jaxmem.model import make_model
 from jaxmem.parallel import ParallelConfig
+from jaxmem.planner.plans import plan_step
 from jaxmem.planner.predict import FlopModel
-from jaxmem.planner.records import lm_step_batch, plan_step
+from jaxmem.planner.records import lm_step_batch
 from jaxmem.planner.search import _compiler, search
 from jaxmem.planner.space import (
     PlanSpace,

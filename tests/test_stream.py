@@ -232,7 +232,7 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
 
     contain_cuda_plugin()
     from jaxmem.memory.targets import get_target
-    from jaxmem.planner.records import plan_step
+    from jaxmem.planner.plans import plan_step
 
     cfg, prec, policy = PRESETS["tiny"], PRECISIONS["bf16"], POLICIES["full"]
     h100 = get_target("h100")
@@ -327,7 +327,7 @@ def test_the_planner_searches_streaming_where_host_memory_is_allowed():
     contain_cuda_plugin()
     from jaxmem.job import resolve_job
     from jaxmem.memory.targets import get_target
-    from jaxmem.planner.records import plan_step
+    from jaxmem.planner.plans import plan_step
     from jaxmem.planner.search import search
     from jaxmem.planner.space import PlanSpace, Problem, candidate_job
 

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         with usage_errors():
             check_cpu_mesh(job.parallel.devices)
     if job.optimizer.stream:
-        from jaxmem.planner.records import require_one_device
+        from jaxmem.planner.plans import require_one_device
 
         with usage_errors():
             require_one_device(job.parallel)

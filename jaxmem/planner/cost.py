@@ -311,7 +311,7 @@ def streamed_bytes(
     param_shards: int = 1,
     state_shards: int = 1,
 ) -> tuple[int, int]:
-    """Bytes of a streamed step (from shapes, as ``records.stream_transfers``): over the host
+    """Bytes of a streamed step (from shapes, as ``plans.stream_transfers``): over the host
     link, the stack's parameters in (twice under a replaying policy), its gradient out and, for
     a device update, the update's parameters, gradient and state in and parameters and state
     out; and the bytes of host memory a host update reads and writes instead (the same arrays:

@@ -1,7 +1,7 @@
 """What is live at the peak of a compiled train step's memory plan, and what made it.
 
 XLA's dump of the compiled step is read by ``jaxmem.memory.xla_dump`` (how and why: there). This
-module compiles jaxmem's own train step (``records.plan_step``) in a child process with
+module compiles jaxmem's own train step (``plans.plan_step``) in a child process with
 ``--xla_dump_to`` set, so the dump is of the step the planner plans, with every flag the planner
 sets; ``jaxmem.memory.tools.peak`` does the same for a user's own function, in process.
 
@@ -28,7 +28,7 @@ CHILD_TIMEOUT_S = 1800
 
 # ------------------------------------------------------------------------ compiling, in a child
 def explain_peak(spec: StepSpec) -> PeakReport:
-    """Compile the train step ``records.plan_step`` plans for ``spec`` (one device, or per device
+    """Compile the train step ``plans.plan_step`` plans for ``spec`` (one device, or per device
     over its mesh) in a child process that dumps XLA's buffer assignment, and report what is
     live at its peak."""
     local = not spec.target.is_gpu
@@ -70,7 +70,7 @@ def _child(argv: Sequence[str]) -> None:
     from jaxmem.backend import contain_cuda_plugin
 
     contain_cuda_plugin()
-    from jaxmem.planner.records import plan_step
+    from jaxmem.planner.plans import plan_step
 
     with open(argv[0]) as f:
         spec = StepSpec.from_dict(json.load(f))

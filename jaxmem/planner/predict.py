@@ -184,7 +184,7 @@ class MemoryModel:
 
 def state_host_bytes(problem: Problem, cand: Candidate) -> int:
     """Optimizer-state bytes per device a candidate keeps in host memory (from shapes); a
-    streamed candidate's plan is already its device's (``records.stream_plan``)."""
+    streamed candidate's plan is already its device's (``plans.stream_plan``)."""
     if cand.state_memory == "device" or cand.stream:
         return 0
     precision = PRECISIONS[cand.precision]

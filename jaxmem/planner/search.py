@@ -41,8 +41,8 @@ from typing import Any
 from jaxmem.config import ConfigError
 from jaxmem.memory.targets import Target, rates_for
 from jaxmem.planner.cost import priced_runs
+from jaxmem.planner.plans import plan_step
 from jaxmem.planner.predict import FlopModel, MemoryModel, chunk_savings_bound, state_host_bytes
-from jaxmem.planner.records import plan_step
 from jaxmem.planner.space import (
     Candidate,
     PlanSpace,
@@ -125,7 +125,7 @@ class PlanResult:
 
 
 def _compiler(problem: Problem) -> Callable[[StepSpec], tuple[int, str]]:
-    """``compile_peak(spec) -> (planned peak, compiler)``: ``records.plan_step`` of a step the
+    """``compile_peak(spec) -> (planned peak, compiler)``: ``plans.plan_step`` of a step the
     search builds (``space.candidate_spec``); its plan's own estimate is left in
     ``compile_peak.step_time``."""
 

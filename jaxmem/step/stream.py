@@ -200,6 +200,33 @@ def _blockwise(fn: Callable[..., Any], *trees_h: Any) -> Any:
     return jax.lax.scan(body, None, trees_h)[1]
 
 
+def _summed(grad_fn: Any, rest: Any, stack_h: Any, micro: Any, accum_dtype: Any) -> tuple:
+    """Gradients, loss sum and valid tokens summed over the microbatches ``micro`` as
+    ``summed_grads`` sums them (every microbatch added to zeros in ``accum_dtype``, in order):
+    the rest's on the device, the stack's block by block in host memory."""
+
+    def add(acc: Any, g: Any) -> Any:
+        return jax.tree_util.tree_map(lambda a, x: a + x.astype(accum_dtype), acc, g)
+
+    def zeros(tree: Any) -> Any:
+        return jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), tree)
+
+    def body(carry, b):
+        acc_rest, acc_stack, s_acc, n_acc = carry
+        (g_r, g_s), (s, n) = grad_fn(rest, stack_h, b)
+        acc_stack = _blockwise(add, acc_stack, g_s)
+        return (add(acc_rest, g_r), acc_stack, s_acc + s, n_acc + n), None
+
+    wide_float = jnp.result_type(float)
+    init = (
+        zeros(rest),
+        _blockwise(zeros, stack_h),
+        jnp.zeros((), wide_float),
+        jnp.zeros((), wide_float),
+    )
+    return jax.lax.scan(body, init, micro)[0]
+
+
 def make_streamed_step(
     make_loss: Callable[[LayersFn], Callable[..., tuple]],
     layers_fn: LayersFn,
@@ -252,29 +279,8 @@ def make_streamed_step(
             micro = _split_microbatches(batch, accum_steps)
             if micro_sharding is not None:
                 micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
-
-            def add(acc: Any, g: Any) -> Any:
-                return jax.tree_util.tree_map(lambda a, x: a + x.astype(accum_dtype), acc, g)
-
-            def zeros(tree: Any) -> Any:
-                return jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), tree)
-
-            def body(carry, b):
-                acc_rest, acc_stack, s_acc, n_acc = carry
-                (g_r, g_s), (s, n) = grad_fn(rest, stack_h, b)
-                acc_stack = _blockwise(add, acc_stack, g_s)
-                return (add(acc_rest, g_r), acc_stack, s_acc + s, n_acc + n), None
-
-            # as summed_grads: every microbatch added to zeros, in order (the stack's zeros
-            # made block by block in host memory)
-            wide_float = jnp.result_type(float)
-            init = (
-                zeros(rest),
-                _blockwise(zeros, stack_h),
-                jnp.zeros((), wide_float),
-                jnp.zeros((), wide_float),
-            )
-            (g_rest, g_stack, loss_sum, n_tokens), _ = jax.lax.scan(body, init, micro)
+            summed = _summed(grad_fn, rest, stack_h, micro, accum_dtype)
+            g_rest, g_stack, loss_sum, n_tokens = summed
         divisor = n_tokens if loss_scale is None else loss_scale.scale
         g_rest = jax.tree_util.tree_map(lambda g: (g / divisor).astype(g.dtype), g_rest)
         # fp16: whether to apply this step is known before any block is updated (the stack's
