@@ -30,7 +30,7 @@ from jaxmem.backend import contain_cuda_plugin
 contain_cuda_plugin()
 import jax
 
-from jaxmem.config import ModelConfig, OptimizerConfig, get_preset
+from jaxmem.config import ModelConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES, BlockPolicy, MemoryPolicy, model_tags
@@ -80,12 +80,10 @@ def cpu_rows(precisions: list[str], seqs: list[int], names=NAMES) -> list[dict]:
                 cfg = CFG.replace(attention=attention)
                 for name in names:
                     start = time.perf_counter()
-                    args = (cfg, policy(name, attention), prec, OptimizerConfig(), BATCH, seq)
-                    spec = StepSpec(
-                        model=cfg, policy=args[1], precision=prec, batch=BATCH, seq_len=seq
-                    )
+                    pol = policy(name, attention)
+                    spec = StepSpec(model=cfg, policy=pol, precision=prec, batch=BATCH, seq_len=seq)
                     j = jax_record(spec, abstract=True)
-                    t = torch_record(*args, fake=True)
+                    t = torch_record(cfg, pol, prec, spec.optimizer, BATCH, seq, fake=True)
                     rows.append(
                         {
                             "precision": precision,
@@ -140,7 +138,6 @@ def gpu_rows(gpu_plans_json: str) -> list[dict]:
                         model=cfg.replace(attention="fused"),
                         policy=POLICIES[name],
                         precision=PRECISIONS["bf16"],
-                        optimizer=OptimizerConfig(),
                         batch=8,
                         seq_len=1024,
                         target=target,

@@ -32,11 +32,11 @@ import jax
 from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.remat import REMAT_REVISION
-from jaxmem.memory.targets import get_target
+from jaxmem.memory.targets import LOCAL, Target, get_target
 from jaxmem.planner.plans import plan_step
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES, MemoryPolicy, nested_segment_size
-from jaxmem.precision import get_precision
+from jaxmem.precision import Precision, get_precision
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import STEP_REVISION
 
@@ -54,25 +54,29 @@ SHAPES = {
 GB = 1e9
 
 
-def largest_batch(cfg, policy, precision, seq_len, target, known: dict[int, int]) -> dict:
-    """The largest batch whose planned peak fits the target, with the two plans that show it
-    (``b`` fits, ``b + 1`` does not; ``search_largest``). ``known``: batch -> planned peak
-    already planned."""
+def trained_step(preset: str, precision: Precision, target: Target) -> StepSpec:
+    """``preset``'s step (AdamW, no remat: callers replace the policy) at the batch and sequence
+    it is trained at (``SHAPES``), compiled for ``target``."""
+    batch, seq_len = SHAPES[preset]
+    return StepSpec(
+        model=get_preset(preset),
+        policy=POLICIES["none"],
+        precision=precision,
+        batch=batch,
+        seq_len=seq_len,
+        target=target,
+    )
+
+
+def largest_batch(spec: StepSpec, known: dict[int, int]) -> dict:
+    """The largest batch of ``spec``'s step whose planned peak fits its target, with the two
+    plans that show it (``b`` fits, ``b + 1`` does not; ``search_largest``). ``known``: batch ->
+    planned peak already planned."""
 
     def plan(b: int) -> int:
-        return plan_step(
-            StepSpec(
-                model=cfg,
-                policy=policy,
-                precision=precision,
-                optimizer=OptimizerConfig(),
-                batch=b,
-                seq_len=seq_len,
-                target=target,
-            )
-        )["planned_peak_bytes"]
+        return plan_step(spec.replace(batch=b))["planned_peak_bytes"]
 
-    return search_largest(plan, target.device_memory_bytes, known)
+    return search_largest(plan, spec.target.device_memory_bytes, known)
 
 
 def search_largest(plan: Callable[[int], int], budget: int, known: dict[int, int]) -> dict:
@@ -175,34 +179,16 @@ def measure(
                 and rec["precision"] == precision
                 and rec.get("policy_definition") == definition
             )
+            spec = trained_step(preset, prec, target).replace(policy=POLICIES[name])
             if not same or rec.get("accounting") != ACCOUNTING:
                 found = rec.get("largest_batch") if same else None
-                rec = jax_record(
-                    StepSpec(
-                        model=cfg,
-                        policy=POLICIES[name],
-                        precision=prec,
-                        optimizer=OptimizerConfig(),
-                        batch=batch,
-                        seq_len=seq_len,
-                        target=target,
-                    )
-                )
+                rec = jax_record(spec)
                 rec |= {"preset": preset, "policy_definition": definition, "accounting": ACCOUNTING}
                 if found:
                     rec["largest_batch"] = found
                 done["plans"].append(f"{preset} {name}")
             if "cpu" not in skip and "cpu_plan" not in rec:
-                rec["cpu_plan"] = plan_step(
-                    StepSpec(
-                        model=cfg,
-                        policy=POLICIES[name],
-                        precision=prec,
-                        optimizer=OptimizerConfig(),
-                        batch=batch,
-                        seq_len=seq_len,
-                    )
-                )
+                rec["cpu_plan"] = plan_step(spec.replace(target=LOCAL))
                 done["cpu"].append(f"{preset} {name}")
             if "torch" not in skip and "torch" not in rec:
                 from jaxmem.compare.records import torch_record
@@ -215,9 +201,7 @@ def measure(
                 rec["torch"] = {k: t[k] for k in keys}
                 done["torch"].append(f"{preset} {name}")
             if "batch" not in skip and preset in batch_presets and "largest_batch" not in rec:
-                rec["largest_batch"] = largest_batch(
-                    cfg, POLICIES[name], prec, seq_len, target, {batch: rec["planned_peak_bytes"]}
-                )
+                rec["largest_batch"] = largest_batch(spec, {batch: rec["planned_peak_bytes"]})
                 done["batch"].append(f"{preset} {name}")
             rec["seconds"] = round(rec.get("seconds", 0) + time.perf_counter() - start, 1)
             kept[(preset, name)] = rec
@@ -248,18 +232,9 @@ def nested_vs_full(target_name: str, precision: str, base: str, depths: list[int
     for depth in depths:
         cfg = get_preset(base).replace(n_layers=depth)
         row = {"base": base, "n_layers": depth, "batch": batch, "seq_len": seq_len}
+        spec = trained_step(base, prec, target).replace(model=cfg)
         for name in ("full", "nested"):
-            plan = plan_step(
-                StepSpec(
-                    model=cfg,
-                    policy=POLICIES[name],
-                    precision=prec,
-                    optimizer=OptimizerConfig(),
-                    batch=batch,
-                    seq_len=seq_len,
-                    target=target,
-                )
-            )
+            plan = plan_step(spec.replace(policy=POLICIES[name]))
             row[f"{name}_temp_bytes"] = plan["compiled_plan"]["temp_bytes"]
         row["segment_size"] = nested_segment_size(depth)
         print(

@@ -45,7 +45,7 @@ contain_cuda_plugin()  # before JAX starts: CPU backend, no plugin start-up nois
 import jax
 from gpu_plans import search_largest
 
-from jaxmem.config import OptimizerConfig, get_preset
+from jaxmem.config import get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.targets import get_target
 from jaxmem.parallel import ParallelConfig
@@ -58,6 +58,7 @@ from jaxmem.step.spec import StepSpec
 MODELS = ("llama-3.2-1b", "llama-3-8b")
 SEQS = (4096, 8192)
 POLICY_NAMES = ("none", "selective", "full", "offload", "nested")
+ONE_DEVICE = ParallelConfig()
 FSDP = ParallelConfig(strategy="fsdp", devices=8)
 GIB = 2**30
 PLAN_COMMAND = (
@@ -70,8 +71,9 @@ def model(preset: str):
     return get_preset(preset).replace(attention="fused")
 
 
-def plans(target, prec, rows: dict, save) -> None:
-    """Part 1: one sequence per model x sequence length x policy."""
+def plans(base: StepSpec, rows: dict, save) -> None:
+    """Part 1: one sequence per model x sequence length x policy (``base``: the step of one
+    sequence, its precision and target)."""
     for preset in MODELS:
         cfg = model(preset)
         for seq in SEQS:
@@ -80,17 +82,8 @@ def plans(target, prec, rows: dict, save) -> None:
                 if key in rows:
                     continue
                 start = time.perf_counter()
-                rec = jax_record(
-                    StepSpec(
-                        model=cfg,
-                        policy=POLICIES[name],
-                        precision=prec,
-                        optimizer=OptimizerConfig(),
-                        batch=1,
-                        seq_len=seq,
-                        target=target,
-                    )
-                )
+                spec = base.replace(model=cfg, policy=POLICIES[name], seq_len=seq)
+                rec = jax_record(spec)
                 row = {
                     "preset": preset,
                     "seq_len": seq,
@@ -107,7 +100,7 @@ def plans(target, prec, rows: dict, save) -> None:
                     "jax_flops": rec["flops"],
                     "model_flops": rec["model_flops"],
                 }
-                row |= torch_columns(cfg, POLICIES[name], prec, seq)
+                row |= torch_columns(spec)
                 row["seconds"] = round(time.perf_counter() - start, 1)
                 rows[key] = row
                 save()
@@ -118,10 +111,12 @@ def plans(target, prec, rows: dict, save) -> None:
                 )
 
 
-def torch_columns(cfg, policy, prec, seq) -> dict:
+def torch_columns(spec: StepSpec) -> dict:
     from jaxmem.compare.records import torch_record
 
-    t = torch_record(cfg, policy, prec, OptimizerConfig(), 1, seq, fake=True)
+    t = torch_record(
+        spec.model, spec.policy, spec.precision, spec.optimizer, spec.batch, spec.seq_len, fake=True
+    )
     return {
         "torch_translation": t["translation"],
         "torch_saved_bytes": t["saved_activation_bytes_device"] + t["saved_activation_bytes_host"],
@@ -129,19 +124,20 @@ def torch_columns(cfg, policy, prec, seq) -> dict:
     }
 
 
-def largest(target, prec, rows: dict, save) -> None:
+def largest(base: StepSpec, rows: dict, save) -> None:
     """Part 2: the largest batch per policy, one H100 and per device of 8 under fsdp."""
     for preset in MODELS:
         cfg = model(preset)
         for seq in SEQS:
             for name in POLICY_NAMES:
-                for where, parallel in (("1 x h100", None), ("fsdp=8 per device", FSDP)):
+                for where, parallel in (("1 x h100", ONE_DEVICE), ("fsdp=8 per device", FSDP)):
                     key = f"{preset} {seq} {name} {where}"
                     if key in rows:
                         continue
                     start = time.perf_counter()
-                    peak = peak_of(cfg, POLICIES[name], prec, seq, target, parallel)
-                    found = search_largest(peak, target.device_memory_bytes, {})
+                    spec = base.replace(model=cfg, policy=POLICIES[name], seq_len=seq)
+                    peak = peak_of(spec, parallel)
+                    found = search_largest(peak, base.target.device_memory_bytes, {})
                     rows[key] = {
                         "preset": preset,
                         "seq_len": seq,
@@ -156,24 +152,12 @@ def largest(target, prec, rows: dict, save) -> None:
                     print(f"{key}: {found['batch']} ({rows[key]['seconds']} s)", flush=True)
 
 
-def peak_of(cfg, policy, prec, seq, target, parallel):
-    """``rows per device -> planned peak`` of the step (per device over ``parallel``)."""
-    n = parallel.devices if parallel else 1
+def peak_of(spec: StepSpec, parallel: ParallelConfig):
+    """``rows per device -> planned peak`` of ``spec``'s step (per device over ``parallel``)."""
 
     def peak(rows_per_device: int) -> int:
-        batch = rows_per_device * n
-        plan = plan_step(
-            StepSpec(
-                model=cfg,
-                policy=policy,
-                precision=prec,
-                optimizer=OptimizerConfig(),
-                batch=batch,
-                seq_len=seq,
-                target=target,
-                parallel=parallel or ParallelConfig(),
-            )
-        )
+        batch = rows_per_device * parallel.devices
+        plan = plan_step(spec.replace(batch=batch, parallel=parallel))
         return plan["planned_peak_bytes"]
 
     return peak
@@ -185,7 +169,7 @@ def cudnn_installed() -> bool:
     return installed()
 
 
-def cudnn_plans(target, prec, rows: dict, save) -> None:
+def cudnn_plans(base: StepSpec, rows: dict, save) -> None:
     """Part 4: the plans of part 1 (none, selective, full) with cuDNN's kernel."""
     if not cudnn_installed():
         print("cuDNN's library is not installed: part 4 left out", flush=True)
@@ -198,17 +182,7 @@ def cudnn_plans(target, prec, rows: dict, save) -> None:
                 if key in rows:
                     continue
                 start = time.perf_counter()
-                plan = plan_step(
-                    StepSpec(
-                        model=cfg,
-                        policy=POLICIES[name],
-                        precision=prec,
-                        optimizer=OptimizerConfig(),
-                        batch=1,
-                        seq_len=seq,
-                        target=target,
-                    )
-                )
+                plan = plan_step(base.replace(model=cfg, policy=POLICIES[name], seq_len=seq))
                 rows[key] = {
                     "temp_bytes": plan["compiled_plan"]["temp_bytes"],
                     "planned_peak_bytes": plan["planned_peak_bytes"],
@@ -356,20 +330,29 @@ def main() -> None:
             earlier_meta = loaded.get("meta", earlier_meta)
             state |= {k: v for k, v in loaded.items() if k != "meta"}
     started = time.perf_counter()
-    target, prec = get_target("h100"), get_precision("bf16")
+    # one sequence of the first model in bf16 on an H100: each part replaces what it varies
+    base = StepSpec(
+        model=model(MODELS[0]),
+        policy=POLICIES["none"],
+        precision=get_precision("bf16"),
+        batch=1,
+        seq_len=SEQS[0],
+        target=get_target("h100"),
+    )
+    target = base.target
 
     def save() -> None:
         write_json_atomic(partial, state)
 
     if "plans" not in skip:
-        plans(target, prec, state["plans"], save)
+        plans(base, state["plans"], save)
     if "largest" not in skip:
-        largest(target, prec, state["largest"], save)
+        largest(base, state["largest"], save)
     if "planner" not in skip and "planner" not in state:
         state["planner"] = planner(args.out)
         save()
     if "cudnn" not in skip:
-        cudnn_plans(target, prec, state["cudnn"], save)
+        cudnn_plans(base, state["cudnn"], save)
     try:
         import torch
 

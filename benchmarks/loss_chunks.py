@@ -75,29 +75,11 @@ def measure(row: tuple) -> dict:
     for chunks in (0, CHUNKS):
         policy = POLICIES[policy_name].replace(loss=LossPolicy(chunks))
         key = "whole" if chunks == 0 else "chunked"
-        plan = plan_step(
-            StepSpec(
-                model=cfg,
-                policy=policy,
-                precision=prec,
-                optimizer=opt,
-                batch=batch,
-                seq_len=seq,
-                target=target,
-            )
+        spec = StepSpec(
+            model=cfg, policy=policy, precision=prec, batch=batch, seq_len=seq, target=target
         )
-        rec = jax_record(
-            StepSpec(
-                model=cfg,
-                policy=policy,
-                precision=prec,
-                optimizer=opt,
-                batch=batch,
-                seq_len=seq,
-                target=target,
-            ),
-            abstract=True,
-        )
+        plan = plan_step(spec)
+        rec = jax_record(spec, abstract=True)
         out[key] = {
             "planned_peak_bytes": plan["planned_peak_bytes"],
             "compiler": plan["compiler"],

@@ -102,7 +102,6 @@ def measure(row: tuple) -> list[dict]:
                 model=cfg,
                 policy=POLICIES[policy],
                 precision=prec,
-                optimizer=opt,
                 batch=batch,
                 seq_len=seq,
                 target=target,

@@ -265,18 +265,9 @@ def run_torch_peer(target) -> dict:
     from jaxmem.planner.records import jax_record
 
     cfg, batch, seq, fp32, opt = get_preset("small"), 8, 128, PRECISIONS["fp32"], OptimizerConfig()
+    spec = StepSpec(model=cfg, policy=POLICIES["full"], batch=batch, seq_len=seq)  # fp32, AdamW
     ends = [
-        plan_step(
-            StepSpec(
-                model=cfg,
-                policy=POLICIES[p],
-                precision=fp32,
-                optimizer=opt,
-                batch=batch,
-                seq_len=seq,
-                target=target,
-            )
-        )["planned_peak_bytes"]
+        plan_step(spec.replace(policy=POLICIES[p], target=target))["planned_peak_bytes"]
         for p in ("full", "none")
     ]
     space = PlanSpace(
@@ -293,16 +284,7 @@ def run_torch_peer(target) -> dict:
         budget = int(ends[0] + frac * (ends[1] - ends[0]))
         result = search(Problem(cfg, batch, seq, target, budget, opt), space)
         chosen = result.chosen
-        rec = jax_record(
-            StepSpec(
-                model=cfg,
-                policy=chosen.candidate.policy,
-                precision=fp32,
-                optimizer=opt,
-                batch=batch,
-                seq_len=seq,
-            )
-        )
+        rec = jax_record(spec.replace(policy=chosen.candidate.policy))
         saved = rec["saved_activation_bytes_device"] + rec["saved_activation_bytes_host"]
         same = torch_record(cfg, chosen.candidate.policy, fp32, opt, batch, seq)
         lean = torch_record(cfg, chosen.candidate.policy, fp32, opt, batch, seq, translation="lean")

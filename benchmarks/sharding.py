@@ -39,7 +39,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from jaxmem.config import OptimizerConfig, get_preset
+from jaxmem.config import get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.targets import LOCAL, get_target
 from jaxmem.parallel import STRATEGIES, ParallelConfig
@@ -86,7 +86,6 @@ def scaling(part: str) -> list[dict]:
                         model=cfg,
                         policy=POLICIES[policy],
                         precision=PRECISIONS[spec["precision"]],
-                        optimizer=OptimizerConfig(),
                         batch=spec["rows"] * n,
                         seq_len=spec["seq"],
                         target=target,
@@ -176,7 +175,6 @@ def fit() -> list[dict]:
                         model=cfg,
                         policy=POLICIES[policy],
                         precision=PRECISIONS["bf16"],
-                        optimizer=OptimizerConfig(),
                         batch=8,
                         seq_len=1024,
                         target=target,

@@ -66,29 +66,33 @@ def precision_of(target_name: str):
     return PRECISIONS[PRECISION.get(target_name, "bf16")]
 
 
+def one_sequence(target_name: str, preset: str) -> StepSpec:
+    """``preset``'s step of ``BATCH`` x ``SEQ`` tokens under ``POLICY`` at the target's precision,
+    compiled for ``target_name``, its AdamW state on the device (each part replaces what it
+    varies: the optimizer's streaming, the batch)."""
+    return StepSpec(
+        model=PRESETS[preset],
+        policy=POLICIES[POLICY],
+        precision=precision_of(target_name),
+        batch=BATCH,
+        seq_len=SEQ,
+        target=get_target(target_name),
+    )
+
+
 def at_speed(target_name: str, preset: str) -> dict:
     """The streamed step (update in host memory) at batches 1, 2, 4, ... while its plan fits:
     each batch's planned peak and estimated step time, and the batch with the most estimated
     model TFLOP/s."""
     from jaxmem.memory import analytic
 
-    target, cfg = get_target(target_name), PRESETS[preset]
-    prec, policy = precision_of(target_name), POLICIES[POLICY]
-    opt = OptimizerConfig(stream=True, stream_update="host")
+    spec = one_sequence(target_name, preset)
+    spec = spec.replace(optimizer=OptimizerConfig(stream=True, stream_update="host"))
+    target, cfg, prec = spec.target, spec.model, spec.precision
     tried = []
     batch = 1
     while batch <= MAX_BATCH:
-        r = plan_step(
-            StepSpec(
-                model=cfg,
-                policy=policy,
-                precision=prec,
-                optimizer=opt,
-                batch=batch,
-                seq_len=SEQ,
-                target=target,
-            )
-        )
+        r = plan_step(spec.replace(batch=batch))
         est = r["step_time"]
         model = analytic.mfu_flops(cfg, batch, SEQ)
         row = {
@@ -121,32 +125,12 @@ def at_speed(target_name: str, preset: str) -> dict:
 
 
 def measure(target_name: str, preset: str) -> dict:
-    target, cfg = get_target(target_name), PRESETS[preset]
-    prec, policy = precision_of(target_name), POLICIES[POLICY]
+    spec = one_sequence(target_name, preset)
+    target, cfg, prec = spec.target, spec.model, spec.precision
     start = time.perf_counter()
-    plain = plan_step(
-        StepSpec(
-            model=cfg,
-            policy=policy,
-            precision=prec,
-            optimizer=OptimizerConfig(),
-            batch=BATCH,
-            seq_len=SEQ,
-            target=target,
-        )
-    )
+    plain = plan_step(spec)
     state = 8 * cfg.n_params  # AdamW's two fp32 moments (analytic, from the shapes)
-    streamed = plan_step(
-        StepSpec(
-            model=cfg,
-            policy=policy,
-            precision=prec,
-            optimizer=OptimizerConfig(stream=True),
-            batch=BATCH,
-            seq_len=SEQ,
-            target=target,
-        )
-    )
+    streamed = plan_step(spec.replace(optimizer=OptimizerConfig(stream=True)))
     info = streamed["stream"]
     rates = rates_for(target)
     # forward, backward (2x) and full's replay of the forward: 8 N tokens (analytic estimate)
@@ -270,21 +254,11 @@ def update_rows() -> dict:
     planned device peak, host memory, host-link bytes and their estimated seconds."""
     out = {}
     for target_name, preset in UPDATE_ROWS:
-        target, cfg = get_target(target_name), PRESETS[preset]
+        spec = one_sequence(target_name, preset).replace(precision=PRECISIONS["bf16"])
         for update in ("device", "host"):
             start = time.perf_counter()
             opt = OptimizerConfig(stream=True, stream_update=update)
-            r = plan_step(
-                StepSpec(
-                    model=cfg,
-                    policy=POLICIES[POLICY],
-                    precision=PRECISIONS["bf16"],
-                    optimizer=opt,
-                    batch=BATCH,
-                    seq_len=SEQ,
-                    target=target,
-                )
-            )
+            r = plan_step(spec.replace(optimizer=opt))
             info = r["stream"]
             out[f"{target_name} {preset} {update}"] = {
                 "target": target_name,

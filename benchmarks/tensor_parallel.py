@@ -110,7 +110,6 @@ def measure(part: str) -> list[dict]:
                         model=cfg,
                         policy=POLICIES[name],
                         precision=precision,
-                        optimizer=OptimizerConfig(),
                         batch=spec["batch"],
                         seq_len=spec["seq"],
                         target=target,

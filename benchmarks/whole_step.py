@@ -80,23 +80,22 @@ def _parts(rec: dict) -> dict:
     }
 
 
+def _row_spec(row: dict, **changes) -> StepSpec:
+    """The step ``row`` measures (``PRESET`` at the row's policy, precision, optimizer, shape and
+    accumulation, on this backend), with ``changes`` (an H100 target, the policy unrolled)."""
+    return StepSpec(
+        model=get_preset(PRESET),
+        policy=POLICIES[row["policy"]],
+        precision=PRECISIONS[row["precision"]],
+        optimizer=OptimizerConfig(name=row["optimizer"]),
+        batch=row["batch"],
+        seq_len=row["seq_len"],
+        accum=AccumConfig(steps=row["accum"]),
+    ).replace(**changes)
+
+
 def point(policy: str, precision: str, optimizer: str, accum: int, shape, h100: bool) -> dict:
-    cfg = get_preset(PRESET)
     batch, seq = shape
-    opt = OptimizerConfig(name=optimizer)
-    prec, pol = PRECISIONS[precision], POLICIES[policy]
-    j = jax_record(
-        StepSpec(
-            model=cfg,
-            policy=pol,
-            precision=prec,
-            optimizer=opt,
-            batch=batch,
-            seq_len=seq,
-            accum=AccumConfig(steps=accum),
-        )
-    )
-    t = torch_record(cfg, pol, prec, opt, batch, seq, accum=accum)
     row = {
         "policy": policy,
         "precision": precision,
@@ -104,6 +103,13 @@ def point(policy: str, precision: str, optimizer: str, accum: int, shape, h100: 
         "accum": accum,
         "batch": batch,
         "seq_len": seq,
+    }
+    spec = _row_spec(row)
+    j = jax_record(spec)
+    t = torch_record(
+        spec.model, spec.policy, spec.precision, spec.optimizer, batch, seq, accum=accum
+    )
+    row |= {
         "jax_plan_peak_bytes": j["planned_peak_bytes"],
         "jax_plan_temp_bytes": j["compiled_temp_bytes"],
         "jax_plan_source": j["peak_source"],
@@ -116,18 +122,7 @@ def point(policy: str, precision: str, optimizer: str, accum: int, shape, h100: 
         "torch_flops": t["flops"],
     }
     if h100:
-        plan = plan_step(
-            StepSpec(
-                model=cfg,
-                policy=pol,
-                precision=prec,
-                optimizer=opt,
-                batch=batch,
-                seq_len=seq,
-                target=get_target("h100"),
-                accum=AccumConfig(steps=accum),
-            )
-        )
+        plan = plan_step(spec.replace(target=get_target("h100")))
         row["jax_h100_plan_peak_bytes"] = plan["planned_peak_bytes"]
         row["jax_h100_compiler"] = plan["compiler"]
     return row
@@ -146,18 +141,7 @@ def sweep() -> list[dict]:
 def _h100_peak(row: dict, policy) -> int:
     """The planned peak of ``row``'s step (its precision, optimizer, shape, accumulation) under
     ``policy``, compiled for an H100 without one."""
-    plan = plan_step(
-        StepSpec(
-            model=get_preset(PRESET),
-            policy=policy,
-            precision=PRECISIONS[row["precision"]],
-            optimizer=OptimizerConfig(name=row["optimizer"]),
-            batch=row["batch"],
-            seq_len=row["seq_len"],
-            target=get_target("h100"),
-            accum=AccumConfig(steps=row["accum"]),
-        )
-    )
+    plan = plan_step(_row_spec(row, policy=policy, target=get_target("h100")))
     return plan["planned_peak_bytes"]
 
 
@@ -184,24 +168,21 @@ def gpt2_unrolled() -> list[dict]:
     """gpt2-124m (bf16, 8 × 1024, AdamW) compiled for an H100, scanned and unrolled: does
     unrolling pay at a GPU size? Compile seconds are wall time on this machine (noisy)."""
     preset, precision, batch, seq = GPT2_SHAPE
-    cfg, target = get_preset(preset), get_target("h100")
+    spec = StepSpec(
+        model=get_preset(preset),
+        policy=POLICIES["none"],
+        precision=PRECISIONS[precision],
+        batch=batch,
+        seq_len=seq,
+        target=get_target("h100"),
+    )
     rows = []
     for name in GPT2_POLICIES:
         row = {"preset": preset, "precision": precision, "batch": batch, "seq_len": seq}
         row["policy"] = name
         for stack, unroll in (("scanned", False), ("unrolled", True)):
             start = time.perf_counter()
-            plan = plan_step(
-                StepSpec(
-                    model=cfg,
-                    policy=POLICIES[name].replace(unroll=unroll),
-                    precision=PRECISIONS[precision],
-                    optimizer=OptimizerConfig(),
-                    batch=batch,
-                    seq_len=seq,
-                    target=target,
-                )
-            )
+            plan = plan_step(spec.replace(policy=POLICIES[name].replace(unroll=unroll)))
             row[f"{stack}_plan_peak_bytes"] = plan["planned_peak_bytes"]
             row[f"{stack}_compile_seconds"] = round(time.perf_counter() - start, 1)
             row["compiler"] = plan["compiler"]
@@ -271,7 +252,6 @@ def exceptions(rows: list[dict]) -> list[dict]:
     torch_ref's runtime peak (``jaxmem.planner.peak``)."""
     from jaxmem.planner.peak import explain_peak
 
-    cfg = get_preset(PRESET)
     out = []
     for r in rows:
         best, unroll = _best_h100(r)
@@ -279,18 +259,7 @@ def exceptions(rows: list[dict]) -> list[dict]:
             continue
         policy = POLICIES[r["policy"]].replace(unroll=unroll) if unroll else POLICIES[r["policy"]]
         start = time.perf_counter()
-        report = explain_peak(
-            StepSpec(
-                model=cfg,
-                policy=policy,
-                precision=PRECISIONS[r["precision"]],
-                optimizer=OptimizerConfig(name=r["optimizer"]),
-                batch=r["batch"],
-                seq_len=r["seq_len"],
-                target=get_target("h100"),
-                accum=AccumConfig(steps=r["accum"]),
-            )
-        )
+        report = explain_peak(_row_spec(r, policy=policy, target=get_target("h100")))
         groups: dict[tuple[str, str, str], int] = {}
         for v in report.values:
             if v.kind != "argument":
@@ -396,24 +365,12 @@ def combined_peaks(rows: list[dict]) -> list[dict]:
     plan (``jaxmem.planner.peak``): the remainder broken down by the compiler's own account."""
     from jaxmem.planner.peak import explain_peak
 
-    cfg = get_preset(PRESET)
     out = []
     for target, key in (("cpu", "jax_plan_peak_bytes"), ("h100", "jax_h100_plan_peak_bytes")):
         if any(r.get(key) is None for r in rows):
             continue
         lean = min(rows, key=lambda r, k=key: r[k])
-        report = explain_peak(
-            StepSpec(
-                model=cfg,
-                policy=POLICIES[lean["policy"]],
-                precision=PRECISIONS[lean["precision"]],
-                optimizer=OptimizerConfig(name=lean["optimizer"]),
-                batch=lean["batch"],
-                seq_len=lean["seq_len"],
-                target=get_target(target),
-                accum=AccumConfig(steps=lean["accum"]),
-            )
-        )
+        report = explain_peak(_row_spec(lean, target=get_target(target)))
         out.append(
             {
                 "target": target,

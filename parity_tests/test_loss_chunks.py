@@ -1,4 +1,4 @@
-"""Loss chunks (``MemoryPolicy.loss_chunks``): the head and loss run over sequence chunks with
+"""Loss chunks (``MemoryPolicy.loss``): the head and loss run over sequence chunks with
 each chunk's gradients formed in the forward compute the whole loss's function and derivative,
 in both frameworks: in float64 (exactness) jaxmem's chunked loss, torch_ref's chunked loss (an
 extension) and both frameworks' whole loss give the same loss and every gradient leaf, on a

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxmem.compare.bench import memory_point
 from jaxmem.compare.records import torch_record
-from jaxmem.config import PRESETS, OptimizerConfig
+from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig
 from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
@@ -33,6 +33,7 @@ from jaxmem.step.train_step import lm_loss_fn, make_optimizer, tree_bytes
 CFG = PRESETS["tiny"].replace(n_layers=4)
 B, S = 4, 32
 FP32 = PRECISIONS["fp32"]
+SPEC = StepSpec(model=CFG, policy=POLICIES["none"], batch=B, seq_len=S)  # fp32, AdamW, no remat
 LAYER_INPUT = "<layer input>"
 
 
@@ -63,16 +64,7 @@ def test_full_remat_keeps_exactly_the_block_inputs_in_both_frameworks():
     minimum = analytic.saved_activation_bytes(CFG, POLICIES["full"], B, S, FP32).device_bytes
     assert minimum == CFG.n_layers * B * S * CFG.d_model * 4
     assert jax_named_bytes(POLICIES["full"])[LAYER_INPUT] == minimum
-    jax_rec = jax_record(
-        StepSpec(
-            model=CFG,
-            policy=POLICIES["full"],
-            precision=FP32,
-            optimizer=OptimizerConfig(),
-            batch=B,
-            seq_len=S,
-        )
-    )
+    jax_rec = jax_record(SPEC.replace(policy=POLICIES["full"]))
     torch_rec = torch_record(CFG, POLICIES["full"], FP32, OptimizerConfig(), B, S)
     extras_j = jax_rec["saved_activation_bytes_device"] - minimum
     extras_t = torch_rec["saved_activation_bytes_device"] - minimum
@@ -234,16 +226,7 @@ def test_memory_report_lists_the_per_tensor_differences():
     from jaxmem.compare.records import name_differences
     from jaxmem.policy import CHECKPOINT_NAMES
 
-    jax_rec = jax_record(
-        StepSpec(
-            model=CFG,
-            policy=POLICIES["none"],
-            precision=FP32,
-            optimizer=OptimizerConfig(),
-            batch=B,
-            seq_len=S,
-        )
-    )
+    jax_rec = jax_record(SPEC)
     torch_rec = torch_record(CFG, POLICIES["none"], FP32, OptimizerConfig(), B, S)
     rows = {
         r["name"]: r for r in name_differences(jax_rec["saved_by_name"], torch_rec["saved_by_name"])
@@ -281,16 +264,7 @@ def test_memory_report_names_what_the_llama_blocks_keep_differently(attention):
 
     cfg = PRESETS["tiny-llama"].replace(attention=attention, attention_block=8)
     L, D, F, kv = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.kv_dim
-    jax_rec = jax_record(
-        StepSpec(
-            model=cfg,
-            policy=POLICIES["none"],
-            precision=FP32,
-            optimizer=OptimizerConfig(),
-            batch=B,
-            seq_len=S,
-        )
-    )
+    jax_rec = jax_record(SPEC.replace(model=cfg))
     torch_rec = torch_record(cfg, POLICIES["none"], FP32, OptimizerConfig(), B, S)
     rows = {
         r["name"]: r["torch_bytes"] - r["jax_bytes"]
@@ -368,8 +342,15 @@ def test_records_with_accumulation_in_both_frameworks():
     accumulation), and torch's runtime peak still holds the parameters, AdamW's state, the
     accumulated gradients and a microbatch's activations."""
     full, fp32, opt = POLICIES["full"], PRECISIONS["fp32"], OptimizerConfig()
-    for record in (jax_record, torch_record):
-        one, two = (record(CFG, full, fp32, opt, B, S, accum=k) for k in (1, 2))
+
+    def jax_accum(k: int) -> dict:
+        return jax_record(SPEC.replace(policy=full, accum=AccumConfig(steps=k)))
+
+    def torch_accum(k: int) -> dict:
+        return torch_record(CFG, full, fp32, opt, B, S, accum=k)
+
+    for record in (jax_accum, torch_accum):
+        one, two = (record(k) for k in (1, 2))
         assert two["accum"] == 2
         assert two["flops"] == one["flops"]
         assert 2 * two["analytic_activation_bytes"] == one["analytic_activation_bytes"]

@@ -23,6 +23,8 @@ from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec
 
+TINY_STEP = StepSpec(model=PRESETS["tiny"], policy=POLICIES["selective"], batch=4, seq_len=32)
+
 
 @pytest.mark.parametrize("name", list(SHIPPED))
 def test_every_shipped_target_parses_and_gives_a_gpu_device(name):
@@ -37,33 +39,13 @@ def test_every_shipped_target_parses_and_gives_a_gpu_device(name):
 def test_the_smaller_cards_compile_a_bf16_step(name):
     """The 32 GB and 24 GB targets (a V100 of ZeRO-Offload's single-GPU setting, an A10) are not
     only parsed: XLA:CUDA compiles a bf16 train step for them (sm_70 and sm_86)."""
-    record = jax_record(
-        StepSpec(
-            model=PRESETS["tiny"],
-            policy=POLICIES["selective"],
-            precision=PRECISIONS["bf16"],
-            optimizer=OptimizerConfig(),
-            batch=4,
-            seq_len=32,
-            target=get_target(name),
-        )
-    )
+    record = jax_record(TINY_STEP.replace(precision=PRECISIONS["bf16"], target=get_target(name)))
     assert record["peak_source"].startswith("compiled plan (XLA:CUDA deviceless compile for")
     assert 0 < record["peak_bytes"] < get_target(name).device_memory_bytes
 
 
 def plan(policy: str, target: str = "h100") -> dict:
-    return jax_record(
-        StepSpec(
-            model=PRESETS["tiny"],
-            policy=POLICIES[policy],
-            precision=PRECISIONS["fp32"],
-            optimizer=OptimizerConfig(),
-            batch=4,
-            seq_len=32,
-            target=get_target(target),
-        )
-    )
+    return jax_record(TINY_STEP.replace(policy=POLICIES[policy], target=get_target(target)))
 
 
 @pytest.mark.slow
@@ -416,26 +398,10 @@ def test_the_h100_plan_of_fused_attention_runs_cudnns_kernel():
     text = gpu_plan.compile_for(jax.jit(attend), (q, kv, kv), target).as_text()
     assert "__cudnn$fmha" in text
     cfg = PRESETS["tiny-llama"].replace(attention="fused")
-    rec = jax_record(
-        StepSpec(
-            model=cfg,
-            policy=POLICIES["selective"],
-            precision=PRECISIONS["bf16"],
-            optimizer=OptimizerConfig(),
-            batch=2,
-            seq_len=64,
-            target=target,
-        )
+    spec = StepSpec(
+        model=cfg, policy=POLICIES["selective"], precision=PRECISIONS["bf16"], batch=2, seq_len=64
     )
+    rec = jax_record(spec.replace(target=target))
     assert rec["attention_kernel"].startswith("cuDNN") and rec["fits"]
-    blockwise = jax_record(
-        StepSpec(
-            model=cfg,
-            policy=POLICIES["selective"],
-            precision=PRECISIONS["bf16"],
-            optimizer=OptimizerConfig(),
-            batch=2,
-            seq_len=64,
-        )
-    )
+    blockwise = jax_record(spec)
     assert rec["flops"] == blockwise["flops"]

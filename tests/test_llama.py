@@ -303,31 +303,15 @@ def test_fused_attention_runs_cudnn_on_a_gpu_where_it_applies(
 
 
 def test_a_record_says_which_fused_kernel_ran():
-    from jaxmem.config import OptimizerConfig
     from jaxmem.planner.records import jax_record
 
     cfg = LLAMA.replace(attention="fused", n_layers=2)
-    rec = jax_record(
-        StepSpec(
-            model=cfg,
-            policy=POLICIES["none"],
-            precision=PRECISIONS["bf16"],
-            optimizer=OptimizerConfig(),
-            batch=2,
-            seq_len=16,
-        )
+    spec = StepSpec(
+        model=cfg, policy=POLICIES["none"], precision=PRECISIONS["bf16"], batch=2, seq_len=16
     )
+    rec = jax_record(spec)
     assert rec["attention_kernel"] == "blockwise (jaxmem.model.flash)"  # this CPU backend
-    rec = jax_record(
-        StepSpec(
-            model=LLAMA.replace(n_layers=2),
-            policy=POLICIES["none"],
-            precision=PRECISIONS["bf16"],
-            optimizer=OptimizerConfig(),
-            batch=2,
-            seq_len=16,
-        )
-    )
+    rec = jax_record(spec.replace(model=LLAMA.replace(n_layers=2)))
     assert rec["attention_kernel"] == "naive"
 
 

@@ -62,7 +62,7 @@ CASES = [
         "strategies": ["fsdp", "zero1"],
     },
     {  # the Llama block (RoPE, grouped-query attention, SwiGLU) over fsdp x tp, its head and
-        # loss in chunks (MemoryPolicy.loss_chunks)
+        # loss in chunks (MemoryPolicy.loss: LossPolicy)
         "preset": "tiny-llama",
         "policy": "full",
         "precision": "bf16",

@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 
 from jaxmem.compare.tolerances import tolerance
-from jaxmem.config import OptimizerConfig, get_preset
+from jaxmem.config import get_preset
 from jaxmem.memory.targets import get_target
 from jaxmem.memory.xla_dump import parse_dump
 from jaxmem.parallel import parse_mesh
 from jaxmem.planner.peak import explain_peak
 from jaxmem.policy import POLICIES
-from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec
 
 TINY = get_preset("tiny")
 BATCH, SEQ = 4, 32
+SPEC = StepSpec(model=TINY, policy=POLICIES["full"], batch=BATCH, seq_len=SEQ)  # fp32, AdamW
 
 
 def _write_dump(directory, live_range: str, values: str, assignment: str, usage: str) -> None:
@@ -126,20 +126,7 @@ allocation 2: size 4000, color 5, preallocated-temp:
 
 @pytest.fixture(scope="module")
 def reports():
-    opt = OptimizerConfig()
-    return {
-        name: explain_peak(
-            StepSpec(
-                model=TINY,
-                policy=POLICIES[name],
-                precision=PRECISIONS["fp32"],
-                optimizer=opt,
-                batch=BATCH,
-                seq_len=SEQ,
-            )
-        )
-        for name in ("none", "full")
-    }
+    return {name: explain_peak(SPEC.replace(policy=POLICIES[name])) for name in ("none", "full")}
 
 
 @pytest.mark.slow
@@ -178,17 +165,7 @@ def test_full_remat_keeps_fewer_forward_bytes_at_its_peak_than_none(reports):
 def test_an_fsdp_plan_reports_one_device_s_share():
     # fsdp=2 on two CPU devices: each holds about half of the parameters (leaves without a dim
     # divisible by 2 stay whole), and the report is per device
-    report = explain_peak(
-        StepSpec(
-            model=TINY,
-            policy=POLICIES["full"],
-            precision=PRECISIONS["fp32"],
-            optimizer=OptimizerConfig(),
-            batch=BATCH,
-            seq_len=SEQ,
-            parallel=parse_mesh("fsdp=2"),
-        )
-    )
+    report = explain_peak(SPEC.replace(parallel=parse_mesh("fsdp=2")))
     params = sum(
         v.bytes for v in report.values if v.kind == "argument" and v.op_name.startswith("params/")
     )
@@ -244,17 +221,7 @@ def test_peak_command_refuses_bad_input_in_one_line(tmp_path, args, named):
 def test_an_offloading_h100_plan_counts_only_device_memory():
     # offload's residuals go to pinned_host (colour 5 in XLA's assignment): were they counted,
     # the live bytes would exceed the device arena, which equals the planned device peak
-    report = explain_peak(
-        StepSpec(
-            model=TINY,
-            policy=POLICIES["offload"],
-            precision=PRECISIONS["fp32"],
-            optimizer=OptimizerConfig(),
-            batch=BATCH,
-            seq_len=SEQ,
-            target=get_target("h100"),
-        )
-    )
+    report = explain_peak(SPEC.replace(policy=POLICIES["offload"], target=get_target("h100")))
     np.testing.assert_allclose(
         report.allocated_bytes,
         report.planned_peak_bytes,
@@ -288,13 +255,4 @@ def test_a_child_killed_without_a_word_is_reported_with_its_signal(monkeypatch):
 
     monkeypatch.setattr(peak.subprocess, "run", killed)
     with pytest.raises(RuntimeError, match="ended with signal SIGKILL and printed nothing"):
-        explain_peak(
-            StepSpec(
-                model=TINY,
-                policy=POLICIES["full"],
-                precision=PRECISIONS["fp32"],
-                optimizer=OptimizerConfig(),
-                batch=BATCH,
-                seq_len=SEQ,
-            )
-        )
+        explain_peak(SPEC)

@@ -48,6 +48,7 @@ from jaxmem.step.train_step import lm_loss_fn
 FP32 = PRECISIONS["fp32"]
 CFG = PRESETS["small"]  # 4 layers: d 512, 8 heads
 BATCH, SEQ = 8, 128
+SPEC = StepSpec(model=CFG, policy=POLICIES["none"], batch=BATCH, seq_len=SEQ)  # fp32, AdamW
 MIB = 2**20
 SPACE = PlanSpace(
     policies=("none", "selective", "full"), mix=("none", "selective", "full"), accum=(1,)
@@ -55,17 +56,8 @@ SPACE = PlanSpace(
 
 
 def _peak(policy: MemoryPolicy, accum: int = 1) -> int:
-    return plan_step(
-        StepSpec(
-            model=CFG,
-            policy=policy,
-            precision=FP32,
-            optimizer=OptimizerConfig(),
-            batch=BATCH,
-            seq_len=SEQ,
-            accum=AccumConfig(steps=accum),
-        )
-    )["planned_peak_bytes"]
+    spec = SPEC.replace(policy=policy, accum=AccumConfig(steps=accum))
+    return plan_step(spec)["planned_peak_bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +104,7 @@ def test_memory_model_is_affine_in_depth_and_predicts_mixed_stacks(bounds):
     mixed stack is predicted from its two parts' slopes: checked against its
     compiled plan."""
     peaks = {
-        d: plan_step(
-            StepSpec(
-                model=dataclasses.replace(CFG, n_layers=d),
-                policy=POLICIES["none"],
-                precision=FP32,
-                optimizer=OptimizerConfig(),
-                batch=BATCH,
-                seq_len=SEQ,
-            )
-        )["planned_peak_bytes"]
+        d: plan_step(SPEC.replace(model=dataclasses.replace(CFG, n_layers=d)))["planned_peak_bytes"]
         for d in (2, 3, 4)
     }
     np.testing.assert_allclose(
@@ -273,14 +256,9 @@ def test_train_policy_auto_writes_the_chosen_configuration(tmp_path):
     import yaml
 
     cfg = dataclasses.replace(PRESETS["tiny"], n_layers=4)
-    opt = OptimizerConfig()
+    spec = StepSpec(model=cfg, policy=POLICIES["full"], batch=8, seq_len=32)
     full, none = (
-        plan_step(
-            StepSpec(
-                model=cfg, policy=POLICIES[p], precision=FP32, optimizer=opt, batch=8, seq_len=32
-            )
-        )["planned_peak_bytes"]
-        for p in ("full", "none")
+        plan_step(spec.replace(policy=POLICIES[p]))["planned_peak_bytes"] for p in ("full", "none")
     )
     budget = (full + none) // 2
     out = tmp_path / "run"
@@ -292,20 +270,8 @@ def test_train_policy_auto_writes_the_chosen_configuration(tmp_path):
     policy, accum = policy_from_dict(saved["memory"]), saved["accum"]["steps"]
     # what the run recorded is what it planned: that program fits, and it is not the cheapest
     # program of all (none, one microbatch), which the budget rules out
-    assert (
-        plan_step(
-            StepSpec(
-                model=cfg,
-                policy=policy,
-                precision=FP32,
-                optimizer=opt,
-                batch=8,
-                seq_len=32,
-                accum=AccumConfig(steps=accum),
-            )
-        )["planned_peak_bytes"]
-        <= budget
-    )
+    planned = plan_step(spec.replace(policy=policy, accum=AccumConfig(steps=accum)))
+    assert planned["planned_peak_bytes"] <= budget
     assert (policy.name, accum) != ("none", 1)
 
 
@@ -325,17 +291,7 @@ def test_residual_accounting_of_a_mixed_stack_counts_no_weights():
     from jaxmem.planner.records import jax_record
 
     def saved(policy):
-        r = jax_record(
-            StepSpec(
-                model=CFG,
-                policy=policy,
-                precision=FP32,
-                optimizer=OptimizerConfig(),
-                batch=BATCH,
-                seq_len=SEQ,
-            ),
-            abstract=True,
-        )
+        r = jax_record(SPEC.replace(policy=policy), abstract=True)
         return r["saved_activation_bytes_device"]
 
     selective = saved(POLICIES["selective"])

@@ -236,28 +236,9 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
 
     cfg, prec, policy = PRESETS["tiny"], PRECISIONS["bf16"], POLICIES["full"]
     h100 = get_target("h100")
-    plain = plan_step(
-        StepSpec(
-            model=cfg,
-            policy=policy,
-            precision=prec,
-            optimizer=OptimizerConfig(),
-            batch=2,
-            seq_len=32,
-            target=h100,
-        )
-    )
-    streamed = plan_step(
-        StepSpec(
-            model=cfg,
-            policy=policy,
-            precision=prec,
-            optimizer=OptimizerConfig(stream=True),
-            batch=2,
-            seq_len=32,
-            target=h100,
-        )
-    )
+    spec = StepSpec(model=cfg, policy=policy, precision=prec, batch=2, seq_len=32, target=h100)
+    plain = plan_step(spec)
+    streamed = plan_step(spec.replace(optimizer=OptimizerConfig(stream=True)))
     graphdef, params = nnx.split(nnx.eval_shape(lambda: make_model(cfg, prec)), nnx.Param)
     _, stack = stream.split(params)
     stack_bytes = tree_bytes(stack)
@@ -276,17 +257,7 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
     assert info["transfers"]["source"].startswith("estimate: bytes from shapes over 64 GB/s")
     # the update in host memory: only the parameters and gradients cross the link, and the
     # device no longer holds the block-by-block update's working set
-    host = plan_step(
-        StepSpec(
-            model=cfg,
-            policy=policy,
-            precision=prec,
-            optimizer=OptimizerConfig(stream=True, stream_update="host"),
-            batch=2,
-            seq_len=32,
-            target=h100,
-        )
-    )
+    host = plan_step(spec.replace(optimizer=OptimizerConfig(stream=True, stream_update="host")))
     assert host["stream"]["update"] == "host"
     assert host["stream"]["transfers"]["total_bytes"] == 2 * stack_bytes + stack_bytes
     assert host["planned_peak_bytes"] < streamed["planned_peak_bytes"]
@@ -295,14 +266,8 @@ def test_the_h100_plan_of_a_streamed_step_keeps_the_stack_in_host_memory():
     # its host memory (the step count whole), fetches and returns half, and plans less device
     # memory than one device does
     fsdp = plan_step(
-        StepSpec(
-            model=cfg,
-            policy=policy,
-            precision=prec,
+        spec.replace(
             optimizer=OptimizerConfig(stream=True),
-            batch=2,
-            seq_len=32,
-            target=h100,
             parallel=ParallelConfig(strategy="fsdp", devices=2),
         )
     )
