@@ -346,7 +346,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 
 
 def test_out_of_memory_reports_the_plan_and_a_cheaper_policy(tmp_path, monkeypatch, capsys):
-    import jaxmem.train.run as run
+    import jaxmem.step.build as build
     from jaxmem.train.prepare import out_of_memory_message
 
     job = JobConfig.from_dict({"preset": "tiny", "memory": {"policy": "selective"}})
@@ -364,7 +364,7 @@ def test_out_of_memory_reports_the_plan_and_a_cheaper_policy(tmp_path, monkeypat
         def compile(self):
             raise FakeXlaError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
 
-    monkeypatch.setattr(run, "make_train_step", lambda *a, **k: Exhausted())
+    monkeypatch.setattr(build, "make_train_step", lambda *a, **k: Exhausted())
     assert train("--policy", "selective") == cli.EXIT_RUN_FAILED
     err = capsys.readouterr().err
     assert "out of memory while compiling with policy 'selective'" in err
