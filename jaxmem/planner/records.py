@@ -39,7 +39,7 @@ from jaxmem.parallel import tensor_share
 from jaxmem.planner.plans import compile_step, planned, require_one_device, spec_step_time
 from jaxmem.policy import MemoryPolicy
 from jaxmem.sharding import sharded_bytes
-from jaxmem.step.build import BuiltStep, build_step, model_shapes
+from jaxmem.step.build import BuiltStep, batch_shapes_of, build_step, model_shapes
 from jaxmem.step.scaling import init_loss_scale
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn, tree_bytes
@@ -70,8 +70,7 @@ RECORD_FIELDS = (
 def lm_step_batch(cfg: ModelConfig, batch: int, seq_len: int, abstract: bool) -> dict[str, Any]:
     """The deterministic batch a record measures (shapes only when ``abstract``)."""
     if abstract:
-        spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-        return {"inputs": spec, "targets": spec}
+        return batch_shapes_of(batch, seq_len)
     inputs, targets = lm_batch(cfg, batch, seq_len, seed=0)
     return {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
 

@@ -53,7 +53,12 @@ def model_shapes(spec: StepSpec) -> nnx.Module:
 
 def batch_shapes(spec: StepSpec, rows: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes of a batch of ``rows`` rows (default: the spec's whole batch)."""
-    shape = jax.ShapeDtypeStruct((rows or spec.batch, spec.seq_len), jnp.int32)
+    return batch_shapes_of(rows or spec.batch, spec.seq_len)
+
+
+def batch_shapes_of(rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of a token batch: ``rows`` x ``seq_len`` int32 inputs and targets."""
+    shape = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
     return {"inputs": shape, "targets": shape}
 
 
