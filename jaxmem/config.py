@@ -48,11 +48,24 @@ def lookup(table: Mapping[str, T], name: str, what: str) -> T:
         raise ConfigError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}") from None
 
 
+# The largest size a model field may take: token ids, positions and the indices into an axis
+# are int32 in the step (JAX's default), so a size (or an id below it) beyond this overflows.
+MAX_SIZE = 2**31 - 1
+
+
+def size_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a size (a count of ids, positions, heads, layers or
+    features): not a positive integer, or above ``MAX_SIZE``; None when it is fine."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return "must be a positive integer"
+    if value > MAX_SIZE:
+        return f"is above {MAX_SIZE:,} (2^31 - 1), the most int32 token ids and indices reach"
+    return None
+
+
 def _require_positive_int(name: str, value: object) -> None:
-    require(
-        isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        f"{name}={value!r} must be a positive integer",
-    )
+    problem = size_problem(value)
+    require(problem is None, f"{name}={value!r} {problem}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import queue
@@ -31,6 +32,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from jaxmem.files import check_can_create, made_dirs
 
 BOS, EOS, PAD = 256, 257, 258
 VOCAB_SIZE = 259  # 256 byte values + BOS, EOS, PAD
@@ -121,10 +124,46 @@ def _tokenize(files: list[bytes], tokenizer: Any, cut: int | None = None) -> np.
     return np.concatenate(out) if out else np.zeros(0, dtype)
 
 
+def _n_val(n_tokens: int, val_fraction: float) -> int:
+    return max(1, int(n_tokens * val_fraction))
+
+
 def train_val_split(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, ...]:
     """The last ``val_fraction`` of the tokens is validation data (deterministic)."""
-    n_val = max(1, int(tokens.size * val_fraction))
+    n_val = _n_val(tokens.size, val_fraction)
     return tokens[:-n_val], tokens[-n_val:]
+
+
+def split_tokens_needed(seq_len: int) -> int:
+    """The fewest tokens a split can hold for ``seq_len``: one window of ``seq_len`` inputs and
+    their targets (``seq_len + 1`` tokens), and a second start for the random offsets."""
+    return seq_len + 2
+
+
+def check_split_sizes(
+    n_train: int, n_val: int, seq_len: int, source: str, val_fraction: float | None = None
+) -> None:
+    """Refuse data whose train or validation split is shorter than ``split_tokens_needed``: one
+    line naming the tokens found, the tokens each split needs and the seq-len. With the
+    ``val_fraction`` that split it, the line also says how many tokens in all would do.
+
+    Raises:
+        DataError: a split is too short.
+    """
+    need = split_tokens_needed(seq_len)
+    if n_train >= need and n_val >= need:
+        return
+    least = ""
+    if val_fraction is not None:
+        total = max(2 * need, math.ceil(need / val_fraction), math.ceil(need / (1 - val_fraction)))
+        while min(_n_val(total, val_fraction), total - _n_val(total, val_fraction)) < need:
+            total += 1
+        least = f" (at least {total:,} tokens in all at --val-fraction {val_fraction:g})"
+    raise DataError(
+        f"{source} has {n_train + n_val:,} tokens ({n_train:,} train, {n_val:,} validation); "
+        f"each split needs at least {need:,} tokens for --seq-len {seq_len} (seq-len + 2): "
+        f"give more text{least} or a shorter --seq-len"
+    )
 
 
 def lm_batch(cfg: Any, batch: int, seq_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -138,9 +177,10 @@ def random_windows(
     tokens: np.ndarray, batch: int, seq_len: int, seed: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Endless ``(inputs [B, S], targets [B, S])`` int32 windows at seeded random offsets."""
-    if tokens.size < seq_len + 2:
+    if tokens.size < split_tokens_needed(seq_len):
         raise ValueError(
-            f"seq_len={seq_len} needs at least {seq_len + 2} tokens, the data has {tokens.size}"
+            f"seq_len={seq_len} needs at least {split_tokens_needed(seq_len)} tokens, the data "
+            f"has {tokens.size}"
         )
     rng = np.random.default_rng(seed)
     while True:
@@ -158,6 +198,50 @@ def _read_text_file(path: pathlib.Path) -> bytes:
         return path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read data file {path}: {e.strerror}; check its permissions") from e
+
+
+JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
+_JSON_LINES_SNIFFED = 5  # the first non-empty lines that, all JSON objects, make a file JSON Lines
+
+
+def _looks_like_json_lines(data: bytes) -> bool:
+    """The first ``_JSON_LINES_SNIFFED`` non-empty lines (fewer in a shorter file) are each a
+    JSON object. Reads only those lines: plain text fails at its first character."""
+    seen, start = 0, 0
+    while seen < _JSON_LINES_SNIFFED and start < len(data):
+        end = data.find(b"\n", start)
+        end = len(data) if end < 0 else end
+        line, start = data[start:end].strip(), end + 1
+        if not line:
+            continue
+        if not line.startswith(b"{"):
+            return False
+        try:
+            if not isinstance(json.loads(line), dict):
+                return False
+        except ValueError:  # not JSON (UnicodeDecodeError is a ValueError too)
+            return False
+        seen += 1
+    return seen > 0
+
+
+def refuse_json_lines(path: pathlib.Path, data: bytes | None = None) -> None:
+    """Refuse JSON Lines where plain text is read: a file named ``*.jsonl`` / ``*.ndjson``, or
+    (given its ``data``) one whose first non-empty lines are all JSON objects. Training on it as
+    text would learn its braces and keys; instruction data (prompt/completion records) is not a
+    format jaxmem reads yet.
+
+    Raises:
+        DataError: ``path`` is JSON Lines.
+    """
+    by_name = data is None and path.suffix.lower() in JSON_LINES_SUFFIXES
+    if by_name or (data is not None and _looks_like_json_lines(data)):
+        how = f"named {path.suffix}" if by_name else "its first lines are JSON objects"
+        raise DataError(
+            f"{path} is JSON Lines ({how}): instruction data (prompt/completion records) is not "
+            "read yet, and --data and prepare take plain text; give a text file or a directory "
+            "of them"
+        )
 
 
 def _text_files(root: pathlib.Path) -> list[pathlib.Path]:
@@ -186,16 +270,20 @@ def load_text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.
     are separated by ``EOS`` (none after the last). Hidden files and directories (name starting
     with ``.``), empty files and files containing NUL bytes (almost surely binary: images,
     ``.pyc``, ``.bin`` token files) are skipped. A single named file that contains NUL bytes is
-    rejected rather than skipped, because the caller asked for it explicitly.
+    rejected rather than skipped, because the caller asked for it explicitly. JSON Lines
+    (``refuse_json_lines``) is refused, a file named so before it is read.
 
     Raises:
-        DataError: the path does not exist, cannot be read, is binary, or holds no text.
+        DataError: the path does not exist, cannot be read, is binary, holds JSON Lines, or holds
+            no text.
     """
     p = pathlib.Path(path)
     if not p.exists():
         raise DataError(f"data path {p} does not exist; pass an existing text file or directory")
     if p.is_file():
+        refuse_json_lines(p)
         data = _read_text_file(p)
+        refuse_json_lines(p, data)
         if not data:
             raise DataError(f"data file {p} contains no text; it is empty")
         if b"\0" in data:
@@ -211,10 +299,14 @@ def load_text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.
     chunks: list[np.ndarray] = []
     texts: list[bytes] = []
     n_binary = 0
-    for f in _text_files(p):
+    files = _text_files(p)
+    for f in files:
+        refuse_json_lines(f)  # by name, before a byte is read
+    for f in files:
         data = _read_text_file(f)
         if not data:
             continue
+        refuse_json_lines(f, data)
         if b"\0" in data:
             n_binary += 1
             continue
@@ -315,6 +407,7 @@ def prepare_bin(
     out_dir: str | os.PathLike[str],
     val_fraction: float = 0.05,
     tokenizer: Any = None,
+    seq_len: int | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``src`` into ``out_dir/{train.bin, val.bin, meta.json}``; returns the meta dict.
     Byte tokens in ``uint16``, or ``tokenizer``'s ids (``jaxmem.hf.tokenizer``) in the dtype its
@@ -322,18 +415,20 @@ def prepare_bin(
 
     ``src`` is a text file or directory (see ``load_text_tokens``), or ``None`` for the embedded
     standard-library corpus. The split is ``train_val_split``'s: the last ``val_fraction`` of the
-    tokens is validation. Files are written under temporary names in ``out_dir`` and renamed into
-    place, so an error never leaves a half-written ``.bin`` behind.
+    tokens is validation; with ``seq_len``, each split must hold a batch of that length
+    (``check_split_sizes``), else one token each. ``out_dir`` and the directories missing above
+    it are made; files are written under temporary names and renamed into place, so an error
+    never leaves a half-written ``.bin`` (or a directory made for it) behind.
 
     Raises:
-        DataError: ``src`` is bad, the data is too small to split, or ``out_dir`` already holds
-            ``train.bin`` / ``val.bin`` (existing data is never overwritten).
+        ConfigError: ``out_dir`` cannot be made or written (``jaxmem.files.check_can_create``).
+        DataError: ``src`` is bad, the data is too small to split, ``out_dir`` already holds
+            ``train.bin`` / ``val.bin`` (existing data is never overwritten), or writing fails.
     """
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
     out = pathlib.Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise DataError(f"output path {out} is a file, not a directory; choose another --out")
+    check_can_create(out, "--out")
     existing = [n for n in ("train.bin", "val.bin") if (out / n).exists()]
     if existing:
         raise DataError(
@@ -352,6 +447,8 @@ def prepare_bin(
             f"{source} has {tokens.size} token(s); at least 2 are needed for a train/val split"
         )
     train, val = train_val_split(tokens, val_fraction)
+    if seq_len is not None:
+        check_split_sizes(train.size, val.size, seq_len, source, val_fraction)
     meta: dict[str, Any] = {
         "format": META_FORMAT,
         "dtype": dtype.name,
@@ -361,11 +458,25 @@ def prepare_bin(
         "val_tokens": int(val.size),
         "source": source,
     }
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with made_dirs(out):
+            _write_bin(out, {"train.bin": train, "val.bin": val}, dtype, meta)
+    except OSError as e:
+        raise DataError(
+            f"cannot write {out}: {e.strerror or e}; check its space and permissions"
+        ) from e
+    return meta
+
+
+def _write_bin(
+    out: pathlib.Path, splits: dict[str, np.ndarray], dtype: np.dtype, meta: dict
+) -> None:
+    """``splits`` and ``meta.json`` into ``out`` (which exists), each under a temporary name first,
+    ``train.bin`` renamed into place last; on failure every file written here is removed."""
     temps: dict[str, str] = {}
     placed: list[pathlib.Path] = []
     try:
-        for name, arr in (("train.bin", train), ("val.bin", val)):
+        for name, arr in splits.items():
             fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
             temps[name] = tmp
             with os.fdopen(fd, "wb") as f:
@@ -389,7 +500,6 @@ def prepare_bin(
             with contextlib.suppress(OSError):
                 leftover.unlink()
         raise
-    return meta
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,9 +616,9 @@ def batch_at(
         raise ValueError(f"step={step} and seed={seed} must be >= 0 (they seed numpy's RNG)")
     if batch < 1 or seq_len < 1:
         raise ValueError(f"batch={batch} and seq_len={seq_len} must be >= 1")
-    if tokens.size < seq_len + 2:
+    if tokens.size < split_tokens_needed(seq_len):
         raise DataError(
-            f"seq_len={seq_len} needs at least {seq_len + 2} tokens; "
+            f"seq_len={seq_len} needs at least {split_tokens_needed(seq_len)} tokens; "
             f"the {what} split has {tokens.size}"
         )
     rng = np.random.default_rng([seed, step])

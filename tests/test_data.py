@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -12,6 +13,7 @@ import pytest
 
 from jaxmem import data
 from jaxmem.data import DataError
+from tests.test_cli_contract import run_cli
 
 # --- text sources -------------------------------------------------------------------------------
 
@@ -94,7 +96,7 @@ def test_prepare_bin_round_trips_and_refuses_overwrite(tmp_path):
 
 
 def test_prepare_bin_failure_leaves_nothing(tmp_path, monkeypatch):
-    out = tmp_path / "out"
+    out = tmp_path / "out" / "nested"
     with pytest.raises(DataError, match="does not exist"):
         data.prepare_bin(tmp_path / "missing.txt", out)
     assert not out.exists()
@@ -110,9 +112,10 @@ def test_prepare_bin_failure_leaves_nothing(tmp_path, monkeypatch):
         real_replace(a, b)
 
     monkeypatch.setattr(data.os, "replace", flaky_replace)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DataError, match=r"cannot write .*nested: No space left on device"):
         data.prepare_bin(src, out)
-    assert list(out.iterdir()) == []  # no temp files, and the renamed meta.json was removed
+    # no temp files, the renamed meta.json removed, and the directories made for them too
+    assert list(tmp_path.iterdir()) == [src]
 
 
 def test_load_dataset_default_is_the_stdlib_corpus():
@@ -261,3 +264,125 @@ def test_prefetcher_close_after_early_stop_is_prompt():
     assert not any(t.is_alive() for t in set(threading.enumerate()) - before)
     with pytest.raises(StopIteration):
         next(pf)
+
+
+# --- what prepare and train refuse, on the real commands ------------------------------------------
+
+INSTRUCTIONS = '{"prompt": "2 + 2 =", "completion": " 4"}\n\n{"prompt": "hi", "completion": "!"}\n'
+
+
+def _short(tmp_path):
+    (tmp_path / "short.txt").write_text("hello world")  # 11 bytes: 10 train, 1 validation
+    return [str(tmp_path / "short.txt")]
+
+
+def _json_lines(name):
+    def write(tmp_path):
+        (tmp_path / "corpus").mkdir()
+        (tmp_path / "corpus" / "notes.txt").write_text("plain text\n" * 400)
+        (tmp_path / name).write_text(INSTRUCTIONS * 200)
+        return [str(tmp_path / name)]
+
+    return write
+
+
+def _corpus(tmp_path):
+    (tmp_path / "corpus.txt").write_text("x = 1\n" * 1000)
+    return [str(tmp_path / "corpus.txt")]
+
+
+def _out_under(where):
+    return lambda tmp_path: [*_corpus(tmp_path), "--out", where.format(tmp=tmp_path)]
+
+
+def _in_a_directory(tmp_path):
+    _json_lines("corpus/chat.jsonl")(tmp_path)  # beside corpus/notes.txt
+    return [str(tmp_path / "corpus")]
+
+
+SHORT = "has 11 tokens (10 train, 1 validation); each split needs at least"
+JSONL = "chat.jsonl is JSON Lines (named .jsonl): instruction data (prompt/completion records)"
+BY_CONTENT = "chat.txt is JSON Lines (its first lines are JSON objects)"
+TRAIN = ["--preset", "tiny", "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--data"]
+# case: (command, what makes its arguments in tmp_path, what its one line says)
+REFUSED = {
+    "prepare-short": (
+        "prepare", _short, (SHORT, "130 tokens for --seq-len 128", "2,600 tokens in all")
+    ),
+    "prepare-short-seq-len": (
+        "prepare", lambda t: [*_short(t), "--seq-len", "9"], ("at least 11 tokens",)
+    ),
+    "train-short": ("train", _short, (SHORT, "34 tokens for --seq-len 32")),
+    "prepare-jsonl": ("prepare", _json_lines("chat.jsonl"), (JSONL, "take plain text")),
+    "prepare-ndjson": ("prepare", _json_lines("chat.NDJSON"), ("is JSON Lines (named .NDJSON)",)),
+    "prepare-by-content": ("prepare", _json_lines("chat.txt"), (BY_CONTENT,)),
+    "prepare-in-a-directory": ("prepare", _in_a_directory, (JSONL,)),
+    "train-jsonl": ("train", _json_lines("chat.jsonl"), (JSONL, "--data and prepare")),
+    "train-by-content": ("train", _json_lines("chat.txt"), (BY_CONTENT,)),
+    "prepare-read-only": (
+        "prepare",
+        _out_under("/proc/jaxmem-ro/data"),
+        ("--out /proc/jaxmem-ro/data: /proc is not writable; choose another --out",),
+    ),
+    "prepare-under-a-file": (
+        "prepare", _out_under("{tmp}/corpus.txt/data"), ("corpus.txt is a file, not a directory",)
+    ),
+}  # fmt: skip
+
+
+# one case of each kind runs as a subprocess (the real command), its variants in this process
+IN_A_SUBPROCESS = ("prepare-short", "prepare-jsonl", "train-by-content", "prepare-read-only")
+
+
+def _jaxmem(in_a_subprocess: bool, capsys, *args: str) -> tuple[int, str, str]:
+    """``jaxmem ARGS``: exit code, stdout, stderr."""
+    if in_a_subprocess:
+        proc = run_cli(*args)
+        return proc.returncode, proc.stdout, proc.stderr
+    from jaxmem import cli
+
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_prepare_and_train_refuse_in_one_line_and_write_nothing(case, tmp_path, capsys):
+    """Data too short for a batch at the seq-len, JSON Lines (by name or by its first lines)
+    and an --out that cannot be made: exit 2, one line naming the sizes or the file, and
+    nothing written (refused before any tokenizing, training or compile)."""
+    command, make, says = REFUSED[case]
+    args = make(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "out" / "data")]
+    if command == "train":
+        args = [*TRAIN, *args]
+    code, _, err = _jaxmem(case in IN_A_SUBPROCESS, capsys, command, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"jaxmem {command}: error: ")
+    for text in says:
+        assert text in lines[0], lines[0]
+    assert sorted(tmp_path.rglob("*")) == before  # not a file, not a directory
+
+
+def test_prepare_makes_the_parents_of_out_and_names_the_seq_len_to_train_with(tmp_path, capsys):
+    out = tmp_path / "a" / "b"
+    code, printed, err = _jaxmem(
+        False, capsys, "prepare", *_corpus(tmp_path), "--out", str(out), "--seq-len", "64"
+    )
+    assert code == 0, err
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+    assert f"train with: jaxmem train --data {out} --seq-len 64" in printed
+
+
+def test_json_lines_are_told_from_text_by_their_first_lines():
+    assert data._looks_like_json_lines(b'\n{"text": "a"}\n  \n{"text": "b"}\n')
+    assert data._looks_like_json_lines(b'{"a": 1}')  # one record is JSON Lines too
+    for text in (b"plain text\n", b'{"a": 1}\nthen prose\n', b"[1, 2]\n", b"{not json}\n", b""):
+        assert not data._looks_like_json_lines(text), text
+    assert not data._looks_like_json_lines(b"{\n" + b'"key": 1\n}\n')  # one JSON document

@@ -292,6 +292,8 @@ def test_prepare_with_a_tokenizer_writes_the_dtype_its_vocabulary_needs(
                 str(tmp_path / "d"),
                 "--tokenizer",
                 model,
+                "--seq-len",
+                "16",
             ]
         )
         == 0

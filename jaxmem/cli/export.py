@@ -19,8 +19,9 @@ def add_parser(sub) -> None:
         "as a Hugging Face model directory: config.json (gpt2, llama or qwen2, whichever "
         "computes the run's model) and model.safetensors in the run's parameter dtype, plus "
         "the tokenizer files of the model directory the run started from (--init-from or "
-        "--preset DIR), if it had them. --out must be new or empty; it is written whole or not "
-        "at all. Bad input exits with code 2 and writes nothing.",
+        "--preset DIR), if it had them (a run on raw bytes has none: the output says how to "
+        "encode). --out must be new or empty, its missing parents are made; it is written whole "
+        "or not at all. Bad input exits with code 2 and writes nothing.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (jaxmem train --out)")
     p.add_argument("--out", required=True, metavar="HF_DIR", help="the new model directory")
@@ -30,6 +31,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxmem.hf.config import hf_model_type
     from jaxmem.hf.files import check_new_dir
+    from jaxmem.hf.tokenizer import has_tokenizer
     from jaxmem.job import JobConfig
     from jaxmem.run_layout import CHECKPOINT_DIR, CheckpointError
 
@@ -72,7 +74,21 @@ def run(args: argparse.Namespace) -> int:
         f"{skipped_text}, {job.run.framework} run{note}); load it with "
         f"transformers.AutoModelForCausalLM.from_pretrained({args.out!r})"
     )
+    if not note and not has_tokenizer(source):
+        print(_byte_tokens_note(args.out, source))
     return 0
+
+
+def _byte_tokens_note(out: str, source: str | None) -> str:
+    """What a user loading a byte-token run's export must know: there is no tokenizer."""
+    from jaxmem.data import BOS, EOS, PAD
+
+    why = "its model is a named preset" if source is None else f"{source} has no tokenizer.json"
+    return (
+        f"no tokenizer in {out}/: the run read raw bytes ({why}), so AutoTokenizer finds none; "
+        f"its ids are the UTF-8 bytes of the text (0-255; {BOS}, {EOS}, {PAD}: BOS, EOS, PAD): "
+        "encode with list(text.encode()), decode with bytes(i for i in ids if i < 256).decode()"
+    )
 
 
 def _params(run_dir: str, step: int, job):

@@ -15,12 +15,14 @@ absent from ``config.json`` takes ``transformers``' default for that ``model_typ
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxmem.config import PRESETS, ConfigError, ModelConfig, get_preset, require
+from jaxmem.config import PRESETS, ConfigError, ModelConfig, get_preset, require, size_problem
 
 CONFIG_JSON = "config.json"
 MODEL_TYPES: tuple[str, ...] = ("gpt2", "llama", "mistral", "qwen2")
@@ -146,7 +148,7 @@ def read_hf_config(directory: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, bad UTF-8, a 5,000-digit number
         raise ConfigError(f"{path} is not readable JSON ({e}); fix or replace it") from None
     require(isinstance(raw, dict), f"{path} must hold a JSON object")
     return raw
@@ -187,19 +189,29 @@ class _Fields:
         return self.values.get(key)
 
     def refuse(self, key: str, value: Any, fix: str) -> ConfigError:
-        return ConfigError(f"{self.where}: {key}={json.dumps(value)} {fix}")
+        shown = json.dumps(value)
+        if len(shown) > 40:  # a number of hundreds of digits, a long list: its start says enough
+            shown = f"{shown[:20]}... ({len(shown)} characters)"
+        return ConfigError(f"{self.where}: {key}={shown} {fix}")
 
-    def integer(self, key: str) -> int:
-        value = self[key]
-        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise self.refuse(key, value, "must be a positive integer; fix config.json")
+    def integer(self, key: str, value: Any = None) -> int:
+        """``key``'s value (or ``value``, read from inside another field) as a size."""
+        value = self[key] if value is None else value
+        problem = size_problem(value)
+        if problem is not None:
+            raise self.refuse(key, value, f"{problem}; fix config.json")
         return value
 
-    def number(self, key: str) -> float:
-        value = self[key]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.refuse(key, value, "must be a number; fix config.json")
-        return float(value)
+    def number(self, key: str, value: Any = None, fix: str = "fix config.json") -> float:
+        """``key``'s value (or ``value``, read from inside another field) as a finite float."""
+        value = self[key] if value is None else value
+        number = math.nan
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            with contextlib.suppress(OverflowError):  # an integer of 400 digits
+                number = float(value)
+        if not math.isfinite(number):
+            raise self.refuse(key, value, f"must be a finite number; {fix}")
+        return number
 
     def flag(self, key: str) -> bool:
         value = self[key]
@@ -270,10 +282,8 @@ def _rope(f: _Fields) -> dict[str, Any]:
     if not isinstance(params, Mapping):
         raise f.refuse(key, params, "must be an object or null; fix config.json")
     theta = params.get("rope_theta", f["rope_theta"] if f["rope_theta"] is not None else 1e4)
-    if isinstance(theta, bool) or not isinstance(theta, int | float):
-        raise f.refuse("rope_theta", theta, "must be a number; fix config.json")
     kind = params.get("rope_type", params.get("type", "default"))
-    out: dict[str, Any] = {"rope_theta": float(theta)}
+    out: dict[str, Any] = {"rope_theta": f.number("rope_theta", theta)}
     partial = params.get("partial_rotary_factor", f["partial_rotary_factor"])
     if partial not in (None, 1, 1.0):
         raise f.refuse(
@@ -297,9 +307,11 @@ def _rope(f: _Fields) -> dict[str, Any]:
     }
     for theirs, ours in names.items():
         value = params.get(theirs)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise f.refuse(f"{key}.{theirs}", value, "must be a number for llama3 scaling")
-        out[ours] = int(value) if ours == "rope_original_max_len" else float(value)
+        if ours == "rope_original_max_len":  # a size: 8192.0 is taken, 1e400 (inf) is not
+            whole = isinstance(value, float) and value.is_integer()
+            out[ours] = f.integer(f"{key}.{theirs}", int(value) if whole else value)
+            continue
+        out[ours] = f.number(f"{key}.{theirs}", value, "llama3 scaling needs it")
     return out | {"rope_scaling": "llama3"}
 
 

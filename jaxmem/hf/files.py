@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from jaxmem.config import ConfigError, ModelConfig, require
+from jaxmem.files import check_can_create, made_dirs
 from jaxmem.hf.config import hf_model_type
 from jaxmem.hf.keys import Path, key_map, param_shapes
 
@@ -243,18 +244,13 @@ def read_params(directory: str, cfg: ModelConfig, dtype: Any) -> dict[Path, np.n
 
 # ----------------------------------------------------------------------------- a new directory
 def check_new_dir(out_dir: str, flag: str = "--out") -> None:
-    """``out_dir`` may receive a model directory: absent or empty, its parent writable."""
-    require(
-        not (os.path.exists(out_dir) and not os.path.isdir(out_dir)),
-        f"{flag} {out_dir} is a file; give a new directory",
-    )
+    """``out_dir`` may receive a model directory: absent or empty, and makeable where it is
+    (the directories missing above it are made when it is written)."""
     require(
         not (os.path.isdir(out_dir) and os.listdir(out_dir)),
         f"{flag} {out_dir} exists and is not empty; give a new directory",
     )
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    require(os.path.isdir(parent), f"{flag} {out_dir}: directory {parent} does not exist")
-    require(os.access(parent, os.W_OK), f"{flag} {out_dir}: directory {parent} is not writable")
+    check_can_create(out_dir, flag)
 
 
 def save_model_dir(
@@ -274,25 +270,26 @@ def save_model_dir(
 
     check_new_dir(out_dir)
     parent = os.path.dirname(os.path.abspath(out_dir))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
-    try:
-        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as fh:
-            json.dump(dict(config_json), fh, indent=2, sort_keys=True)
-            fh.write("\n")
-        write_safetensors(os.path.join(tmp, SINGLE_FILE), tensors)
-        written = ["config.json", SINGLE_FILE]
-        for name in files if copy_from else ():
-            src = os.path.join(copy_from, name)
-            if os.path.isfile(src):
-                shutil.copyfile(src, os.path.join(tmp, name))
-                written.append(name)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a model is shared like a file
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty (checked): rename cannot replace it on every system
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with made_dirs(parent):  # the directories missing above out_dir: removed again on failure
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
+        try:
+            with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as fh:
+                json.dump(dict(config_json), fh, indent=2, sort_keys=True)
+                fh.write("\n")
+            write_safetensors(os.path.join(tmp, SINGLE_FILE), tensors)
+            written = ["config.json", SINGLE_FILE]
+            for name in files if copy_from else ():
+                src = os.path.join(copy_from, name)
+                if os.path.isfile(src):
+                    shutil.copyfile(src, os.path.join(tmp, name))
+                    written.append(name)
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; shared like a file
+            if os.path.isdir(out_dir):
+                os.rmdir(out_dir)  # empty (checked): rename cannot replace it on every system
+            os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return written
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from jaxmem import data as data_lib
 from jaxmem.config import ConfigError, require
 from jaxmem.figures import format_bytes
+from jaxmem.files import check_can_create
 from jaxmem.job import JobConfig, config_conflicts
 from jaxmem.run_layout import CHECKPOINT_DIR
 from jaxmem.train.run_dir import check_in_use, disk_error, holds_only_the_lock
@@ -107,13 +107,9 @@ def prepare_job(
         vocab_size=job.model.vocab_size,
         tokenizer=tokenizer,
     )
-    need = job.run.seq_len + 2
-    for name, tokens in (("train", dataset.train), ("validation", dataset.val)):
-        if tokens.size < need:
-            raise data_lib.DataError(
-                f"seq_len={job.run.seq_len} needs at least {need} tokens but the {name} split "
-                f"of {dataset.source} has {tokens.size}; use a shorter --seq-len or more data"
-            )
+    data_lib.check_split_sizes(
+        dataset.train.size, dataset.val.size, job.run.seq_len, dataset.source
+    )
     return PreparedJob(
         job=job,
         dataset=dataset,
@@ -187,16 +183,7 @@ def _check_run_dir(
                 else "choose a new directory"
             )
             raise ConfigError(f"--out {out_dir} exists and is not empty; {hint}")
-        parent = out_dir if os.path.isdir(out_dir) else os.path.dirname(os.path.abspath(out_dir))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        # Try it (os.access says yes to root even on read-only mounts); nothing is left behind.
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".jaxmem-write-test-", dir=parent))
-        except OSError:
-            raise ConfigError(
-                f"--out {out_dir}: {parent} is not writable; choose another --out"
-            ) from None
+        check_can_create(out_dir, "--out")
         return None, ()
     require(
         os.path.isdir(out_dir),
