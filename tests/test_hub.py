@@ -6,7 +6,9 @@ directory's ``tokenizer.json``. ``parity_tests/test_hf_checkpoints.py`` compares
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from jaxmem.hf.config import (
 )
 from jaxmem.hf.files import read_params, write_safetensors
 from jaxmem.hf.keys import hf_tensors, key_map, param_shapes
+from tests.test_cli_contract import run_cli
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -99,6 +102,8 @@ def test_each_architecture_reads_as_its_model_config():
     assert disagreements(mistral, llama) == []
 
 
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0}
+LLAMA3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 REFUSED = [
     ({"model_type": "bert"}, 'model_type="bert" is not one jaxmem reads'),
     (
@@ -114,6 +119,17 @@ REFUSED = [
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true gives"),
     ({"num_key_value_heads": 3}, "n_kv_heads=3 does not divide n_heads=4"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 rotates part of each head"),
+    # sizes: positive integers int32 token ids, positions and indices reach; finite numbers
+    ({"vocab_size": 2**31}, "vocab_size=2147483648 is above 2,147,483,647 (2^31 - 1)"),
+    ({"max_position_embeddings": 10**12}, "max_position_embeddings=1000000000000 is above"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
+    ({"intermediate_size": 160.0}, "intermediate_size=160.0 must be a positive integer"),
+    ({"rms_norm_eps": 10**400}, "rms_norm_eps=10000000000000000000... (401 characters) must"),
+    (
+        {"rope_parameters": {**LLAMA3, "original_max_position_embeddings": math.inf}},
+        "rope_parameters.original_max_position_embeddings=Infinity must be a positive integer",
+    ),
+    ({"rope_parameters": {"rope_theta": math.nan}}, "rope_theta=NaN must be a finite number"),
 ]
 
 
@@ -409,6 +425,22 @@ def test_a_bad_model_directory_is_one_line_exit_2_and_nothing_written(case, tmp_
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_a_directory_whose_vocabulary_overflows_int32_is_one_line_naming_it(tmp_path):
+    """Every command that takes a model directory reads its sizes through one check: the
+    vocabulary that overflowed JAX's int32 indexing (a 68-line traceback) is one line, exit 2,
+    and so is the same size given as a setting."""
+    (tmp_path / "model").mkdir()
+    big = {**TINY_LLAMA, "vocab_size": 2**31}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(big))
+    proc = run_cli("memory", "--preset", str(tmp_path / "model"), "--frameworks", "jax")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "config.json: vocab_size=2147483648 is above 2,147,483,647 (2^31 - 1)" in lines[0]
+    with pytest.raises(ConfigError, match="vocab_size=2147483648 is above 2,147,483,647"):
+        dataclasses.replace(PRESETS["tiny"], vocab_size=2**31)
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
 @pytest.mark.slow
 def test_memory_takes_a_model_directory_as_its_preset(tmp_path):
     directory = write_model_dir(tmp_path / "model", TINY_LLAMA)
@@ -438,3 +470,56 @@ def test_training_from_a_directory_tokenizes_with_its_tokenizer_and_samples_with
     sample = (out / "sample.txt").read_text().split()
     assert sample[:2] == ["the", "cat"] and len(sample) == 8
     assert set(sample) <= {*words, "[UNK]", "<eos>"}
+
+
+# ------------------------------------------------------------------------------- jaxmem export
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory) -> str:
+    """A run of the tiny preset, 2 steps on bytes (no tokenizer anywhere)."""
+    from jaxmem.cli import main
+
+    run = tmp_path_factory.mktemp("export") / "run"
+    args = ["--preset", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
+    assert main(["train", *args, "--sample-tokens", "0", "--out", str(run)]) == 0
+    return str(run)
+
+
+@pytest.mark.slow
+def test_export_makes_the_parents_of_out_and_says_a_byte_run_has_no_tokenizer(byte_run, tmp_path):
+    out = tmp_path / "x" / "y" / "z"
+    proc = run_cli("export", byte_run, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    text = " ".join(proc.stdout.split())
+    assert f"no tokenizer in {out}/: the run read raw bytes (its model is a named preset)" in text
+    assert "its ids are the UTF-8 bytes of the text (0-255; 256, 257, 258: BOS, EOS, PAD)" in text
+    assert "encode with list(text.encode())" in text
+
+
+def test_export_where_out_cannot_be_made_is_one_line_and_writes_nothing(tmp_path, capsys):
+    from jaxmem.cli import main
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # refused before a checkpoint is read
+    (tmp_path / "file").write_text("")
+    for out, says in (
+        ("/proc/jaxmem-export/hf", "--out /proc/jaxmem-export/hf: /proc is not writable"),
+        (str(tmp_path / "file" / "hf"), f"{tmp_path / 'file'} is a file, not a directory"),
+    ):
+        capsys.readouterr()
+        with pytest.raises(SystemExit, match="2"):
+            main(["export", str(tmp_path / "run"), "--out", out])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert sorted(os.listdir(tmp_path)) == ["file", "run"]
+
+
+def test_a_model_directory_that_fails_to_write_leaves_no_parent_behind(tmp_path, monkeypatch):
+    import jaxmem.hf.files as hf_files
+
+    def disk_full(path, tensors):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_files, "write_safetensors", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        hf_files.save_model_dir(str(tmp_path / "a" / "b" / "hf"), {}, {})
+    assert os.listdir(tmp_path) == []
