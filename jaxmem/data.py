@@ -11,9 +11,11 @@ written by karpathy/nanoGPT's ``data/*/prepare.py``; ``uint32`` for vocabularies
 ids, as ``meta.json`` says) with our ``meta.json`` beside them; ``prepare_bin`` writes those.
 Text is byte-tokenized unless a ``tokenizer`` is given (``jaxmem.hf.tokenizer``: a Hugging Face
 model directory's ``tokenizer.json``); ``meta.json`` names the tokenizer a ``.bin`` was made
-with. Batches are a pure function of ``(seed, step)`` (``batch_at``) so a resumed run sees
-exactly the data it would have seen, and ``Prefetcher`` overlaps building and transferring the
-next batches with the current step.
+with. JSON Lines is refused where text is read (``refuse_json_lines``), and data whose splits
+cannot hold one sequence (``check_split_sizes``) before anything is written or compiled.
+Batches are a pure function of ``(seed, step)`` (``batch_at``) so a resumed run sees exactly the
+data it would have seen, and ``Prefetcher`` overlaps building and transferring the next batches
+with the current step.
 """
 
 from __future__ import annotations
