@@ -186,10 +186,26 @@ def test_the_memory_table_fits_100_columns_and_wide_shows_every_column():
     # and its unit on one line): no row wraps onto a second line
     assert [cells[0] for cells in rows] == ["jax", "torch", "jax", "torch", "torch-lean"]
     assert all(cells[-1] in ("yes", "no", "-") for cells in rows)
+    # no torch-lean row for none, and one line says why (nothing claims to measure it)
+    assert "measuring torch-lean none" not in proc.stdout
+    assert "no torch-lean row for none: no remat or whole-block remat" in proc.stdout
     wide = run_cli(*args, "--wide", "--frameworks", "jax")
     assert wide.returncode == 0, wide.stderr
     assert "compiled temp" in wide.stdout and "plan host" in wide.stdout
     assert_no_stray_lines(proc.stderr + wide.stderr)
+
+
+@pytest.mark.skipif(not cli.common.torch_available(), reason="needs PyTorch")
+def test_torch_lean_alone_with_no_policy_it_measures_is_one_line_and_exit_2(capsys):
+    """Refused before anything runs (in-process: the same check as the command's, without a
+    second interpreter importing PyTorch)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["memory", "--frameworks", "torch-lean", "--policies", "none,full,offload"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert out == "" and "--policies none,full,offload: no row to measure (no remat or" in line
+    assert "stock PyTorch has no offload by name" in line and "--frameworks torch" in line
 
 
 @pytest.fixture(scope="module")
