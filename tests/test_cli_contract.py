@@ -55,6 +55,19 @@ def assert_no_stray_lines(text: str) -> None:
     assert not stray, stray
 
 
+def test_help_starts_a_new_user_with_the_readmes_first_two_commands():
+    from tests.test_readme import readme_commands
+
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 100
+    start = proc.stdout.split("start here:", 1)[1]
+    commands = [" ".join(c.split()) for c in re.sub(r"\\\n\s*", " ", start).splitlines()[1:]]
+    assert len(commands) == 2 and commands[0].startswith("jaxmem train")
+    assert commands[1].startswith("jaxmem memory")
+    assert set(commands) <= set(readme_commands()), commands
+
+
 # ------------------------------------------------------------------ one job, every command
 def test_every_step_flag_names_a_setting_of_the_job():
     """A flag either overrides one setting of ``JobConfig`` or is read by its command alone;
@@ -354,12 +367,20 @@ def test_parity_where_only_fp32_differs_is_decided_by_float64_for_a_relu_model(
     monkeypatch.setattr(parity, "run_parity", run_parity)
     assert cli.main(["parity", "--preset", preset]) == code
     out = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in out) <= 100  # one row per dtype, every digit kept
+    assert out[1].split() == ["dtype", "result", "loss", "jax", "loss", "torch", "max", "|grad",
+                              "diff|", "max", "normwise", "rel", "rtol", "atol"]  # fmt: skip
+    assert out[2].split() == ["float64", "PASSED", "5.650000000", "5.650000000", "1.000e-17",
+                              "1.000e-15", "1e-05", "1e-06"]  # fmt: skip
     if preset == "seed":
-        assert out[1].startswith("parity DIFFERS (seed, float32")
-        assert out[2].startswith("parity PASSED in float64, the exactness check; fp32 differs")
-        assert out[2].endswith("fp32 is not an exactness check for a ReLU model")
+        assert out[0].startswith("parity PASSED (seed, batch 4, seq 32)")
+        assert out[3].split()[:2] == ["float32", "DIFFERS"]
+        explained = " ".join(out[4:])
+        assert explained.startswith("float64, the exactness check, decides: fp32 differs")
+        assert explained.endswith("fp32 is not an exactness check for a ReLU model")
     else:
-        assert out[1].startswith("parity FAILED (tiny, float32") and len(out) == 2
+        assert out[0].startswith("parity FAILED (tiny, batch 4, seq 32)")
+        assert out[3].split()[:2] == ["float32", "FAILED"] and len(out) == 4
 
 
 # ---------------------------------------------------------------------------- stray lines
