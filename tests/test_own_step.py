@@ -151,6 +151,7 @@ def test_bad_entry_points_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys)
     from jaxmem import cli
 
     entry = _entry(tmp_path)
+    _, script = _user_files(tmp_path)
     monkeypatch.chdir(tmp_path)
     at = f"small_step.py:{_line_of(entry, 'raise KeyError')}"  # where in the user's file
     cases = [
@@ -160,6 +161,11 @@ def test_bad_entry_points_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys)
         (("peak", "--fn", f"{entry}:nothing"), "has no 'nothing'"),
         (("memory", "--fn", f"{entry}:broken"), f"broken() raised KeyError: 'vocab_size' at {at}"),
         (("memory", "--fn", f"{entry}:not_a_step"), "returned int"),
+        (
+            ("memory", "--fn", f"{script}:main"),
+            "script.py exited (sys.exit(0) at "
+            f"script.py:{_line_of(script, 'sys.exit')}); a module --fn imports must not exit",
+        ),
         (("memory", "--fn", f"{entry}:no_policy", "--policies", "full"), "takes no policy"),
         (("memory", "--fn", f"{entry}:make_step", "--preset", "tiny"), "--preset describe"),
         (("peak", "--fn", f"{entry}:make_step", "--target", "h200"), "unknown target 'h200'"),
@@ -216,18 +222,16 @@ def test_a_module_that_uses_jax_as_it_is_imported_prints_only_jaxmems_lines(tmp_
     assert_no_stray_lines(proc.stdout + proc.stderr)
 
 
-def test_an_entry_point_or_module_that_exits_is_one_line_and_exit_2(tmp_path):
-    uses_jax, script = _user_files(tmp_path)
-    cases = [
-        (f"{script}:make_step", "importing", f"script.py:{_line_of(script, 'sys.exit')}"),
-        (f"{uses_jax}:exits", "exits()", f"uses_jax.py:{_line_of(uses_jax, 'sys.exit')}"),
-    ]
-    for fn, doing, where in cases:
-        proc = run_cli("memory", "--fn", fn)
-        err = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and proc.stdout == "", (fn, proc)
-        assert len(err) == 1 and f"{doing} " in err[0], (fn, err)
-        assert "exited (sys.exit(0) at " in err[0] and f"{where});" in err[0], (fn, err)
+def test_an_entry_point_that_exits_is_one_line_and_exit_2(tmp_path):
+    """``sys.exit(0)`` in the entry point is not a success: one line naming where, exit 2 (a
+    module that exits as it is imported: ``test_bad_entry_points_are_one_line_and_exit_2``)."""
+    uses_jax, _ = _user_files(tmp_path)
+    proc = run_cli("memory", "--fn", f"{uses_jax}:exits")
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    where = f"uses_jax.py:{_line_of(uses_jax, 'sys.exit')}"
+    assert len(err) == 1 and "exits() exited (sys.exit(0) at " in err[0], err
+    assert f"{where}); an entry point returns a step and must not exit" in err[0], err
 
 
 @needs_gpu_plan
