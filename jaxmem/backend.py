@@ -92,7 +92,9 @@ def quiet_library_start() -> None:
     JAX first too, as long as no backend has started (after that the platforms are chosen), and
     it keeps a platform the program chose. JAX's plugins are loaded here, inside the filter, so
     the program's first array prints nothing either; no backend is started. Without the plugin,
-    or with a driver, nothing happens."""
+    or with a driver, nothing happens. Two names it reads are JAX's own, not its API
+    (``xla_bridge._backends``, ``_discover_and_register_pjrt_plugins``): where a version lacks
+    them, the program runs as before, only not as quietly."""
     if not cuda_plugin_installed() or nvidia_driver_present():
         return
     jax = sys.modules.get("jax")
