@@ -6,7 +6,7 @@ start-up check prints a traceback before JAX falls back to the CPU, and loading 
 prints absl lines ("Could not find cuda drivers on your machine") straight to file descriptor 2.
 ``contain_cuda_plugin`` (called before JAX starts) asks for the CPU backend in that case, and
 ``quiet_native_stderr`` drops those known lines from a block that loads the plugin, passing every
-other byte through.
+other byte through. ``quiet_library_start`` does both for a program that imports jaxmem's tools.
 """
 
 from __future__ import annotations
@@ -83,6 +83,35 @@ def contain_cuda_plugin() -> None:
         # the backend is not started here: `jaxmem bench --threads` must set the CPU affinity
         # before XLA:CPU sizes its pool; the CLI starts it quietly in need_jax_backend
         import jax  # noqa: F401
+
+
+def quiet_library_start() -> None:
+    """For jaxmem as a library (``jaxmem.memory.tools`` calls this as it is imported): with the
+    plugin installed and no driver, JAX runs on the CPU and the program prints none of the
+    plugin's lines or its traceback, as the CLI's runs do. It works where the program imported
+    JAX first too, as long as no backend has started (after that the platforms are chosen), and
+    it keeps a platform the program chose. JAX's plugins are loaded here, inside the filter, so
+    the program's first array prints nothing either; no backend is started. Without the plugin,
+    or with a driver, nothing happens. Two names it reads are JAX's own, not its API
+    (``xla_bridge._backends``, ``_discover_and_register_pjrt_plugins``): where a version lacks
+    them, the program runs as before, only not as quietly."""
+    if not cuda_plugin_installed() or nvidia_driver_present():
+        return
+    jax = sys.modules.get("jax")
+    if jax is not None:  # imported before jaxmem: JAX_PLATFORMS is read already
+        from jax._src import xla_bridge
+
+        if getattr(xla_bridge, "_backends", None):
+            return
+        if not getattr(jax.config, "jax_platforms", None):
+            jax.config.update("jax_platforms", "cpu")
+    contain_cuda_plugin()
+    from jax._src import xla_bridge
+
+    register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+    if register is not None:  # the plugin's start-up check and lines happen here, filtered
+        with quiet_native_stderr():
+            register()
 
 
 # The filter: reads the block's stderr to its end, drops the noise, writes the rest to the

@@ -36,7 +36,19 @@ def test_parity_command_writes_json_and_passes_in_float64_and_fp32(tmp_path):
     f64, f32 = report["results"]
     # float64 agrees ~10 orders of magnitude closer than fp32 does
     assert f64["max_rel_grad_diff"] < 1e-12 < f32["max_rel_grad_diff"]
-    assert proc.stdout.count("parity PASSED") == 2
+    # the report fits 100 columns with every digit the JSON has: one row per dtype
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("parity PASSED (tiny, batch 4, seq 32)")
+    assert max(len(line) for line in lines) <= 100
+    for r, row in zip(report["results"], lines[2:4], strict=True):
+        assert row.split()[:6] == [
+            r["dtype"],
+            "PASSED",
+            f"{r['loss_jax']:.9f}",
+            f"{r['loss_torch']:.9f}",
+            f"{r['max_abs_grad_diff']:.3e}",
+            f"{r['max_rel_grad_diff']:.3e}",
+        ]
 
 
 def test_parity_command_exits_nonzero_when_frameworks_disagree(tmp_path, monkeypatch, capsys):
@@ -148,7 +160,11 @@ def test_parity_and_memory_commands_run_the_llama_block(tmp_path):
     PyTorch keeps that jaxmem does not (SwiGLU's ``silu(gate)``)."""
     proc = run_cli("parity", "--preset", "tiny-llama")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("parity PASSED (tiny-llama") == 2
+    assert proc.stdout.startswith("parity PASSED (tiny-llama")
+    assert [line.split()[:2] for line in proc.stdout.splitlines()[2:]] == [
+        ["float64", "PASSED"],
+        ["float32", "PASSED"],
+    ]
     out = tmp_path / "m.json"
     proc = run_cli(
         "memory", "--preset", "tiny-llama", "--policies", "none,selective", "--json", str(out)

@@ -55,6 +55,19 @@ def assert_no_stray_lines(text: str) -> None:
     assert not stray, stray
 
 
+def test_help_starts_a_new_user_with_the_readmes_first_two_commands():
+    from tests.test_readme import readme_commands
+
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 100
+    start = proc.stdout.split("start here:", 1)[1]
+    commands = [" ".join(c.split()) for c in re.sub(r"\\\n\s*", " ", start).splitlines()[1:]]
+    assert len(commands) == 2 and commands[0].startswith("jaxmem train")
+    assert commands[1].startswith("jaxmem memory")
+    assert set(commands) <= set(readme_commands()), commands
+
+
 # ------------------------------------------------------------------ one job, every command
 def test_every_step_flag_names_a_setting_of_the_job():
     """A flag either overrides one setting of ``JobConfig`` or is read by its command alone;
@@ -186,10 +199,26 @@ def test_the_memory_table_fits_100_columns_and_wide_shows_every_column():
     # and its unit on one line): no row wraps onto a second line
     assert [cells[0] for cells in rows] == ["jax", "torch", "jax", "torch", "torch-lean"]
     assert all(cells[-1] in ("yes", "no", "-") for cells in rows)
+    # no torch-lean row for none, and one line says why (nothing claims to measure it)
+    assert "measuring torch-lean none" not in proc.stdout
+    assert "no torch-lean row for none: no remat or whole-block remat" in proc.stdout
     wide = run_cli(*args, "--wide", "--frameworks", "jax")
     assert wide.returncode == 0, wide.stderr
     assert "compiled temp" in wide.stdout and "plan host" in wide.stdout
     assert_no_stray_lines(proc.stderr + wide.stderr)
+
+
+@pytest.mark.skipif(not cli.common.torch_available(), reason="needs PyTorch")
+def test_torch_lean_alone_with_no_policy_it_measures_is_one_line_and_exit_2(capsys):
+    """Refused before anything runs (in-process: the same check as the command's, without a
+    second interpreter importing PyTorch)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["memory", "--frameworks", "torch-lean", "--policies", "none,full,offload"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert out == "" and "--policies none,full,offload: no row to measure (no remat or" in line
+    assert "stock PyTorch has no offload by name" in line and "--frameworks torch" in line
 
 
 @pytest.fixture(scope="module")
@@ -338,12 +367,20 @@ def test_parity_where_only_fp32_differs_is_decided_by_float64_for_a_relu_model(
     monkeypatch.setattr(parity, "run_parity", run_parity)
     assert cli.main(["parity", "--preset", preset]) == code
     out = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in out) <= 100  # one row per dtype, every digit kept
+    assert out[1].split() == ["dtype", "result", "loss", "jax", "loss", "torch", "max", "|grad",
+                              "diff|", "max", "normwise", "rel", "rtol", "atol"]  # fmt: skip
+    assert out[2].split() == ["float64", "PASSED", "5.650000000", "5.650000000", "1.000e-17",
+                              "1.000e-15", "1e-05", "1e-06"]  # fmt: skip
     if preset == "seed":
-        assert out[1].startswith("parity DIFFERS (seed, float32")
-        assert out[2].startswith("parity PASSED in float64, the exactness check; fp32 differs")
-        assert out[2].endswith("fp32 is not an exactness check for a ReLU model")
+        assert out[0].startswith("parity PASSED (seed, batch 4, seq 32)")
+        assert out[3].split()[:2] == ["float32", "DIFFERS"]
+        explained = " ".join(out[4:])
+        assert explained.startswith("float64, the exactness check, decides: fp32 differs")
+        assert explained.endswith("fp32 is not an exactness check for a ReLU model")
     else:
-        assert out[1].startswith("parity FAILED (tiny, float32") and len(out) == 2
+        assert out[0].startswith("parity FAILED (tiny, batch 4, seq 32)")
+        assert out[3].split()[:2] == ["float32", "FAILED"] and len(out) == 4
 
 
 # ---------------------------------------------------------------------------- stray lines

@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 from jaxmem.compare.tolerances import tolerance
+from tests.test_cli_contract import assert_no_stray_lines, run_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flax_own_model.py"
@@ -150,14 +151,21 @@ def test_bad_entry_points_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys)
     from jaxmem import cli
 
     entry = _entry(tmp_path)
+    _, script = _user_files(tmp_path)
     monkeypatch.chdir(tmp_path)
+    at = f"small_step.py:{_line_of(entry, 'raise KeyError')}"  # where in the user's file
     cases = [
         (("memory", "--fn", "small_step"), "must be MODULE:FUNCTION"),
         (("memory", "--fn", "no_such_module_xyz:make_step"), "importing no_such_module_xyz failed"),
         (("memory", "--fn", "missing.py:make_step"), "no such file missing.py"),
         (("peak", "--fn", f"{entry}:nothing"), "has no 'nothing'"),
-        (("memory", "--fn", f"{entry}:broken"), "broken() raised KeyError"),
+        (("memory", "--fn", f"{entry}:broken"), f"broken() raised KeyError: 'vocab_size' at {at}"),
         (("memory", "--fn", f"{entry}:not_a_step"), "returned int"),
+        (
+            ("memory", "--fn", f"{script}:main"),
+            "script.py exited (sys.exit(0) at "
+            f"script.py:{_line_of(script, 'sys.exit')}); a module --fn imports must not exit",
+        ),
         (("memory", "--fn", f"{entry}:no_policy", "--policies", "full"), "takes no policy"),
         (("memory", "--fn", f"{entry}:make_step", "--preset", "tiny"), "--preset describe"),
         (("peak", "--fn", f"{entry}:make_step", "--target", "h200"), "unknown target 'h200'"),
@@ -168,6 +176,62 @@ def test_bad_entry_points_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2, (argv, err)
         assert len(err) == 1 and message in err[0], (argv, err)
+
+
+def _line_of(path: str, text: str) -> int:
+    lines = pathlib.Path(path).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def _user_files(tmp_path: pathlib.Path) -> tuple[str, str]:
+    """A user's module that uses JAX as it is imported, and one that exits as it is imported
+    (a training script without a ``__main__`` guard)."""
+    uses_jax = tmp_path / "uses_jax.py"
+    uses_jax.write_text(
+        textwrap.dedent(
+            """
+            import sys
+
+            import jax.numpy as jnp
+
+            X = jnp.ones((8, 8))  # JAX's backend starts as the module is imported
+
+
+            def make_step(policy=None):
+                return (lambda x: (x @ x).sum()), (X,)
+
+
+            def exits(policy=None):
+                sys.exit(0)
+            """
+        )
+    )
+    script = tmp_path / "script.py"
+    script.write_text("import sys\n\nsys.exit(0)\n")
+    return str(uses_jax), str(script)
+
+
+def test_a_module_that_uses_jax_as_it_is_imported_prints_only_jaxmems_lines(tmp_path):
+    """JAX's backend starts quietly before the user's module is imported, as it does for
+    jaxmem's own runs: none of the CUDA plugin's start-up lines (with the gpu-plan extra and no
+    GPU) reach the terminal."""
+    uses_jax, _ = _user_files(tmp_path)
+    proc = run_cli("memory", "--fn", f"{uses_jax}:make_step")
+    assert proc.returncode == 0, proc.stderr
+    assert "as written" in proc.stdout and proc.stderr == ""
+    assert_no_stray_lines(proc.stdout + proc.stderr)
+
+
+def test_an_entry_point_that_exits_is_one_line_and_exit_2(tmp_path):
+    """``sys.exit(0)`` in the entry point is not a success: one line naming where, exit 2 (a
+    module that exits as it is imported: ``test_bad_entry_points_are_one_line_and_exit_2``)."""
+    uses_jax, _ = _user_files(tmp_path)
+    proc = run_cli("memory", "--fn", f"{uses_jax}:exits")
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    where = f"uses_jax.py:{_line_of(uses_jax, 'sys.exit')}"
+    assert len(err) == 1 and "exits() exited (sys.exit(0) at " in err[0], err
+    assert f"{where}); an entry point returns a step and must not exit" in err[0], err
 
 
 @needs_gpu_plan

@@ -1,10 +1,12 @@
 """The README's commands run as shown on a fresh clone: every ``jaxmem`` command in its ``bash``
 blocks is run here (in a scratch directory), except a block the README marks as not run
 (``<!-- not run by the README test: why -->`` on the line before it: a GPU's work, minutes of
-training, several hosts). The README's relative links resolve."""
+training, several hosts), and its Python snippet runs as a script, printing what its comment
+says and nothing else. The README's relative links resolve."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -13,6 +15,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.test_cli_contract import assert_no_stray_lines
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -90,3 +94,25 @@ def test_a_readme_command_runs_as_shown(command, scratch):
         env={**os.environ, "COLUMNS": "100", "PATH": path},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None,
+    reason="the snippet plans for an H100: needs the gpu-plan extra (make test installs it)",
+)
+def test_the_readme_python_snippet_runs_quietly_and_prints_what_it_says(tmp_path):
+    """With the gpu-plan extra and no GPU too: importing jaxmem's tools first starts JAX on the
+    CPU without the CUDA plugin's lines or traceback."""
+    (snippet,) = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet)
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == ""
+    assert_no_stray_lines(proc.stdout)
+    (printed,) = proc.stdout.splitlines()
+    assert f"# {printed};" in snippet, printed

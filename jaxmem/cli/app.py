@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 
@@ -37,11 +38,22 @@ COMMANDS = (
 )
 
 
+# the README's first two jaxmem commands: train a tiny model, then measure a step's memory
+START_HERE = (
+    "start here: train a tiny model on the CPU, then see what its step keeps under each policy\n"
+    "  jaxmem train --preset tiny --policy selective --steps 50 --batch-size 8 --seq-len 64 \\\n"
+    "      --out runs/quickstart\n"
+    "  jaxmem memory --preset tiny --policies none,selective,full"
+)
+
+
 def build_parser() -> Parser:
     parser = Parser(
         prog="jaxmem",
         description="Decide, prove and run the cheapest memory strategy for training a "
-        "transformer, in JAX (Flax NNX) and PyTorch.",
+        "transformer,\nin JAX (Flax NNX) and PyTorch.",
+        epilog=START_HERE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the commands as typed
     )
     parser.add_argument("--version", action="version", version=f"jaxmem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -209,6 +209,8 @@ def _setup(args: argparse.Namespace, job, target) -> Setup:
 
         with usage_errors():
             check_cpu_mesh(parallel.devices, "torchrun processes")
+    if frameworks == ["torch-lean"]:
+        _check_lean_rows(policies)
     if job.memory.unroll and not target.is_gpu:
         notes.append(
             "--unroll on XLA:CPU: its compiler drops remat in an unrolled stack, so the plan "
@@ -224,6 +226,20 @@ def _setup(args: argparse.Namespace, job, target) -> Setup:
             job.check_gpu_plan()
     planning = presets.planning_only(job.preset, job.model) or target.is_gpu or parallel.sharded
     return Setup(policies, frameworks, target, planning, notes)
+
+
+def _check_lean_rows(policies: list) -> None:
+    """``--frameworks torch-lean`` alone: at least one policy has a row of the extension's own."""
+    from jaxmem.compare.bench import lean_left_out
+
+    why = [lean_left_out(p) for p in policies]
+    if all(why):
+        names = ",".join(p.name for p in policies)
+        raise UsageError(
+            f"--frameworks torch-lean --policies {names}: no row to measure "
+            f"({'; '.join(dict.fromkeys(why))}); add a "
+            "policy with named remat (selective, mlp, nested) or --frameworks torch"
+        )
 
 
 def _check_jax(job, setup: Setup) -> None:
@@ -249,15 +265,25 @@ def _check_jax(job, setup: Setup) -> None:
 def _measure(job, setup: Setup, console) -> tuple[list[dict], list[dict]]:
     records: list[dict] = []
     ranks: list[dict] = []
+    left_out: dict[str, list[str]] = {}  # why torch-lean has no row -> those policies
     for policy in setup.policies:
         for fw in setup.frameworks:
             if fw == "torch" and job.parallel.sharded:
                 ranks += _torch_ranks(job, policy, console)
                 continue
+            if fw == "torch-lean":
+                from jaxmem.compare.bench import lean_left_out
+
+                why = lean_left_out(policy)
+                if why is not None:
+                    left_out.setdefault(why, []).append(policy.name)
+                    continue
             console.print(f"measuring {fw} {policy.name}{_how(fw, setup)}...", style="dim")
             rec = _record(job, policy, fw, setup)
-            if rec is not None:
-                records.append(rec | {"preset": job.preset, "attention": job.model.attention})
+            records.append(rec | {"preset": job.preset, "attention": job.model.attention})
+    if left_out:
+        reasons = "; ".join(f"{', '.join(names)}: {why}" for why, names in left_out.items())
+        console.print(f"no torch-lean row for {reasons}", style="dim")
     return records, ranks
 
 
@@ -269,7 +295,7 @@ def _how(fw: str, setup: Setup) -> str:
     return " (compiling the train step from shapes)" if setup.planning else ""
 
 
-def _record(job, policy, fw: str, setup: Setup) -> dict | None:
+def _record(job, policy, fw: str, setup: Setup) -> dict:
     r = job.run
     if fw == "jax":
         from jaxmem.planner.records import jax_record
@@ -278,11 +304,8 @@ def _record(job, policy, fw: str, setup: Setup) -> dict | None:
         with usage_errors():
             spec = StepSpec.of_job(job, setup.target).replace(policy=policy)
             return jax_record(spec, abstract=setup.planning)
-    from jaxmem.compare.bench import has_lean
     from jaxmem.compare.records import torch_record
 
-    if fw == "torch-lean" and not has_lean(policy):
-        return None  # the extension runs what stock runs (or stock has no API)
     return torch_record(
         job.model,
         policy,

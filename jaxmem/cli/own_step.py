@@ -9,16 +9,26 @@ likes (``TagPolicy.preset(NAME, its_tag_map)`` is the short way)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable, Sequence
+import sysconfig
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jaxmem.cli.render as render
-from jaxmem.cli.common import UsageError, check_writable, need_gpu_plan, usage_errors
+from jaxmem.cli.common import (
+    UsageError,
+    check_writable,
+    need_gpu_plan,
+    need_jax_backend,
+    usage_errors,
+)
+from jaxmem.config import ConfigError
 from jaxmem.figures import format_bytes
 from jaxmem.files import write_json_atomic
 
@@ -54,14 +64,18 @@ def refuse_step_flags(
 
 
 def load_entry(text: str) -> Callable[..., Any]:
-    """The function ``MODULE:FUNCTION`` or ``FILE.py:FUNCTION`` names; a usage error otherwise."""
+    """The function ``MODULE:FUNCTION`` or ``FILE.py:FUNCTION`` names; a usage error otherwise.
+    JAX's backend is started first, quietly, as for jaxmem's own runs: a module that uses JAX
+    on import then prints none of the CUDA plugin's start-up lines."""
     where, sep, attr = text.rpartition(":")
     if not sep or not where or not attr:
         raise UsageError(f"--fn {text!r} must be MODULE:FUNCTION or FILE.py:FUNCTION")
-    try:
-        if where.endswith(".py") or os.sep in where:
-            if not os.path.isfile(where):
-                raise UsageError(f"--fn {text}: no such file {where}")
+    is_file = where.endswith(".py") or os.sep in where
+    if is_file and not os.path.isfile(where):
+        raise UsageError(f"--fn {text}: no such file {where}")
+    need_jax_backend()
+    with user_code(text, f"importing {where}", raised="failed:"):
+        if is_file:
             name = os.path.splitext(os.path.basename(where))[0]
             spec = importlib.util.spec_from_file_location(name, where)
             module = importlib.util.module_from_spec(spec)
@@ -71,15 +85,59 @@ def load_entry(text: str) -> Callable[..., Any]:
             if os.getcwd() not in sys.path:  # as `python -m` would: the current directory first
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(where)
-    except UsageError:
-        raise
-    except Exception as e:  # the user's module failed to import: one line, its own error
-        raise UsageError(f"--fn {text}: importing {where} failed: {_line(e)}") from None
     entry = getattr(module, attr, None)
     if entry is None or not callable(entry):
         found = "has no" if entry is None else "has a non-callable"
         raise UsageError(f"--fn {text}: {where} {found} {attr!r}")
     return entry
+
+
+@contextlib.contextmanager
+def user_code(text: str, doing: str, raised: str = "raised") -> Iterator[None]:
+    """Run a piece of the user's code (importing the module, calling the entry point, tracing
+    the step): an exception it raises, or ``sys.exit``, is one usage error naming the user's
+    file and line. Ctrl-C still interrupts."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except SystemExit as e:
+        code = e.code if e.code is not None else 0
+        hint = (
+            "a module --fn imports must not exit: keep a script's own run under "
+            "if __name__ == '__main__'"
+            if doing.startswith("importing")
+            else "an entry point returns a step and must not exit"
+        )
+        raise UsageError(
+            f"--fn {text}: {doing} exited (sys.exit({code!r}){_where(e)}); {hint}"
+        ) from None
+    except ConfigError as e:  # jaxmem's own check (tools.StepError among them), with its cause
+        at = _where(e.__cause__) if e.__cause__ is not None else ""
+        raise UsageError(f"--fn {text}: {e}{at}") from None
+    except Exception as e:  # the user's code failed: one line, its own error and where
+        raise UsageError(f"--fn {text}: {doing} {raised} {_line(e)}{_where(e)}") from None
+
+
+def _where(e: BaseException) -> str:
+    """`` at FILE:LINE``: the innermost place in the user's own code (not the standard library,
+    installed packages or jaxmem) that raised ``e``; empty when there is none."""
+    if isinstance(e, SyntaxError):  # its message names the file and line already
+        return ""
+    skip = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    skip.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxmem itself
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith("<")
+        and not any(os.path.abspath(f.filename).startswith(d + os.sep) for d in skip)
+    ]
+    return f" at {_short(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+
+
+def _short(path: str) -> str:
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def _line(e: BaseException) -> str:
@@ -89,7 +147,7 @@ def _line(e: BaseException) -> str:
 
 def call_entry(entry: Callable[..., Any], text: str, policy: str | None):
     """The ``Step`` ``entry`` returns (called with ``policy=`` when one is named)."""
-    from jaxmem.memory.tools import Step, StepError
+    from jaxmem.memory.tools import Step
 
     if policy is not None:
         try:
@@ -101,12 +159,8 @@ def call_entry(entry: Callable[..., Any], text: str, policy: str | None):
                 f"--fn {text}: {entry.__name__}() takes no policy argument; give it a policy "
                 "parameter or leave out --policies/--policy"
             )
-    try:
+    with user_code(text, f"{entry.__name__}()"):
         result = entry(policy=policy) if policy is not None else entry()
-    except StepError as e:
-        raise UsageError(f"--fn {text}: {e}") from None
-    except Exception as e:
-        raise UsageError(f"--fn {text}: {entry.__name__}() raised {_line(e)}") from None
     if isinstance(result, Step):
         return result
     if isinstance(result, tuple) and len(result) == 2 and callable(result[0]):
@@ -146,7 +200,7 @@ def memory(args: argparse.Namespace, names: Sequence[str]) -> int:
     rows = []
     for name in policies:
         step = call_entry(entry, args.fn, name)
-        with usage_errors():
+        with user_code(args.fn, "measuring the step"):
             plan = tools.plan(step.fn, *step.args, target=target, **step.compile_kwargs())
             flops = tools.matmul_flops(step.fn, *step.args, static_argnums=step.static_argnums)
             kept = tools.residuals(step.loss, *step.loss_args) if step.loss else None
@@ -232,7 +286,7 @@ def peak(args: argparse.Namespace, names: Sequence[str]) -> int:
     target = _target(args)
     check_writable(args.json)
     step = call_entry(entry, args.fn, args.policy)
-    with usage_errors():
+    with user_code(args.fn, "measuring the step"):
         sp = tools.peak(
             step.fn,
             *step.args,

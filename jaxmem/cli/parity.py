@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 import jaxmem.cli.presets as presets
 from jaxmem.cli.common import (
@@ -70,29 +71,66 @@ def run(args: argparse.Namespace) -> int:
     passed = all(verdicts.values()) or bool(kinked)
     if args.json:
         write_json_atomic(args.json, {"preset": name, "passed": passed, "results": reports})
+    for line in _lines(reports, name, batch, seq_len, passed, kinked=bool(kinked)):
+        print(line)
     for report in reports:
-        _print(report, name, batch, seq_len, informational=bool(kinked))
-    if kinked:
-        print(
-            f"parity PASSED in float64, the exactness check; fp32 differs beyond its tolerance "
-            f"on {name}'s ReLU: rounding that differs between the frameworks can flip a ReLU "
-            "at its kink, so fp32 is not an exactness check for a ReLU model"
-        )
+        if not report["passed"] and not kinked:
+            failing = f"failing gradient leaves ({report['dtype']}): {report['failed_grad_leaves']}"
+            print(textwrap.fill(failing, WIDTH, subsequent_indent="  "), file=sys.stderr)
     return 0 if passed else EXIT_PARITY_FAILED
 
 
-def _print(report: dict, name: str, batch: int, seq_len: int, informational: bool) -> None:
-    verdict = "PASSED" if report["passed"] else "DIFFERS" if informational else "FAILED"
-    tol = report["tolerances"]["grads"]
-    print(
-        f"parity {verdict} ({name}, {report['dtype']}, batch {batch}, seq {seq_len}): loss jax "
-        f"{report['loss_jax']:.9f} torch {report['loss_torch']:.9f}; max |grad diff| "
-        f"{report['max_abs_grad_diff']:.3e}, max normwise rel {report['max_rel_grad_diff']:.3e} "
-        f"over {report['n_grad_leaves']} gradient leaves (tolerance rtol={tol['rtol']}, "
-        f"atol={tol['atol']})"
+WIDTH = 100  # the report fits 100 columns: one row per dtype, the explanation wrapped
+HEADERS = (
+    "dtype",
+    "result",
+    "loss jax",
+    "loss torch",
+    "max |grad diff|",
+    "max normwise rel",
+    "rtol",
+    "atol",
+)
+
+
+def _lines(
+    reports: list[dict], name: str, batch: int, seq_len: int, passed: bool, kinked: bool
+) -> list[str]:
+    """The verdict, then one row per dtype under ``HEADERS`` (the gradient columns over every
+    leaf, the tolerance the rows are held to), then, where float64 decides, why."""
+    leaves = reports[0]["n_grad_leaves"]
+    head = (
+        f"parity {'PASSED' if passed else 'FAILED'} ({name}, batch {batch}, seq {seq_len}): "
+        f"loss and {leaves} gradient leaves, jaxmem against torch_ref"
     )
-    if not report["passed"] and not informational:
-        print(
-            f"failing gradient leaves ({report['dtype']}): {report['failed_grad_leaves']}",
-            file=sys.stderr,
+    rows = [HEADERS]
+    for r in reports:
+        tol = r["tolerances"]["grads"]
+        verdict = "PASSED" if r["passed"] else "DIFFERS" if kinked else "FAILED"
+        rows.append(
+            (
+                r["dtype"],
+                verdict,
+                f"{r['loss_jax']:.9f}",
+                f"{r['loss_torch']:.9f}",
+                f"{r['max_abs_grad_diff']:.3e}",
+                f"{r['max_rel_grad_diff']:.3e}",
+                f"{tol['rtol']:g}",
+                f"{tol['atol']:g}",
+            )
         )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADERS))]
+    lines = [textwrap.fill(head, WIDTH, subsequent_indent="  ")]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+    if kinked:
+        lines.append(
+            textwrap.fill(
+                f"float64, the exactness check, decides: fp32 differs beyond its tolerance on "
+                f"{name}'s ReLU, where rounding that differs between the frameworks can flip a "
+                "ReLU at its kink, so fp32 is not an exactness check for a ReLU model",
+                WIDTH,
+            )
+        )
+    return lines

@@ -134,10 +134,17 @@ def dominated_by(row: dict[str, Any], rows: list[dict[str, Any]], prefix: str) -
 def has_lean(policy: MemoryPolicy) -> bool:
     """Whether torch_ref's lean extension runs something other than the stock translation (and
     stock exists): named policies without offload, and nested."""
-    return (
-        resolve_translation(policy, "lean") == "lean"
-        and resolve_translation(policy, "stock") == "stock"
-    )
+    return lean_left_out(policy) is None
+
+
+def lean_left_out(policy: MemoryPolicy) -> str | None:
+    """Why ``policy`` has no row of its own for torch_ref's lean extension (``None`` when it
+    has one), in a few words for a report."""
+    if resolve_translation(policy, "stock") == "lean":
+        return "stock PyTorch has no offload by name, so the torch row runs the extension"
+    if resolve_translation(policy, "lean") == "stock":
+        return "no remat or whole-block remat, which the extension runs as stock PyTorch does"
+    return None
 
 
 def torch_point(

@@ -66,9 +66,9 @@ def _sharding(config_text: str) -> NamedSharding:
     except NotImplementedError:
         # the plugin failed its CUDA check when JAX started (no driver) and never registered
         raise ConfigError(
-            "JAX's CUDA plugin did not start (no NVIDIA driver) because JAX was started without "
-            "JAX_PLATFORMS=cpu: set JAX_PLATFORMS=cpu before importing JAX, or call "
-            "jaxmem.backend.contain_cuda_plugin() first (the jaxmem CLI does)"
+            "JAX's CUDA plugin did not start (no NVIDIA driver) because JAX started its backend "
+            "without JAX_PLATFORMS=cpu: import jaxmem.memory.tools before JAX starts one (it "
+            "sets that up), or set JAX_PLATFORMS=cpu before importing JAX"
         ) from None
     mesh = topologies.make_mesh(topo, (1,), ("x",))
     return NamedSharding(mesh, PartitionSpec())

@@ -24,7 +24,14 @@ Bad input raises a ``StepError`` subclass with one line naming what is wrong: ``
 names a tag the function never produces).
 """
 
+# ruff: noqa: E402  (JAX is imported after quiet_library_start, on purpose)
 from __future__ import annotations
+
+from jaxmem.backend import quiet_library_start
+
+# before JAX starts: with JAX's CUDA plugin installed and no GPU, the program runs on the CPU
+# without the plugin's start-up lines and traceback (GPU targets still compile deviceless)
+quiet_library_start()
 
 import dataclasses
 import functools
