@@ -161,7 +161,7 @@ def test_the_preset_listing_and_the_commands_apply_one_rule(capsys):
             refused = cli_presets.refusal(command, name, cfg) is not None
             assert (command not in listed) == refused
     assert cli_presets.preset_use("seed") == "seed-example, parity"
-    assert cli_presets.preset_use("tiny") == "all but plan"
+    assert cli_presets.preset_use("tiny") == "all"
     assert cli_presets.preset_use("llama-3-8b") == "from shapes*"
     for command in ("memory", "peak", "plan", "train", "bench"):
         with pytest.raises(SystemExit) as exc:
@@ -248,7 +248,6 @@ def test_the_commands_plan_prints_run_as_printed(plan_run, tmp_path):
             ["memory", "--mesh", "fsdp=4096", "--batch-size", "4096", "--frameworks", "jax"],
             "--mesh asks for 4096 CPU devices on this machine",
         ),
-        (["plan", "--preset", "tiny", "--budget", "1GiB"], "plan a model of at least 4"),
         (
             ["train", "--preset", "tiny", "--seq-len", "32", "--loss-chunks", "5"],
             "loss_chunks=5 does not divide seq_len=32",

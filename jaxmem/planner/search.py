@@ -264,9 +264,20 @@ def search(
     lower by more than ``TIE``."""
     compiles = _Compiles(problem, compile_peak or _compiler(problem))
     flops = FlopModel(problem.cfg, problem.seq_len)
-    memory = MemoryModel(problem, compiles.peak)
-    outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
     budget = problem.budget_bytes
+
+    def fit_peak(spec: StepSpec) -> int:
+        peak = compiles.peak(spec)
+        progress(
+            f"memory model: {policy_text(spec.policy)}, accum {spec.accum.steps} at depth "
+            f"{spec.model.n_layers}: {_mib(peak)} MiB compiled"
+        )
+        return peak
+
+    memory = MemoryModel(problem, fit_peak)
+    progress("tracing each stack's FLOPs (jaxprs, no compiles)")
+    outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
+    progress(f"{len(outcomes)} candidates, in order of estimated cost; compiling until one fits")
     at_depth = compiles.at_depth
     compile_candidate, program = compiles.candidate, _program
 
@@ -287,7 +298,7 @@ def search(
 
     calibration = _TimeCalibration(problem.cfg.n_layers)
 
-    for o in outcomes:
+    for i, o in enumerate(outcomes):
         c = o.candidate
         if chosen is not None:
             verdict = calibration.runner_up(c, chosen, memory)
@@ -320,16 +331,26 @@ def search(
                             continue
                         stopped = True
                         break
-                    progress(f"compiling the floor of {c.describe()}: {[p.name for p in probes]}")
                     floors[family] = min(compile_candidate(c, p) for p in probes)
+                    progress(
+                        f"compile {len(at_depth)} of at most {max_compiles}: the family floor of "
+                        f"{c.describe()} ({', '.join(p.name for p in probes)}): "
+                        f"{_mib(floors[family])} MiB, "
+                        f"{'over' if floors[family] > budget else 'under'} the budget"
+                    )
                 if floors[family] > budget:
                     o.status = "over (family floor compiled over)"
                     continue
         if program(c, c.policy) not in at_depth and not room(1):
             stopped = chosen is None
             break
-        progress(f"{'confirming against' if chosen else 'compiling'} {c.describe()}")
         o.compiled = compile_candidate(c, c.policy)
+        progress(
+            f"{'confirming: ' if chosen else ''}compile {len(at_depth)} of at most "
+            f"{at_choice + confirm if chosen else max_compiles}: {c.describe()}: "
+            f"{_mib(o.compiled)} MiB, {'over' if o.compiled > budget else 'fits'}; "
+            f"{len(outcomes) - i - 1} candidates left"
+        )
         o.plan_time = _with_state_link(compiles.plan_times.get(program(c, c.policy)), problem, c)
         memory.observe(c, o.predicted, o.compiled)
         calibration.observe(o)
@@ -344,6 +365,10 @@ def search(
     return PlanResult(
         problem, outcomes, chosen, compiles.compiler, memory.compiles, len(at_depth), stopped
     )
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
 
 
 def _with_state_link(
