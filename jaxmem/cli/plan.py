@@ -214,10 +214,12 @@ def _check_floor(args, problem, space) -> None:
 
     floor, how = argument_floor(problem, space)
     if problem.budget_bytes < floor:
+        budget = f"--budget {args.budget}" if args.budget else "the default budget"
         raise UsageError(
-            f"--budget {args.budget or format_bytes(problem.budget_bytes)} is below the smallest "
-            f"possible step: its arguments alone take {format_bytes(floor)} per device ({how}); "
-            "no memory policy can fit it: give at least that"
+            f"{budget} ({format_bytes(problem.budget_bytes)}) is below the smallest possible "
+            f"step: its arguments alone take {format_bytes(floor)} per device ({how}); no memory "
+            "policy can fit it: give at least that, or let more of the arguments leave the device "
+            "(--mesh fsdp=N, --precisions, --state-offload on a GPU target)"
         )
 
 

@@ -176,13 +176,28 @@ class _Compiles:
     """One search's compiles: each program at the real depth once, with its compiled plan's own
     estimate (``compile_peak.step_time``, where the compiler sets it), and which compiler ran."""
 
-    def __init__(self, problem: Problem, compile_peak: Callable[..., tuple[int, str]]):
+    def __init__(
+        self,
+        problem: Problem,
+        compile_peak: Callable[..., tuple[int, str]],
+        progress: Callable[[str], None],
+    ):
         self.problem, self.compile_peak, self.compiler = problem, compile_peak, ""
+        self.progress = progress
         self.at_depth: dict[tuple, int] = {}  # compiled at the real depth, per program
         self.plan_times: dict[tuple, dict | None] = {}
 
     def peak(self, spec: StepSpec) -> int:
         peak, self.compiler = self.compile_peak(spec)
+        return peak
+
+    def fit(self, spec: StepSpec) -> int:
+        """A memory-model compile (``spec`` at a fit depth), said as it ends."""
+        peak = self.peak(spec)
+        self.progress(
+            f"memory model: {policy_text(spec.policy)}, accum {spec.accum.steps} at depth "
+            f"{spec.model.n_layers}: {_mib(peak)} MiB compiled"
+        )
         return peak
 
     def candidate(self, c: Candidate, policy: MemoryPolicy) -> int:
@@ -262,22 +277,11 @@ def search(
     ``confirm`` more candidates are compiled while their estimate before compiling is below the
     fitting plan's compiled one, and one that fits replaces it when its compiled estimate is
     lower by more than ``TIE``."""
-    compiles = _Compiles(problem, compile_peak or _compiler(problem))
+    compiles = _Compiles(problem, compile_peak or _compiler(problem), progress)
     flops = FlopModel(problem.cfg, problem.seq_len)
     budget = problem.budget_bytes
-
-    def fit_peak(spec: StepSpec) -> int:
-        peak = compiles.peak(spec)
-        progress(
-            f"memory model: {policy_text(spec.policy)}, accum {spec.accum.steps} at depth "
-            f"{spec.model.n_layers}: {_mib(peak)} MiB compiled"
-        )
-        return peak
-
-    memory = MemoryModel(problem, fit_peak)
-    progress("tracing each stack's FLOPs (jaxprs, no compiles)")
-    outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
-    progress(f"{len(outcomes)} candidates, in order of estimated cost; compiling until one fits")
+    memory = MemoryModel(problem, compiles.fit)
+    outcomes = _lattice(problem, space, flops, progress)
     at_depth = compiles.at_depth
     compile_candidate, program = compiles.candidate, _program
 
@@ -332,12 +336,8 @@ def search(
                         stopped = True
                         break
                     floors[family] = min(compile_candidate(c, p) for p in probes)
-                    progress(
-                        f"compile {len(at_depth)} of at most {max_compiles}: the family floor of "
-                        f"{c.describe()} ({', '.join(p.name for p in probes)}): "
-                        f"{_mib(floors[family])} MiB, "
-                        f"{'over' if floors[family] > budget else 'under'} the budget"
-                    )
+                    what = f"the floor of {c.describe()} ({', '.join(p.name for p in probes)})"
+                    progress(_compiled(len(at_depth), max_compiles, what, floors[family], budget))
                 if floors[family] > budget:
                     o.status = "over (family floor compiled over)"
                     continue
@@ -345,12 +345,9 @@ def search(
             stopped = chosen is None
             break
         o.compiled = compile_candidate(c, c.policy)
-        progress(
-            f"{'confirming: ' if chosen else ''}compile {len(at_depth)} of at most "
-            f"{at_choice + confirm if chosen else max_compiles}: {c.describe()}: "
-            f"{_mib(o.compiled)} MiB, {'over' if o.compiled > budget else 'fits'}; "
-            f"{len(outcomes) - i - 1} candidates left"
-        )
+        cap = at_choice + confirm if chosen else max_compiles
+        what = f"{'runner-up ' if chosen else ''}{c.describe()}"
+        progress(_compiled(len(at_depth), cap, what, o.compiled, budget, len(outcomes) - i - 1))
         o.plan_time = _with_state_link(compiles.plan_times.get(program(c, c.policy)), problem, c)
         memory.observe(c, o.predicted, o.compiled)
         calibration.observe(o)
@@ -367,8 +364,26 @@ def search(
     )
 
 
+def _lattice(
+    problem: Problem, space: PlanSpace, flops: FlopModel, progress: Callable[[str], None]
+) -> list[Outcome]:
+    """The candidates in cost order, said before (the FLOP traces take a while) and after."""
+    progress("tracing each stack's FLOPs (jaxprs, no compiles)")
+    outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
+    progress(f"{len(outcomes)} candidates, in order of estimated cost; compiling until one fits")
+    return outcomes
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
+
+
+def _compiled(n: int, cap: int, what: str, peak: int, budget: int, left: int | None = None) -> str:
+    """A progress line for the ``n``-th compile of at most ``cap`` (``left``: candidates)."""
+    fits = "over" if peak > budget else "fits"
+    return f"compile {n} of at most {cap}: {what}: {_mib(peak)} MiB, {fits}" + (
+        "" if left is None else f"; {left} candidates left"
+    )
 
 
 def _with_state_link(
