@@ -322,6 +322,7 @@ def plan_table(out, result, title: str, top: int, wide: bool) -> None:
         left=("configuration", "status"),
         wrap=("configuration",),
     )
+    t.columns[0].overflow = "fold"  # a stack's name longer than the column breaks, never cut
     for o in shown:
         c = o.candidate
         row = [c.describe(), _significant(c.flops / 1e12), _significant(c.seconds)]
