@@ -135,6 +135,46 @@ def test_bad_targets_are_one_line_exit_2(args, message, capsys):
     assert message in err
 
 
+@pytest.mark.parametrize(
+    ("command", "edit", "message"),
+    [
+        (
+            ["plan", "--budget", "10GiB"],
+            "newer",
+            'line 29: GpuTargetConfigProto has no field named "collective_memory_granularity"',
+        ),
+        (["train", "--steps", "1"], "newer", "collective_memory_granularity"),
+        (["memory"], "negative", "device_memory_size -1 is not a size"),
+        (["peak"], "negative", "device_memory_size -1 is not a size"),
+    ],
+)
+def test_a_target_file_this_jaxlib_cannot_read_is_one_line_naming_the_field(
+    command, edit, message, tmp_path
+):
+    """Every command that takes --target: a field a newer XLA writes is named with the installed
+    jaxlib's version, a device_memory_size that is not a size is named with its value; one line,
+    exit 2, before any compile, nothing written."""
+    from importlib.metadata import version
+
+    from tests.test_cli_contract import run_cli
+
+    text = get_target("h100").config_text
+    if edit == "newer":
+        text += "collective_memory_granularity: 1\n"
+    else:
+        text = text.replace("device_memory_size: 84942979072", "device_memory_size: -1")
+    (tmp_path / "t.txtpb").write_text(text)
+    out = tmp_path / "run"
+    extra = ["--out", str(out)] if command[0] == "train" else []
+    proc = run_cli(*command, "--preset", "tiny", "--target", str(tmp_path / "t.txtpb"), *extra)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"jaxmem {command[0]}: error: ") and message in line
+    if edit == "newer":
+        assert f"the installed jaxlib {version('jaxlib')} cannot read it" in line
+    assert not out.exists()
+
+
 def test_without_the_extra_the_error_names_it(monkeypatch):
     monkeypatch.setattr(gpu_plan, "cuda_plugin_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"pip install 'jaxmem\[gpu-plan\]'"):

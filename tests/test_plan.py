@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shlex
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +17,10 @@ from flax import nnx
 
 from jaxmem.cli import main
 from jaxmem.cli.common import parse_bytes
+from jaxmem.cli.render import STATUS_SHORT
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
+from jaxmem.figures import format_bytes
 from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import LOCAL
 from jaxmem.model import make_model
@@ -44,6 +48,7 @@ from jaxmem.policy_config import policy_from_dict, policy_to_dict
 from jaxmem.precision import FP64, PRECISIONS
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
+from tests.test_cli_contract import run_cli
 
 FP32 = PRECISIONS["fp32"]
 CFG = PRESETS["small"]  # 4 layers: d 512, 8 heads
@@ -174,16 +179,113 @@ def test_mixed_policy_round_trips_and_bad_ones_are_refused():
 
 @pytest.mark.parametrize(
     "text,value",
-    [("70GiB", 70 * 2**30), ("512MiB", 512 * MIB), ("1.5GB", 1_500_000_000), ("4096", 4096)],
+    [("70GiB", 70 * 2**30), ("512MiB", 512 * MIB), ("1.5GB", 1_500_000_000), ("4096B", 4096)],
 )
 def test_budget_sizes(text, value):
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text", ["70 apples", "-1GiB", "GiB", "0"])
+@pytest.mark.parametrize("text", ["70 apples", "-1GiB", "GiB", "0", "1e30.5GiB"])
 def test_bad_budget_is_refused(text):
     with pytest.raises(ConfigError, match="is not a size"):
         parse_bytes(text)
+
+
+def _tiny_arguments_floor() -> int:
+    """tiny's step arguments from shapes: fp32 parameters, AdamW's two moments, 8 x 128 tokens
+    (the default batch and the preset's sequence) as int32 inputs and targets."""
+    from jaxmem.memory.analytic import opt_state_bytes, param_bytes
+
+    cfg = PRESETS["tiny"]
+    tokens = 2 * 4 * (8 // 8) * cfg.max_seq_len  # one microbatch of the largest --accum, 8
+    return param_bytes(cfg, FP32) + opt_state_bytes(cfg, OptimizerConfig(), FP32) + tokens
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--budget", "100"], "--budget 100: give a unit, e.g. 100GiB"),
+        (["--budget", "1KiB", "--max-compiles", "3"], "is below the smallest possible step"),
+        (["--budget", "1e30GiB"], "--budget 1e30GiB is more than this machine"),
+        (
+            ["--budget", "100GiB", "--target", "h100"],
+            "--budget 100GiB is more than the NVIDIA H100 80GB HBM3 has (79.11 GiB)",
+        ),
+    ],
+)
+def test_a_budget_without_a_unit_below_the_arguments_or_above_the_device_is_one_line(
+    extra, message
+):
+    """Refused at once, before any trace or compile (nothing on stdout: no search began): a
+    number with no unit, a budget under the step's arguments alone (named, with how it was
+    obtained), a budget over the device's memory (no 34-digit figure)."""
+    proc = run_cli("plan", "--preset", "tiny", *extra)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("jaxmem plan: error: ") and message in line
+    assert proc.stdout == ""
+    assert not re.search(r"\d{20}", line)
+    if "1KiB" in extra:
+        floor = format_bytes(_tiny_arguments_floor())
+        assert f"its arguments alone take {floor} per device (parameters" in line
+        assert "adamw state" in line and "from shapes, fp32" in line
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """``jaxmem plan`` of the 2-layer tiny preset at 100 columns, a budget between its
+    cheapest stack's plan and a leaner one's, with its JSON."""
+    out = tmp_path_factory.mktemp("tiny-plan") / "plan.json"
+    args = ["plan", "--preset", "tiny", "--budget", "3.6MiB", "--batch-size", "4"]
+    args += ["--seq-len", "32", "--accum", "1", "--max-compiles", "4", "--json", str(out)]
+    proc = run_cli(*args, columns=100)
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_a_model_under_four_layers_is_planned_by_compiling_each_candidate_whole(tiny_plan):
+    """No memory model to fit at two depths of 2+ blocks: every candidate reached is compiled at
+    the model's own depth, none predicted, and the command printed trains the same model."""
+    proc, plan = tiny_plan
+    assert "compiled whole" in plan["memory_source"]
+    assert all(c["predicted_bytes"] is None for c in plan["candidates"])
+    assert plan["fit_compiles"] == 0
+    assert plan["chosen"]["compiled_bytes"] <= plan["budget_bytes"]
+    argv = shlex.split(plan["commands"]["jax"])
+    assert argv[argv.index("--preset") + 1] == "tiny" and "--n-layers" not in argv
+    printed = re.sub(r" \\\n\s*", " ", proc.stdout)
+    assert plan["commands"]["jax"] in printed
+    assert "a model of 2 layers is compiled whole" in " ".join(proc.stdout.split())
+
+
+@pytest.mark.slow
+def test_the_search_prints_a_line_per_compile_with_its_peak_and_what_is_left(tiny_plan):
+    proc, plan = tiny_plan
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("compile ")]
+    assert len(lines) == plan["candidate_compiles"] >= 2
+    for i, line in enumerate(lines, 1):
+        assert re.match(rf"compile {i} of at most 4: .+: [\d,.]+ MiB, (over|fits|under)", line)
+    assert "candidates left" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_plan_table_fits_100_columns_and_cuts_no_figure(tiny_plan):
+    """At 100 columns every figure is whole: the long configuration (a per-tag policy's saves)
+    wraps inside its row instead."""
+    proc, plan = tiny_plan
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "…" not in proc.stdout
+    cells = [c.strip() for line in lines if line.startswith("│ ") for c in line.split("│")]
+    for c in plan["candidates"]:
+        if c["compiled_bytes"] is not None:
+            assert f"{c['compiled_bytes'] / MIB:,.1f}" in cells
+        assert STATUS_SHORT.get(c["status"], c["status"]) in cells
+    # the configuration column, line after line: each candidate's name whole, however wrapped
+    names = "".join(line.split("│")[1] for line in lines if line.startswith("│ ")).split()
+    for c in plan["candidates"]:
+        assert "".join(c["configuration"].split()) in "".join(names)
 
 
 @pytest.mark.slow
@@ -194,7 +296,7 @@ def test_impossible_budget_names_the_smallest_plan_and_exits_2(tmp_path, capsys)
         "--preset",
         "small",
         "--budget",
-        "20MiB",
+        "40MiB",  # above the arguments alone (37.7 MiB), below every plan
         "--batch-size",
         "8",
         "--seq-len",
@@ -213,7 +315,7 @@ def test_impossible_budget_names_the_smallest_plan_and_exits_2(tmp_path, capsys)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert "fits 20.0 MiB" in err[0] and "the smallest plan found is full, fp32, accum 1" in err[0]
+    assert "fits 40.0 MiB" in err[0] and "the smallest plan found is full, fp32, accum 1" in err[0]
     assert not out.exists()  # nothing half-written
 
 

@@ -93,9 +93,11 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
-def parse_bytes(text: str) -> int:
-    """``70GiB``, ``200MiB``, ``1.5GB``, ``123456`` -> bytes; bad text raises ``ConfigError``."""
-    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+def parse_bytes(text: str, flag: str | None = None) -> int:
+    """``70GiB``, ``200MiB``, ``1.5GB``, ``4096B`` -> bytes; bad text raises ``ConfigError``
+    (``flag``: the option it came from, named in the message). A number without a unit is
+    refused: ``100`` is as likely meant in GiB as in bytes."""
+    units = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
     units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
     t = text.strip().upper()
     number = t.rstrip("KMGTIB")
@@ -104,11 +106,14 @@ def parse_bytes(text: str) -> int:
         value = float(number)
     except ValueError:
         value = math.nan
-    if unit not in units or not math.isfinite(value) or value <= 0:
+    said = f"{flag} {text}" if flag else f"budget {text!r}"
+    if (unit and unit not in units) or not math.isfinite(value) or value <= 0:
         raise ConfigError(
-            f"budget {text!r} is not a size: give a positive number with a unit, e.g. 70GiB, "
-            "512MiB or 1.5GB"
+            f"{said} is not a size: give a positive number with a unit, e.g. 70GiB, 512MiB or 1.5GB"
         )
+    if not unit:
+        n = text.strip()
+        raise ConfigError(f"{said}: give a unit, e.g. {n}GiB, {n}MiB or {n}B")
     return int(value * units[unit])
 
 

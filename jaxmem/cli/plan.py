@@ -4,6 +4,7 @@ for the target; prints the ``jaxmem train`` commands that run it, complete."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 
 import jaxmem.cli.presets as presets
@@ -166,13 +167,13 @@ def run(args: argparse.Namespace) -> int:
     with usage_errors():
         target = get_target(args.target or "cpu")
         if args.budget is not None:
-            budget, budget_source = parse_bytes(args.budget), "--budget"
+            budget, budget_source = parse_bytes(args.budget, "--budget"), "--budget"
+            _check_ceiling(args.budget, budget, target)
         else:
             budget, budget_source = default_budget(target)
         space = _space(args, job)
     presets.check("plan", job.preset, job.model)
     check_writable(args.json)
-    _start_backend(job, target)
     problem = Problem(
         job.model,
         job.run.batch_size,
@@ -183,7 +184,43 @@ def run(args: argparse.Namespace) -> int:
         job.parallel.devices,
         slack=args.slack,
     )
+    _check_floor(args, problem, space)
+    _start_backend(job, target)
     return _search_and_report(args, job, problem, space, budget_source)
+
+
+def _check_ceiling(text: str, budget: int, target) -> None:
+    """A budget above the target's memory (a GPU's, or this machine's for the local backend)
+    cannot be a budget: refused, naming what the device has."""
+    from jaxmem.figures import format_bytes
+
+    if target.device_memory_bytes is not None:
+        has, whose = target.device_memory_bytes, f"the {target.description}"
+    else:
+        has = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        whose = "this machine (the local backend's device)"
+    if budget > has:
+        raise UsageError(
+            f"--budget {text} is more than {whose} has ({format_bytes(has)}): give at most "
+            "that" + ("" if target.is_gpu else ", or plan for a GPU with --target")
+        )
+
+
+def _check_floor(args, problem, space) -> None:
+    """A budget under the step's arguments alone fits no configuration: refused before any
+    trace or compile, naming that floor and how it was obtained."""
+    from jaxmem.figures import format_bytes
+    from jaxmem.planner.predict import argument_floor
+
+    floor, how = argument_floor(problem, space)
+    if problem.budget_bytes < floor:
+        budget = f"--budget {args.budget}" if args.budget else "the default budget"
+        raise UsageError(
+            f"{budget} ({format_bytes(problem.budget_bytes)}) is below the smallest possible "
+            f"step: its arguments alone take {format_bytes(floor)} per device ({how}); no memory "
+            "policy can fit it: give at least that, or let more of the arguments leave the device "
+            "(--mesh fsdp=N, --precisions, --state-offload on a GPU target)"
+        )
 
 
 def _space(args: argparse.Namespace, job):
@@ -371,12 +408,18 @@ def _summary(out, args, job, result, commands: dict) -> None:
     )
     if error is not None and error > args.slack:
         checked += f" [yellow](more than --slack {args.slack:.0%}: a skipped one may fit)[/]"
+    model = (
+        f"no memory model (it is fitted at two depths of at least 2 blocks): a model of "
+        f"{job.model.n_layers} layer{'s' if job.model.n_layers > 1 else ''} is compiled whole, "
+        "each candidate at its own depth"
+        if problem.compiled_whole
+        else f"the memory model ({result.fit_compiles} compiles at depths "
+        f"{problem.fit_depths[0]} and {problem.fit_depths[1]}) {checked}"
+    )
     out.print(
         f"{len(result.outcomes)} candidates; {result.candidate_compiles} compiled at depth "
         f"{job.model.n_layers}, {skipped} skipped as predicted over the budget, {floored} "
-        "because their family's leanest stack (full/offload) compiled over it; the memory "
-        f"model ({result.fit_compiles} compiles at depths {problem.fit_depths[0]} and "
-        f"{problem.fit_depths[1]}) {checked}",
+        f"because their family's leanest stack (full/offload) compiled over it; {model}",
         style="dim",
     )
     out.print("run it:", style="bold")
@@ -439,5 +482,10 @@ def _json(job, problem, result, budget_source: str, commands: dict) -> dict:
         ),
         "host_update_source": "estimate: " + rates_for(problem.target).host_source,
         "memory_source": "compiled plan (arguments + outputs - aliased + temporaries), per "
-        f"device; predicted: affine fit in depth from compiles at depths {problem.fit_depths}",
+        + (
+            "device; none predicted: the model is compiled whole, candidate by candidate"
+            if problem.compiled_whole
+            else f"device; predicted: affine fit in depth from compiles at depths "
+            f"{problem.fit_depths}"
+        ),
     }

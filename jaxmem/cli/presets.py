@@ -12,7 +12,6 @@ from jaxmem.config import PLANNING_ONLY, PRESETS, ModelConfig
 # The commands that take --preset, in the order the listing names them.
 COMMANDS = ("train", "memory", "plan", "peak", "parity", "bench")
 PARITY_MAX_PARAMS = 50_000_000  # parity runs both frameworks in float64 and fp32 on this machine
-PLAN_MIN_LAYERS = 4  # plan's memory model is fitted at two depths of at least 2 blocks
 
 
 def planning_only(preset: str, cfg: ModelConfig) -> bool:
@@ -37,12 +36,6 @@ def refusal(command: str, preset: str, cfg: ModelConfig) -> str | None:
             f"preset {preset!r} has no causal mask: it is not a language model; the seeds' "
             "layer runs in `jaxmem seed-example` and `jaxmem parity`"
         )
-    if command == "plan" and cfg.n_layers < PLAN_MIN_LAYERS:
-        return (
-            f"the model has {cfg.n_layers} layers: plan's memory model is fitted at two depths "
-            f"of at least 2 blocks, so plan a model of at least {PLAN_MIN_LAYERS} (--n-layers "
-            f"{PLAN_MIN_LAYERS})"
-        )
     if command == "bench" and planning_only(preset, cfg):
         return (
             f"--preset {preset} cannot run both frameworks on this machine; bench tiny or "
@@ -66,7 +59,8 @@ def preset_commands(name: str) -> list[str]:
 
 
 def preset_use(name: str) -> str:
-    """``preset_commands`` in a few words (``all``, ``all but plan``, ``from shapes*``)."""
+    """``preset_commands`` in a few words (``all``, ``all but`` the ones it refuses, or
+    ``from shapes*``)."""
     takes = preset_commands(name)
     if name in PLANNING_ONLY:
         assert takes == ["train", "memory", "plan", "peak"], takes

@@ -290,33 +290,46 @@ def _significant(x: float) -> str:
     return f"{x:.4g}"
 
 
+# every status in at most 12 characters: the default table's cells are never cut
 STATUS_SHORT = {
     "over (predicted)": "over (model)",
     "over (compiled)": "over (plan)",
     "over (family floor compiled over)": "over (floor)",
+    "fits (compiled estimate not faster)": "fits, slower",
+    "over (whole loss compiled over by more than the logits)": "over (twin)",
+    "over (whole-loss floor over by more than the logits)": "over (twin)",
+    "over (whole loss predicted over by more than the logits)": "over (twin)",
 }
 
 
 def plan_table(out, result, title: str, top: int, wide: bool) -> None:
+    """The candidates the search reached, cheapest first. At 100 columns no cell is cut: the
+    configuration wraps within its row (a row may take two lines), the figures never do;
+    ``--wide`` adds the host and collective bytes and the MFU."""
     shown = [o for o in result.outcomes if o.status != "not reached"][-top:]
     # bytes in GiB for a GPU-sized budget, else MiB: every figure fits its column
     gib = result.problem.budget_bytes >= 16 * 2**30
     unit, scale = ("GiB", 2**30) if gib else ("MiB", 2**20)
     timed = result.problem.target.is_gpu  # the local backend is ordered by nominal rates
     cols = ["configuration", "TFLOP", "est. s"]
-    cols += ["MFU", "plan est. s"] if timed else []
+    cols += ["MFU", "plan s"] if timed and wide else ["plan s"] if timed else []
     cols += ["predicted", "compiled", "status"]
     if wide:
         cols[2:2] = ["host GB (est.)", "collective GB (est.)"]
-    t = table(f"{title} (bytes in {unit})", cols, left=("configuration", "status"))
+    t = table(
+        f"{title} (bytes in {unit})",
+        cols,
+        left=("configuration", "status"),
+        wrap=("configuration",),
+    )
+    t.columns[0].overflow = "fold"  # a stack's name longer than the column breaks, never cut
     for o in shown:
         c = o.candidate
         row = [c.describe(), _significant(c.flops / 1e12), _significant(c.seconds)]
+        if timed and wide:
+            row.append(f"{c.estimate.mfu:.1%}" if c.estimate is not None else "-")
         if timed:
-            row += [
-                f"{c.estimate.mfu:.1%}" if c.estimate is not None else "-",
-                _significant(o.plan_time["seconds"]) if o.plan_time else "-",
-            ]
+            row.append(_significant(o.plan_time["seconds"]) if o.plan_time else "-")
         status = STATUS_SHORT.get(o.status, o.status)
         if wide:
             row[2:2] = [f"{c.host_bytes / 1e9:,.2f}", f"{c.collective_bytes / 1e9:,.2f}"]
@@ -330,8 +343,8 @@ def plan_table(out, result, title: str, top: int, wide: bool) -> None:
     est = (
         "est. s: the estimated step time the search orders by (matmuls at an efficiency of "
         "their shape, memory-bound work at the HBM's rate, transfers overlapped: below), from "
-        "the gradient's jaxpr before compiling; MFU: its model FLOPs utilisation; plan est. s: "
-        "the same model priced from the compiled plan's kernels"
+        "the gradient's jaxpr before compiling; plan s: the same model priced from the compiled "
+        "plan's kernels"
         if timed
         else "est. s: the order on the local backend (FLOPs at a nominal 1 TFLOP/s, bytes over "
         "nominal links; not a time)"
@@ -341,7 +354,17 @@ def plan_table(out, result, title: str, top: int, wide: bool) -> None:
         "predicted: the memory model; "
         "compiled: the plan; over (model): predicted over the budget, not compiled; over "
         "(plan): compiled over it; over (floor): its family's leanest stack compiled over it"
-        + ("" if wide else "; host and collective bytes: --wide"),
+        + (
+            "; over (twin): its whole-loss twin over by more than chunks can save"
+            if any(STATUS_SHORT.get(o.status) == "over (twin)" for o in shown)
+            else ""
+        )
+        + (
+            "; fits, slower: fits, its compiled plan no faster than the choice's"
+            if any(o.status.startswith("fits") for o in shown)
+            else ""
+        )
+        + ("" if wide else "; host and collective bytes" + (", MFU" if timed else "") + ": --wide"),
         style="dim",
     )
 

@@ -18,6 +18,7 @@ What such a plan cannot show, and jaxmem says so where it matters:
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import jax
@@ -52,6 +53,65 @@ def require_gpu_plan(target: Target) -> None:
             f"--target {target.name} needs ptxas and libdevice (nvidia-cuda-nvcc-cu12), which "
             f"are not installed: {GPU_PLAN_EXTRA}"
         )
+    _parsed(target)
+
+
+def _parsed(target: Target) -> None:
+    """XLA reads the target file (cheap, once per file and process): a file this jaxlib's
+    ``GpuTargetConfigProto`` does not parse is refused in one line, before any trace or compile,
+    with the line and field XLA names (``_parse_error``)."""
+    assert target.config_text is not None, target
+    try:
+        _sharding(target.config_text)
+    except jax.errors.JaxRuntimeError as e:
+        if "GpuTargetConfigProto" not in str(e):
+            raise
+        from importlib.metadata import version
+
+        raise ConfigError(
+            f"--target {target.source or target.name}: the installed jaxlib {version('jaxlib')} "
+            f"cannot read it, {_parse_error(target.config_text)} (a newer XLA's?): remove that "
+            "line, or capture the target again with this jaxlib"
+        ) from None
+
+
+_PARSE_ERROR = re.compile(r"GpuTargetConfigProto: (\d+):\d+: (.*?)\.?$", re.MULTILINE)
+
+
+def _parse_error(config_text: str) -> str:
+    """What XLA's text-format parser says of ``config_text`` ("line 29: Message type ... has no
+    field named ..."). Its parser logs that line at ERROR level, which the CLI keeps off the
+    terminal (``backend.quiet_xla_warnings``): a child process parses the file again with
+    logging on and the line is read from its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    child = (
+        "import sys\n"
+        "from jaxmem.backend import contain_cuda_plugin\n"
+        "contain_cuda_plugin()\n"
+        "from jax.experimental import topologies\n"
+        "topologies.get_topology_desc(platform='cuda', target_config=sys.stdin.read(), "
+        "topology='1x1x1')\n"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0", "JAX_PLATFORMS": "cpu"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", child],
+            input=config_text,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "XLA failed to parse its GpuTargetConfigProto"
+    found = _PARSE_ERROR.search(proc.stderr)
+    if found is None:
+        return "XLA failed to parse its GpuTargetConfigProto"
+    said = re.sub(r'Message type "(?:\w+\.)*(\w+)"', r"\1", found.group(2))
+    return f"line {found.group(1)}: {said}"
 
 
 @functools.cache

@@ -57,7 +57,7 @@ class Target:
 LOCAL = Target(name="cpu", platform="cpu", description="the local backend")
 
 _FIELD = {
-    "device_memory_size": re.compile(r"\bdevice_memory_size\s*:\s*(\d+)"),
+    "device_memory_size": re.compile(r"\bdevice_memory_size\s*:\s*([^\s{}#]+)"),
     "platform_name": re.compile(r'\bplatform_name\s*:\s*"([^"]*)"'),
     "device_description_str": re.compile(r'\bdevice_description_str\s*:\s*"([^"]*)"'),
 }
@@ -84,12 +84,18 @@ def parse_target(name: str, text: str, source: str) -> Target:
             f"target file {source} is for platform {found['platform_name'].group(1)!r}; "
             "jaxmem plans CUDA targets only"
         )
+    memory = found["device_memory_size"].group(1)
+    if not memory.isdigit() or int(memory) == 0:
+        raise ConfigError(
+            f"target file {source}: device_memory_size {memory} is not a size: give the GPU's "
+            "memory in bytes (e.g. 84942979072 for an H100 80 GB)"
+        )
     optional = {k: p.search(text) for k, p in _OPTIONAL.items()}
     return Target(
         name=name,
         platform="cuda",
         description=found["device_description_str"].group(1),
-        device_memory_bytes=int(found["device_memory_size"].group(1)),
+        device_memory_bytes=int(memory),
         config_text=text,
         source=source,
         multiprocessors=int(optional["core_count"].group(1)) if optional["core_count"] else None,

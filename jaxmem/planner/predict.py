@@ -15,6 +15,7 @@ from collections.abc import Callable
 from flax import nnx
 
 from jaxmem.config import ModelConfig
+from jaxmem.figures import format_bytes
 from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.memory.remat import layers_fn
@@ -22,7 +23,7 @@ from jaxmem.model import make_model
 from jaxmem.planner import tags
 from jaxmem.planner.cost import priced_runs
 from jaxmem.planner.records import lm_step_batch
-from jaxmem.planner.space import Candidate, Problem, candidate_spec, part_key
+from jaxmem.planner.space import Candidate, PlanSpace, Problem, candidate_spec, part_key
 from jaxmem.policy import POLICIES, EmbeddingReplay, MemoryPolicy, can_replay_embedding
 from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.step.train_step import lm_loss_fn
@@ -137,8 +138,9 @@ class MemoryModel:
         return self.fits[key]
 
     def predict(self, cand: Candidate) -> float | None:
-        """Predicted planned peak (device bytes); None for nested (compiled, not predicted)."""
-        if cand.policy.nested:
+        """Predicted planned peak (device bytes); None for nested and for every candidate of a
+        model compiled whole (``Problem.compiled_whole``): compiled, not predicted."""
+        if cand.policy.nested or self.problem.compiled_whole:
             return None
         parts = priced_runs(cand.policy, self.problem.cfg.n_layers)
         fits = [(n, self._family(p, cand)) for n, p in parts]
@@ -203,3 +205,39 @@ def chunk_savings_bound(problem: Problem, cand: Candidate) -> int:
     MiB of logits). The LM head is whole on every tensor device."""
     rows = problem.batch // (problem.devices // cand.tp * cand.accum)
     return 3 * rows * problem.seq_len * problem.cfg.vocab_size * 4
+
+
+def argument_floor(problem: Problem, space: PlanSpace) -> tuple[int, str]:
+    """A lower bound on any candidate's planned peak per device, from shapes: the step's
+    arguments alone (parameters, optimizer state, one microbatch of tokens), placed as the
+    leanest choice ``space`` allows places them (split over every device where a strategy or
+    tensor parallelism can split them; the state, or the stack's parameters, in host memory
+    where the space may put them there), at its narrowest precision. A budget under it fits
+    nothing, whatever the policy; the text says how it was obtained."""
+    cfg, n = problem.cfg, problem.devices
+    host = problem.target.is_gpu
+    state_out = host and any(m != "device" for m in space.state_memory)
+    stack_out = host and any(m.startswith("stream") for m in space.state_memory)
+    split = n > 1 and ("fsdp" in space.strategies or max(space.tensor) > 1)
+    state_split = split or (n > 1 and "zero1" in space.strategies)
+    block = cfg.replace(n_layers=2).n_params - cfg.replace(n_layers=1).n_params
+    floor, said = None, ""
+    for name in space.precisions:
+        precision = PRECISIONS[name]
+        params = analytic.param_bytes(cfg, precision)
+        if stack_out:
+            params -= cfg.n_layers * block * precision.param_bytes  # streamed from host
+        state = 0 if state_out else analytic.opt_state_bytes(cfg, problem.opt_cfg, precision)
+        params, state = params // (n if split else 1), state // (n if state_split else 1)
+        tokens = 2 * 4 * problem.seq_len * max(1, problem.batch // (n * max(space.accum)))
+        if floor is None or params + state + tokens < floor:
+            floor = params + state + tokens
+            said = (
+                f"parameters {format_bytes(params)}"
+                + (" (the stack's streamed from host memory)" if stack_out else "")
+                + f" + {problem.opt_cfg.name} state {format_bytes(state)}"
+                + (" (in host memory)" if state_out else "")
+                + f" + one microbatch of tokens {format_bytes(tokens)}, from shapes, {name}"
+                + (f", split over {n} devices" if split else "")
+            )
+    return floor, said

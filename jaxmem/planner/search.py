@@ -176,13 +176,28 @@ class _Compiles:
     """One search's compiles: each program at the real depth once, with its compiled plan's own
     estimate (``compile_peak.step_time``, where the compiler sets it), and which compiler ran."""
 
-    def __init__(self, problem: Problem, compile_peak: Callable[..., tuple[int, str]]):
+    def __init__(
+        self,
+        problem: Problem,
+        compile_peak: Callable[..., tuple[int, str]],
+        progress: Callable[[str], None],
+    ):
         self.problem, self.compile_peak, self.compiler = problem, compile_peak, ""
+        self.progress = progress
         self.at_depth: dict[tuple, int] = {}  # compiled at the real depth, per program
         self.plan_times: dict[tuple, dict | None] = {}
 
     def peak(self, spec: StepSpec) -> int:
         peak, self.compiler = self.compile_peak(spec)
+        return peak
+
+    def fit(self, spec: StepSpec) -> int:
+        """A memory-model compile (``spec`` at a fit depth), said as it ends."""
+        peak = self.peak(spec)
+        self.progress(
+            f"memory model: {policy_text(spec.policy)}, accum {spec.accum.steps} at depth "
+            f"{spec.model.n_layers}: {_mib(peak)} MiB compiled"
+        )
         return peak
 
     def candidate(self, c: Candidate, policy: MemoryPolicy) -> int:
@@ -262,11 +277,11 @@ def search(
     ``confirm`` more candidates are compiled while their estimate before compiling is below the
     fitting plan's compiled one, and one that fits replaces it when its compiled estimate is
     lower by more than ``TIE``."""
-    compiles = _Compiles(problem, compile_peak or _compiler(problem))
+    compiles = _Compiles(problem, compile_peak or _compiler(problem), progress)
     flops = FlopModel(problem.cfg, problem.seq_len)
-    memory = MemoryModel(problem, compiles.peak)
-    outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
     budget = problem.budget_bytes
+    memory = MemoryModel(problem, compiles.fit)
+    outcomes = _lattice(problem, space, flops, progress)
     at_depth = compiles.at_depth
     compile_candidate, program = compiles.candidate, _program
 
@@ -287,7 +302,7 @@ def search(
 
     calibration = _TimeCalibration(problem.cfg.n_layers)
 
-    for o in outcomes:
+    for i, o in enumerate(outcomes):
         c = o.candidate
         if chosen is not None:
             verdict = calibration.runner_up(c, chosen, memory)
@@ -320,16 +335,19 @@ def search(
                             continue
                         stopped = True
                         break
-                    progress(f"compiling the floor of {c.describe()}: {[p.name for p in probes]}")
                     floors[family] = min(compile_candidate(c, p) for p in probes)
+                    what = f"the floor of {c.describe()} ({', '.join(p.name for p in probes)})"
+                    progress(_compiled(len(at_depth), max_compiles, what, floors[family], budget))
                 if floors[family] > budget:
                     o.status = "over (family floor compiled over)"
                     continue
         if program(c, c.policy) not in at_depth and not room(1):
             stopped = chosen is None
             break
-        progress(f"{'confirming against' if chosen else 'compiling'} {c.describe()}")
         o.compiled = compile_candidate(c, c.policy)
+        cap = at_choice + confirm if chosen else max_compiles
+        what = f"{'runner-up ' if chosen else ''}{c.describe()}"
+        progress(_compiled(len(at_depth), cap, what, o.compiled, budget, len(outcomes) - i - 1))
         o.plan_time = _with_state_link(compiles.plan_times.get(program(c, c.policy)), problem, c)
         memory.observe(c, o.predicted, o.compiled)
         calibration.observe(o)
@@ -343,6 +361,28 @@ def search(
             chosen = _faster(chosen, o)
     return PlanResult(
         problem, outcomes, chosen, compiles.compiler, memory.compiles, len(at_depth), stopped
+    )
+
+
+def _lattice(
+    problem: Problem, space: PlanSpace, flops: FlopModel, progress: Callable[[str], None]
+) -> list[Outcome]:
+    """The candidates in cost order, said before (the FLOP traces take a while) and after."""
+    progress("tracing each stack's FLOPs (jaxprs, no compiles)")
+    outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
+    progress(f"{len(outcomes)} candidates, in order of estimated cost; compiling until one fits")
+    return outcomes
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def _compiled(n: int, cap: int, what: str, peak: int, budget: int, left: int | None = None) -> str:
+    """A progress line for the ``n``-th compile of at most ``cap`` (``left``: candidates)."""
+    fits = "over" if peak > budget else "fits"
+    return f"compile {n} of at most {cap}: {what}: {_mib(peak)} MiB, {fits}" + (
+        "" if left is None else f"; {left} candidates left"
     )
 
 

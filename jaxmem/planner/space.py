@@ -176,6 +176,11 @@ class Candidate:
         return ParallelConfig(strategy=self.strategy or "dp", devices=devices, tp=self.tp)
 
 
+# the memory model is fitted at two depths of at least 2 blocks (``Problem.fit_depths``): a
+# shallower model is compiled whole, candidate by candidate
+FIT_MIN_LAYERS = 4
+
+
 @dataclasses.dataclass
 class Problem:
     """What is planned: the model, the step's shape, the target, the mesh and the budget."""
@@ -190,6 +195,12 @@ class Problem:
     # skip a candidate predicted over the budget by more than this fraction: the memory model's
     # measured error on mixed stacks (compare.tolerances "mixed_stack_prediction")
     slack: float = 0.20
+
+    @property
+    def compiled_whole(self) -> bool:
+        """A model under ``FIT_MIN_LAYERS`` blocks has no two depths to fit the memory model at
+        (``fit_depths``): each candidate is compiled whole at its own depth, none predicted."""
+        return self.cfg.n_layers < FIT_MIN_LAYERS
 
     @property
     def fit_depths(self) -> tuple[int, int]:
