@@ -273,6 +273,8 @@ class _Run:
         for s, handle in self.pending:
             values = self.trainer.fetch(handle)
             rec = {"step": s, "loss": values["loss"], "tokens": s * self.tokens_per_step}
+            # the learning rate this step's update applied (a constant one: the config's)
+            rec["lr"] = values.get("lr", job.optimizer.lr)
             if "grad_norm" in values:
                 rec["grad_norm"] = values["grad_norm"]
             if scaled:
