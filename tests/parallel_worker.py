@@ -52,7 +52,9 @@ def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
         policy=get_policy(case["policy"]).replace(loss=LossPolicy(case.get("loss_chunks", 0))),
         precision=precision,
         optimizer=OptimizerConfig(
-            **case.get("optimizer", {}), state_memory=case.get("state_memory", "device"), stream=stream
+            **case.get("optimizer", {}),
+            state_memory=case.get("state_memory", "device"),
+            stream=stream,
         ),
         batch=BATCH,
         seq_len=SEQ,
