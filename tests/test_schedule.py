@@ -228,3 +228,15 @@ def test_a_streamed_step_follows_the_schedule_of_an_unstreamed_one():
         p, o, _, m = plain(p, o, None, batch)
         s_params, s_state, _, sm = streamed(s_params, s_state, None, batch)
         assert (float(sm["loss"]), float(sm["lr"])) == (float(m["loss"]), float(m["lr"]))
+
+
+def test_the_planner_streams_a_scheduled_job_but_not_a_clipped_one():
+    """Streaming, which cannot clip, is not among a clipped job's candidates; a schedule does
+    not keep it out."""
+    from jaxmem.memory.targets import LOCAL
+    from jaxmem.planner.space import Problem, _streams
+
+    scheduled = OptimizerConfig(schedule="cosine", warmup_steps=2, decay_steps=10)
+    for opt_cfg, streams in ((scheduled, True), (OptimizerConfig(clip_norm=1.0), False)):
+        problem = Problem(PRESETS["tiny"], 4, 32, LOCAL, 10**12, opt_cfg)
+        assert _streams(problem, POLICIES["full"], None) is streams
