@@ -581,6 +581,16 @@ class OptimizerConfig:
         """The learning rate changes over the steps (warmup or decay)."""
         return self.schedule != "constant" or self.warmup_steps > 0
 
+    @property
+    def lr_text(self) -> str:
+        """The learning rate, its schedule and clipping in words (a run's first line)."""
+        text = f"lr {self.lr}"
+        if self.warmup_steps:
+            text += f", warmup {self.warmup_steps}"
+        if self.schedule != "constant":
+            text += f", {self.schedule} to {self.min_lr} at step {self.decay_steps}"
+        return text + (f", clip {self.clip_norm}" if self.clips else "")
+
     def lr_at(self, step: int) -> float:
         """The learning rate of update ``step`` (0: the first), in float64: the formula both
         frameworks' stock schedules compute (their own values are what a run logs)."""

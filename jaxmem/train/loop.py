@@ -253,7 +253,7 @@ class _Run:
             f"[bold]jaxmem train[/] ({trainer.framework}) preset {job.preset} "
             f"({job.model.n_params / 1e6:.2f} M params), policy {job.memory.name}, precision "
             f"{job.precision.name}, accum {job.accum.steps} ({job.accum.mode}), batch "
-            f"{r.batch_size} x seq {r.seq_len}, {job.optimizer.name} lr {job.optimizer.lr}, "
+            f"{r.batch_size} x seq {r.seq_len}, {job.optimizer.name} {job.optimizer.lr_text}, "
             f"steps {self.start + 1}..{r.steps} on {trainer.platform}; data: "
             f"{prepared.dataset.source} ({prepared.dataset.train.size:,} train / "
             f"{prepared.dataset.val.size:,} val tokens); {trainer.describe()}"
