@@ -446,7 +446,7 @@ class OptimizerConfig:
     None: the framework's own (JAX: device; torch_ref: FSDP2's CPU offload steps on the host).
 
     The learning rate over the steps (``jaxmem.step.train_step.make_schedule``; torch_ref:
-    ``torch_ref.train.make_scheduler``): ``warmup_steps`` of linear warmup from 0 to ``lr``,
+    ``torch_ref.train.make_schedulers``): ``warmup_steps`` of linear warmup from 0 to ``lr``,
     then ``schedule``: ``constant`` (held at ``lr``), ``cosine`` or ``linear`` decay from ``lr``
     to ``min_lr`` (an absolute rate, as optax's ``end_value`` and torch's ``eta_min``) at step
     ``decay_steps``, held there after. ``decay_steps`` is the schedule's whole length, warmup
