@@ -431,6 +431,8 @@ STREAM_OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")  # elementwise: updated bl
 # where a streamed stack's optimizer update runs (None: the framework's own, JAX on the device
 # block by block, torch_ref's FSDP2 on the CPU)
 STREAM_UPDATES: tuple[str, ...] = ("device", "host")
+# the learning rate over the steps, after the linear warmup: held, cosine or linear decay
+SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -455,6 +457,18 @@ class OptimizerConfig:
     parameters, gradient and state brought over and sent back) or ``host`` (in host memory,
     where they live: only the parameters and gradients cross the link, ZeRO-Offload's way);
     None: the framework's own (JAX: device; torch_ref: FSDP2's CPU offload steps on the host).
+
+    The learning rate over the steps (``jaxmem.step.train_step.make_schedule``; torch_ref:
+    ``torch_ref.train.make_schedulers``): ``warmup_steps`` of linear warmup from 0 to ``lr``,
+    then ``schedule``: ``constant`` (held at ``lr``), ``cosine`` or ``linear`` decay from ``lr``
+    to ``min_lr`` (an absolute rate, as optax's ``end_value`` and torch's ``eta_min``) at step
+    ``decay_steps``, held there after. ``decay_steps`` is the schedule's whole length, warmup
+    included (optax's ``warmup_cosine_decay_schedule`` counts it so); a job fills it with its
+    ``run.steps`` when unset, and the run's config keeps it, so a resumed run continues the
+    same schedule whatever ``--steps`` it is given. ``clip_norm``: the gradient is scaled down
+    to this global L2 norm (over every parameter) before the update when it is larger
+    (``optax.clip_by_global_norm``, ``torch.nn.utils.clip_grad_norm_``); None or 0: no
+    clipping. Neither adds optimizer state beyond the schedule's step count.
     """
 
     name: str = "adamw"
@@ -468,8 +482,14 @@ class OptimizerConfig:
     params_memory: str = "device"
     stream: bool = False
     stream_update: str | None = None
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    decay_steps: int | None = None
+    min_lr: float = 0.0
+    clip_norm: float | None = None
 
     def __post_init__(self) -> None:
+        self._check_schedule()
         require(self.name in OPTIMIZERS, f"optimizer={self.name!r} is not one of {OPTIMIZERS}")
         require(
             self.stream_update is None or self.stream_update in STREAM_UPDATES,
@@ -512,6 +532,91 @@ class OptimizerConfig:
                 "rest on the device: leave state_memory and params_memory at 'device' (got "
                 f"{self.state_memory!r}, {self.params_memory!r})",
             )
+            require(
+                not self.clips,
+                f"clip_norm={self.clip_norm!r} with stream: a streamed step updates the stack "
+                "block by block before the whole gradient's norm is known; drop --clip-norm "
+                "or --stream",
+            )
+
+    def _check_schedule(self) -> None:
+        require(
+            self.schedule in SCHEDULES,
+            f"schedule={self.schedule!r} is not one of {SCHEDULES}",
+        )
+        require(
+            isinstance(self.warmup_steps, int)
+            and not isinstance(self.warmup_steps, bool)
+            and self.warmup_steps >= 0,
+            f"warmup_steps={self.warmup_steps!r} must be a non-negative integer",
+        )
+        if self.decay_steps is not None:
+            _require_positive_int("decay_steps", self.decay_steps)
+        require(
+            isinstance(self.min_lr, float) and math.isfinite(self.min_lr) and self.min_lr >= 0.0,
+            f"min_lr={self.min_lr!r} must be a finite float >= 0 (the decay's floor)",
+        )
+        clip = self.clip_norm
+        require(
+            clip is None
+            or (isinstance(clip, (int, float)) and not isinstance(clip, bool))
+            and math.isfinite(clip)
+            and clip >= 0.0,
+            f"clip_norm={clip!r} must be a positive, finite number (unset or 0: no clipping)",
+        )
+        if self.schedule == "constant":
+            for name, default in (("decay_steps", None), ("min_lr", 0.0)):
+                value = getattr(self, name)
+                require(
+                    value == default,
+                    f"{name}={value!r} belongs to a decaying schedule; schedule='constant' "
+                    "never decays: use --schedule cosine or linear, or drop it",
+                )
+            return
+        require(
+            self.min_lr <= self.lr,
+            f"min_lr={self.min_lr!r} is above lr={self.lr!r}: the decay ends at min_lr; use "
+            f"at most {self.lr!r}",
+        )
+        require(
+            self.decay_steps is None or self.decay_steps > self.warmup_steps,
+            f"decay_steps={self.decay_steps} must exceed warmup_steps={self.warmup_steps}: it "
+            "is the schedule's whole length, warmup included (unset: the run's --steps)",
+        )
+
+    @property
+    def clips(self) -> bool:
+        """The gradient is clipped to ``clip_norm`` (set and not 0)."""
+        return bool(self.clip_norm)
+
+    @property
+    def scheduled(self) -> bool:
+        """The learning rate changes over the steps (warmup or decay)."""
+        return self.schedule != "constant" or self.warmup_steps > 0
+
+    @property
+    def lr_text(self) -> str:
+        """The learning rate, its schedule and clipping in words (a run's first line)."""
+        text = f"lr {self.lr}"
+        if self.warmup_steps:
+            text += f", warmup {self.warmup_steps}"
+        if self.schedule != "constant":
+            text += f", {self.schedule} to {self.min_lr} at step {self.decay_steps}"
+        return text + (f", clip {self.clip_norm}" if self.clips else "")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of update ``step`` (0: the first), in float64: the formula both
+        frameworks' stock schedules compute (their own values are what a run logs)."""
+        warm, lr = self.warmup_steps, self.lr
+        if step < warm:
+            return lr * step / warm
+        if self.schedule == "constant":
+            return lr
+        assert self.decay_steps is not None, "a job sets decay_steps"
+        frac = min(step - warm, self.decay_steps - warm) / (self.decay_steps - warm)
+        if self.schedule == "cosine":
+            return self.min_lr + (lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
+        return lr + (self.min_lr - lr) * frac
 
 
 ACCUM_MODES: tuple[str, ...] = ("scan", "multisteps")

@@ -18,7 +18,8 @@ only in files and on the command line. Sections::
     [memory]     # policy = "selective" (a preset), "none:2+selective" (HEAD:K+REST), or
                  # "custom" with save / offload tag lists; optionally layers_every /
                  # layers_first / layers, unroll, use_reentrant
-    [optimizer]  # OptimizerConfig fields (name, lr, weight_decay, ...)
+    [optimizer]  # OptimizerConfig fields (name, lr, weight_decay, schedule, warmup_steps,
+                 # decay_steps (unset: run.steps, then saved), min_lr, clip_norm, ...)
     [accum]      # steps, mode ("scan" | "multisteps"), inplace (scan: add into the sum in place)
     [data]       # path (a text file, a directory of text, or nanoGPT .bin files; empty: the
                  # embedded Python-stdlib corpus), val_fraction
@@ -185,6 +186,12 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
     "run.temperature",
     "run.prefetch",
 )
+# Settings added after runs were already written, with the value such a run had: a saved
+# config without one resumes as that value without a conflict.
+SCHEDULE_FIELDS = ("schedule", "warmup_steps", "decay_steps", "min_lr", "clip_norm")
+ADDED_SETTINGS: dict[str, Any] = {
+    f"optimizer.{name}": getattr(OptimizerConfig(), name) for name in SCHEDULE_FIELDS
+}
 
 
 def check_stream(
@@ -453,6 +460,11 @@ class JobConfig:
             run, model = sections["run"], sections["model"]
             seq_len = seq_len_default(preset, model) if seq_len_default else run.seq_len
             sections["run"] = dataclasses.replace(run, seq_len=min(seq_len, model.max_seq_len))
+        opt = sections["optimizer"]
+        if opt.schedule != "constant" and opt.decay_steps is None:
+            # the schedule's length is the run's (kept in its config: a resumed run with
+            # another --steps continues the same schedule)
+            sections["optimizer"] = dataclasses.replace(opt, decay_steps=sections["run"].steps)
         name = raw.get("precision", "fp32")
         require(isinstance(name, str), f"precision={name!r} must be a precision name")
         return cls(preset=preset, precision=get_precision(name), **sections)
@@ -550,6 +562,8 @@ def config_conflicts(
         if any(path == a or path.startswith(a + ".") for a in allowed):
             continue
         before, after = flat_saved.get(path, _MISSING), flat_new.get(path, _MISSING)
+        if before is _MISSING and path in ADDED_SETTINGS and _same(after, ADDED_SETTINGS[path]):
+            continue  # written before the setting existed, and at what it was then
         if before is _MISSING or after is _MISSING or not _same(before, after):
             conflicts.append(f"{path}: checkpoint {_show(before)}, now {_show(after)}")
     return conflicts

@@ -1,10 +1,12 @@
 """20 AdamW steps (optax vs torch.optim, same hyper-parameters, same batches) give the same loss
-curve and the same final weights."""
+curve and the same final weights; with a warmup + decay schedule and global-norm clipping, the
+same learning rates step by step and the same losses."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 
@@ -13,8 +15,9 @@ from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import to_torch_state_dict
 from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.model import Decoder
-from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_train_step
+from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_schedule, make_train_step
 from torch_ref.loss import cross_entropy_sum
+from torch_ref.train import clip_grads, current_lr, make_schedulers
 from torch_ref.train import make_optimizer as make_torch_optimizer
 
 STEPS = 20
@@ -28,6 +31,42 @@ def counting_batch(vocab: int, batch: int, seq_len: int, seed: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def train_jax(model, opt_cfg: OptimizerConfig, batches) -> tuple[nnx.State, list[dict]]:
+    """``batches`` through jaxmem's step (optax): the final parameters and each step's
+    metrics (loss, gradient norm before clipping, learning rate where scheduled)."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = make_optimizer(opt_cfg)
+    opt_state = tx.init(params)
+    step = make_train_step(lm_loss_fn(graphdef), tx, opt_cfg=opt_cfg)
+    out = []
+    for inputs, targets in batches:
+        batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+        params, opt_state, _, metrics = step(params, opt_state, None, batch)
+        out.append({k: float(v) for k, v in metrics.items() if k in ("loss", "grad_norm", "lr")})
+    return nnx.merge(graphdef, params), out
+
+
+def train_torch(torch_model, opt_cfg: OptimizerConfig, batches) -> list[dict]:
+    """The same steps in plain PyTorch, as torch_ref's trainer runs them: backward,
+    ``clip_grad_norm_``, ``optimizer.step()``, then the ``LambdaLR`` schedulers."""
+    opt = make_torch_optimizer(torch_model, opt_cfg)
+    schedulers = make_schedulers(opt, opt_cfg)
+    out = []
+    for inputs, targets in batches:
+        opt.zero_grad(set_to_none=True)
+        loss_sum, n = cross_entropy_sum(
+            torch_model(torch.from_numpy(inputs).long()), torch.from_numpy(targets).long()
+        )
+        loss = loss_sum / n
+        loss.backward()
+        clip_grads(torch_model.parameters(), opt_cfg)
+        out.append({"loss": loss.item(), "lr": current_lr(opt)})
+        opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
+    return out
+
+
 def test_adamw_twenty_steps_match():
     cfg = PRESETS["tiny"]
     opt_cfg = OptimizerConfig(lr=1e-3, weight_decay=0.1)
@@ -36,33 +75,15 @@ def test_adamw_twenty_steps_match():
     batches = [counting_batch(cfg.vocab_size, 4, 32, seed=100 + i) for i in range(STEPS)]
 
     initial = to_torch_state_dict(model)  # before training: the step donates (deletes) params
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx = make_optimizer(opt_cfg)
-    opt_state = tx.init(params)
-    step = make_train_step(lm_loss_fn(graphdef), tx)
-    losses_jax = []
-    for inputs, targets in batches:
-        batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-        params, opt_state, _, metrics = step(params, opt_state, None, batch)
-        losses_jax.append(float(metrics["loss"]))
-
-    torch_opt = make_torch_optimizer(torch_model, opt_cfg)
-    losses_torch = []
-    for inputs, targets in batches:
-        torch_opt.zero_grad(set_to_none=True)
-        loss_sum, n = cross_entropy_sum(
-            torch_model(torch.from_numpy(inputs).long()), torch.from_numpy(targets).long()
-        )
-        loss = loss_sum / n
-        loss.backward()
-        torch_opt.step()
-        losses_torch.append(loss.item())
+    trained, jax_steps = train_jax(model, opt_cfg, batches)
+    losses_jax = [m["loss"] for m in jax_steps]
+    losses_torch = [m["loss"] for m in train_torch(torch_model, opt_cfg, batches)]
 
     tol_loss = tolerance("float32", "adamw_loss")
     np.testing.assert_allclose(losses_jax, losses_torch, rtol=tol_loss.rtol, atol=tol_loss.atol)
     assert losses_jax[-1] < losses_jax[0] - 0.1, "the run must actually train"
 
-    final_jax = to_torch_state_dict(nnx.merge(graphdef, params))
+    final_jax = to_torch_state_dict(trained)
     final_torch = {k: v.detach().numpy().copy() for k, v in torch_model.state_dict().items()}
     # The key bias (in_proj_bias[D:2D]) adds q·b_k to every score of a query row, which softmax
     # cancels: its true gradient is exactly zero and what each framework computes is rounding
@@ -107,3 +128,50 @@ def jax_tree_map_to_arrays(mask, like):
     import jax
 
     return jax.tree_util.tree_map(lambda m, p: jnp.full(p.shape, float(m)), mask, like)
+
+
+SCHEDULED = [
+    OptimizerConfig(schedule="cosine", warmup_steps=3, decay_steps=10, min_lr=1e-4),
+    OptimizerConfig(schedule="linear", warmup_steps=2, decay_steps=9, min_lr=2e-4),
+    OptimizerConfig(schedule="cosine", decay_steps=7),  # no warmup, decays to 0
+    OptimizerConfig(warmup_steps=4),  # warmup, then held
+]
+
+
+@pytest.mark.parametrize("opt_cfg", SCHEDULED, ids=["cosine", "linear", "cosine-0", "warmup"])
+def test_optax_and_torch_schedules_give_the_same_learning_rate_step_by_step(opt_cfg):
+    """optax's stock schedule (``make_schedule``) and torch's ``LambdaLR`` (``make_schedulers``)
+    over 14 steps, past the schedule's end: equal within the table's learning-rate entry."""
+    schedule = make_schedule(opt_cfg)
+    jax_lrs = [float(schedule(i)) for i in range(14)]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=opt_cfg.lr)
+    (scheduler,) = make_schedulers(opt, opt_cfg)
+    torch_lrs = []
+    for _ in range(14):
+        torch_lrs.append(current_lr(opt))
+        opt.step()
+        scheduler.step()
+    np.testing.assert_allclose(jax_lrs, torch_lrs, **tolerance("float32", "learning_rate").kwargs())
+    assert torch_lrs[0] == (0.0 if opt_cfg.warmup_steps else opt_cfg.lr)
+    floor = opt_cfg.min_lr if opt_cfg.schedule != "constant" else opt_cfg.lr
+    assert max(torch_lrs) == opt_cfg.lr and torch_lrs[-1] == pytest.approx(floor, abs=1e-15)
+
+
+def test_a_scheduled_clipped_adamw_run_matches_torch():
+    """6 AdamW steps with 2 steps of warmup, cosine decay and a clip norm the gradient exceeds
+    at every step: the same learning rates and losses in both frameworks."""
+    cfg = PRESETS["tiny"]
+    opt_cfg = OptimizerConfig(
+        lr=3e-3, schedule="cosine", warmup_steps=2, decay_steps=6, min_lr=3e-4, clip_norm=0.5
+    )
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    torch_model = torch_model_from(model)
+    batches = [counting_batch(cfg.vocab_size, 4, 32, seed=200 + i) for i in range(6)]
+    _, jax_steps = train_jax(model, opt_cfg, batches)
+    torch_steps = train_torch(torch_model, opt_cfg, batches)
+    assert min(m["grad_norm"] for m in jax_steps) > 2 * opt_cfg.clip_norm  # clipping is active
+    lr_tol, loss_tol = tolerance("float32", "learning_rate"), tolerance("float32", "adamw_loss")
+    for key, tol in (("lr", lr_tol), ("loss", loss_tol)):
+        jax_values, torch_values = ([m[key] for m in run] for run in (jax_steps, torch_steps))
+        np.testing.assert_allclose(jax_values, torch_values, **tol.kwargs())
+    assert jax_steps[-1]["loss"] < jax_steps[0]["loss"] - 0.1, "the run must actually train"

@@ -14,6 +14,7 @@ import pytest
 from jaxmem import cli
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.run_layout import verify
+from tests.test_schedule import SCHEDULE
 from tests.test_train import TINY, check_non_finite_stop, metrics, train
 
 
@@ -236,3 +237,23 @@ def test_torchruns_sigterm_during_a_lost_peers_failure_keeps_the_one_line(
             assert killed == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_scheduled_clipped_torch_run_resumes_bit_for_bit_and_matches_jax(tmp_path):
+    """torch_ref's LambdaLR and clip_grad_norm_ under the job: 4 steps (2 of warmup, cosine,
+    clipped) equal 2 steps and a resume to 4, bit for bit, and the JAX run of the same job
+    within the tolerance table."""
+    runs = {name: tmp_path / name for name in ("jax", "torch", "resumed")}
+    job = ["--decay-steps", "4", *SCHEDULE]
+    assert train("--steps", "4", *job, "--out", str(runs["jax"])) == 0
+    assert train("--steps", "4", *job, "--framework", "torch", "--out", str(runs["torch"])) == 0
+    first = ["--steps", "2", "--checkpoint-every", "2", "--framework", "torch"]
+    assert train(*first, *job, "--out", str(runs["resumed"])) == 0
+    assert train("--steps", "4", "--out", str(runs["resumed"]), "--resume") == 0
+    j, t, r = (metrics(runs[name]) for name in ("jax", "torch", "resumed"))
+    keys = ("step", "loss", "lr", "grad_norm")
+    assert [[x[k] for k in keys] for x in r] == [[x[k] for k in keys] for x in t]
+    for key, tol in (("lr", "learning_rate"), ("loss", "adamw_loss")):
+        np.testing.assert_allclose(
+            [x[key] for x in t], [x[key] for x in j], **tolerance("float32", tol).kwargs()
+        )

@@ -8,7 +8,8 @@ optimizer state actually resident on the first device. A case with
 ``"<strategy>+stream"``. A case with ``"tp": T`` runs each strategy on a data x tensor mesh
 (``DEVICES // T`` x ``T``: Megatron's tensor parallelism on the second axis) and, with
 ``"tp_alone": true``, tensor parallelism alone over ``T`` devices as ``"tp"``; ``"preset"``
-names the model (default ``tiny``); ``"loss_chunks": N`` runs the head and loss in N chunks.
+names the model (default ``tiny``); ``"loss_chunks": N`` runs the head and loss in N chunks;
+``"optimizer"`` holds further ``OptimizerConfig`` settings (a schedule, clipping).
 
     python tests/parallel_worker.py '[{"policy": "full", "precision": "fp32", ...}]'
 """
@@ -50,7 +51,11 @@ def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
         model=cfg,
         policy=get_policy(case["policy"]).replace(loss=LossPolicy(case.get("loss_chunks", 0))),
         precision=precision,
-        optimizer=OptimizerConfig(state_memory=case.get("state_memory", "device"), stream=stream),
+        optimizer=OptimizerConfig(
+            **case.get("optimizer", {}),
+            state_memory=case.get("state_memory", "device"),
+            stream=stream,
+        ),
         batch=BATCH,
         seq_len=SEQ,
         accum=AccumConfig(steps=case.get("accum", 1)),

@@ -129,13 +129,27 @@ JOBS = [
         JobConfig.from_dict({"preset": "small"}),
         memory=mixed_policy("selective", 1, MemoryPolicy.custom({"mlp_up": "device"})),
     ),
+    dataclasses.replace(
+        JobConfig.from_dict({"preset": "tiny"}),
+        optimizer=OptimizerConfig(
+            schedule="linear", warmup_steps=3, decay_steps=50, min_lr=1e-5, clip_norm=0.5
+        ),
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     "job",
     JOBS,
-    ids=["defaults", "mixed-bf16-fsdp", "custom-fused", "full", "tag-mix-replay", "preset+tags"],
+    ids=[
+        "defaults",
+        "mixed-bf16-fsdp",
+        "custom-fused",
+        "full",
+        "tag-mix-replay",
+        "preset+tags",
+        "schedule+clip",
+    ],
 )
 def test_a_job_printed_as_flags_resolves_to_the_same_job(job):
     argv = cli_flags.job_argv(job)

@@ -5,9 +5,11 @@ the whole batch's valid-token count, and a CPU-offloading optimizer."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from jaxmem.config import OptimizerConfig
 from jaxmem.precision import Precision
@@ -48,6 +50,43 @@ def _optimizer(params: Iterable[nn.Parameter], cfg: OptimizerConfig) -> torch.op
 
 def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return _optimizer(model.parameters(), cfg)
+
+
+def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The ``torch.optim`` optimizers inside ``optimizer`` (a ``HybridDeviceOptimizer`` has a
+    host one and a device one)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return [o for o in (optimizer.host, optimizer.device) if o is not None]
+
+
+def make_schedulers(optimizer: Any, cfg: OptimizerConfig, done: int = 0) -> list[LambdaLR]:
+    """``cfg``'s learning-rate schedule as ``torch.optim.lr_scheduler.LambdaLR`` on each torch
+    optimizer of ``optimizer`` (none for a constant rate): the factor of update ``i`` is
+    ``cfg.lr_at(i) / cfg.lr``, the formula of optax's stock schedules that jaxmem uses
+    (LinearLR cannot start a warmup at 0, and SequentialLR's chained CosineAnnealingLR computes
+    its values recursively). Step them after each ``optimizer.step()``. ``done``: updates
+    already made (a resumed run): the next one gets ``cfg.lr_at(done)``."""
+    if not cfg.scheduled:
+        return []
+    optimizers = _torch_optimizers(optimizer)
+    for o in optimizers:
+        for group in o.param_groups:
+            group["initial_lr"] = cfg.lr  # the base the factors scale (also after a restore)
+    return [LambdaLR(o, lambda i: cfg.lr_at(i) / cfg.lr, last_epoch=done - 1) for o in optimizers]
+
+
+def current_lr(optimizer: Any) -> float:
+    """The learning rate the next ``optimizer.step()`` applies (every group shares it)."""
+    return float(_torch_optimizers(optimizer)[0].param_groups[0]["lr"])
+
+
+def clip_grads(params: Iterable[nn.Parameter], cfg: OptimizerConfig) -> None:
+    """Scale the gradients down to ``cfg.clip_norm`` global L2 norm when larger
+    (``torch.nn.utils.clip_grad_norm_``; nothing when ``cfg`` does not clip). Call it on
+    unscaled gradients, before ``optimizer.step()``."""
+    if cfg.clips:
+        torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm, foreach=False)
 
 
 class HybridDeviceOptimizer:

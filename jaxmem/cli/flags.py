@@ -13,8 +13,14 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxmem.cli.common import positive_float, positive_int, seed, usage_errors
-from jaxmem.config import ATTENTIONS, MEMORY_KINDS, OPTIMIZERS, PRESETS, ModelConfig
+from jaxmem.cli.common import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seed,
+    usage_errors,
+)
+from jaxmem.config import ATTENTIONS, MEMORY_KINDS, OPTIMIZERS, PRESETS, SCHEDULES, ModelConfig
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 
@@ -104,6 +110,35 @@ FLAGS: dict[str, Flag] = {
         Flag("--lr", "optimizer.lr", "learning rate", positive_float),
         Flag("--weight-decay", "optimizer.weight_decay", "AdamW/SGD weight decay", float),
         Flag(
+            "--schedule",
+            "optimizer.schedule",
+            f"learning rate after the warmup: {', '.join(SCHEDULES)} (decay to --min-lr at "
+            "--decay-steps)",
+        ),
+        Flag(
+            "--warmup-steps",
+            "optimizer.warmup_steps",
+            "steps of linear warmup from 0 to --lr",
+            non_negative_int,
+            metavar="N",
+        ),
+        Flag(
+            "--decay-steps",
+            "optimizer.decay_steps",
+            "the schedule's length, warmup included (default: --steps, kept in the run's "
+            "config for --resume)",
+            positive_int,
+            metavar="N",
+        ),
+        Flag("--min-lr", "optimizer.min_lr", "the decay's final learning rate", float),
+        Flag(
+            "--clip-norm",
+            "optimizer.clip_norm",
+            "clip the gradient to this global L2 norm before the update (0: off)",
+            float,
+            metavar="NORM",
+        ),
+        Flag(
             "--state-memory",
             "optimizer.state_memory",
             f"where the optimizer state lives between steps: {' or '.join(MEMORY_KINDS)}",
@@ -173,6 +208,8 @@ STEP_FLAGS = (
     "batch_size",
     "seq_len",
 )
+# the learning rate over the steps and gradient clipping (jaxmem train)
+SCHEDULE_FLAGS = ("schedule", "warmup_steps", "decay_steps", "min_lr", "clip_norm")
 RUN_FLAGS = ("framework", "data", "steps", "eval_every", "checkpoint_every", "keep")
 RUN_FLAGS += ("sample_tokens", "prompt", "init_from")
 

@@ -19,7 +19,15 @@ from jaxmem.cli.common import (
     positive_int,
     usage_errors,
 )
-from jaxmem.cli.flags import FLAGS, RUN_FLAGS, STEP_FLAGS, TARGETS_HELP, add_flags, job_from_args
+from jaxmem.cli.flags import (
+    FLAGS,
+    RUN_FLAGS,
+    SCHEDULE_FLAGS,
+    STEP_FLAGS,
+    TARGETS_HELP,
+    add_flags,
+    job_from_args,
+)
 from jaxmem.config import ConfigError, OptimizerConfig
 from jaxmem.job import RunConfig
 from jaxmem.policy import CHECKPOINT_NAMES, POLICIES
@@ -36,6 +44,7 @@ NAMES = (
     "replay_embedding",
     "lr",
     "weight_decay",
+    *SCHEDULE_FLAGS,
     "accum",
     "accum_mode",
     "seed",
@@ -71,6 +80,7 @@ def add_parser(sub) -> None:
         "policy": "none; auto: jaxmem plan chooses under --memory-budget",
         "lr": str(opt.lr),
         "weight_decay": str(opt.weight_decay),
+        **{"schedule": opt.schedule, "warmup_steps": "0", "min_lr": "0.0", "clip_norm": "off"},
         "optimizer": opt.name,
         "precision": "fp32",
         "accum": "1",

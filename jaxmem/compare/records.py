@@ -29,7 +29,7 @@ from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import Precision
 from torch_ref.forward_memory import measure_lm_step
 from torch_ref.remat import apply_loss_policy, apply_memory_policy, describe_loss
-from torch_ref.train import TORCH_DTYPES, accumulate_grads
+from torch_ref.train import TORCH_DTYPES, accumulate_grads, clip_grads
 from torch_ref.train import make_optimizer as make_torch_optimizer
 
 
@@ -143,7 +143,7 @@ def _measure_step(
         grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
         opt.step()
         if not fake:
-            tracker = _tracked_step(model, opt, xs, ys, precision, device)
+            tracker = _tracked_step(model, opt, xs, ys, precision, device, opt_cfg)
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         opt_state_bytes = sum(t.numel() * t.element_size() for t in state)
@@ -219,14 +219,21 @@ def _accounted_microbatches(
 
 
 def _tracked_step(
-    model: Any, opt: Any, xs: Any, ys: Any, precision: Precision, device: str
+    model: Any,
+    opt: Any,
+    xs: Any,
+    ys: Any,
+    precision: Precision,
+    device: str,
+    opt_cfg: OptimizerConfig,
 ) -> MemTracker:
     """A steady step under MemTracker (and CUDA's peak statistics, reset): the microbatches
     through torch_ref's own training step (``accumulate_grads``: each summed loss over the
     batch's token count) with no accounting attached, then the optimizer. The accounting's
     hooks keep tensors in reference cycles until Python's collector runs, which moved
     MemTracker's peak with the collector's timing (`small` fp32 `full`: 109.1-115.4 MiB over
-    runs; 123.4 with the collector off)."""
+    runs; 123.4 with the collector off). A clipping ``opt_cfg`` clips as the trainer does
+    (``clip_grads``: per-tensor norms, scalars)."""
     opt.zero_grad(set_to_none=True)
     tracker = MemTracker()
     tracker.track_external(model, opt)
@@ -246,6 +253,7 @@ def _tracked_step(
                 precision=precision,
                 divisor=lambda _: n_total,
             )
+        clip_grads(model.parameters(), opt_cfg)
         opt.step()
     return tracker
 

@@ -48,8 +48,11 @@ from torch_ref.train import (
     TORCH_DTYPES,
     HybridDeviceOptimizer,
     accumulate_grads,
+    clip_grads,
+    current_lr,
     make_optimizer,
     make_scaler,
+    make_schedulers,
 )
 
 
@@ -132,6 +135,7 @@ class TorchTrainer:
             self.opt = HybridDeviceOptimizer(self.model.parameters(), job.optimizer, 1.0)
         else:
             self.opt = make_optimizer(self.model, job.optimizer)  # over the shards, if sharded
+        self.schedulers = make_schedulers(self.opt, job.optimizer)
         self.scaler = make_scaler(job.precision, self.device.split(":")[0])
         if self.scaler is not None and (
             self.parallel.shards_opt_state or self.parallel.tensor_parallel
@@ -178,6 +182,11 @@ class TorchTrainer:
         return out
 
     def restore(self, step: int) -> None:
+        self._load(step)
+        # the schedule continues from the step (its learning rates are a function of it)
+        self.schedulers = make_schedulers(self.opt, self.job.optimizer, done=step)
+
+    def _load(self, step: int) -> None:
         assert self.ckpt is not None
         if self.grouped:
             # rank 0 reads and verifies the checkpoint and broadcasts it; each rank keeps its
@@ -210,18 +219,22 @@ class TorchTrainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         grad_norm = tdist.grad_norm(self.model.parameters())
+        clip_grads(self.model.parameters(), self.job.optimizer)
+        lr = current_lr(self.opt)
         if self.scaler is not None:
             self.scaler.step(self.opt)  # skips the update when a gradient is inf/nan
             self.scaler.update()
         else:
             self.opt.step()
+        for scheduler in self.schedulers:
+            scheduler.step()
         # tensors until the loop fetches them: no host sync per step. GradScaler skips a step
         # exactly when an unscaled gradient is inf/nan, i.e. when their norm is not finite.
-        return (loss_sum / n).detach(), grad_norm.detach(), ~torch.isfinite(grad_norm)
+        return (loss_sum / n).detach(), grad_norm.detach(), ~torch.isfinite(grad_norm), lr
 
-    def fetch(self, metrics: tuple[torch.Tensor, ...]) -> dict[str, Any]:
-        loss, grad_norm, skipped = metrics
-        out = {"loss": float(loss), "grad_norm": float(grad_norm)}
+    def fetch(self, metrics: tuple[Any, ...]) -> dict[str, Any]:
+        loss, grad_norm, skipped, lr = metrics
+        out = {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr}
         if self.scaler is not None:
             out["skipped"] = bool(skipped)
         return out

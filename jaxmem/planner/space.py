@@ -297,8 +297,8 @@ def tensor_sizes(problem: Problem, space: PlanSpace) -> list[int]:
 
 def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bool:
     """A streamed step applies (``jaxmem.job.check_stream``): one device or a data-parallel
-    mesh (dp, zero1, fsdp), a preset over the whole scanned stack, an elementwise optimizer (any
-    microbatch count: it sums them in its own scan; fp16 too)."""
+    mesh (dp, zero1, fsdp), a preset over the whole scanned stack, an elementwise optimizer
+    without gradient clipping (any microbatch count: it sums them in its own scan; fp16 too)."""
     from jaxmem.config import STREAM_OPTIMIZERS
 
     return (
@@ -309,6 +309,7 @@ def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bo
         and not policy.selects
         and not policy.unroll
         and problem.opt_cfg.name in STREAM_OPTIMIZERS
+        and not problem.opt_cfg.clips
     )
 
 

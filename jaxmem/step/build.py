@@ -217,7 +217,7 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
     loss = make_loss(layers)
     placement = None
     if spec.accum.mode == "multisteps":
-        tx, step = make_multisteps_step(loss, tx, spec.accum.steps)
+        tx, step = make_multisteps_step(loss, tx, spec.accum.steps, opt)
     elif spec.streamed:
         if shardings is not None:
             placement = stream.placement(tx, params, shardings, spec.parallel)
@@ -231,6 +231,7 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
             shardings=shardings,
             placement=placement,
             update=opt.stream_update or "device",
+            opt_cfg=opt,
         )
     else:
         step = make_train_step(

@@ -4,7 +4,8 @@ The trainer (``jaxmem train``), the records and plans of ``jaxmem memory``, ``pe
 ``plan``, and the benchmark all describe the step they compile as a ``StepSpec`` and build it with
 ``jaxmem.step.build.build_step``, so what ``jaxmem plan`` compiled for a job is the program
 ``jaxmem train`` then runs (``tests/test_step_spec.py`` lowers both and compares them). What does
-not change the program stays out: the data, the seed, the run's directory and schedule.
+not change the program stays out: the data, the seed, the run's directory and its cadence (the
+learning-rate schedule is the optimizer's, and in).
 """
 
 from __future__ import annotations

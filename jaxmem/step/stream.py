@@ -36,12 +36,19 @@ import jax.numpy as jnp
 import optax
 
 from jaxmem.compat import JAX
+from jaxmem.config import OptimizerConfig
 from jaxmem.model import LayersFn
 from jaxmem.model.decoder import STACK_PATH
 from jaxmem.parallel import ParallelConfig
 from jaxmem.sharding import StepShardings, tree_shardings
 from jaxmem.step.scaling import all_finite
-from jaxmem.step.train_step import _split_microbatches, _subtree, tree_bytes, valid_tokens
+from jaxmem.step.train_step import (
+    _split_microbatches,
+    _subtree,
+    learning_rate,
+    tree_bytes,
+    valid_tokens,
+)
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -238,6 +245,7 @@ def make_streamed_step(
     shardings: StepShardings | None = None,
     placement: Placement | None = None,
     update: str = "device",
+    opt_cfg: OptimizerConfig | None = None,
 ) -> Callable[..., tuple]:
     """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, loss_scale,
     metrics)`` like ``train_step.make_train_step``'s, streaming the stack (module docstring).
@@ -256,7 +264,8 @@ def make_streamed_step(
     use (``jaxmem.sharding.parallel_loss``), after each block's shard is fetched.
 
     ``update``: where the stack's update runs, ``device`` (block by block) or ``host`` (in host
-    memory, ``_host_stack_update``)."""
+    memory, ``_host_stack_update``). ``opt_cfg``: the metrics carry the update's learning
+    rate (``train_step.learning_rate``)."""
     loss_fn = make_loss(streamed_layers_fn(layers_fn))
     micro_sharding = shardings.micro() if shardings is not None else None
 
@@ -306,6 +315,8 @@ def make_streamed_step(
             "grad_norm": jnp.sqrt(total_sq),
             "grads_finite": jnp.isfinite(total_sq) if finite is None else finite,
         }
+        if opt_cfg is not None and opt_cfg.scheduled:
+            metrics["lr"] = learning_rate(opt_cfg, state_rest)
         new_params = join(params, new_rest, new_stack)
         return new_params, (new_state_rest, new_state_stack), loss_scale, metrics
 

@@ -50,32 +50,82 @@ def decay_mask(params: nnx.State) -> Any:
     )
 
 
+def make_schedule(cfg: OptimizerConfig) -> optax.ScalarOrSchedule:
+    """The learning rate of ``cfg`` as optax gives it: the float ``lr`` when it never changes,
+    else an optax schedule of the update count (``OptimizerConfig``: linear warmup from 0, then
+    held, cosine or linear decay to ``min_lr`` at ``decay_steps``)."""
+    if not cfg.scheduled:
+        return cfg.lr
+    warm = cfg.warmup_steps
+    if cfg.schedule != "constant" and cfg.decay_steps is None:
+        raise ConfigError(
+            f"schedule={cfg.schedule!r} needs decay_steps (the schedule's length, warmup "
+            "included; a job sets it to run.steps)"
+        )
+    if cfg.schedule == "cosine":
+        # optax counts decay_steps with the warmup in it, as OptimizerConfig does
+        return optax.warmup_cosine_decay_schedule(
+            0.0, cfg.lr, warm, cfg.decay_steps, end_value=cfg.min_lr
+        )
+    if cfg.schedule == "linear":
+        after = optax.linear_schedule(cfg.lr, cfg.min_lr, cfg.decay_steps - warm)
+    else:
+        after = optax.constant_schedule(cfg.lr)
+    if not warm:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), after], [warm])
+
+
+def learning_rate(cfg: OptimizerConfig, opt_state: Any) -> jax.Array:
+    """The learning rate the next update of ``opt_state`` applies: ``cfg.lr``, or the schedule
+    at the count optax's ``scale_by_schedule`` keeps (inside ``MultiSteps`` or a streamed
+    step's pair of states too: the first found, they all count alike)."""
+    lr = make_schedule(cfg)
+    if not callable(lr):
+        return jnp.asarray(lr, jnp.float32)
+    counts = [
+        count
+        for path, count in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+        if getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState"
+    ]
+    return jnp.asarray(lr(counts[0]), jnp.float32)
+
+
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """optax transformation with the ``torch.optim`` semantics described in
-    ``OptimizerConfig``."""
+    ``OptimizerConfig``: the learning rate ``make_schedule``'s, the gradient clipped to
+    ``cfg.clip_norm`` first when set. Under ``optax.MultiSteps`` all of it runs once per
+    optimizer step, on the summed gradient."""
+    lr = make_schedule(cfg)
     if cfg.name == "adamw":
         # eps outside the square root, bias correction on both moments, decay lr * wd * param.
-        return optax.adamw(
-            learning_rate=cfg.lr,
+        tx = optax.adamw(
+            learning_rate=lr,
             b1=cfg.b1,
             b2=cfg.b2,
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
             mask=decay_mask,
         )
-    if cfg.name == "sgd":
+    elif cfg.name == "sgd":
         # torch.optim.SGD: g += wd * p, then buf = momentum * buf + g, p -= lr * buf.
-        return optax.chain(
+        tx = optax.chain(
             optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-            optax.sgd(cfg.lr, momentum=cfg.momentum),
+            optax.sgd(lr, momentum=cfg.momentum),
         )
-    if cfg.name == "adafactor":
-        return optax.adafactor(
-            learning_rate=cfg.lr,
+    elif cfg.name == "adafactor":
+        tx = optax.adafactor(
+            learning_rate=lr,
             weight_decay_rate=cfg.weight_decay or None,
             weight_decay_mask=decay_mask,
         )
-    raise ValueError(f"optimizer={cfg.name!r} is not supported")
+    else:
+        raise ValueError(f"optimizer={cfg.name!r} is not supported")
+    if cfg.clips:
+        # torch: clip_grad_norm_ on the gradient, then optimizer.step(); SGD's L2 decay is added
+        # after the clip in both
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+    return tx
 
 
 def lm_loss_fn(
@@ -300,6 +350,8 @@ def make_train_step(
             "grad_norm": grad_norm,
             "grads_finite": finite,
         }
+        if opt_cfg is not None and opt_cfg.scheduled:
+            metrics["lr"] = learning_rate(opt_cfg, opt_state)
         return new_params, new_opt_state, loss_scale, metrics
 
     if shardings is None:
@@ -314,14 +366,19 @@ def make_train_step(
 
 
 def make_multisteps_step(
-    loss_fn: Callable[..., tuple], tx: optax.GradientTransformation, accum_steps: int
+    loss_fn: Callable[..., tuple],
+    tx: optax.GradientTransformation,
+    accum_steps: int,
+    opt_cfg: OptimizerConfig | None = None,
 ) -> tuple[optax.GradientTransformation, Callable[..., tuple]]:
     """``optax.MultiSteps`` accumulation: returns ``(multi_tx, micro_step)``.
 
     ``micro_step(params, opt_state, micro_batch, n_total)`` is called once per microbatch with
     ``n_total``, the valid-token count of the whole batch; the parameters change on every
     ``accum_steps``-th call. MultiSteps sums (``use_grad_mean=False``) gradients of
-    ``loss_sum / n_total``, which add up to the big batch's mean gradient.
+    ``loss_sum / n_total``, which add up to the big batch's mean gradient. The inner ``tx``
+    (its clipping and schedule too) runs once per ``accum_steps`` calls, on that sum; with a
+    scheduled ``opt_cfg`` the metrics carry the learning rate of the update the call is part of.
     """
     multi = optax.MultiSteps(tx, every_k_schedule=accum_steps, use_grad_mean=False)
 
@@ -331,8 +388,11 @@ def make_multisteps_step(
             return loss_sum / n_total, (loss_sum, n)
 
         grads, (loss_sum, n) = jax.grad(normalised, has_aux=True)(params)
+        metrics = {"loss_sum": loss_sum, "n": n}
+        if opt_cfg is not None and opt_cfg.scheduled:
+            metrics["lr"] = learning_rate(opt_cfg, opt_state)
         updates, opt_state = multi.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss_sum": loss_sum, "n": n}
+        return optax.apply_updates(params, updates), opt_state, metrics
 
     return multi, jax.jit(micro_step, donate_argnums=(0, 1))
 

@@ -253,7 +253,7 @@ class _Run:
             f"[bold]jaxmem train[/] ({trainer.framework}) preset {job.preset} "
             f"({job.model.n_params / 1e6:.2f} M params), policy {job.memory.name}, precision "
             f"{job.precision.name}, accum {job.accum.steps} ({job.accum.mode}), batch "
-            f"{r.batch_size} x seq {r.seq_len}, {job.optimizer.name} lr {job.optimizer.lr}, "
+            f"{r.batch_size} x seq {r.seq_len}, {job.optimizer.name} {job.optimizer.lr_text}, "
             f"steps {self.start + 1}..{r.steps} on {trainer.platform}; data: "
             f"{prepared.dataset.source} ({prepared.dataset.train.size:,} train / "
             f"{prepared.dataset.val.size:,} val tokens); {trainer.describe()}"
@@ -273,6 +273,8 @@ class _Run:
         for s, handle in self.pending:
             values = self.trainer.fetch(handle)
             rec = {"step": s, "loss": values["loss"], "tokens": s * self.tokens_per_step}
+            # the learning rate this step's update applied (a constant one: the config's)
+            rec["lr"] = values.get("lr", job.optimizer.lr)
             if "grad_norm" in values:
                 rec["grad_norm"] = values["grad_norm"]
             if scaled:

@@ -383,6 +383,8 @@ class JaxTrainer:
         out: dict[str, Any] = {"loss": float(host_value(metrics["loss"]))}
         if "grad_norm" in metrics:  # not seen by MultiSteps' caller
             out["grad_norm"] = float(host_value(metrics["grad_norm"]))
+        if "lr" in metrics:  # a scheduled learning rate (else the config's, constant)
+            out["lr"] = float(host_value(metrics["lr"]))
         if self.loss_scale is not None:
             out["skipped"] = not bool(host_value(metrics["grads_finite"]))
         return out
@@ -476,11 +478,13 @@ def _multisteps(built: Any, params: Any, opt_state: Any, batch: dict) -> tuple[A
 
     def step(params, opt_state, loss_scale, batch):
         n_total = valid_tokens(batch)
-        loss_sum = 0.0
+        loss_sum, lr = 0.0, None
         for i in range(k):
             params, opt_state, m = micro(params, opt_state, split(batch, i), n_total)
             loss_sum = loss_sum + m["loss_sum"]
-        return params, opt_state, loss_scale, {"loss": loss_sum / n_total}
+            lr = m.get("lr") if lr is None else lr  # the k-th call's update: the same count
+        metrics = {"loss": loss_sum / n_total}
+        return params, opt_state, loss_scale, metrics if lr is None else {**metrics, "lr": lr}
 
     step.memory_analysis = micro.memory_analysis  # type: ignore[attr-defined]
     return step, lowered
