@@ -29,7 +29,7 @@ from jaxmem.memory.remat import backend_memory_kinds, check_backend
 from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.model.flash import KERNEL_NAMES
-from jaxmem.policy import HOST_MEMORY_KIND
+from jaxmem.policy import HOST_MEMORY_KIND, policy_label
 from jaxmem.run_layout import CHECKPOINT_DIR
 from jaxmem.sharding import (
     ensure_cpu_devices,
@@ -243,8 +243,8 @@ class JaxTrainer:
         first = self.transfer(train_batch(prepared.dataset, job, self.local_rows)(1))
         console.print(
             f"compiling the train step ({cfg.n_params / 1e6:.2f} M params, policy "
-            f"{job.memory.name}, {job.precision.name}, batch {r.batch_size} x seq {r.seq_len}, "
-            f"accum {job.accum.steps}) on {self.platform}..."
+            f"{policy_label(job.memory)}, {job.precision.name}, batch {r.batch_size} x seq "
+            f"{r.seq_len}, accum {job.accum.steps}) on {self.platform}..."
         )
         self._compile(params, first)
         plan = residuals.compiled_plan(self._step)
