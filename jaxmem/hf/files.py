@@ -5,7 +5,8 @@ numpy, ``safetensors`` and, for bfloat16, ``ml_dtypes``; no JAX, no PyTorch, no
 
 Reading (``inventory``, ``read_params``) goes through the one key-and-shape map
 (``jaxmem.hf.keys.key_map(cfg, "hf")``) and asserts that every expected tensor is present exactly
-once, with its shape, and refuses unexpected tensors by name; the non-parameter buffers older
+once, with its shape (``read_params``: and every value finite), and refuses unexpected tensors by
+name; the non-parameter buffers older
 checkpoints carry (GPT-2's ``attn.bias`` / ``attn.masked_bias`` masks, Llama's
 ``rotary_emb.inv_freq``) are ignored. Only safetensors files are read (``model.safetensors``
 or the shards a ``model.safetensors.index.json`` lists); pickled ``.bin`` / ``.pt`` weights are

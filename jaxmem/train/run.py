@@ -218,12 +218,16 @@ class JaxTrainer:
         cfg, r = job.model, job.run
         self.platform = jax.devices()[0].platform
         self.can_offload = HOST_MEMORY_KIND in backend_memory_kinds()
+        weights = None
+        if r.init_from is not None and prepared.resume_step is None:
+            from jaxmem.model.hf import load_hf_weights, read_hf_weights
+
+            # read (every tensor checked finite) before the random init compiles anything
+            weights = read_hf_weights(r.init_from, cfg, job.precision.param_dtype)
         model = make_model(cfg, job.precision, seed=r.seed)
         self.attention_kernel = model.attention_kernel  # which fused kernel this backend runs
-        if r.init_from is not None and prepared.resume_step is None:
-            from jaxmem.model.hf import load_hf_weights
-
-            load_hf_weights(model, r.init_from)  # prepare_job checked every tensor
+        if weights is not None:
+            load_hf_weights(model, r.init_from, weights)
         self.spec = StepSpec.of_job(job)
         self.built, params = build_step(self.spec, model)
         del model  # params are donated to the step; keep no second reference
