@@ -347,9 +347,7 @@ def part_jax_case(payload: dict[str, Any]) -> dict[str, Any]:
     model_flops = analytic.mfu_flops(cfg, case.batch, case.seq_len)
     peak_rate = rates_for(target).matmul_flops["bfloat16"]
     estimate = (
-        plans.step_time(plan, target, cfg, precision, case.batch, case.seq_len)
-        if on_gpu
-        else None
+        plans.step_time(plan, target, cfg, precision, case.batch, case.seq_len) if on_gpu else None
     )
     out["device"] = {
         "platform": jax.devices()[0].platform,

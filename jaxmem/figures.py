@@ -33,18 +33,32 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def render_table(figures: Sequence[Figure], title: str) -> Any:
-    """A rich table of figures, each with how it was obtained."""
-    from rich.table import Table
+TABLE_WIDTH = 100  # columns a table printed for people fits in
 
+
+def render_table(figures: Sequence[Figure], title: str) -> Any:
+    """A rich table of figures, each with how it was obtained: the methods are numbered in
+    the table and written out once below it (several figures share one), so a table fits
+    ``TABLE_WIDTH`` columns with every digit of its byte counts (which never wrap)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    methods = list(dict.fromkeys(f.source for f in figures))
     table = Table(title=title)
     table.add_column("quantity")
-    table.add_column("bytes", justify="right")
-    table.add_column("", justify="right")
-    table.add_column("how obtained")
+    table.add_column("bytes", justify="right", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("how", justify="right", no_wrap=True)
     for f in figures:
-        table.add_row(f.quantity, f"{f.nbytes:,}", format_bytes(f.nbytes), f.source)
-    return table
+        number = methods.index(f.source) + 1
+        table.add_row(f.quantity, f"{f.nbytes:,}", format_bytes(f.nbytes), f"[{number}]")
+    legend = Table.grid(padding=(0, 1))  # a long method wraps under itself
+    legend.add_column(no_wrap=True)
+    legend.add_column()
+    for number, method in enumerate(methods, 1):
+        legend.add_row(f" [{number}]", Text(method))
+    return Group(table, Text("how obtained:"), legend)
 
 
 def process_max_rss_bytes() -> int:

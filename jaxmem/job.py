@@ -549,11 +549,12 @@ def config_conflicts(
     new: Mapping[str, Any],
     *,
     allowed: Iterable[str] = RESUMABLE_CHANGES,
+    names: tuple[str, str] = ("checkpoint", "now"),
 ) -> list[str]:
     """Differences between a checkpoint's run config and a new one, one human-readable line per
-    dotted path (``"model.d_model: checkpoint 64, now 128"``), ignoring the ``allowed`` paths
-    (and everything below them). Both sides are compared as JSON values (a tuple equals the list
-    it was saved as). Empty when a resume is safe."""
+    dotted path (``"model.d_model: checkpoint 64, now 128"``; ``names`` says what each side
+    is), ignoring the ``allowed`` paths (and everything below them). Both sides are compared as
+    JSON values (a tuple equals the list it was saved as). Empty when a resume is safe."""
     allowed = tuple(allowed)
     flat_saved = _flatten(json.loads(json.dumps(dict(saved))))
     flat_new = _flatten(json.loads(json.dumps(dict(new))))
@@ -565,7 +566,7 @@ def config_conflicts(
         if before is _MISSING and path in ADDED_SETTINGS and _same(after, ADDED_SETTINGS[path]):
             continue  # written before the setting existed, and at what it was then
         if before is _MISSING or after is _MISSING or not _same(before, after):
-            conflicts.append(f"{path}: checkpoint {_show(before)}, now {_show(after)}")
+            conflicts.append(f"{path}: {names[0]} {_show(before)}, {names[1]} {_show(after)}")
     return conflicts
 
 
@@ -659,12 +660,31 @@ def read_config_file(path: str) -> dict[str, Any]:
     except ConfigError:
         raise
     except Exception as e:  # the parsers' own error types differ; all mean "cannot parse"
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"config file {path} cannot be parsed: {first}") from None
+        raise ConfigError(f"config file {path} cannot be parsed: {_parse_error(e)}") from None
     require(data not in (None, {}), f"config file {path} is empty; give at least one setting")
     require(isinstance(data, dict), f"config file {path} must hold a table of sections")
     check_sections(data, f"config file {path}")
     return data
+
+
+def _parse_error(error: Exception) -> str:
+    """A parser's error in one line with the line it is at. YAML's message spans lines: where it
+    gave up (``problem_mark``) and the construct it was reading (``context_mark``). A stray
+    line (a key without its ``:``) or an unclosed list is only found on the line after it, or
+    at the end of the file: there the construct's line is the one to fix. JSON's and TOML's
+    errors name their line themselves."""
+    problem = getattr(error, "problem", None)
+    mark = getattr(error, "problem_mark", None)
+    if problem is not None and mark is not None:  # yaml.MarkedYAMLError
+        context = getattr(error, "context", None) or ""
+        context_mark = getattr(error, "context_mark", None)
+        if context_mark is not None and ("simple key" in context or "<stream end>" in problem):
+            mark = context_mark
+        return f"line {mark.line + 1}: {problem}" + (f" ({context})" if context else "")
+    if isinstance(error, json.JSONDecodeError):
+        return f"line {error.lineno}: {error.msg}"
+    lines = str(error).splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def check_sections(data: Mapping[str, Any], where: str) -> None:

@@ -700,6 +700,14 @@ def kept_tags(cfg: ModelConfig, block: BlockPolicy) -> frozenset[str]:
     return frozenset(kept)
 
 
+def policy_label(policy: MemoryPolicy) -> str:
+    """The policy's name, with its tags where the name does not say them (a per-tag policy:
+    ``custom keep(qkv+mlp_up) host(attn_out)``, ``BlockPolicy.label``'s words)."""
+    if len(policy.parts) > 1 or policy.nested or not policy.head.remat or is_preset(policy):
+        return policy.name  # a preset's name, or a mix named by its parts' labels
+    return f"{policy.name} {policy.head.label}"
+
+
 def describe_kept(cfg: ModelConfig, policy: MemoryPolicy) -> str:
     """One line for ``config.yaml`` and reports: what the JAX translation keeps and where (in
     the first part's blocks)."""

@@ -523,3 +523,59 @@ def test_a_model_directory_that_fails_to_write_leaves_no_parent_behind(tmp_path,
     with pytest.raises(OSError, match="No space left"):
         hf_files.save_model_dir(str(tmp_path / "a" / "b" / "hf"), {}, {})
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------- --init-from refusals, before anything runs
+def _nan_in_k_proj(tensors) -> None:
+    tensors[K_PROJ] = tensors[K_PROJ].copy()
+    tensors[K_PROJ][3, 5] = np.nan
+
+
+def _init_from_case(case: str, tmp_path) -> tuple[list[str], str]:
+    """The arguments of one refused ``--init-from`` and the words its line must hold."""
+    model = tmp_path / "model"
+    if case == "missing directory":
+        return ["--init-from", str(tmp_path / "nowhere")], (
+            f"--init-from {tmp_path / 'nowhere'}: the directory does not exist"
+        )
+    if case == "a file in the directory":
+        write_model_dir(model, TINY_LLAMA)
+        return ["--init-from", str(model / "config.json")], (
+            f"--init-from {model / 'config.json'} is a file; give the directory that holds it "
+            f"({model})"
+        )
+    if case == "non-finite weights":
+        write_model_dir(model, TINY_LLAMA, edit=_nan_in_k_proj)
+        return ["--init-from", str(model)], (
+            f"tensor {K_PROJ} in {model / 'model.safetensors'} holds 1 non-finite value(s)"
+        )
+    assert case == "a tokenizer larger than the vocabulary"
+    word_tokenizer(model, [f"w{i}" for i in range(400)])  # 402 ids, vocab_size 300
+    write_model_dir(model, TINY_LLAMA)
+    return ["--init-from", str(model)], (
+        f"tokenizer.json of {model} has 402 token ids but the model's vocab_size is 300"
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing directory",
+        "a file in the directory",
+        pytest.param("non-finite weights", marks=pytest.mark.slow),  # loads them
+        "a tokenizer larger than the vocabulary",
+    ],
+)
+def test_a_refused_init_from_is_one_line_naming_what_is_wrong_and_writes_nothing(case, tmp_path):
+    from tests.test_cli_contract import run_cli
+
+    args, message = _init_from_case(case, tmp_path)
+    (tmp_path / "text.txt").write_text(TEXT)  # a small corpus: the refusal is what costs
+    before = sorted(os.listdir(tmp_path))
+    out = tmp_path / "runs" / "run"
+    args += ["--data", str(tmp_path / "text.txt"), "--steps", "2", "--batch-size", "2"]
+    proc = run_cli("train", *args, "--seq-len", "16", "--out", str(out), columns=400)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("jaxmem train: error: ") and message in line, line
+    assert sorted(os.listdir(tmp_path)) == before  # not even runs/

@@ -524,3 +524,158 @@ def test_a_run_written_before_policies_had_parts_reads_back_and_resumes(tmp_path
     config.write_text(head + OLD_MEMORY_SECTION)  # the section exactly as the old code wrote it
     assert train("--steps", "4", *OLD_MIX, "--out", str(out), "--resume") == 0
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+
+
+# ------------------------------------------------- a run's directory, the real command on it
+from tests.test_cli_contract import run_cli  # noqa: E402
+
+RUN = [*TINY, "--checkpoint-every", "2", "--eval-every", "2"]
+# a per-tag policy: the run says its tags, not only "custom"
+TAGS = ["--policy", "custom", "--save", "query_proj,key_proj,value_proj,mlp_up"]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A 2-step run of tiny (checkpoint at step 2), written once for this module's tests, and
+    its command's output."""
+    out = tmp_path_factory.mktemp("two-steps") / "run"
+    proc = run_cli("train", *RUN, *TAGS, "--steps", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out, proc.stdout
+
+
+def _copy(run_dir, tmp_path):
+    import shutil
+
+    return shutil.copytree(run_dir, tmp_path / "run")
+
+
+def files_of(path) -> dict[str, bytes]:
+    """Every file under ``path`` with its bytes (to prove a refused command changed nothing)."""
+    return {
+        os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
+        for d, _, files in os.walk(path)
+        for f in files
+    }
+
+
+@pytest.mark.slow
+def test_the_run_says_a_per_tag_policys_tags(two_steps):
+    text = " ".join(two_steps[1].split())
+    assert "compiling the train step (0.12 M params, policy custom keep(qkv+mlp_up)," in text
+    assert "policy custom keep(qkv+mlp_up), precision fp32" in text
+
+
+@pytest.mark.slow
+def test_the_end_of_run_memory_table_fits_100_columns_with_every_digit(two_steps):
+    out, stdout = two_steps
+    lines = stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 100, max(lines, key=len)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [line for line in lines if line.startswith("│")]
+    assert len(rows) == len(summary["memory"])
+    legend = " ".join(stdout.partition("how obtained:")[2].split())
+    for figure, row in zip(summary["memory"], rows, strict=True):
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[:2] == [figure["quantity"], f"{figure['nbytes']:,}"], cells
+        assert f"{cells[3]} {figure['source']}" in legend  # "[2] counted (arrays)"
+
+
+@pytest.mark.slow
+def test_a_resumed_run_takes_config_yaml_as_its_settings_and_leaves_the_file_alone(
+    two_steps, tmp_path
+):
+    """config.yaml is the run's settings: a longer run written into it is honoured, and the
+    file (the user's, a comment added) is not rewritten when the run's settings equal it. The
+    summary's losses and time are this command's steps, and it says so."""
+    run = _copy(two_steps[0], tmp_path)
+    config = run / "config.yaml"
+    edited = config.read_text().replace("\n  steps: 2\n", "\n  steps: 4\n") + "# mine\n"
+    config.write_text(edited)
+    proc = run_cli("train", "--out", str(run), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    recs = metrics(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert config.read_text() == edited
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["first_step"], summary["final_step"]) == (3, 4)
+    assert (summary["first_loss"], summary["final_loss"]) == (recs[2]["loss"], recs[3]["loss"])
+    text = " ".join(proc.stdout.split())
+    assert (
+        f"steps 3..4 (this command's; resumed from step 2): loss {recs[2]['loss']:.4f} -> "
+        f"{recs[3]['loss']:.4f}" in text
+    )
+    # a flag over the file: the file is rewritten, and the run says what changed
+    proc = run_cli("train", "--out", str(run), "--resume", "--steps", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert f"updated {config} to this run's settings: run.steps: file 4, now 5" in " ".join(
+        proc.stdout.split()
+    )
+    assert read_config_file(str(config))["run"]["steps"] == 5
+
+
+RUN_CONFIG_EDITS = {
+    "a changed learning rate": (
+        lambda text: text.replace("lr: 0.001", "lr: 0.005"),
+        "config.yaml changes what the checkpoint's steps computed: optimizer.lr: checkpoint "
+        "0.001, file 0.005",
+    ),
+    "appended garbage": (
+        lambda text: text + "garbage }{\n",
+        "config.yaml cannot be parsed: line {line}: could not find expected ':'",
+    ),
+    "an appended section": (
+        lambda text: text + "colour: blue\n",
+        "config.yaml: unknown config section(s) ['colour']",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edit", sorted(RUN_CONFIG_EDITS))
+def test_resume_refuses_a_config_yaml_it_cannot_honour_and_writes_nothing(
+    edit, two_steps, tmp_path
+):
+    change, message = RUN_CONFIG_EDITS[edit]
+    run = _copy(two_steps[0], tmp_path)
+    config = run / "config.yaml"
+    text = config.read_text()
+    config.write_text(change(text))
+    before = files_of(run)
+    proc = run_cli("train", "--out", str(run), "--resume", "--steps", "4")
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert message.format(line=text.count("\n") + 1) in line, line
+    assert str(config) in line
+    assert files_of(run) == before
+
+
+def test_resume_on_an_empty_directory_says_there_is_no_run_yet(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_cli("train", *TINY, "--steps", "2", "--out", str(empty), "--resume")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"jaxmem train: error: --resume: {empty} has no run yet (it is empty); the same command "
+        "without --resume starts one there"
+    ]
+    assert os.listdir(empty) == []
+
+
+def test_policy_auto_says_the_chosen_policys_tags(monkeypatch, capsys):
+    """What ``--policy auto`` chose is said with its tags, as the run's lines say it (the search
+    itself, minutes on a CPU, is ``tests/test_plan.py``'s; here it returns a per-tag policy)."""
+    from types import SimpleNamespace
+
+    import jaxmem.planner.search as search
+    from jaxmem.policy import MemoryPolicy
+
+    policy = MemoryPolicy.custom({"mlp_up": "device", "attn_out": "device"})
+    chosen = SimpleNamespace(candidate=SimpleNamespace(policy=policy, accum=2), compiled=3 << 20)
+    result = SimpleNamespace(chosen=chosen, compiler="XLA:CPU", outcomes=[chosen])
+    monkeypatch.setattr(search, "search", lambda problem, space: result)
+    job = JobConfig.from_dict({"preset": "tiny", "model": {"n_layers": 4}})
+    job = train_command._auto_policy(job, "1GiB")
+    assert job.memory == policy and job.accum.steps == 2
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--policy auto chose policy custom keep(attn_out+mlp_up) with 2 microbatch(es)" in text

@@ -29,8 +29,9 @@ from jaxmem.cli.flags import (
     job_from_args,
 )
 from jaxmem.config import ConfigError, OptimizerConfig
+from jaxmem.hf.config import check_model_dir
 from jaxmem.job import RunConfig
-from jaxmem.policy import CHECKPOINT_NAMES, POLICIES
+from jaxmem.policy import CHECKPOINT_NAMES, POLICIES, policy_label
 from jaxmem.precision import PRECISIONS
 
 _run = RunConfig()
@@ -227,18 +228,26 @@ def _run_joined(args: argparse.Namespace, group, devices: int | None, watch=None
 
 
 def resolve(args: argparse.Namespace):
-    """The job: defaults < the checkpoint's saved config (with --resume) < --config < flags <
-    --set; one line for a bad value."""
+    """The job: defaults < the checkpoint's saved config < the run's config.yaml (both with
+    --resume) < --config < flags < --set; one line for a bad value."""
     from jaxmem.data import DataError
     from jaxmem.run_layout import CheckpointError
 
     saved = None
     if args.resume and args.out:
         from jaxmem.backend import quiet_native_stderr
+        from jaxmem.job import merge
         from jaxmem.train.checkpoint import latest_checkpoint
+        from jaxmem.train.run_dir import resumed_settings
 
         with usage_errors(CheckpointError), quiet_native_stderr():
             _, saved, _ = latest_checkpoint(args.out)  # either framework's layout
+            edited = resumed_settings(args.out, saved) if os.path.isdir(args.out) else None
+        if edited is not None:  # the run's settings, as its file says them
+            saved = merge(dict(saved or {}), edited)
+    if args.init_from is not None:
+        with usage_errors():
+            check_model_dir(args.init_from, "--init-from")
     # a run started from a model directory takes its model from there unless --preset (or a
     # --config's preset) names one; then the two must agree (jaxmem.train.prepare.prepare_job)
     defaults = {**DEFAULTS, "preset": args.init_from} if args.init_from else DEFAULTS
@@ -352,7 +361,8 @@ def _auto_policy(job, budget_text: str):
         )
     chosen = result.chosen.candidate
     console.print(
-        f"--policy auto chose {chosen.policy.name} with {chosen.accum} microbatch(es): "
+        f"--policy auto chose policy {policy_label(chosen.policy)} with {chosen.accum} "
+        "microbatch(es): "
         f"{result.chosen.compiled / 2**20:,.1f} MiB planned ({result.compiler}), cheapest of "
         f"{len(result.outcomes)} on the lattice by estimated cost; written to config.yaml",
     )

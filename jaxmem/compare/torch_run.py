@@ -113,11 +113,15 @@ class TorchTrainer:
         # a data-parallel rank reads only its rows of every batch (jaxmem.train.loop)
         self.local_rows = self.launch.rows(r.batch_size, self.parallel.tp)
         torch.manual_seed(r.seed)
-        initial = make_model(cfg, seed=r.seed)  # jaxmem's initial weights, or a checkpoint's
+        weights = None
         if r.init_from is not None and prepared.resume_step is None:
-            from jaxmem.model.hf import load_hf_weights
+            from jaxmem.model.hf import load_hf_weights, read_hf_weights
 
-            load_hf_weights(initial, r.init_from)  # prepare_job checked every tensor
+            # read (every tensor checked finite) before the random init compiles anything
+            weights = read_hf_weights(r.init_from, cfg, "float32")  # make_model's default
+        initial = make_model(cfg, seed=r.seed)  # jaxmem's initial weights, or a checkpoint's
+        if weights is not None:
+            load_hf_weights(initial, r.init_from, weights)
         model = torch_model_from(initial)
         model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
         self.runner = apply_memory_policy(model.blocks, job.memory)

@@ -131,14 +131,25 @@ def is_model_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_JSON))
 
 
+def check_model_dir(directory: str, flag: str = "model directory") -> None:
+    """A one-line ``ConfigError`` (naming ``flag``) unless ``directory`` is a directory: one
+    that does not exist, or a file in one (``DIR/config.json``) named instead of it."""
+    if os.path.isfile(directory):
+        holder = os.path.dirname(directory) or "."
+        raise ConfigError(
+            f"{flag} {directory} is a file; give the directory that holds it ({holder})"
+        )
+    require(
+        os.path.isdir(directory),
+        f"{flag} {directory}: the directory does not exist; give a directory holding a Hugging "
+        "Face config.json (what save_pretrained writes)",
+    )
+
+
 def read_hf_config(directory: str) -> dict[str, Any]:
     """``directory``'s ``config.json`` as a dict; a one-line ``ConfigError`` when it is not a
     model directory."""
-    require(
-        os.path.isdir(directory),
-        f"model directory {directory} does not exist; give a directory holding a Hugging Face "
-        "config.json (what save_pretrained writes)",
-    )
+    check_model_dir(directory)
     path = os.path.join(directory, CONFIG_JSON)
     require(
         os.path.isfile(path),

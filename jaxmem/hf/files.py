@@ -5,7 +5,8 @@ numpy, ``safetensors`` and, for bfloat16, ``ml_dtypes``; no JAX, no PyTorch, no
 
 Reading (``inventory``, ``read_params``) goes through the one key-and-shape map
 (``jaxmem.hf.keys.key_map(cfg, "hf")``) and asserts that every expected tensor is present exactly
-once, with its shape, and refuses unexpected tensors by name; the non-parameter buffers older
+once, with its shape (``read_params``: and every value finite), and refuses unexpected tensors by
+name; the non-parameter buffers older
 checkpoints carry (GPT-2's ``attn.bias`` / ``attn.masked_bias`` masks, Llama's
 ``rotary_emb.inv_freq``) are ignored. Only safetensors files are read (``model.safetensors``
 or the shards a ``model.safetensors.index.json`` lists); pickled ``.bin`` / ``.pt`` weights are
@@ -231,6 +232,7 @@ def read_params(directory: str, cfg: ModelConfig, dtype: Any) -> dict[Path, np.n
     filled = {path: np.zeros(shape, bool) for path, shape in shapes.items()}
     for e in key_map(cfg, "hf"):
         value = read_tensor(stored[e.key], dtype)
+        _check_finite(stored[e.key], value)
         value = value.T if e.transpose else value
         where: tuple[Any, ...] = () if e.layer is None else (e.layer,)
         if e.columns is not None:
@@ -240,6 +242,20 @@ def read_params(directory: str, cfg: ModelConfig, dtype: Any) -> dict[Path, np.n
     gaps = [".".join(p) for p, f in filled.items() if not f.all()]
     assert not gaps, f"the key map leaves parameters unfilled: {gaps}"  # a bug in key_map
     return out
+
+
+def _check_finite(stored: Stored, value: np.ndarray) -> None:
+    """Refuse a tensor holding nan or inf (as stored, or once converted to the run's dtype): a
+    model started from it computes nan at its first step."""
+    finite = np.isfinite(value)
+    if finite.all():
+        return
+    bad = value.size - int(np.count_nonzero(finite))
+    raise ConfigError(
+        f"tensor {stored.key} in {stored.file} holds {bad:,} non-finite value(s) (nan or inf, "
+        f"as {value.dtype.name}) of {value.size:,}: a model started from it computes nan; use a "
+        "checkpoint whose weights are finite"
+    )
 
 
 # ----------------------------------------------------------------------------- a new directory

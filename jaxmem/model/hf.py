@@ -4,7 +4,8 @@
 map and ``config.json`` are ``jaxmem.hf``'s (``files``, ``keys``, ``config``).
 
 ``load_hf_weights(model, DIR)`` fills a model built from ``DIR``'s config (every tensor present
-once, shapes asserted, converted to the model's parameter dtype); ``export_hf(params, cfg, OUT)``
+once, shapes asserted, values finite, converted to the model's parameter dtype;
+``read_hf_weights`` reads them before the model exists); ``export_hf(params, cfg, OUT)``
 writes a directory ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads.
 """
 
@@ -36,28 +37,39 @@ def flat_params(params: Any) -> dict[Path, Any]:
     return {tuple(str(k) for k in path): var for path, var in nnx.to_flat_state(state)}
 
 
-def load_hf_weights(model: Decoder, directory: str) -> None:
-    """Copy the Hugging Face checkpoint in ``directory`` into ``model`` in place, converted to
-    each parameter's dtype. ``model.cfg`` must compute the function of ``directory``'s config
+def read_hf_weights(directory: str, cfg: ModelConfig, dtype: Any) -> dict[Path, np.ndarray]:
+    """The Hugging Face checkpoint in ``directory`` as jaxmem's flat parameter tree in
+    ``dtype``, read before any model exists (a run reads them before its random init
+    compiles). ``cfg`` must compute the function of ``directory``'s config
     (``jaxmem.hf.config.disagreements``); raises ``ConfigError`` (one line) otherwise, or when a
-    tensor is missing, unexpected or mis-shaped; nothing is written unless everything fits."""
+    tensor is missing, unexpected, mis-shaped or holds nan or inf."""
     from jaxmem.hf.config import disagreements
 
-    cfg = model.cfg
     differ = disagreements(cfg, model_config_from_dir(directory))
     if differ:
         raise ConfigError(
             f"the model differs from {directory}'s config.json: {'; '.join(differ[:4])}; drop "
             "the settings that change it"
         )
+    return read_params(directory, cfg, np.dtype(dtype))
+
+
+def load_hf_weights(
+    model: Decoder, directory: str, values: dict[Path, np.ndarray] | None = None
+) -> None:
+    """Copy the Hugging Face checkpoint in ``directory`` into ``model`` in place, converted to
+    its parameters' dtype (``values``: ``read_hf_weights`` of it, in that dtype, when already
+    read); the errors are ``read_hf_weights``'s, raised before the model changes."""
     flat = flat_params(model)
     dtypes = {np.dtype(var[...].dtype) for var in flat.values()}
     if len(dtypes) != 1:
         raise ConfigError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))}")
-    values = read_params(directory, cfg, dtypes.pop())
-    ours = {p: tuple(v[...].shape) for p, v in flat.items()}
-    theirs = {p: v.shape for p, v in values.items()}
-    assert ours == theirs, f"jaxmem.hf.keys.param_shapes disagrees with the model: {ours}"
+    dtype = dtypes.pop()
+    if values is None:
+        values = read_hf_weights(directory, model.cfg, dtype)
+    ours = {p: (tuple(v[...].shape), dtype) for p, v in flat.items()}
+    theirs = {p: (v.shape, v.dtype) for p, v in values.items()}
+    assert ours == theirs, f"the weights read are not the model's shapes and dtype: {ours}"
     for path, var in flat.items():
         var[...] = jnp.asarray(values[path])
 

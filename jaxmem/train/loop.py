@@ -26,8 +26,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jaxmem import data as data_lib
 from jaxmem.config import ConfigError
-from jaxmem.figures import Figure, render_table
+from jaxmem.figures import TABLE_WIDTH, Figure, render_table
 from jaxmem.job import JobConfig
+from jaxmem.policy import policy_label
 from jaxmem.run_layout import CHECKPOINT_DIR, quarantine
 from jaxmem.train.prepare import PreparedJob, is_out_of_memory, out_of_memory_message
 from jaxmem.train.run_dir import (
@@ -164,7 +165,12 @@ def run_job(
                 console.print(
                     f"[yellow]skipped checkpoint {step}: {reason}; moved it to {where}[/]"
                 )
-            trainer = make_trainer()
+            try:
+                trainer = make_trainer()  # loads, compiles: refusals here leave nothing behind
+            except BaseException:
+                if lock is not None:
+                    lock.abandon()
+                raise
             return _train(prepared, trainer, console, stop)
     finally:
         if lock is not None:
@@ -226,8 +232,8 @@ class _Run:
         t_start = time.perf_counter()
         self.loop(t_start)
         wall = time.perf_counter() - t_start
-        Console(
-            file=self.console.file, width=max(self.console.width, 110), quiet=self.console.quiet
+        Console(  # its own width, not the terminal's: whole rows and every digit
+            file=self.console.file, width=TABLE_WIDTH, quiet=self.console.quiet
         ).print(
             render_table(self.trainer.figures(), f"memory of one training step ({self.job.preset})")
         )
@@ -240,7 +246,7 @@ class _Run:
             if prepared.resume_step is not None:
                 trainer.restore(prepared.resume_step)
             self.writing = f"config.yaml and metrics.jsonl in {prepared.out_dir}"
-            self.files.start(prepared.resume_step)
+            note = self.files.start(prepared.resume_step)
         except Exception as e:
             if disk_error(e) is not None:
                 raise self.failed(e) from None
@@ -251,7 +257,8 @@ class _Run:
         job, r = self.job, self.job.run
         self.console.print(
             f"[bold]jaxmem train[/] ({trainer.framework}) preset {job.preset} "
-            f"({job.model.n_params / 1e6:.2f} M params), policy {job.memory.name}, precision "
+            f"({job.model.n_params / 1e6:.2f} M params), policy {policy_label(job.memory)}, "
+            "precision "
             f"{job.precision.name}, accum {job.accum.steps} ({job.accum.mode}), batch "
             f"{r.batch_size} x seq {r.seq_len}, {job.optimizer.name} {job.optimizer.lr_text}, "
             f"steps {self.start + 1}..{r.steps} on {trainer.platform}; data: "
@@ -264,6 +271,8 @@ class _Run:
                 else ""
             )
         )
+        if note is not None:
+            self.console.print(note, markup=False, highlight=False)
 
     def flush(self) -> list[dict[str, Any]]:
         """The one host sync: the metrics of the steps since the last one."""
@@ -407,15 +416,22 @@ class _Run:
 
     def finish(self, wall: float, sample: str | None) -> dict[str, Any]:
         """Write the summary, the sample and the plot; say what the run did."""
-        trainer, records, out_dir = self.trainer, self.files.records, self.prepared.out_dir
+        trainer, out_dir = self.trainer, self.prepared.out_dir
+        # this command's steps (a resumed run's earlier ones ran in another process, in
+        # another time): the losses and the time in the summary are theirs
+        records = [r for r in self.files.records if r["step"] > self.start]
         tokens_per_s = self.steps_done * self.tokens_per_step / wall
         summary = {
             "config": self.job.to_dict(),
             "framework": trainer.framework,
             "init_from": self.job.run.init_from,
             "resumed_from": self.start or None,
+            "first_step": records[0]["step"] if records else None,
+            "final_step": records[-1]["step"] if records else None,
             "first_loss": records[0]["loss"] if records else None,
             "final_loss": records[-1]["loss"] if records else None,
+            "losses_of": "this command's steps, first_step..final_step (a resumed run's earlier "
+            "steps are in metrics.jsonl)",
             "final_val_loss": next(
                 (x["val_loss"] for x in reversed(records) if x.get("val_loss") is not None),
                 None,
@@ -439,8 +455,11 @@ class _Run:
         except OSError as e:
             raise self.failed(e) from None
         first, final, val = summary["first_loss"], summary["final_loss"], summary["final_val_loss"]
+        steps = f"steps {summary['first_step']}..{summary['final_step']}"
+        if self.start:
+            steps += f" (this command's; resumed from step {self.start})"
         self.console.print(
-            f"loss {first:.4f} -> {final:.4f}"
+            f"{steps}: loss {first:.4f} -> {final:.4f}"
             + (f" (val {val:.4f})" if val is not None else "")
             + f" in {wall:.1f} s, {tokens_per_s:,.0f} tokens/s "
             "(wall clock over the loop incl. validation and checkpoints, compile excluded)"

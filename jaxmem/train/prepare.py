@@ -23,7 +23,7 @@ from jaxmem.figures import format_bytes
 from jaxmem.files import check_can_create
 from jaxmem.job import JobConfig, config_conflicts
 from jaxmem.run_layout import CHECKPOINT_DIR
-from jaxmem.train.run_dir import check_in_use, disk_error, holds_only_the_lock
+from jaxmem.train.run_dir import check_in_use, disk_error, holds_only_the_lock, resumed_settings
 
 # From most to least device memory at a given size (FLOPs grow the other way).
 CHEAPER_POLICIES = ("none", "mlp", "selective", "offload", "full", "nested")
@@ -101,6 +101,7 @@ def prepare_job(
     if job.run.init_from is not None and resume_step is None:
         _check_init_from(job)  # before anything is written: the weights fit, every one
     tokenizer = job_tokenizer(job)
+    _check_tokenizer_fits(job, tokenizer)  # before tokenizing: an id past the embedding
     dataset = data_lib.load_dataset(
         job.data.path,
         val_fraction=job.data.val_fraction,
@@ -145,13 +146,28 @@ def job_tokenizer(job: JobConfig) -> Any:
     return tokenizer_for(directory)
 
 
+def _check_tokenizer_fits(job: JobConfig, tokenizer: Any) -> None:
+    """A model directory's tokenizer gives only ids the model has an embedding row for."""
+    directory = getattr(tokenizer, "directory", None)
+    if directory is None:  # bytes: the data's ids are checked against vocab_size as read
+        return
+    require(
+        tokenizer.vocab_size <= job.model.vocab_size,
+        f"{tokenizer.description} has {tokenizer.vocab_size:,} token ids but the model's "
+        f"vocab_size is {job.model.vocab_size:,} (config.json of {directory} or the model "
+        f"settings): ids {job.model.vocab_size:,} and up would have no embedding; give a "
+        "tokenizer.json and a config.json that belong together",
+    )
+
+
 def _check_init_from(job: JobConfig) -> None:
     """``--init-from DIR``: the model computes DIR's function and DIR's checkpoint holds every
     weight it needs (read from the safetensors headers, no data)."""
-    from jaxmem.hf.config import disagreements, model_config_from_dir
+    from jaxmem.hf.config import check_model_dir, disagreements, model_config_from_dir
     from jaxmem.hf.files import inventory
 
     directory = job.run.init_from
+    check_model_dir(directory, "--init-from")
     theirs = model_config_from_dir(directory)
     differ = disagreements(job.model, theirs)
     require(
@@ -193,6 +209,12 @@ def _check_run_dir(
     from jaxmem.train.checkpoint import latest_checkpoint  # orbax reads a JAX run's layout
 
     step, saved, skipped = latest_checkpoint(out_dir)
+    require(
+        step is not None or skipped or not holds_only_the_lock(out_dir),
+        f"--resume: {out_dir} has no run yet (it is empty); the same command without --resume "
+        "starts one there",
+    )
+    resumed_settings(out_dir, saved)  # config.yaml parses and contradicts no checkpointed step
     reasons = "; ".join(f"{s}: {why}" for s, why in skipped)
     require(
         step is not None and saved is not None,

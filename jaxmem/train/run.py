@@ -29,7 +29,7 @@ from jaxmem.memory.remat import backend_memory_kinds, check_backend
 from jaxmem.memory.targets import Target
 from jaxmem.model import make_model
 from jaxmem.model.flash import KERNEL_NAMES
-from jaxmem.policy import HOST_MEMORY_KIND
+from jaxmem.policy import HOST_MEMORY_KIND, policy_label
 from jaxmem.run_layout import CHECKPOINT_DIR
 from jaxmem.sharding import (
     ensure_cpu_devices,
@@ -218,12 +218,16 @@ class JaxTrainer:
         cfg, r = job.model, job.run
         self.platform = jax.devices()[0].platform
         self.can_offload = HOST_MEMORY_KIND in backend_memory_kinds()
+        weights = None
+        if r.init_from is not None and prepared.resume_step is None:
+            from jaxmem.model.hf import load_hf_weights, read_hf_weights
+
+            # read (every tensor checked finite) before the random init compiles anything
+            weights = read_hf_weights(r.init_from, cfg, job.precision.param_dtype)
         model = make_model(cfg, job.precision, seed=r.seed)
         self.attention_kernel = model.attention_kernel  # which fused kernel this backend runs
-        if r.init_from is not None and prepared.resume_step is None:
-            from jaxmem.model.hf import load_hf_weights
-
-            load_hf_weights(model, r.init_from)  # prepare_job checked every tensor
+        if weights is not None:
+            load_hf_weights(model, r.init_from, weights)
         self.spec = StepSpec.of_job(job)
         self.built, params = build_step(self.spec, model)
         del model  # params are donated to the step; keep no second reference
@@ -243,8 +247,8 @@ class JaxTrainer:
         first = self.transfer(train_batch(prepared.dataset, job, self.local_rows)(1))
         console.print(
             f"compiling the train step ({cfg.n_params / 1e6:.2f} M params, policy "
-            f"{job.memory.name}, {job.precision.name}, batch {r.batch_size} x seq {r.seq_len}, "
-            f"accum {job.accum.steps}) on {self.platform}..."
+            f"{policy_label(job.memory)}, {job.precision.name}, batch {r.batch_size} x seq "
+            f"{r.seq_len}, accum {job.accum.steps}) on {self.platform}..."
         )
         self._compile(params, first)
         plan = residuals.compiled_plan(self._step)

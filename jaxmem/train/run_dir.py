@@ -14,15 +14,23 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
 
-from jaxmem.config import ConfigError
+from jaxmem.config import ConfigError, require
 from jaxmem.files import write_atomic, write_json_atomic
-from jaxmem.job import JobConfig, write_config
+from jaxmem.job import (
+    JobConfig,
+    config_conflicts,
+    merge,
+    read_config_file,
+    write_config,
+)
 from jaxmem.run_layout import CHECKPOINT_DIR, newest_verified
+
+CONFIG_FILE = "config.yaml"
 
 
 # ------------------------------------------------------------------------------------ run files
@@ -34,16 +42,25 @@ class RunFiles:
     def __init__(self, out_dir: str | None, job: JobConfig):
         self.out_dir, self.job = out_dir, job
         self.records: list[dict[str, Any]] = []
+        self.config_written = False
 
     def path(self, name: str) -> str:
         assert self.out_dir is not None
         return os.path.join(self.out_dir, name)
 
-    def start(self, resume_step: int | None) -> None:
+    def start(self, resume_step: int | None) -> str | None:
+        """Write the run's config and its metrics up to ``resume_step``. A resumed run's
+        ``config.yaml`` is the user's file: rewritten only when this run's settings differ from
+        it; returns a line saying what changed (None: nothing to say)."""
         if self.out_dir is None:
-            return
+            return None
         os.makedirs(self.out_dir, exist_ok=True)
-        write_config(self.job, self.path("config.yaml"))
+        note = None
+        if resume_step is None:
+            write_config(self.job, self.path(CONFIG_FILE))
+        else:
+            note = _update_config(self.job, self.path(CONFIG_FILE))
+        self.config_written = resume_step is None or note is not None
         metrics = self.path("metrics.jsonl")
         if resume_step is not None and os.path.exists(metrics):
             # back to the checkpoint's step: a resumed run's file equals an uninterrupted one's
@@ -53,6 +70,7 @@ class RunFiles:
             self.records = kept
         elif os.path.exists(metrics):
             os.remove(metrics)
+        return note
 
     def append(self, records: Sequence[dict[str, Any]]) -> None:
         self.records.extend(records)
@@ -64,7 +82,8 @@ class RunFiles:
     def finish(self, summary: dict[str, Any], sample: str | None) -> list[str]:
         if self.out_dir is None:
             return []
-        written = ["config.yaml", "metrics.jsonl"]
+        written = [CONFIG_FILE] if self.config_written else []
+        written.append("metrics.jsonl")
         write_json_atomic(self.path("summary.json"), summary)
         written.append("summary.json")
         if sample is not None:
@@ -73,6 +92,51 @@ class RunFiles:
         plot_losses([(self.job.run.framework, self.records)], self.path("loss.png"))
         written.append("loss.png")
         return written
+
+
+def resumed_settings(out_dir: str, saved: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A resumed run's ``config.yaml``, the run's settings, as settings over its checkpoint's
+    (``saved``): what a resumed run may change (its length, logging, evaluation and checkpoint
+    cadence: ``jaxmem.job.RESUMABLE_CHANGES``) is taken from the file. ``ConfigError`` naming
+    the file for one that does not parse (and the line) or that changes what the checkpoint's
+    steps computed (and the settings). None: no file (the checkpoint's settings stand)."""
+    path = os.path.join(out_dir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    settings = read_config_file(path)
+    if saved is None:
+        return settings
+    try:
+        edited = JobConfig.from_dict(merge(dict(saved), settings)).to_dict()
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    changed = config_conflicts(saved, edited, names=("checkpoint", "file"))
+    require(
+        not changed,
+        f"--resume: {path} changes what the checkpoint's steps computed: "
+        + "; ".join(changed)
+        + " (a resumed run changes only its length, logging, evaluation, checkpoints and "
+        f"sample); put the file back, or start a new run from it: jaxmem train --config {path} "
+        "--out NEW_DIR",
+    )
+    return settings
+
+
+def _update_config(job: JobConfig, path: str) -> str | None:
+    """Rewrite a resumed run's ``config.yaml`` when ``job`` differs from it; a line saying so."""
+    if not os.path.isfile(path):
+        write_config(job, path)
+        return f"{CONFIG_FILE} was missing: wrote this run's settings to {path}"
+    try:
+        written = JobConfig.from_dict(read_config_file(path)).to_dict()
+    except ConfigError as e:
+        write_config(job, path)
+        return f"{path} did not read back ({e}): rewrote it with this run's settings"
+    changed = config_conflicts(written, job.to_dict(), allowed=(), names=("file", "now"))
+    if not changed:
+        return None  # the user's file stands, byte for byte
+    write_config(job, path)
+    return f"updated {path} to this run's settings: " + "; ".join(changed)
 
 
 def read_metrics(path: str) -> tuple[list[dict[str, Any]], int]:
@@ -143,14 +207,19 @@ class RunLock:
         self.out_dir = out_dir
         self.path = os.path.join(out_dir, LOCK_FILE)
         self._fd: int | None = None
-        self.created_dir = False
+        self.created_dirs: list[str] = []  # the directories acquiring made, innermost first
+        self.created_file = False
 
     def acquire(self) -> None:
         import fcntl
 
-        if not os.path.isdir(self.out_dir):
+        missing = os.path.abspath(self.out_dir)
+        while not os.path.exists(missing):
+            self.created_dirs.append(missing)
+            missing = os.path.dirname(missing)
+        if self.created_dirs:
             os.makedirs(self.out_dir)
-            self.created_dir = True
+        self.created_file = not os.path.exists(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -171,11 +240,13 @@ class RunLock:
             self._fd = None
 
     def abandon(self) -> None:
-        """Release, and remove what acquiring created when nothing else was written."""
+        """Release, and remove what acquiring created (the lock file, the directory) when
+        nothing else was written."""
         self.release()
-        if self.created_dir and os.listdir(self.out_dir) == [LOCK_FILE]:
+        if self.created_file and os.listdir(self.out_dir) == [LOCK_FILE]:
             os.remove(self.path)
-            os.rmdir(self.out_dir)
+            for directory in self.created_dirs:
+                os.rmdir(directory)
 
 
 def holds_only_the_lock(out_dir: str) -> bool:
