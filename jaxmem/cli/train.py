@@ -319,11 +319,6 @@ def _auto_policy(job, budget_text: str):
         raise UsageError("--policy auto plans jaxmem's step: use --framework jax")
     if job.accum.mode != "scan":
         raise UsageError("--policy auto plans the scanned accumulation: drop --accum-mode")
-    if job.model.n_layers < 4:
-        raise UsageError(
-            f"--policy auto fits its memory model at two depths of at least 2: the model has "
-            f"{job.model.n_layers} layers; choose a policy yourself"
-        )
     need_jax_backend()
     from rich.console import Console
 
