@@ -191,6 +191,13 @@ def test_bad_budget_is_refused(text):
         parse_bytes(text)
 
 
+@pytest.mark.parametrize("text", ["1e30GiB", "1e300GiB", f"{2**63}B"])
+def test_a_budget_no_machine_has_is_refused_naming_it(text):
+    """Sizes of 8 EiB and more (1e300GiB overflows a float to inf) are refused, not converted."""
+    with pytest.raises(ConfigError, match=f"budget '{text}' is more than any machine's memory"):
+        parse_bytes(text)
+
+
 def _tiny_arguments_floor() -> int:
     """tiny's step arguments from shapes: fp32 parameters, AdamW's two moments, 8 x 128 tokens
     (the default batch and the preset's sequence) as int32 inputs and targets."""
@@ -206,7 +213,8 @@ def _tiny_arguments_floor() -> int:
     [
         (["--budget", "100"], "--budget 100: give a unit, e.g. 100GiB"),
         (["--budget", "1KiB", "--max-compiles", "3"], "is below the smallest possible step"),
-        (["--budget", "1e30GiB"], "--budget 1e30GiB is more than this machine"),
+        (["--budget", "1e6GiB"], "--budget 1e6GiB is more than this machine"),
+        (["--budget", "1e300GiB"], "--budget 1e300GiB is more than any machine's memory"),
         (
             ["--budget", "100GiB", "--target", "h100"],
             "--budget 100GiB is more than the NVIDIA H100 80GB HBM3 has (79.11 GiB)",

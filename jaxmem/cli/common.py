@@ -93,6 +93,9 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+MOST_BYTES = 2**63  # sizes are int64 bytes in XLA's and torch's memory statistics
+
+
 def parse_bytes(text: str, flag: str | None = None) -> int:
     """``70GiB``, ``200MiB``, ``1.5GB``, ``4096B`` -> bytes; bad text raises ``ConfigError``
     (``flag``: the option it came from, named in the message). A number without a unit is
@@ -114,7 +117,10 @@ def parse_bytes(text: str, flag: str | None = None) -> int:
     if not unit:
         n = text.strip()
         raise ConfigError(f"{said}: give a unit, e.g. {n}GiB, {n}MiB or {n}B")
-    return int(value * units[unit])
+    count = value * units[unit]
+    if not count < MOST_BYTES:  # 1e300GiB overflows to inf; no memory is 8 EiB or more
+        raise ConfigError(f"{said} is more than any machine's memory: give e.g. 70GiB or 512MiB")
+    return int(count)
 
 
 def names(text: str, valid: Sequence[str], what: str) -> list[str]:
