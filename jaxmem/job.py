@@ -34,6 +34,7 @@ import json
 import math
 import os
 import tomllib
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -578,25 +579,36 @@ def _overlay(section: str, base: Any, values: Mapping[str, Any]) -> Any:
         not unknown,
         f"unknown setting(s) {unknown} in [{section}]; valid: {', '.join(fields)}",
     )
-    changes = {k: _coerce(section, k, getattr(base, k), v) for k, v in values.items()}
+    types = typing.get_type_hints(type(base))
+    changes = {k: _coerce(section, k, types[k], v) for k, v in values.items()}
     return dataclasses.replace(base, **changes)
 
 
-def _coerce(section: str, key: str, default: Any, value: Any) -> Any:
+def _coerce(section: str, key: str, field_type: Any, value: Any) -> Any:
     """Config files and ``--set`` give ints for floats, lists for tuples and strings such as
-    ``3e-4`` (YAML 1.1 reads that as text): convert to the field's type, or say which value
-    is wrong."""
+    ``3e-4`` or ``1e3`` (YAML 1.1 reads those as text): convert to the field's annotated type
+    (``float | None`` as ``float``, None kept), or say which value is wrong."""
     where = f"{section}.{key}={value!r}"
-    if isinstance(default, bool):
+    kinds = {t for t in typing.get_args(field_type) or (field_type,) if t is not type(None)}
+    if value is None and type(None) in typing.get_args(field_type):
+        return None
+    if kinds == {bool}:
         require(isinstance(value, bool), f"{where} must be true or false")
         return value
-    if isinstance(default, float):
+    if kinds == {float}:
         if isinstance(value, bool):
             raise ConfigError(f"{where} must be a number")
         try:
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where} must be a number") from None
+    if kinds == {int} and isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"{where} must be an integer") from None
+        require(number.is_integer(), f"{where} must be an integer")
+        return int(number)
     if isinstance(value, list):
         return tuple(value)
     return value

@@ -9,6 +9,7 @@ follows the same schedule. (Both frameworks' equal learning rates and losses:
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ import pytest
 from flax import nnx
 
 from jaxmem.compare.tolerances import tolerance
-from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig
+from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.job import JobConfig, config_conflicts, resolve_job
 from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
@@ -109,6 +110,33 @@ def test_a_run_config_written_before_schedules_reads_back_constant_and_unclipped
     assert config_conflicts(old, clipped.to_dict()) == [
         "optimizer.clip_norm: checkpoint absent, now 1.0"
     ]
+
+
+def test_optional_numbers_written_as_yaml_text_are_read_as_numbers(tmp_path):
+    """YAML 1.1 reads ``1e-1`` and ``1e3`` as text; a setting annotated ``float | None`` or
+    ``int | None`` (clip_norm, decay_steps, n_kv_heads) converts them, from ``--set`` and from a
+    config file alike, and still says which value is wrong."""
+    sets = ["optimizer.clip_norm=1e-1", "optimizer.decay_steps=1e3", "model.n_kv_heads=2"]
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "optimizer:\n  schedule: cosine\n  clip_norm: 1e-1\n  decay_steps: 1e3\n"
+        "model:\n  n_kv_heads: 2e0\n"
+    )
+    from_set = resolve_job(
+        defaults={"preset": "tiny", "optimizer": {"schedule": "cosine"}}, assignments=sets
+    )
+    from_file = resolve_job(defaults={"preset": "tiny"}, config_file=str(config))
+    for job in (from_set, from_file):
+        assert (job.optimizer.clip_norm, job.optimizer.decay_steps) == (0.1, 1000)
+        assert job.model.n_kv_heads == 2 and type(job.optimizer.decay_steps) is int
+    assert resolve_job(assignments=["optimizer.clip_norm=null"]).optimizer.clip_norm is None
+    for bad, message in (
+        ("clip_norm=x", "optimizer.clip_norm='x' must be a number"),
+        ("decay_steps=2.5e0", "optimizer.decay_steps='2.5e0' must be an integer"),
+        ("decay_steps=2.5", "decay_steps=2.5 must be a positive integer"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            resolve_job(assignments=[f"optimizer.{bad}"])
 
 
 @pytest.fixture(scope="module")
