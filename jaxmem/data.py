@@ -548,16 +548,13 @@ def load_dataset(
     p = pathlib.Path(path)
     if not p.exists():
         raise DataError(f"data path {p} does not exist; pass an existing file or directory")
-    train_bin: pathlib.Path | None = None
-    if p.is_dir() and (p / "train.bin").exists():
-        train_bin, source = p / "train.bin", f"nanoGPT .bin in {p}"
-    elif p.is_dir() and (p / "val.bin").exists():
+    if p.is_dir() and (p / "val.bin").exists() and not (p / "train.bin").exists():
         raise DataError(
             f"{p} has val.bin but no train.bin; re-run prepare or pass the text source instead"
         )
-    elif p.is_file() and p.suffix == ".bin":
-        train_bin, source = p, f"nanoGPT .bin {p}"
+    train_bin = _train_bin(p)
     if train_bin is not None:
+        source = f"nanoGPT .bin in {p}" if p.is_dir() else f"nanoGPT .bin {p}"
         _check_tokenizer(train_bin.parent, tokenizer)
         train = load_bin(train_bin, vocab_size)
         val_bin = train_bin.parent / "val.bin"
@@ -573,6 +570,34 @@ def load_dataset(
     _check_vocab(tokens, vocab_size, f"data {p}")
     train, val = train_val_split(tokens, val_fraction)
     return Dataset(train, val, f"text {'directory' if p.is_dir() else 'file'} {p}")
+
+
+def _train_bin(p: pathlib.Path) -> pathlib.Path | None:
+    """The pre-tokenized train split ``p`` names (a ``.bin`` file, or a directory holding
+    ``train.bin``); None for text."""
+    if p.is_dir() and (p / "train.bin").exists():
+        return p / "train.bin"
+    return p if p.is_file() and p.suffix == ".bin" else None
+
+
+def data_tokenizer(path: str | os.PathLike[str] | None) -> str | None:
+    """The tokenizer a run's data (``DataConfig.path``) was read with when the run had no
+    tokenizer of its own: ``"bytes"`` for text and the embedded corpus, the name a ``.bin``'s
+    ``meta.json`` records, None when that is unknown (a ``.bin`` made elsewhere, data gone)."""
+    if path is None:
+        return "bytes"
+    p = pathlib.Path(path)
+    if not p.exists():
+        return None
+    train_bin = _train_bin(p)
+    if train_bin is None:
+        return "bytes"
+    try:
+        meta = _read_meta(train_bin.parent) or {}
+    except DataError:
+        return None
+    name = meta.get("tokenizer")
+    return name if isinstance(name, str) else None
 
 
 def _check_tokenizer(directory: pathlib.Path, tokenizer: Any) -> None:

@@ -496,6 +496,32 @@ def test_export_makes_the_parents_of_out_and_says_a_byte_run_has_no_tokenizer(by
     assert "encode with list(text.encode())" in text
 
 
+@pytest.mark.parametrize(
+    "meta, says",
+    [
+        ({"tokenizer": "gpt2"}, "was tokenized with gpt2 (its meta.json): encode with that"),
+        (None, "was tokenized outside jaxmem (no meta.json names a tokenizer)"),
+        ({"tokenizer": "bytes"}, "the run read raw bytes (its model is a named preset)"),
+    ],
+)
+def test_export_says_raw_bytes_only_where_the_runs_data_was_bytes(meta, says, tmp_path):
+    """A named preset (gpt2-124m) trained on a .bin: the note follows the data's meta.json
+    (a tokenizer it names, none, or the byte tokenizer); no run needed, the note reads the
+    run's config."""
+    from jaxmem.cli.export import no_tokenizer_note
+    from jaxmem.job import JobConfig
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.bin").write_bytes(bytes(64))
+    if meta is not None:
+        (data / "meta.json").write_text(json.dumps(meta))
+    job = JobConfig.from_dict({"preset": "gpt2-124m", "data": {"path": str(data)}})
+    note = " ".join(no_tokenizer_note("hf", job, None).split())
+    assert says in note
+    assert ("UTF-8 bytes" in note) == (meta == {"tokenizer": "bytes"})
+
+
 def test_export_where_out_cannot_be_made_is_one_line_and_writes_nothing(tmp_path, capsys):
     from jaxmem.cli import main
 

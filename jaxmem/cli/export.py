@@ -75,20 +75,36 @@ def run(args: argparse.Namespace) -> int:
         f"transformers.AutoModelForCausalLM.from_pretrained({args.out!r})"
     )
     if not note and not has_tokenizer(source):
-        print(_byte_tokens_note(args.out, source))
+        print(no_tokenizer_note(args.out, job, source))
     return 0
 
 
-def _byte_tokens_note(out: str, source: str | None) -> str:
-    """What a user loading a byte-token run's export must know: there is no tokenizer."""
-    from jaxmem.data import BOS, EOS, PAD
+def no_tokenizer_note(out: str, job, source: str | None) -> str:
+    """What a user loading an export without tokenizer files must know: how the run's ids were
+    made. Raw bytes only where its data says so (text, the embedded corpus, or a ``.bin`` whose
+    ``meta.json`` names the byte tokenizer); otherwise the tokenizer the data names, or none."""
+    from jaxmem.data import BOS, EOS, PAD, data_tokenizer
 
     why = "its model is a named preset" if source is None else f"{source} has no tokenizer.json"
-    return (
-        f"no tokenizer in {out}/: the run read raw bytes ({why}), so AutoTokenizer finds none; "
-        f"its ids are the UTF-8 bytes of the text (0-255; {BOS}, {EOS}, {PAD}: BOS, EOS, PAD): "
-        "encode with list(text.encode()), decode with bytes(i for i in ids if i < 256).decode()"
-    )
+    made_with = data_tokenizer(job.data.path)
+    if made_with == "bytes":
+        return (
+            f"no tokenizer in {out}/: the run read raw bytes ({why}), so AutoTokenizer finds "
+            f"none; its ids are the UTF-8 bytes of the text (0-255; {BOS}, {EOS}, {PAD}: BOS, "
+            "EOS, PAD): encode with list(text.encode()), decode with "
+            "bytes(i for i in ids if i < 256).decode()"
+        )
+    data = f"its data {job.data.path}"
+    if made_with is not None:
+        how = f"{data} was tokenized with {made_with} (its meta.json): encode with that tokenizer"
+    elif not os.path.exists(job.data.path):
+        how = f"{data} is gone, so how its ids were made is not known here"
+    else:
+        how = (
+            f"{data} was tokenized outside jaxmem (no meta.json names a tokenizer): encode "
+            "with the tokenizer that made it"
+        )
+    return f"no tokenizer copied to {out}/ ({why}, so there was none to copy); {how}"
 
 
 def _params(run_dir: str, step: int, job):
