@@ -11,8 +11,9 @@ written by karpathy/nanoGPT's ``data/*/prepare.py``; ``uint32`` for vocabularies
 ids, as ``meta.json`` says) with our ``meta.json`` beside them; ``prepare_bin`` writes those.
 Text is byte-tokenized unless a ``tokenizer`` is given (``jaxmem.hf.tokenizer``: a Hugging Face
 model directory's ``tokenizer.json``); ``meta.json`` names the tokenizer a ``.bin`` was made
-with. JSON Lines is refused where text is read (``refuse_json_lines``), and data whose splits
-cannot hold one sequence (``check_split_sizes``) before anything is written or compiled.
+with. JSON Lines is refused where a text file is named (``refuse_json_lines``; skipped, and
+said, in a directory of text), and data whose splits cannot hold one sequence
+(``check_split_sizes``), before anything is written or compiled.
 Batches are a pure function of ``(seed, step)`` (``batch_at``) so a resumed run sees exactly the
 data it would have seen, and ``Prefetcher`` overlaps building and transferring the next batches
 with the current step.
@@ -207,8 +208,9 @@ _JSON_LINES_SNIFFED = 5  # the first non-empty lines that, all JSON objects, mak
 
 
 def _looks_like_json_lines(data: bytes) -> bool:
-    """The first ``_JSON_LINES_SNIFFED`` non-empty lines (fewer in a shorter file) are each a
-    JSON object. Reads only those lines: plain text fails at its first character."""
+    """The first ``_JSON_LINES_SNIFFED`` non-empty lines (fewer in a shorter file, but at least
+    two) are each a JSON object. Reads only those lines: plain text fails at its first
+    character; one JSON object alone is not yet a format of records."""
     seen, start = 0, 0
     while seen < _JSON_LINES_SNIFFED and start < len(data):
         end = data.find(b"\n", start)
@@ -224,18 +226,27 @@ def _looks_like_json_lines(data: bytes) -> bool:
         except ValueError:  # not JSON (UnicodeDecodeError is a ValueError too)
             return False
         seen += 1
-    return seen > 0
+    return seen >= 2
+
+
+def _is_json_records(data: bytes) -> bool:
+    """JSON Lines, or one JSON object (a stray ``metadata.json``, a one-line ``{"a": 1}``):
+    data, not text, where a directory of text is read."""
+    if not data.lstrip().startswith(b"{"):
+        return False
+    if _looks_like_json_lines(data):
+        return True
+    try:
+        return isinstance(json.loads(data), dict)
+    except ValueError:
+        return False
 
 
 def refuse_json_lines(path: pathlib.Path, data: bytes | None = None) -> None:
-    """Refuse JSON Lines where plain text is read: a file named ``*.jsonl`` / ``*.ndjson``, or
-    (given its ``data``) one whose first non-empty lines are all JSON objects. Training on it as
-    text would learn its braces and keys; instruction data (prompt/completion records) is not a
-    format jaxmem reads yet.
-
-    Raises:
-        DataError: ``path`` is JSON Lines.
-    """
+    """Refuse (``DataError``) JSON Lines where a file of plain text is named: one named
+    ``*.jsonl`` / ``*.ndjson``, or (given its ``data``) one whose first non-empty lines are JSON
+    objects. Training on it as text would learn its braces and keys; instruction data
+    (prompt/completion records) is not a format jaxmem reads yet."""
     by_name = data is None and path.suffix.lower() in JSON_LINES_SUFFIXES
     if by_name or (data is not None and _looks_like_json_lines(data)):
         how = f"named {path.suffix}" if by_name else "its first lines are JSON objects"
@@ -264,6 +275,17 @@ def _text_files(root: pathlib.Path) -> list[pathlib.Path]:
 
 
 def load_text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
+    """``text_tokens`` without what it skipped."""
+    return text_tokens(path, tokenizer)[0]
+
+
+def text_source(path: pathlib.Path, skipped: str) -> str:
+    """How a text source is named in a run's and a prepared dataset's ``source``."""
+    what = "directory" if path.is_dir() else "file"
+    return f"text {what} {path}" + (f" ({skipped})" if skipped else "")
+
+
+def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> tuple[np.ndarray, str]:
     """Byte tokens (``uint16``) of a text file, or of every text file under a directory; with a
     ``tokenizer`` (``jaxmem.hf.tokenizer``), its ids instead (files separated by its separator).
 
@@ -273,7 +295,8 @@ def load_text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.
     with ``.``), empty files and files containing NUL bytes (almost surely binary: images,
     ``.pyc``, ``.bin`` token files) are skipped. A single named file that contains NUL bytes is
     rejected rather than skipped, because the caller asked for it explicitly. JSON Lines
-    (``refuse_json_lines``) is refused, a file named so before it is read.
+    (``refuse_json_lines``) is refused where a file is named; in a directory, JSON Lines and
+    JSON files are skipped (``directory_tokens``), said in the second value ("" for a file).
 
     Raises:
         DataError: the path does not exist, cannot be read, is binary, holds JSON Lines, or holds
@@ -294,37 +317,51 @@ def load_text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.
                 "pass a text file (a pre-tokenized file must be named *.bin)"
             )
         if tokenizer is not None and tokenizer.name != "bytes":
-            return _tokenize([data], tokenizer)
-        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+            return _tokenize([data], tokenizer), ""
+        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16), ""
     if not p.is_dir():
         raise DataError(f"data path {p} is neither a file nor a directory; pass a text file")
+    return directory_tokens(p, tokenizer)
+
+
+def directory_tokens(root: pathlib.Path, tokenizer: Any = None) -> tuple[np.ndarray, str]:
+    """``load_text_tokens`` of a directory, and what it skipped: empty, binary (NUL bytes) and
+    JSON files (named ``*.jsonl``/``*.ndjson``, or holding JSON records: ``_is_json_records``),
+    said as ``"1 binary file(s) skipped; ..."`` ("" when none was)."""
     chunks: list[np.ndarray] = []
     texts: list[bytes] = []
-    n_binary = 0
-    files = _text_files(p)
-    for f in files:
-        refuse_json_lines(f)  # by name, before a byte is read
-    for f in files:
+    n_binary, json_files = 0, []
+    for f in _text_files(root):
+        if f.suffix.lower() in JSON_LINES_SUFFIXES:  # by name, before a byte is read
+            json_files.append(f)
+            continue
         data = _read_text_file(f)
         if not data:
             continue
-        refuse_json_lines(f, data)
         if b"\0" in data:
             n_binary += 1
+            continue
+        if _is_json_records(data):
+            json_files.append(f)
             continue
         texts.append(data)
         if chunks:
             chunks.append(np.array([EOS], dtype=np.uint16))
         chunks.append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16))
-    if chunks and tokenizer is not None and tokenizer.name != "bytes":
-        return _tokenize(texts, tokenizer)
+    skipped = [f"{n_binary} binary file(s) skipped"] if n_binary else []
+    if json_files:
+        named = ", ".join(str(f.relative_to(root)) for f in json_files[:3])
+        named += ", ..." if len(json_files) > 3 else ""
+        skipped.append(f"{len(json_files)} JSON file(s) skipped ({named})")
+    said = "; ".join(skipped)
     if not chunks:
-        skipped = f" ({n_binary} binary file(s) skipped)" if n_binary else ""
         raise DataError(
-            f"data directory {p} contains no text{skipped}; "
+            f"data directory {root} contains no text{f' ({said})' if said else ''}; "
             "it needs non-empty, non-hidden text files"
         )
-    return np.concatenate(chunks)
+    if tokenizer is not None and tokenizer.name != "bytes":
+        return _tokenize(texts, tokenizer), said
+    return np.concatenate(chunks), said
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,8 +477,8 @@ def prepare_bin(
         tokens, source = stdlib_corpus(tokenizer=tokenizer), STDLIB_SOURCE
     else:
         s = pathlib.Path(src)
-        tokens = load_text_tokens(s, tokenizer)
-        source = f"text {'directory' if s.is_dir() else 'file'} {s.resolve()}"
+        tokens, skipped = text_tokens(s, tokenizer)
+        source = text_source(s.resolve(), skipped)
     vocab = VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
     dtype = bin_dtype(vocab)
     if tokens.size < 2:
@@ -564,17 +601,16 @@ def load_dataset(
             raise DataError(f"{train_bin} has 1 token; at least 2 are needed for a train/val split")
         train, val = train_val_split(train, val_fraction)
         return Dataset(train, val, f"{source} (no val.bin: last {val_fraction:g} split off)")
-    tokens = load_text_tokens(p, tokenizer)
+    tokens, skipped = text_tokens(p, tokenizer)
     if tokens.size < 2:
         raise DataError(f"data file {p} has 1 token; at least 2 are needed for a train/val split")
     _check_vocab(tokens, vocab_size, f"data {p}")
     train, val = train_val_split(tokens, val_fraction)
-    return Dataset(train, val, f"text {'directory' if p.is_dir() else 'file'} {p}")
+    return Dataset(train, val, text_source(p, skipped))
 
 
 def _train_bin(p: pathlib.Path) -> pathlib.Path | None:
-    """The pre-tokenized train split ``p`` names (a ``.bin`` file, or a directory holding
-    ``train.bin``); None for text."""
+    """The ``.bin`` train split ``p`` names (itself, or its ``train.bin``); None for text."""
     if p.is_dir() and (p / "train.bin").exists():
         return p / "train.bin"
     return p if p.is_file() and p.suffix == ".bin" else None
@@ -592,12 +628,10 @@ def data_tokenizer(path: str | os.PathLike[str] | None) -> str | None:
     train_bin = _train_bin(p)
     if train_bin is None:
         return "bytes"
-    try:
-        meta = _read_meta(train_bin.parent) or {}
-    except DataError:
-        return None
-    name = meta.get("tokenizer")
-    return name if isinstance(name, str) else None
+    with contextlib.suppress(DataError):
+        name = (_read_meta(train_bin.parent) or {}).get("tokenizer")
+        return name if isinstance(name, str) else None
+    return None
 
 
 def _check_tokenizer(directory: pathlib.Path, tokenizer: Any) -> None:

@@ -295,8 +295,10 @@ def _out_under(where):
     return lambda tmp_path: [*_corpus(tmp_path), "--out", where.format(tmp=tmp_path)]
 
 
-def _in_a_directory(tmp_path):
-    _json_lines("corpus/chat.jsonl")(tmp_path)  # beside corpus/notes.txt
+def _only_json_in_a_directory(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "chat.jsonl").write_text(INSTRUCTIONS * 200)
+    (tmp_path / "corpus" / "info.txt").write_text('{"a": 1}\n')
     return [str(tmp_path / "corpus")]
 
 
@@ -316,7 +318,9 @@ REFUSED = {
     "prepare-jsonl": ("prepare", _json_lines("chat.jsonl"), (JSONL, "take plain text")),
     "prepare-ndjson": ("prepare", _json_lines("chat.NDJSON"), ("is JSON Lines (named .NDJSON)",)),
     "prepare-by-content": ("prepare", _json_lines("chat.txt"), (BY_CONTENT,)),
-    "prepare-in-a-directory": ("prepare", _in_a_directory, (JSONL,)),
+    "prepare-only-json-in-a-directory": (
+        "prepare", _only_json_in_a_directory, ("contains no text (2 JSON file(s) skipped (chat",)
+    ),
     "train-jsonl": ("train", _json_lines("chat.jsonl"), (JSONL, "--data and prepare")),
     "train-by-content": ("train", _json_lines("chat.txt"), (BY_CONTENT,)),
     "prepare-read-only": (
@@ -382,7 +386,32 @@ def test_prepare_makes_the_parents_of_out_and_names_the_seq_len_to_train_with(tm
 
 def test_json_lines_are_told_from_text_by_their_first_lines():
     assert data._looks_like_json_lines(b'\n{"text": "a"}\n  \n{"text": "b"}\n')
-    assert data._looks_like_json_lines(b'{"a": 1}')  # one record is JSON Lines too
+    assert not data._looks_like_json_lines(b'{"a": 1}')  # one record is not yet records
+    assert data._is_json_records(b'{"a": 1}') and data._is_json_records(b'{\n"a": [1]\n}\n')
+    assert not data._is_json_records(b"{ is how C begins a block\n")
     for text in (b"plain text\n", b'{"a": 1}\nthen prose\n', b"[1, 2]\n", b"{not json}\n", b""):
         assert not data._looks_like_json_lines(text), text
     assert not data._looks_like_json_lines(b"{\n" + b'"key": 1\n}\n')  # one JSON document
+
+
+def test_a_directory_trains_on_its_text_and_says_which_json_files_it_skipped(tmp_path, capsys):
+    """A stray metadata.jsonl, a one-line JSON object and a binary file beside the text: the
+    text is read (the same tokens as without them), and both ``train``'s data source and
+    ``prepare``'s output name what was skipped; a JSON Lines file named directly is refused."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("plain text\n" * 400)
+    (corpus / "metadata.jsonl").write_text(INSTRUCTIONS)
+    (corpus / "z.txt").write_text('{"a": 1}')
+    (corpus / "blob.dat").write_bytes(b"X\0Y")
+    dataset = data.load_dataset(corpus)
+    tokens = np.concatenate([dataset.train, dataset.val])
+    assert tokens.tolist() == data.load_text_tokens(corpus / "a.txt").tolist()
+    skipped = "1 binary file(s) skipped; 2 JSON file(s) skipped (metadata.jsonl, z.txt)"
+    assert dataset.source == f"text directory {corpus} ({skipped})"
+    code, printed, err = _jaxmem(
+        False, capsys, "prepare", str(corpus), "--out", str(tmp_path / "d")
+    )
+    assert code == 0 and skipped in " ".join(printed.split()), err
+    with pytest.raises(DataError, match="metadata.jsonl is JSON Lines"):
+        data.load_text_tokens(corpus / "metadata.jsonl")

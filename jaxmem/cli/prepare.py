@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
         "the embedded Python-stdlib corpus) into train.bin and val.bin (raw little-endian "
         "uint16, nanoGPT's format; uint32 for a vocabulary above 65,536 ids) plus meta.json, "
         "which names the tokenizer; the last --val-fraction is validation data, and each split "
-        "must hold a --seq-len sequence. Text only: JSON Lines is refused. Bytes by "
+        "must hold a --seq-len sequence. Text only: JSON Lines is refused (skipped, and said, "
+        "in a directory, as JSON and binary files are). Bytes by "
         "default; --tokenizer DIR uses DIR's tokenizer.json (needs jaxmem[hf]). Existing files "
         "are never overwritten.",
     )
