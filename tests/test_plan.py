@@ -273,8 +273,8 @@ def test_the_search_prints_a_line_per_compile_with_its_peak_and_what_is_left(tin
     lines = [line for line in proc.stdout.splitlines() if line.startswith("compile ")]
     assert len(lines) == plan["candidate_compiles"] >= 2
     for i, line in enumerate(lines, 1):
-        assert re.match(rf"compile {i} of at most 4: .+: [\d,.]+ MiB, (over|fits|under)", line)
-    assert "candidates left" in proc.stdout
+        assert re.match(rf"compile {i}/4: .+: [\d,.]+ MiB, (over|fits|under)", line)
+    assert re.search(r"; \d+ left$", proc.stdout, re.M)
 
 
 @pytest.mark.slow
@@ -357,6 +357,30 @@ def test_plan_cli_writes_the_choice(tmp_path, bounds):
     assert plan["chosen"]["compiled_bytes"] <= plan["budget_bytes"]
     assert plan["chosen"]["status"] == "chosen"
     assert all(c["status"] != "chosen" for c in plan["candidates"][:-1])
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        ("1KiB", "--memory-budget 1KiB (1.00 KiB) is below the smallest possible step: its "),
+        ("100", "--memory-budget 100: give a unit, e.g. 100GiB"),
+    ],
+)
+def test_train_policy_auto_refuses_a_budget_as_plan_does_naming_its_flag(budget, message, tmp_path):
+    """The plan command's budget checks, in ``train --policy auto``: refused at once (no
+    search line printed, nothing written), naming --memory-budget and, under the step's
+    arguments, that floor from shapes."""
+    out = tmp_path / "run"
+    proc = run_cli(
+        "train", "--preset", "tiny", "--policy", "auto", "--memory-budget", budget, "--steps",
+        "1", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("jaxmem train: error: ") and message in line, line
+    if budget == "1KiB":
+        assert "from shapes, fp32)" in line and "(--mesh fsdp=N)" in line
+    assert "compile" not in proc.stdout and not out.exists()
 
 
 @pytest.mark.slow

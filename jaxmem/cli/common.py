@@ -196,3 +196,49 @@ def need_gpu_plan(target) -> None:
 
 def mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+# ------------------------------------------------------------------------------ plan budgets
+def check_budget(
+    problem, space, given: str | None, flag: str, leave: str, elsewhere: str = ""
+) -> None:
+    """A budget no configuration in ``space`` can meet, refused in one line before any trace or
+    compile (``jaxmem plan --budget``, ``jaxmem train --policy auto --memory-budget``):
+
+    - above the target's memory (a GPU's, or this machine's for the local backend): a budget
+      cannot be more than the device has;
+    - below the step's arguments alone (``planner.predict.argument_floor``, from shapes): no
+      memory policy fits it.
+
+    ``given``: the budget's text (None: the target's default budget, not checked against the
+    ceiling); ``leave``: the flags that let more of the arguments leave the device;
+    ``elsewhere``: how to plan for another machine's memory, said with the local ceiling."""
+    from jaxmem.figures import format_bytes
+    from jaxmem.planner.predict import argument_floor
+
+    target, budget = problem.target, problem.budget_bytes
+    if given is not None:
+        if target.device_memory_bytes is not None:
+            has, whose = target.device_memory_bytes, f"the {target.description} has"
+        else:
+            has = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            whose = "this machine's memory (the local backend's device)"
+        if budget > has:
+            other = f", or {elsewhere}" if elsewhere and not target.is_gpu else ""
+            raise UsageError(
+                f"{flag} {given} is more than {whose} ({format_bytes(has)}): give at most "
+                f"that{other}"
+            )
+    floor, how = argument_floor(problem, space)
+    if budget < floor:
+        said = f"{flag} {given}" if given is not None else "the default budget"
+        raise UsageError(
+            f"{said} ({format_bytes(budget)}) is below the smallest possible step: its arguments "
+            f"alone take {format_bytes(floor)} per device ({how}); no memory policy can fit it: "
+            f"give at least that, or let more of the arguments leave the device ({leave})"
+        )
+
+
+def search_progress(console):
+    """The planner's progress lines (one per compile), dim, on ``console``."""
+    return lambda text: console.print(text, style="dim")

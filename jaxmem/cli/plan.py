@@ -4,13 +4,13 @@ for the target; prints the ``jaxmem train`` commands that run it, complete."""
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 
 import jaxmem.cli.presets as presets
 import jaxmem.cli.render as render
 from jaxmem.cli.common import (
     UsageError,
+    check_budget,
     check_writable,
     int_list,
     mib,
@@ -20,6 +20,7 @@ from jaxmem.cli.common import (
     parse_bytes,
     positive_float,
     positive_int,
+    search_progress,
     usage_errors,
 )
 from jaxmem.cli.common import names as parse_names
@@ -37,6 +38,8 @@ from jaxmem.parallel import STRATEGIES
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 
+# what lets more of a step's arguments leave the device, said when a budget is under them
+LEAVE = "--mesh fsdp=N, --precisions, --state-offload on a GPU target"
 NAMES = (*MODEL_FLAGS, "precision", "optimizer", "batch_size", "seq_len", "mesh")
 DEFAULTS = {"preset": "small", "run": {"batch_size": 8}}
 
@@ -168,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
         target = get_target(args.target or "cpu")
         if args.budget is not None:
             budget, budget_source = parse_bytes(args.budget, "--budget"), "--budget"
-            _check_ceiling(args.budget, budget, target)
         else:
             budget, budget_source = default_budget(target)
         space = _space(args, job)
@@ -184,43 +186,10 @@ def run(args: argparse.Namespace) -> int:
         job.parallel.devices,
         slack=args.slack,
     )
-    _check_floor(args, problem, space)
+    elsewhere = "plan for a GPU's memory with --target (h100, ..., or a captured .txtpb)"
+    check_budget(problem, space, args.budget, "--budget", LEAVE, elsewhere)
     _start_backend(job, target)
     return _search_and_report(args, job, problem, space, budget_source)
-
-
-def _check_ceiling(text: str, budget: int, target) -> None:
-    """A budget above the target's memory (a GPU's, or this machine's for the local backend)
-    cannot be a budget: refused, naming what the device has."""
-    from jaxmem.figures import format_bytes
-
-    if target.device_memory_bytes is not None:
-        has, whose = target.device_memory_bytes, f"the {target.description}"
-    else:
-        has = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        whose = "this machine (the local backend's device)"
-    if budget > has:
-        raise UsageError(
-            f"--budget {text} is more than {whose} has ({format_bytes(has)}): give at most "
-            "that" + ("" if target.is_gpu else ", or plan for a GPU with --target")
-        )
-
-
-def _check_floor(args, problem, space) -> None:
-    """A budget under the step's arguments alone fits no configuration: refused before any
-    trace or compile, naming that floor and how it was obtained."""
-    from jaxmem.figures import format_bytes
-    from jaxmem.planner.predict import argument_floor
-
-    floor, how = argument_floor(problem, space)
-    if problem.budget_bytes < floor:
-        budget = f"--budget {args.budget}" if args.budget else "the default budget"
-        raise UsageError(
-            f"{budget} ({format_bytes(problem.budget_bytes)}) is below the smallest possible "
-            f"step: its arguments alone take {format_bytes(floor)} per device ({how}); no memory "
-            "policy can fit it: give at least that, or let more of the arguments leave the device "
-            "(--mesh fsdp=N, --precisions, --state-offload on a GPU target)"
-        )
 
 
 def _space(args: argparse.Namespace, job):
@@ -293,7 +262,7 @@ def _search_and_report(args, job, problem, space, budget_source: str) -> int:
         space,
         max_compiles=args.max_compiles,
         **({} if args.confirm is None else {"confirm": args.confirm}),
-        progress=lambda text: out.print(text, style="dim"),
+        progress=search_progress(out),
     )
     if result.chosen is None:
         _nothing_fits(args, result, where)

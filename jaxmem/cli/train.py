@@ -12,11 +12,13 @@ from jaxmem.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_RUN_FAILED,
     UsageError,
+    check_budget,
     need_gpu_plan,
     need_jax_backend,
     need_torch,
     parse_bytes,
     positive_int,
+    search_progress,
     usage_errors,
 )
 from jaxmem.cli.flags import (
@@ -320,14 +322,13 @@ def _auto_policy(job, budget_text: str):
     if job.accum.mode != "scan":
         raise UsageError("--policy auto plans the scanned accumulation: drop --accum-mode")
     need_jax_backend()
-    from rich.console import Console
-
+    import jaxmem.cli.render as render
     from jaxmem.memory.targets import LOCAL
     from jaxmem.planner.search import search, smallest_plan
     from jaxmem.planner.space import PlanSpace, Problem
 
     with usage_errors():
-        budget = parse_bytes(budget_text)
+        budget = parse_bytes(budget_text, "--memory-budget")
     n = job.parallel.devices
     space = PlanSpace(
         policies=("none", "selective", "mlp", "full", "nested"),
@@ -340,9 +341,10 @@ def _auto_policy(job, budget_text: str):
     problem = Problem(
         job.model, job.run.batch_size, job.run.seq_len, LOCAL, budget, job.optimizer, n
     )
-    console = Console()
+    check_budget(problem, space, budget_text, "--memory-budget", "--mesh fsdp=N")
+    console = render.console()
     console.print(f"--policy auto: planning on this backend under {budget_text} ...", style="dim")
-    result = search(problem, space)
+    result = search(problem, space, progress=search_progress(console))
     if result.chosen is None:
         smallest = smallest_plan(result)
         found = (

@@ -336,7 +336,7 @@ def search(
                         stopped = True
                         break
                     floors[family] = min(compile_candidate(c, p) for p in probes)
-                    what = f"the floor of {c.describe()} ({', '.join(p.name for p in probes)})"
+                    what = f"floor of {c.describe()} ({', '.join(p.name for p in probes)})"
                     progress(_compiled(len(at_depth), max_compiles, what, floors[family], budget))
                 if floors[family] > budget:
                     o.status = "over (family floor compiled over)"
@@ -379,10 +379,11 @@ def _mib(n: float) -> str:
 
 
 def _compiled(n: int, cap: int, what: str, peak: int, budget: int, left: int | None = None) -> str:
-    """A progress line for the ``n``-th compile of at most ``cap`` (``left``: candidates)."""
+    """A progress line for the ``n``-th compile of at most ``cap`` (``left``: candidates), short
+    enough that a per-tag candidate's name fits 100 columns with it."""
     fits = "over" if peak > budget else "fits"
-    return f"compile {n} of at most {cap}: {what}: {_mib(peak)} MiB, {fits}" + (
-        "" if left is None else f"; {left} candidates left"
+    return f"compile {n}/{cap}: {what}: {_mib(peak)} MiB, {fits}" + (
+        "" if left is None else f"; {left} left"
     )
 
 
