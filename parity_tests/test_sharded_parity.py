@@ -55,6 +55,19 @@ def strategies():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_fsdp_clips_by_the_global_norm_as_one_device_does(strategies):
+    """Clipping over 2 FSDP2 ranks scales each shard by the norm reduced over the ranks: with
+    every step's norm above the clip, the losses are one device's (clip_grad_norm_)."""
+    one, fsdp = strategies["one_device_clipped"], strategies["fsdp_clipped"]
+    for run in (one, fsdp):  # the worker's CLIP, 0.05: active at every step
+        assert min(run["grad_norms"]) > 0.05, run["grad_norms"]
+    tol = tolerance("float32", "data_parallel_loss").kwargs()
+    np.testing.assert_allclose(fsdp["losses"], one["losses"], **tol)
+    assert fsdp["losses"] != strategies["fsdp"]["losses"]  # the clip changed the run
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_every_torch_strategy_trains_as_one_device(strategies):
     tol = tolerance("float32", "data_parallel_loss")
     for strategy in ("dp", "zero1", "fsdp"):

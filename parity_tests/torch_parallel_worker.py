@@ -4,7 +4,8 @@ torch_ref's data-parallel strategies (``torch_ref.distributed``) against one dev
 Every rank first trains the one-device baseline by itself (a plain model on the whole batch, no
 collectives), then each strategy over the two ranks from the same initial weights on the same
 batches; then ``torch_ref.mesh_memory.measure`` per strategy. Rank 0 prints one JSON line:
-``{"one_device": [losses], "<strategy>": {"losses": [...], "ranks": [record per rank]}}``.
+``{"one_device": [losses], "<strategy>": {"losses": [...], "ranks": [record per rank]}}``, and
+one device and fsdp clipped to ``CLIP`` (``{"losses", "grad_norms"}``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from jaxmem.policy import get_policy
 from jaxmem.precision import PRECISIONS
 from torch_ref.mesh_memory import measure
 from torch_ref.remat import apply_memory_policy
-from torch_ref.train import accumulate_grads, make_optimizer
+from torch_ref.train import accumulate_grads, clip_grads, make_optimizer
 
 CFG = PRESETS["tiny"]
 FP32 = PRECISIONS["fp32"]
 BATCH, SEQ, STEPS, ACCUM = 8, 32, 10, 2
+CLIP = 0.05  # below every step's gradient norm here: clipping is active throughout
 
 
 def batches() -> list[dict[str, torch.Tensor]]:
@@ -39,10 +41,19 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def train(model: torch.nn.Module, parallel: ParallelConfig, launch: tdist.Launch) -> list[float]:
+def train(
+    model: torch.nn.Module,
+    parallel: ParallelConfig,
+    launch: tdist.Launch,
+    opt_cfg: OptimizerConfig | None = None,
+    norms: list[float] | None = None,
+) -> list[float]:
+    """The losses of ``STEPS`` steps; with a clipping ``opt_cfg``, each step's gradient norm
+    (before clipping) appended to ``norms`` and the gradient clipped as the trainer does."""
     apply_memory_policy(model.blocks, get_policy("full"))
     model = tdist.shard(model, parallel, launch)
-    opt = make_optimizer(model, OptimizerConfig())
+    opt_cfg = opt_cfg or OptimizerConfig()
+    opt = make_optimizer(model, opt_cfg)
     rows = launch.rows(BATCH) if parallel.sharded else None
     divisor = tdist.token_divisor(parallel, launch)
     losses = []
@@ -52,6 +63,10 @@ def train(model: torch.nn.Module, parallel: ParallelConfig, launch: tdist.Launch
         loss_sum, n = accumulate_grads(
             model, local, precision=FP32, accum_steps=ACCUM, divisor=divisor
         )
+        if norms is not None:  # as jaxmem.compare.torch_run's trainer: the norm over ranks
+            norm = tdist.grad_norm(model.parameters())
+            clip_grads(model.parameters(), opt_cfg, norm if parallel.sharded else None)
+            norms.append(float(norm))
         opt.step()
         if parallel.sharded:
             loss_sum, n = tdist.all_sum(loss_sum), tdist.all_sum(n)
@@ -75,6 +90,16 @@ def main() -> None:
         ranks = [None] * launch.world_size
         dist.all_gather_object(ranks, rec)
         out[strategy] = {"losses": losses, "ranks": ranks}
+    # clipped to below every step's gradient norm: one device (clip_grad_norm_) and fsdp
+    # (scaled by the norm reduced over the ranks)
+    clipped = OptimizerConfig(clip_norm=CLIP)
+    for name, parallel in (
+        ("one_device_clipped", ParallelConfig()),
+        ("fsdp_clipped", ParallelConfig(strategy="fsdp", devices=launch.world_size)),
+    ):
+        norms: list[float] = []
+        losses = train(copy.deepcopy(initial), parallel, launch, clipped, norms)
+        out[name] = {"losses": losses, "grad_norms": norms}
     # one device on the rows each rank reads: the peaks then differ by what the strategy adds
     rows = BATCH // launch.world_size
     out["one_device_record"] = measure(

@@ -13,7 +13,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from jaxmem.config import OptimizerConfig
 from jaxmem.precision import Precision
-from torch_ref.distributed import unwrap
+from torch_ref.distributed import local, unwrap
 from torch_ref.loss import cross_entropy_sum
 
 TORCH_DTYPES = {
@@ -81,12 +81,27 @@ def current_lr(optimizer: Any) -> float:
     return float(_torch_optimizers(optimizer)[0].param_groups[0]["lr"])
 
 
-def clip_grads(params: Iterable[nn.Parameter], cfg: OptimizerConfig) -> None:
-    """Scale the gradients down to ``cfg.clip_norm`` global L2 norm when larger
-    (``torch.nn.utils.clip_grad_norm_``; nothing when ``cfg`` does not clip). Call it on
-    unscaled gradients, before ``optimizer.step()``."""
-    if cfg.clips:
+def clip_grads(
+    params: Iterable[nn.Parameter], cfg: OptimizerConfig, total_norm: torch.Tensor | None = None
+) -> None:
+    """Scale the gradients down to ``cfg.clip_norm`` global L2 norm when larger (nothing when
+    ``cfg`` does not clip). Call it on unscaled gradients, before ``optimizer.step()``.
+
+    One process: ``torch.nn.utils.clip_grad_norm_``. Over several ranks, ``total_norm`` is the
+    global norm already reduced over them (``torch_ref.distributed.grad_norm``, which counts
+    FSDP2 shards and tensor-parallel replicated copies once each): every gradient, or this
+    rank's shard of it, is scaled in place by ``min(1, clip_norm / (total_norm + 1e-6))``,
+    clip_grad_norm_'s own arithmetic, with no second reduction."""
+    if not cfg.clips:
+        return
+    if total_norm is None:
         torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm, foreach=False)
+        return
+    scale = torch.clamp(cfg.clip_norm / (total_norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                local(p.grad).mul_(scale.to(local(p.grad).device))
 
 
 class HybridDeviceOptimizer:

@@ -223,7 +223,10 @@ class TorchTrainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         grad_norm = tdist.grad_norm(self.model.parameters())
-        clip_grads(self.model.parameters(), self.job.optimizer)
+        # over several ranks, clip by that global norm (clip_grad_norm_ on FSDP2/TP DTensor
+        # shards would reduce again, and count tensor-parallel replicated copies per rank)
+        ranks = self.launch.world_size > 1
+        clip_grads(self.model.parameters(), self.job.optimizer, grad_norm if ranks else None)
         lr = current_lr(self.opt)
         if self.scaler is not None:
             self.scaler.step(self.opt)  # skips the update when a gradient is inf/nan
