@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+from jaxmem import compat
 from jaxmem.compat import CUDA_PLUGINS, deviceless_toolchain
 
 # lines the plugin's native code prints on a machine without a driver: information, not errors
@@ -92,23 +93,19 @@ def quiet_library_start() -> None:
     JAX first too, as long as no backend has started (after that the platforms are chosen), and
     it keeps a platform the program chose. JAX's plugins are loaded here, inside the filter, so
     the program's first array prints nothing either; no backend is started. Without the plugin,
-    or with a driver, nothing happens. Two names it reads are JAX's own, not its API
-    (``xla_bridge._backends``, ``_discover_and_register_pjrt_plugins``): where a version lacks
-    them, the program runs as before, only not as quietly."""
+    or with a driver, nothing happens. Two names it reads are JAX's own, not its API, read
+    through ``jaxmem.compat`` (``jax_backends_started``, ``jax_plugin_loader``): where a
+    version lacks them, the program runs as before, only not as quietly."""
     if not cuda_plugin_installed() or nvidia_driver_present():
         return
     jax = sys.modules.get("jax")
     if jax is not None:  # imported before jaxmem: JAX_PLATFORMS is read already
-        from jax._src import xla_bridge
-
-        if getattr(xla_bridge, "_backends", None):
+        if compat.jax_backends_started() is not False:  # started, or not known: leave it
             return
         if not getattr(jax.config, "jax_platforms", None):
             jax.config.update("jax_platforms", "cpu")
     contain_cuda_plugin()
-    from jax._src import xla_bridge
-
-    register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+    register = compat.jax_plugin_loader()
     if register is not None:  # the plugin's start-up check and lines happen here, filtered
         with quiet_native_stderr():
             register()

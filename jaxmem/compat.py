@@ -22,6 +22,10 @@ code is written once:
   ``JAX`` here: this module imports no framework, for ``torch_ref`` reads it too.
 - **Deviceless XLA:CUDA compiles** pick their PTX compiler differently
   (``deviceless_toolchain``), and JAX's CUDA plugin is one of two modules (``CUDA_PLUGINS``).
+- **Two JAX-internal names** a quiet library start reads (``jax_backends_started``,
+  ``jax_plugin_loader``: ``jax._src.xla_bridge``'s ``_backends`` and
+  ``_discover_and_register_pjrt_plugins``), not JAX's API: where a version moves them, each
+  says "unknown" and jaxmem starts as before, only not as quietly; importing jaxmem never fails.
 
 When a new version moves something else, add it here with the versions that need each spelling,
 and test it under every exact set (``make test-versions``).
@@ -29,6 +33,7 @@ and test it under every exact set (``make test-versions``).
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 from typing import Any
@@ -95,3 +100,26 @@ def deviceless_toolchain(environ: dict[str, str], ptxas_dir: str | None) -> dict
     if ptxas_dir and path.split(os.pathsep)[:1] != [ptxas_dir]:
         changes["PATH"] = f"{ptxas_dir}{os.pathsep}{path}"
     return changes
+
+
+# ------------------------------------------------------------------- JAX's backend internals
+def _xla_bridge() -> Any | None:
+    """``jax._src.xla_bridge`` (imports JAX), or None where this JAX has moved it."""
+    try:
+        return importlib.import_module("jax._src.xla_bridge")
+    except (ImportError, AttributeError):
+        return None
+
+
+def jax_backends_started() -> bool | None:
+    """Whether JAX has started a backend (its platforms are then chosen); None: unknown."""
+    bridge = _xla_bridge()
+    if bridge is None or not hasattr(bridge, "_backends"):
+        return None
+    return bool(bridge._backends)
+
+
+def jax_plugin_loader() -> Any | None:
+    """JAX's function that loads its PJRT plugins (the CUDA plugin's start-up check runs in it)
+    without starting a backend; None where this JAX has none by that name."""
+    return getattr(_xla_bridge(), "_discover_and_register_pjrt_plugins", None)

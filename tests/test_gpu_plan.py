@@ -272,6 +272,24 @@ def test_quiet_native_stderr_passes_everything_without_the_plugin(monkeypatch, c
     assert capfd.readouterr().err == "Could not find cuda drivers on your machine\n"
 
 
+def test_a_quiet_start_where_jax_moved_its_internals_does_nothing_and_raises_nothing(
+    monkeypatch,
+):
+    """``jax._src.xla_bridge`` gone (a JAX that moved it): ``jaxmem.compat`` says "unknown" for
+    both names it reads there, and ``quiet_library_start`` leaves JAX as it is."""
+    import jaxmem.backend as backend
+    from jaxmem import compat
+
+    monkeypatch.setitem(sys.modules, "jax._src.xla_bridge", None)  # importing it: ImportError
+    assert compat.jax_backends_started() is None and compat.jax_plugin_loader() is None
+    monkeypatch.setattr(backend, "cuda_plugin_installed", lambda: True)
+    monkeypatch.setattr(backend, "nvidia_driver_present", lambda: False)
+    monkeypatch.setattr(backend, "contain_cuda_plugin", lambda: pytest.fail("JAX was changed"))
+    platforms = jax.config.jax_platforms
+    backend.quiet_library_start()
+    assert jax.config.jax_platforms == platforms
+
+
 def test_capture_target_needs_a_gpu_and_says_so(tmp_path, capsys):
     if os.path.exists("/proc/driver/nvidia/version"):
         pytest.skip(
