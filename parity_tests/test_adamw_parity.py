@@ -17,7 +17,7 @@ from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.model import Decoder
 from jaxmem.step.train_step import lm_loss_fn, make_optimizer, make_schedule, make_train_step
 from torch_ref.loss import cross_entropy_sum
-from torch_ref.train import clip_grads, current_lr, make_schedulers
+from torch_ref.train import clip_grads, current_lr, make_schedulers, step_schedulers
 from torch_ref.train import make_optimizer as make_torch_optimizer
 
 STEPS = 20
@@ -175,3 +175,17 @@ def test_a_scheduled_clipped_adamw_run_matches_torch():
         jax_values, torch_values = ([m[key] for m in run] for run in (jax_steps, torch_steps))
         np.testing.assert_allclose(jax_values, torch_values, **tol.kwargs())
     assert jax_steps[-1]["loss"] < jax_steps[0]["loss"] - 0.1, "the run must actually train"
+
+
+def test_a_schedule_stepped_after_a_skipped_update_counts_it_without_a_warning(recwarn):
+    """fp16's GradScaler skips ``optimizer.step()`` on an overflow; the schedule still counts
+    the step (torch one step ahead of optax per skip, as documented), and torch's warning for
+    that order is filtered where the trainer steps it, no other warning."""
+    layer = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    cfg = OptimizerConfig(schedule="linear", warmup_steps=2, decay_steps=4)
+    schedulers = make_schedulers(opt, cfg)
+    step_schedulers(schedulers)  # no optimizer.step() before it: the skipped update
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+    lr = tolerance("float32", "learning_rate").kwargs()
+    np.testing.assert_allclose(current_lr(opt), cfg.lr_at(1), **lr)

@@ -4,6 +4,7 @@ the whole batch's valid-token count, and a CPU-offloading optimizer."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -74,6 +75,17 @@ def make_schedulers(optimizer: Any, cfg: OptimizerConfig, done: int = 0) -> list
         for group in o.param_groups:
             group["initial_lr"] = cfg.lr  # the base the factors scale (also after a restore)
     return [LambdaLR(o, lambda i: cfg.lr_at(i) / cfg.lr, last_epoch=done - 1) for o in optimizers]
+
+
+def step_schedulers(schedulers: Iterable[LambdaLR]) -> None:
+    """Step each scheduler after ``optimizer.step()``, also when fp16's GradScaler skipped the
+    update (an overflow): the schedule counts the step, as PyTorch users step it, so a skip
+    moves torch one step ahead of optax (documented). torch's warning for exactly that case
+    ("Detected call of `lr_scheduler.step()` before `optimizer.step()`") is filtered here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        for scheduler in schedulers:
+            scheduler.step()
 
 
 def current_lr(optimizer: Any) -> float:

@@ -53,6 +53,7 @@ from torch_ref.train import (
     make_optimizer,
     make_scaler,
     make_schedulers,
+    step_schedulers,
 )
 
 
@@ -233,8 +234,7 @@ class TorchTrainer:
             self.scaler.update()
         else:
             self.opt.step()
-        for scheduler in self.schedulers:
-            scheduler.step()
+        step_schedulers(self.schedulers)  # also after a step GradScaler skipped, unwarned
         # tensors until the loop fetches them: no host sync per step. GradScaler skips a step
         # exactly when an unscaled gradient is inf/nan, i.e. when their norm is not finite.
         return (loss_sum / n).detach(), grad_norm.detach(), ~torch.isfinite(grad_norm), lr
