@@ -54,15 +54,21 @@ def check_can_create(path: str | os.PathLike[str], flag: str = "--out") -> None:
         ) from None
 
 
+def missing_dirs(path: str | os.PathLike[str]) -> list[str]:
+    """``path`` and the directories above it that do not exist, deepest first (what making
+    ``path`` would create, and what to remove to undo it)."""
+    missing, found = os.path.abspath(path), []
+    while not os.path.exists(missing):
+        found.append(missing)
+        missing = os.path.dirname(missing)
+    return found
+
+
 @contextlib.contextmanager
 def made_dirs(path: str | os.PathLike[str]) -> Iterator[None]:
     """Make ``path`` and the directories missing above it for the block; if the block raises,
     remove the ones made here again (when empty), so a failed write leaves no directories."""
-    made: list[str] = []
-    missing = os.path.abspath(path)
-    while not os.path.exists(missing):
-        made.append(missing)
-        missing = os.path.dirname(missing)
+    made = missing_dirs(path)
     os.makedirs(path, exist_ok=True)
     try:
         yield

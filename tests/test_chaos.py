@@ -179,6 +179,24 @@ def test_every_checkpoint_carries_a_manifest_that_catches_any_change(runs):
 
 
 # ----------------------------------------------------------------------------------- the lock
+def test_an_abandoned_lock_removes_only_what_acquiring_made(tmp_path):
+    """The lock file and the directories made for it go (the file while the lock is still
+    held); a directory something else was written into keeps everything, the lock file too."""
+    from jaxmem.train.run_dir import LOCK_FILE, RunLock
+
+    run = tmp_path / "a" / "b" / "run"
+    lock = RunLock(str(run))
+    lock.acquire()
+    assert lock.created_dirs == [str(run), str(run.parent), str(tmp_path / "a")]
+    lock.abandon()
+    assert list(tmp_path.iterdir()) == []
+    lock = RunLock(str(run))
+    lock.acquire()
+    (run / "config.yaml").write_text("kept")
+    lock.abandon()
+    assert sorted(os.listdir(run)) == [LOCK_FILE, "config.yaml"]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_second_run_on_a_directory_in_use_is_refused_naming_the_owner(tmp_path):

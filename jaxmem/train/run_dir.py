@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 
 from jaxmem.config import ConfigError, require
-from jaxmem.files import write_atomic, write_json_atomic
+from jaxmem.files import missing_dirs, write_atomic, write_json_atomic
 from jaxmem.job import (
     JobConfig,
     config_conflicts,
@@ -213,10 +213,7 @@ class RunLock:
     def acquire(self) -> None:
         import fcntl
 
-        missing = os.path.abspath(self.out_dir)
-        while not os.path.exists(missing):
-            self.created_dirs.append(missing)
-            missing = os.path.dirname(missing)
+        self.created_dirs = missing_dirs(self.out_dir)
         if self.created_dirs:
             os.makedirs(self.out_dir)
         self.created_file = not os.path.exists(self.path)
@@ -240,11 +237,14 @@ class RunLock:
             self._fd = None
 
     def abandon(self) -> None:
-        """Release, and remove what acquiring created (the lock file, the directory) when
-        nothing else was written."""
-        self.release()
-        if self.created_file and os.listdir(self.out_dir) == [LOCK_FILE]:
+        """Remove what acquiring created (the lock file, the directories) when nothing else was
+        written, and release. The lock file goes while the lock is held, so no run that starts
+        meanwhile can take a lock on a file about to vanish."""
+        empty = self.created_file and os.listdir(self.out_dir) == [LOCK_FILE]
+        if empty:
             os.remove(self.path)
+        self.release()
+        if empty:
             for directory in self.created_dirs:
                 os.rmdir(directory)
 
