@@ -426,9 +426,9 @@ def test_a_bad_model_directory_is_one_line_exit_2_and_nothing_written(case, tmp_
 
 
 def test_a_directory_whose_vocabulary_overflows_int32_is_one_line_naming_it(tmp_path):
-    """Every command that takes a model directory reads its sizes through one check: the
-    vocabulary that overflowed JAX's int32 indexing (a 68-line traceback) is one line, exit 2,
-    and so is the same size given as a setting."""
+    """Every command that takes a model directory reads its sizes through one check: a
+    vocabulary beyond JAX's int32 indexing is refused in one line naming the field, exit 2,
+    nothing written, and so is the same size given as a setting."""
     (tmp_path / "model").mkdir()
     big = {**TINY_LLAMA, "vocab_size": 2**31}
     (tmp_path / "model" / "config.json").write_text(json.dumps(big))
