@@ -673,9 +673,15 @@ def test_policy_auto_says_the_chosen_policys_tags(monkeypatch, capsys):
     policy = MemoryPolicy.custom({"mlp_up": "device", "attn_out": "device"})
     chosen = SimpleNamespace(candidate=SimpleNamespace(policy=policy, accum=2), compiled=3 << 20)
     result = SimpleNamespace(chosen=chosen, compiler="XLA:CPU", outcomes=[chosen])
-    monkeypatch.setattr(search, "search", lambda problem, space: result)
+
+    def fake_search(problem, space, progress):
+        progress("compile 1/1: the search's own line")
+        return result
+
+    monkeypatch.setattr(search, "search", fake_search)
     job = JobConfig.from_dict({"preset": "tiny", "model": {"n_layers": 4}})
     job = train_command._auto_policy(job, "1GiB")
     assert job.memory == policy and job.accum.steps == 2
     text = " ".join(capsys.readouterr().out.split())
+    assert "compile 1/1: the search's own line" in text  # its progress lines are printed
     assert "--policy auto chose policy custom keep(attn_out+mlp_up) with 2 microbatch(es)" in text
