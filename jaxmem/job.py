@@ -38,6 +38,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import (
     PRESETS,
     AccumConfig,
@@ -169,6 +170,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "run": RunConfig,
     "parallel": ParallelConfig,
+    "adapters": AdapterConfig,
 }
 # What a resumed run may change: how long to train and what is reported or written, not the
 # arithmetic of a step. Dotted paths of ``JobConfig.to_dict()`` (the one list: the resume check
@@ -191,7 +193,12 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
 # config without one resumes as that value without a conflict.
 SCHEDULE_FIELDS = ("schedule", "warmup_steps", "decay_steps", "min_lr", "clip_norm")
 ADDED_SETTINGS: dict[str, Any] = {
-    f"optimizer.{name}": getattr(OptimizerConfig(), name) for name in SCHEDULE_FIELDS
+    **{f"optimizer.{name}": getattr(OptimizerConfig(), name) for name in SCHEDULE_FIELDS},
+    # a run written before adapters existed trained every parameter
+    **{
+        f"adapters.{key}": value
+        for key, value in json.loads(json.dumps(dataclasses.asdict(AdapterConfig()))).items()
+    },
 }
 
 
@@ -320,6 +327,7 @@ class JobConfig:
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
     parallel: ParallelConfig = ParallelConfig()
+    adapters: AdapterConfig = AdapterConfig()
 
     def __post_init__(self) -> None:
         require(
@@ -342,6 +350,7 @@ class JobConfig:
             f"precision {self.precision.name!r} is not one of the named precisions "
             f"({', '.join(PRECISIONS)}): a run config names its precision",
         )
+        self.adapters.check_model(self.model)  # its targets exist in this model
         self.memory.layer_blocks(self.model.n_layers)  # its layers exist in this model
         check_policy(self.model, self.memory)  # its tags exist under this model's attention
         require(
@@ -389,7 +398,7 @@ class JobConfig:
             return value
 
         out: dict[str, Any] = {"preset": self.preset, "precision": self.precision.name}
-        for section in ("model", "optimizer", "accum", "data", "run", "parallel"):
+        for section in ("model", "optimizer", "accum", "data", "run", "parallel", "adapters"):
             obj = getattr(self, section)
             out[section] = {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         out["memory"] = policy_to_dict(self.memory)

@@ -19,6 +19,7 @@ JAX_FAMILY = ("jax", "jaxlib", "flax", "optax", "orbax")
 TORCH_FAMILY = ("torch", "torch_ref")
 # jaxmem modules that import neither framework: the data both sides share
 PURE = (
+    "jaxmem.adapters",
     "jaxmem.compat",
     "jaxmem.config",
     "jaxmem.parallel",
