@@ -18,9 +18,10 @@ the layout bitsandbytes and PEFT quantize, and is flattened row-major.
   table of 65,536 even steps: ``quantize_absmax``, not always the nearest code value). Dequantized:
   ``NF4_CODE[i] * (dynamic_code()[a] * absmax_scale + absmax_offset)``, all in fp32.
 - ``int8``: LLM.int8's row-wise weight quantization (bitsandbytes' ``int8_vectorwise_quant``):
-  per output row, ``round(W * (127 / absmax))`` (round half to even) with the row's fp32 absmax
-  kept (``absmax``); dequantized ``(q * absmax) * INT8_RECIPROCAL`` in fp32, as
-  ``int8_vectorwise_dequant`` does. A row of zeros packs to zeros (bitsandbytes divides by 0).
+  per output row, ``round(W * (127 / absmax))`` (round half to even; ``127 / absmax`` as torch
+  computes it, ``reciprocal(absmax) * 127``) with the row's fp32 absmax kept (``absmax``);
+  dequantized ``(q * absmax) * INT8_RECIPROCAL`` in fp32, as ``int8_vectorwise_dequant`` does.
+  A row of zeros packs to zeros (bitsandbytes divides by 0).
 
 The one known difference from bitsandbytes: ``absmax_offset`` is the float64 mean of the fp32
 absmax values rounded once to fp32; bitsandbytes takes torch's fp32 ``mean()``, whose summation
