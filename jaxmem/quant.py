@@ -70,16 +70,19 @@ INT8_RECIPROCAL = np.float32(7.874015718698502e-3)
 OFFSET_ULPS = 8
 
 
+@functools.cache
 def dynamic_code() -> np.ndarray:
     """bitsandbytes' signed 8-bit dynamic code (``create_dynamic_map()``: 7 exponent bits), the
-    256 sorted fp32 values the nf4 absmax statistics are coded with."""
+    256 sorted fp32 values the nf4 absmax statistics are coded with (read-only)."""
     values: list[float] = [0.0, 1.0]
     for i in range(7):
         boundaries = _torch_linspace(0.1, 1.0, 2**i + 1)
         means = (boundaries[:-1] + boundaries[1:]) / np.float32(2.0)
         scale = np.float32(10.0 ** (i - 6))
         values += (scale * means).tolist() + (-scale * means).tolist()
-    return np.array(sorted(values), dtype=np.float32)
+    code = np.array(sorted(values), dtype=np.float32)
+    code.flags.writeable = False
+    return code
 
 
 def _torch_linspace(start: float, end: float, steps: int) -> np.ndarray:

@@ -49,12 +49,12 @@ def dequantize_arrays(
     out, in_ = shape
     device = arrays["packed"].device
     # the block absmax values: 8-bit dynamic code times its block's scale, plus the mean
-    stats = torch.from_numpy(dynamic_code()).to(device)[arrays["absmax"].long()]
+    stats = torch.tensor(dynamic_code(), device=device)[arrays["absmax"].long()]
     absmax = _blockwise(stats, arrays["absmax_scale"], NF4_STATS_BLOCK) + arrays["absmax_offset"]
     # two 4-bit indices a byte, the first in the high nibble
     packed = arrays["packed"]
     idx = torch.stack([packed >> 4, packed & 0x0F], dim=-1).reshape(-1)[: out * in_]
-    values = torch.from_numpy(NF4_CODE).to(device)[idx.long()]
+    values = torch.tensor(NF4_CODE, device=device)[idx.long()]
     return _blockwise(values, absmax, NF4_BLOCK).reshape(out, in_).to(dtype)
 
 
