@@ -82,6 +82,14 @@ CHECKPOINT_NAMES: tuple[str, ...] = (
     "mlp_residual",  # [B, S, D] residual add after the MLP (before norm2 in post-norm)
 )
 
+# The tag on a quantized frozen base's dequantized weight (``jaxmem.model.quant``). Not a block
+# activation, so not in CHECKPOINT_NAMES (each of those is tagged once per block of every model,
+# sized by the analytic model and mapped to PyTorch ops): it exists only with an int8 or nf4
+# base, and the quantized linear's own checkpoint decides it (``save_weight``; default: not kept,
+# re-dequantized in the backward), whatever the block policy keeps around it.
+BASE_WEIGHT = "base_weight"
+WEIGHT_TAGS: tuple[str, ...] = (BASE_WEIGHT,)
+
 Choice = Literal["device", "offload", "recompute"]
 CHOICES: tuple[str, ...] = ("device", "offload", "recompute")
 HOST_MEMORY_KIND = "pinned_host"

@@ -20,6 +20,7 @@ TORCH_FAMILY = ("torch", "torch_ref")
 # jaxmem modules that import neither framework: the data both sides share
 PURE = (
     "jaxmem.adapters",
+    "jaxmem.quant",
     "jaxmem.compat",
     "jaxmem.config",
     "jaxmem.parallel",

@@ -1,6 +1,6 @@
 """The model, in Flax NNX: a pure decoder that only tags its intermediates (``decoder``), the
-memory-lean elementwise ops it uses (``ops``), losses outside the model (``loss``) and sampling
-(``generate``)."""
+memory-lean elementwise ops it uses (``ops``), losses outside the model (``loss``), sampling
+(``generate``) and a quantized frozen base's dequantization and linear (``quant``)."""
 
 from jaxmem.model.decoder import (
     STACK_PATH,
