@@ -13,6 +13,7 @@ import pytest
 from jaxmem import cli
 from jaxmem.adapters import TARGETS, AdapterConfig
 from jaxmem.config import PRESETS, OptimizerConfig
+from jaxmem.figures import format_bytes
 from jaxmem.memory import analytic
 from jaxmem.parallel import ParallelConfig
 from jaxmem.precision import PRECISIONS
@@ -203,3 +204,21 @@ def test_memory_reports_frozen_and_trainable_state_labelled_analytic(tmp_path, c
         assert cells[1].strip() == (count if count == "-" else f"{count:,}")
         assert cells[-1].strip() == "analytic"
     assert all(len(x) <= 100 for x in text.splitlines())
+
+
+def test_train_weighs_a_lora_jobs_frozen_base_before_compiling(monkeypatch, capsys):
+    """The resident check counts a LoRA job's state as stored (an nf4 base, gradients and AdamW
+    state for the adapters only): the refusal names those bytes."""
+    import jaxmem.train.run as run
+
+    monkeypatch.setattr(run, "host_available_bytes", lambda: 2 * 2**30)
+    lora = AdapterConfig(rank=16, base="nf4")
+    args = ["train", "--preset", "gpt3-6.7b", "--steps", "1", "--set", "adapters.rank=16"]
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*args, "--set", "adapters.base=nf4"])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    cfg, fp32 = PRESETS["gpt3-6.7b"], PRECISIONS["fp32"]
+    state = analytic.adapter_state(cfg, lora, ADAMW, fp32)
+    total = state.params_bytes + state.grads_bytes + state.opt_state_bytes
+    assert f"alone need {format_bytes(total)} (analytic, fp32)" in line

@@ -162,6 +162,29 @@ def test_bad_targets_are_one_line_exit_2(args, message, capsys):
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["plan", "--target", "l40s-48gb", "--budget", "50GiB"],
+            "--budget 50GiB is more than the NVIDIA L40S has (44.99 GiB)",
+        ),
+        (
+            ["memory", "--target", "rtx4090-24gb", "--frameworks", "jax", "--policies", "nope"],
+            "unknown memory policy 'nope'",
+        ),
+    ],
+)
+def test_plan_and_memory_take_the_fine_tuning_cards_by_name(args, message, capsys):
+    """The names resolve to their targets before anything compiles (the refusals that follow
+    are the budget's and the policy's, not the target's)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*args[:1], "--preset", "tiny", *args[1:]])
+    assert exc.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert message in err and "unknown target" not in err
+
+
+@pytest.mark.parametrize(
     ("command", "edit", "message"),
     [
         (
