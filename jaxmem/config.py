@@ -315,9 +315,11 @@ def _llama(
     max_seq_len: int,
     tie: bool,
     scaled: bool,
+    rope_factor: float = 32.0,
 ) -> ModelConfig:
     """A Llama 3 shape (Meta's published configs, as on the Hugging Face hub): RMSNorm, RoPE with
-    theta 500,000 (Llama 3.1/3.2: with their frequency scaling, factor 32 for 3.2), SwiGLU,
+    theta 500,000 (Llama 3.1/3.2: with their frequency scaling, ``rope_factor`` 8 for 3.1 and 32
+    for 3.2, low and high frequency factors 1 and 4 over the original 8,192 positions), SwiGLU,
     8 key/value heads, no biases, vocabulary 128,256."""
     return ModelConfig(
         vocab_size=128256,
@@ -333,7 +335,7 @@ def _llama(
         positions="rope",
         rope_theta=500000.0,
         rope_scaling="llama3" if scaled else "none",
-        rope_factor=32.0,
+        rope_factor=rope_factor,
         n_kv_heads=8,
         bias=False,
         tie_embeddings=tie,
@@ -395,11 +397,18 @@ PRESETS: dict[str, ModelConfig] = {
         tie_embeddings=False,
     ),
     # Llama 3.2 1B and 3B (tied embeddings, RoPE scaled for 128K contexts), Llama 3 8B and 70B
-    # (8K contexts): their real shapes, for planning.
+    # (8K contexts), Llama 3.1 8B and 70B (Llama 3's shapes, RoPE scaled by 8 for 128K contexts):
+    # their real shapes, for planning.
     "llama-3.2-1b": _llama(2048, 32, 16, 8192, max_seq_len=131072, tie=True, scaled=True),
     "llama-3.2-3b": _llama(3072, 24, 28, 8192, max_seq_len=131072, tie=True, scaled=True),
     "llama-3-8b": _llama(4096, 32, 32, 14336, max_seq_len=8192, tie=False, scaled=False),
     "llama-3-70b": _llama(8192, 64, 80, 28672, max_seq_len=8192, tie=False, scaled=False),
+    "llama-3.1-8b": _llama(
+        4096, 32, 32, 14336, max_seq_len=131072, tie=False, scaled=True, rope_factor=8.0
+    ),
+    "llama-3.1-70b": _llama(
+        8192, 64, 80, 28672, max_seq_len=131072, tie=False, scaled=True, rope_factor=8.0
+    ),
 }
 
 PLANNING_ONLY: frozenset[str] = frozenset(
@@ -414,6 +423,8 @@ PLANNING_ONLY: frozenset[str] = frozenset(
         "llama-3.2-3b",
         "llama-3-8b",
         "llama-3-70b",
+        "llama-3.1-8b",
+        "llama-3.1-70b",
     }
 )
 

@@ -16,7 +16,7 @@ from jaxmem import cli
 from jaxmem.backend import quiet_native_stderr
 from jaxmem.config import PRESETS, ConfigError, OptimizerConfig
 from jaxmem.memory import gpu_plan
-from jaxmem.memory.targets import SHIPPED, get_target
+from jaxmem.memory.targets import RATES, SHIPPED, get_target, parse_target, rates_for
 from jaxmem.model.flash import cudnn_installed
 from jaxmem.planner.records import jax_record
 from jaxmem.policy import POLICIES
@@ -35,13 +35,38 @@ def test_every_shipped_target_parses_and_gives_a_gpu_device(name):
     assert device.platform == "gpu" and device.device_kind == target.description
 
 
-@pytest.mark.parametrize("name", ["v100-32gb", "a10-24gb"])
+@pytest.mark.parametrize(
+    ("name", "sms", "bandwidth", "bf16"),
+    [("l40s-48gb", 142, 864e9, 362.05e12), ("rtx4090-24gb", 128, 1008e9, 165.2e12)],
+)
+def test_the_fine_tuning_cards_carry_their_datasheet_figures(name, sms, bandwidth, bf16):
+    """The 48 GB and 24 GB Ada cards (compute capability 8.9): SMs and bandwidth read from their
+    target files, dense bf16 rates from the cost model's table; a captured file describing the
+    same GPU is costed at the same rates."""
+    target = get_target(name)
+    assert "cuda_compute_capability { major: 8 minor: 9 }" in target.config_text
+    assert (target.multiprocessors, target.memory_bandwidth) == (sms, bandwidth)
+    assert rates_for(target).matmul_flops["bfloat16"] == bf16
+    captured = parse_target("mine", target.config_text, "mine.txtpb")
+    assert rates_for(captured) is RATES[name]
+
+
+# the two sm_89 cards: each compile takes 10-30 s on 2 shared cores
+SM89 = [pytest.param(n, marks=pytest.mark.slow) for n in ("l40s-48gb", "rtx4090-24gb")]
+
+
+@pytest.mark.parametrize("name", ["v100-32gb", "a10-24gb", *SM89])
 def test_the_smaller_cards_compile_a_bf16_step(name):
-    """The 32 GB and 24 GB targets (a V100 of ZeRO-Offload's single-GPU setting, an A10) are not
-    only parsed: XLA:CUDA compiles a bf16 train step for them (sm_70 and sm_86)."""
+    """The 48, 32 and 24 GB targets (a V100 of ZeRO-Offload's single-GPU setting, an A10, the
+    fine-tuners' L40S and RTX 4090) are not only parsed: XLA:CUDA compiles a bf16 train step for
+    them (sm_70, sm_86 and sm_89), and the compiler named is the card's."""
     record = jax_record(TINY_STEP.replace(precision=PRECISIONS["bf16"], target=get_target(name)))
+    target = get_target(name)
+    assert record["compiler"] == (
+        f"XLA:CUDA deviceless compile for {target.description} (target {name})"
+    )
     assert record["peak_source"].startswith("compiled plan (XLA:CUDA deviceless compile for")
-    assert 0 < record["peak_bytes"] < get_target(name).device_memory_bytes
+    assert 0 < record["peak_bytes"] < target.device_memory_bytes
 
 
 def plan(policy: str, target: str = "h100") -> dict:
@@ -122,7 +147,8 @@ def test_a_captured_target_file_is_accepted_and_a_broken_one_refused(tmp_path):
     [
         (
             ["--target", "v100"],
-            "unknown target 'v100'; valid: cpu, h100, a100-40gb, a100-80gb, v100-32gb, a10-24gb",
+            "unknown target 'v100'; valid: cpu, h100, a100-40gb, a100-80gb, v100-32gb, a10-24gb, "
+            "l40s-48gb, rtx4090-24gb",
         ),
         (["--target", "nope.txtpb"], "--target nope.txtpb: no such file"),
     ],
@@ -133,6 +159,29 @@ def test_bad_targets_are_one_line_exit_2(args, message, capsys):
     assert exc.value.code == 2
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert message in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["plan", "--target", "l40s-48gb", "--budget", "50GiB"],
+            "--budget 50GiB is more than the NVIDIA L40S has (44.99 GiB)",
+        ),
+        (
+            ["memory", "--target", "rtx4090-24gb", "--frameworks", "jax", "--policies", "nope"],
+            "unknown memory policy 'nope'",
+        ),
+    ],
+)
+def test_plan_and_memory_take_the_fine_tuning_cards_by_name(args, message, capsys):
+    """The names resolve to their targets before anything compiles (the refusals that follow
+    are the budget's and the policy's, not the target's)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*args[:1], "--preset", "tiny", *args[1:]])
+    assert exc.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert message in err and "unknown target" not in err
 
 
 @pytest.mark.parametrize(

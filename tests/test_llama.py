@@ -64,6 +64,53 @@ def test_the_llama_presets_have_their_published_sizes():
     assert PRESETS["llama-3-70b"].n_params == 70_553_706_496
 
 
+# Meta-Llama-3.1-8B's and -70B's config.json as published on the Hugging Face hub (the fields
+# that shape the model and its positions)
+LLAMA_31 = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+SHAPES_31 = {
+    "llama-3.1-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                     "num_hidden_layers": 32},
+    "llama-3.1-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+                      "num_hidden_layers": 80},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "n_params"), [("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496)]
+)
+def test_the_llama_31_presets_are_the_published_configs_with_their_sizes(name, n_params):
+    """8.03 B and 70.6 B parameters (Llama 3's shapes), 128K positions, RoPE scaled as Meta's
+    config.json says (llama3: factor 8, low/high frequency factors 1 and 4 over 8,192 original
+    positions, theta 500,000): the preset reads back from that file function for function."""
+    from jaxmem.hf.config import disagreements, model_config_from_hf
+
+    cfg = PRESETS[name]
+    assert cfg.n_params == n_params
+    published = model_config_from_hf(LLAMA_31 | SHAPES_31[name])
+    assert disagreements(cfg, published) == []
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == ("llama3", 8.0, 8192)
+    assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor) == (1.0, 4.0)
+    assert cfg.max_seq_len == 131072 and cfg.layer_norm_eps == 1e-5
+
+
 @pytest.mark.parametrize("cfg", [LLAMA, QWEN, LLAMA.replace(n_kv_heads=1, tie_embeddings=True)])
 def test_the_analytic_parameter_count_is_the_arrays(cfg):
     _, params = make(cfg)

@@ -101,14 +101,29 @@ def run(args: argparse.Namespace) -> int:
     for note in setup.notes:
         console.print(f"[yellow]{note}[/]")
     records, ranks = _measure(job, setup, console)
+    adapters = _adapter_state(job)
+    if adapters is not None:
+        records = [r | {"adapter_state": adapters} for r in records]
     if records:
         render.memory_report(console, records, job, setup.planning, target, wide=args.wide)
+    if adapters is not None:
+        render.adapter_state_table(console, adapters, job)
     if ranks:
         render.rank_table(console, ranks, job)
     if args.json:
         write_json_atomic(args.json, records + ranks)
         console.print(f"wrote {len(records) + len(ranks)} records to {args.json}")
     return 0
+
+
+def _adapter_state(job) -> dict | None:
+    """A LoRA job's parameters, gradients and optimizer state (analytic), or None without
+    adapters."""
+    if not job.adapters.enabled:
+        return None
+    from jaxmem.memory.analytic import adapter_state
+
+    return adapter_state(job.model, job.adapters, job.optimizer, job.precision).as_record()
 
 
 def _policies(args: argparse.Namespace, job) -> list:

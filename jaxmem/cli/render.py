@@ -152,6 +152,41 @@ def memory_report(out, records: list[dict], job, planning: bool, target, wide: b
     differences(out, records)
 
 
+def adapter_state_table(out, state: dict, job) -> None:
+    """A LoRA job's parameters (frozen by storage, trainable), gradients and optimizer state:
+    ``jaxmem.memory.analytic.AdapterState.as_record``, every row analytic."""
+    cfg, dtype, base = job.model, job.precision.param_dtype, job.adapters.base
+    t = table(
+        f"adapter state (analytic): {job.adapters.label()}, {job.precision.name}, "
+        f"{job.optimizer.name}",
+        ("what", "parameters", "bytes", "obtained"),
+        left=("what", "obtained"),
+    )
+    rest = ["embeddings"] + ([] if cfg.tie_embeddings else ["head"])
+    rest += [] if state["norm_params"] else ["norms"]
+    rest += ["biases"] if any(cfg.has_bias(p) for p in ("qkv", "out", "mlp", "norm")) else []
+    per = state["trainable_bytes"] // max(1, state["trainable_params"])  # one dtype
+    rows = [
+        (f"frozen: {dtype if base == 'compute' else base} block projections", "quantized"),
+        (f"frozen: {', '.join(rest)} ({dtype})", "other_frozen"),
+        ("trainable: LoRA A, B", "adapter"),
+        ("trainable: norms", "norm"),
+    ]
+    for what, key in rows:
+        count = state[f"{key}_params"]
+        if count or key != "norm":
+            nbytes = state.get(f"{key}_bytes", count * per)
+            t.add_row(what, f"{count:,}", format_bytes(nbytes), "analytic")
+    t.add_row("gradients (trainable only)", "-", format_bytes(state["grads_bytes"]), "analytic")
+    opt = f"{job.optimizer.name} state (trainable only)"
+    t.add_row(opt, "-", format_bytes(state["opt_state_bytes"]), "analytic")
+    total = state["params_bytes"] + state["grads_bytes"] + state["opt_state_bytes"]
+    count = f"{state['frozen_params'] + state['trainable_params']:,}"
+    t.add_row("total", count, format_bytes(total), "analytic")
+    out.print(t)
+    out.print(f"  {state['source']}", style="dim")
+
+
 def memory_sources(out, records: list[dict], planning: bool, target) -> None:
     """How each figure was obtained, and what ran."""
     out.print("How each figure was obtained:")

@@ -43,6 +43,16 @@ rotation costs no matmul), so ``selective`` keeps q, k, v, the output projection
 
 Parameters, gradients and optimizer state are counted from the config (``jaxmem.config``'s
 analytic parameter count); tests check each against real arrays.
+
+With LoRA adapters (``jaxmem.adapters.AdapterConfig``, ``adapter_state``) the base is frozen: no
+gradient, no optimizer state. Its block projections are stored as ``base`` says (``compute``:
+the parameter dtype; ``int8``: one byte a weight and one fp32 absmax per output channel, as
+bitsandbytes' row-wise int8; ``nf4``: half a byte a weight, per 64 weights one 8-bit absmax, per
+256 of those one fp32 scale, one fp32 offset per matrix: QLoRA's double quantization), the
+embeddings, LM head and norms in the parameter dtype (bitsandbytes quantizes linear layers and
+Hugging Face leaves the LM head out). Trained: ``A [in, r]`` and ``B [r, out]`` per targeted
+projection per layer (the fused q/k/v kernel counted per part) and the norms ``train``
+unfreezes, each with its gradient and optimizer state in the parameter dtype.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxmem.adapters import NF4_BLOCK, NF4_STATS_BLOCK, AdapterConfig
 from jaxmem.config import ModelConfig, OptimizerConfig
 from jaxmem.parallel import ParallelConfig, shard_elements, tensor_share
 from jaxmem.policy import (
@@ -202,13 +213,18 @@ def opt_state_bytes(cfg: ModelConfig, opt: OptimizerConfig, precision: Precision
     """AdamW: two moments; SGD: one momentum buffer; Adafactor: row + column second-moment
     factors for matrices whose dims are both >= 128 (optax's default), a full second moment
     otherwise. Counters and scalars are ignored (a few bytes)."""
+    return _state_bytes(_param_shapes(cfg), opt, precision)
+
+
+def _state_bytes(shapes: list[tuple[int, ...]], opt: OptimizerConfig, precision: Precision) -> int:
+    """``opt``'s state for parameters of ``shapes`` (see ``opt_state_bytes``)."""
     p = precision.param_bytes
     if opt.name == "adamw":
-        return 2 * cfg.n_params * p
+        return 2 * sum(map(math.prod, shapes)) * p
     if opt.name == "sgd":
-        return cfg.n_params * p
+        return sum(map(math.prod, shapes)) * p
     total = 0
-    for shape in _param_shapes(cfg):
+    for shape in shapes:
         if len(shape) >= 2 and min(shape[-2:]) >= 128:
             total += (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) * FP32
         else:
@@ -217,15 +233,33 @@ def opt_state_bytes(cfg: ModelConfig, opt: OptimizerConfig, precision: Precision
 
 
 def model_state_bytes(
-    cfg: ModelConfig, opt: OptimizerConfig, precision: Precision, parallel: ParallelConfig
+    cfg: ModelConfig,
+    opt: OptimizerConfig,
+    precision: Precision,
+    parallel: ParallelConfig,
+    adapters: AdapterConfig | None = None,
 ) -> dict[str, int]:
     """Per device: parameters, gradients and optimizer state under a data-parallel strategy.
     ZeRO's accounting (Rajbhandari et al. 2020: with fp32 master weights and AdamW, 4 + 4 + 8 =
     16 bytes per parameter, here in the run's dtypes), divided by N for what the strategy shards
     (``zero1``: the optimizer state; ``fsdp``: all three) except the leaves with no dimension
     divisible by N, which every device holds whole (``jaxmem.parallel.shard_dim``); dp divides
-    nothing. Adafactor's factors are counted whole when sharded (small; not divided here)."""
+    nothing. Adafactor's factors are counted whole when sharded (small; not divided here).
+    With ``adapters`` enabled: ``adapter_state``'s figures (a frozen base, gradients and state
+    of the trained parameters only), what the strategy shards divided by N (rounded up; a
+    tensor-parallel split is not modelled there: each device counted as holding them whole)."""
     n = parallel.devices if parallel.sharded else 1
+    if adapters is not None and adapters.enabled:
+        state = adapter_state(cfg, adapters, opt, precision)
+
+        def share(nbytes: int, sharded: bool) -> int:
+            return -(-nbytes // n) if sharded else nbytes
+
+        return {
+            "params": share(state.params_bytes, parallel.shards_params),
+            "grads": share(state.grads_bytes, parallel.shards_params),
+            "opt_state": share(state.opt_state_bytes, parallel.shards_opt_state),
+        }
     p = precision.param_bytes
 
     def held(shard: bool) -> int:
@@ -269,6 +303,117 @@ def _param_shapes_stacked(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]
 
 def _param_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
     return [shape for shape, _ in _param_shapes_stacked(cfg)]
+
+
+# ------------------------------------------------------------- adapters: LoRA on a frozen base
+ADAPTER_SOURCE = (
+    "analytic: from the config's shapes (jaxmem.memory.analytic.adapter_state); the frozen base "
+    "has no gradient and no optimizer state"
+)
+
+
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``(in, out)`` of each block projection, by the name PEFT gives it on a Hugging Face Llama
+    (jaxmem's fused q/k/v kernel counted per part; a standard MLP has no ``gate``)."""
+    d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_dim
+    shapes = {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d), "up": (d, f), "down": (f, d)}
+    if cfg.mlp == "gated":
+        shapes["gate"] = (d, f)
+    return shapes
+
+
+def lora_shapes(cfg: ModelConfig, adapters: AdapterConfig) -> list[tuple[int, int]]:
+    """``A [in, r]`` and ``B [r, out]`` of every adapter: one pair per target per layer."""
+    r, shapes = adapters.rank, projection_shapes(cfg)
+    pairs = [((shapes[t][0], r), (r, shapes[t][1])) for t in adapters.targets]
+    return [shape for pair in pairs for shape in pair] * cfg.n_layers
+
+
+def norm_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """Every norm's scale (and bias): two per block, stacked ``[L, D]``, and the final norm's."""
+    per_norm = 2 if cfg.has_bias("norm") else 1
+    shapes: list[tuple[int, ...]] = [(cfg.n_layers, cfg.d_model)] * (2 * per_norm)
+    return shapes + ([(cfg.d_model,)] * per_norm if cfg.final_norm else [])
+
+
+def frozen_matrix_bytes(n_in: int, n_out: int, base: str, param_bytes: int) -> int:
+    """One frozen ``[in, out]`` projection stored as ``base``: ``compute`` in the parameter dtype;
+    ``int8`` one byte a weight plus one fp32 absmax per output channel (bitsandbytes'
+    ``int8_vectorwise_quant``: ``CB`` and ``SCB``); ``nf4`` two weights a byte plus, per block of
+    64, one 8-bit absmax, per 256 such one fp32 scale, and one fp32 offset (bitsandbytes'
+    ``quantize_4bit(blocksize=64, compress_statistics=True)``: the packed weights, ``absmax``,
+    ``state2.absmax`` and ``offset``; its two lookup tables, 16 and 256 fp32 values, are
+    constants jaxmem keeps once, not per matrix)."""
+    n = n_in * n_out
+    if base == "int8":
+        return n + FP32 * n_out
+    if base == "nf4":
+        blocks = math.ceil(n / NF4_BLOCK)
+        return math.ceil(n / 2) + blocks + FP32 * math.ceil(blocks / NF4_STATS_BLOCK) + FP32
+    return n * param_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterState:
+    """A LoRA job's parameters (counts and bytes), gradients and optimizer state (bytes)."""
+
+    quantized_params: int  # the frozen block projections (stored as ``base``)
+    quantized_bytes: int
+    other_frozen_params: int  # embeddings, LM head, biases, norms left frozen (parameter dtype)
+    other_frozen_bytes: int
+    adapter_params: int  # every A and B
+    norm_params: int  # the norms ``train`` unfreezes
+    trainable_bytes: int
+    grads_bytes: int
+    opt_state_bytes: int
+
+    @property
+    def frozen_params(self) -> int:
+        return self.quantized_params + self.other_frozen_params
+
+    @property
+    def trainable_params(self) -> int:
+        return self.adapter_params + self.norm_params
+
+    @property
+    def params_bytes(self) -> int:
+        return self.quantized_bytes + self.other_frozen_bytes + self.trainable_bytes
+
+    def as_record(self) -> dict[str, int | str]:
+        """Every figure, the derived totals and how they were obtained (JSON records)."""
+        derived = ("frozen_params", "trainable_params", "params_bytes")
+        return {
+            **dataclasses.asdict(self),
+            **{name: getattr(self, name) for name in derived},
+            "source": ADAPTER_SOURCE,
+        }
+
+
+def adapter_state(
+    cfg: ModelConfig, adapters: AdapterConfig, opt: OptimizerConfig, precision: Precision
+) -> AdapterState:
+    """What a LoRA job holds besides activations (see the module docstring): the frozen base by
+    storage, the adapters and unfrozen norms, and gradients and ``opt`` state for those only."""
+    p = precision.param_bytes
+    matrices = list(projection_shapes(cfg).values())
+    quantized = cfg.n_layers * sum(i * o for i, o in matrices)
+    stored = sum(frozen_matrix_bytes(i, o, adapters.base, p) for i, o in matrices)
+    norms = norm_shapes(cfg) if "norm" in adapters.train else []
+    trained = lora_shapes(cfg, adapters) + norms
+    norm_params = sum(map(math.prod, norms))
+    trainable = sum(map(math.prod, trained))
+    other_frozen = cfg.n_params - quantized - norm_params
+    return AdapterState(
+        quantized_params=quantized,
+        quantized_bytes=cfg.n_layers * stored,
+        other_frozen_params=other_frozen,
+        other_frozen_bytes=other_frozen * p,
+        adapter_params=trainable - norm_params,
+        norm_params=norm_params,
+        trainable_bytes=trainable * p,
+        grads_bytes=trainable * p,
+        opt_state_bytes=_state_bytes(trained, opt, precision),
+    )
 
 
 def korthikanti_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int) -> int:

@@ -24,6 +24,8 @@ SHIPPED: dict[str, tuple[str, str]] = {
     "a100-80gb": ("a100_sxm_80.txtpb", "NVIDIA A100 SXM4 80 GB"),
     "v100-32gb": ("v100_sxm_32.txtpb", "NVIDIA Tesla V100 SXM2 32 GB"),
     "a10-24gb": ("a10_24.txtpb", "NVIDIA A10 24 GB"),
+    "l40s-48gb": ("l40s_48.txtpb", "NVIDIA L40S 48 GB"),
+    "rtx4090-24gb": ("rtx4090_24.txtpb", "NVIDIA GeForce RTX 4090 24 GB"),
 }
 TARGET_NAMES = ("cpu", *SHIPPED)
 
@@ -182,13 +184,35 @@ RATES["v100-32gb"] = Rates(
     "(bf16 matmuls counted at the fp32 rate); PCIe Gen3 x16 16 GB/s; NVLink 2 150 GB/s each way",
     **_host(153.6, "DGX-1 V100 host, 2 sockets x 4 channels DDR4-2400"),
 )
-RATES["a10-24gb"] = Rates(
-    {"bfloat16": 125e12, "float16": 125e12, "float32": 62.5e12},
-    32e9,
-    32e9,
-    "A10 datasheet: 125 TFLOP/s bf16/fp16 dense, TF32 62.5; PCIe Gen4 x16 32 GB/s, no NVLink "
-    "(collectives over PCIe)",
-    **_host(204.8, "a one-socket server, 8 channels DDR4-3200"),
+
+
+def _pcie_card(bf16: float, tf32: float, sheet: str, host_gb_per_s: float, host: str) -> Rates:
+    """A one-card PCIe Gen4 x16 GPU without NVLink (32 GB/s each way; collectives over PCIe):
+    ``bf16`` the dense bf16/fp16 rate, ``tf32`` the fp32 matmuls' (as TF32, XLA's default)."""
+    return Rates(
+        {"bfloat16": bf16, "float16": bf16, "float32": tf32},
+        32e9,
+        32e9,
+        f"{sheet}: {bf16 / 1e12:g} TFLOP/s bf16/fp16 dense, TF32 {tf32 / 1e12:g}; PCIe Gen4 x16 "
+        "32 GB/s, no NVLink (collectives over PCIe)",
+        **_host(host_gb_per_s, host),
+    )
+
+
+RATES["a10-24gb"] = _pcie_card(
+    125e12, 62.5e12, "A10 datasheet", 204.8, "a one-socket server, 8 channels DDR4-3200"
+)
+RATES["l40s-48gb"] = _pcie_card(
+    362.05e12, 183e12, "L40S datasheet", 307.2, "a one-socket server, 8 channels DDR5-4800"
+)
+# GeForce tensor cores run bf16/fp16 with fp32 accumulation (XLA's) at half their fp16-accumulate
+# rate (330.3)
+RATES["rtx4090-24gb"] = _pcie_card(
+    165.2e12,
+    82.6e12,
+    "Ada GPU architecture whitepaper, RTX 4090 (fp32 accumulation)",
+    89.6,
+    "a desktop, 2 channels DDR5-5600",
 )
 # The local backend: nominal rates (the estimate then ranks by FLOPs, host and collective bytes
 # weighed as on an H100's links); its plans have no host offload to weigh.
@@ -204,7 +228,8 @@ NOMINAL = Rates(
 # a captured target's GPU by its description (H200: an H100's compute; its own HBM bandwidth
 # comes from its target config)
 _BY_DESCRIPTION = (("H100", "h100"), ("H200", "h100"), ("A100", "a100-80gb"),
-                   ("V100", "v100-32gb"), ("A10", "a10-24gb"))  # fmt: skip
+                   ("V100", "v100-32gb"), ("A10", "a10-24gb"), ("L40S", "l40s-48gb"),
+                   ("RTX 4090", "rtx4090-24gb"))  # fmt: skip
 
 
 def rates_for(target: Target) -> Rates:

@@ -60,16 +60,18 @@ def check_resident(
     job: JobConfig, available: int | None, where: str, devices_here: int | None = None
 ) -> None:
     """Refuse a job whose parameters, gradients and optimizer state alone (analytic, per
-    device: ``jaxmem.memory.analytic.model_state_bytes``) exceed the memory ``where`` has:
-    no memory policy or precision of activations can make it fit, so training would only run
-    out of memory after compiling. ``available``: bytes for the ``devices_here`` devices of
-    the mesh this process or host drives (default all of them; a CPU mesh's devices share its
-    memory); None: unknown, not checked."""
+    device, a LoRA job's frozen base as stored: ``jaxmem.memory.analytic.model_state_bytes``)
+    exceed the memory ``where`` has: no memory policy or precision of activations can make it
+    fit, so training would only run out of memory after compiling. ``available``: bytes for the
+    ``devices_here`` devices of the mesh this process or host drives (default all of them; a CPU
+    mesh's devices share its memory); None: unknown, not checked."""
     from jaxmem.memory.analytic import model_state_bytes
 
     if available is None:
         return
-    state = model_state_bytes(job.model, job.optimizer, job.precision, job.parallel)
+    state = model_state_bytes(
+        job.model, job.optimizer, job.precision, job.parallel, adapters=job.adapters
+    )
     per_device = sum(state.values())
     total = per_device * (devices_here or job.parallel.devices)
     mesh = job.parallel.mesh_text()
