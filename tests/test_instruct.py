@@ -156,8 +156,10 @@ def test_messages_render_as_transformers_apply_chat_template(kind, tmp_path):
 
 
 def test_examples_longer_than_a_row_are_cut_and_those_left_without_a_completion_dropped(
-    tmp_path,
+    tmp_path, capsys
 ):
+    from jaxmem import cli
+
     tok_dir = chat_tokenizer(tmp_path / "tok", None)
     long_prompt = "hello there, how are you? " * 8
     records = [
@@ -165,11 +167,25 @@ def test_examples_longer_than_a_row_are_cut_and_those_left_without_a_completion_
         {"prompt": long_prompt, "completion": " four."},  # no completion token left: dropped
         *({"prompt": p, "completion": c} for p, c in PAIRS),
     ]
-    meta, ds, _ = _prepared(tmp_path, records, tok_dir, seq_len=16)
+    src = write_records(tmp_path / "data.jsonl", records)
+    out = tmp_path / "out"
+    args = ["prepare", src, "--tokenizer", tok_dir, "--out", str(out), "--seq-len", "16"]
+    assert cli.main([*args, "--val-fraction", "0.3"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "(2 rows, " in printed and "(1 row, " in printed
+    assert "4 examples as rows of 16 + 1 tokens of" in printed
+    assert "2 cut to fit, 1 dropped (no completion token within the row)" in printed
+    assert f"train with: jaxmem train --data {out} --init-from {tok_dir} --seq-len 16" in printed
+    meta = json.loads((out / "meta.json").read_text())
     assert (meta["examples"], meta["truncated"], meta["dropped"]) == (4, 2, 1)
-    assert meta["train_rows"] + meta["val_rows"] == 3
-    _, mask = _rows(ds)
+    _, mask = _rows(instruct.load_instruction(out, meta["vocab_size"], _tok(tok_dir)))
     assert mask[0][-1] and not mask[0].all()  # the cut row counts to its end
+
+
+def _tok(directory: str):
+    from jaxmem.hf.tokenizer import HFTokenizer
+
+    return HFTokenizer(directory)
 
 
 GOOD = {"prompt": "a", "completion": "b"}

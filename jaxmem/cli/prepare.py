@@ -110,10 +110,13 @@ def _prepare_instruct(args: argparse.Namespace, tokenizer) -> int:
     what = "byte tokens" if tokenizer is None else f"tokens of {tokenizer.description}"
     hint = f" --init-from {args.tokenizer}" if tokenizer is not None else ""
     how = meta["assistant_tokens"]
+    rows = {
+        s: f"{meta[f'{s}_rows']:,} row{'s' * (meta[f'{s}_rows'] != 1)}" for s in ("train", "val")
+    }
     print(
-        f"wrote {args.out}/train.bin + train.mask.bin ({meta['train_rows']:,} rows, "
+        f"wrote {args.out}/train.bin + train.mask.bin ({rows['train']}, "
         f"{meta['train_loss_tokens']:,} loss tokens), val.bin + val.mask.bin "
-        f"({meta['val_rows']:,} rows, {meta['val_loss_tokens']:,} loss tokens), meta.json: "
+        f"({rows['val']}, {meta['val_loss_tokens']:,} loss tokens), meta.json: "
         f"{meta['examples']:,} examples as rows of {meta['seq_len']} + 1 {what}, "
         f"{meta['truncated']:,} cut to fit, {meta['dropped']:,} dropped (no completion token "
         f"within the row)" + (f"; assistant tokens from {how}" if how else "") + "; train with: "
