@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxmem.config import ConfigError
 from jaxmem.data import (
     BOS,
     EOS,
@@ -131,15 +132,14 @@ class Renderer:
         self.tokenizer = tokenizer
         self.source = source
         self.directory = getattr(tokenizer, "directory", None)
-        self.template = None
+        self.template = None  # compiled by check_template, for messages records only
+        self.template_text: str | None = None
         self.specials: dict[str, str] = {}
         if self.directory is not None:
             from jaxmem.hf import chat
 
             self.specials = chat.special_tokens(self.directory)
-            text = chat.chat_template(self.directory)
-            if text is not None:
-                self.template = chat.ChatTemplate(text, self.specials)
+            self.template_text = chat.chat_template(self.directory)
         self.head, self.tail = self._around()
         self.pad_id = self._special_id("pad_token", PAD if self.directory is None else None)
 
@@ -168,9 +168,19 @@ class Renderer:
         return list(head), list(tail)
 
     def check_template(self, records: list[tuple[int, dict[str, Any]]]) -> None:
-        """A messages record needs a chat template (checked before anything is tokenized)."""
+        """A messages record needs a chat template that compiles (checked before anything is
+        tokenized)."""
         first = next((n for n, r in records if "messages" in r), None)
-        if first is None or self.template is not None:
+        if first is None:
+            return
+        if self.template_text is not None:
+            from jaxmem.hf.chat import ChatTemplate
+
+            where = f"the chat template of {self.directory}"
+            try:
+                self.template = ChatTemplate(self.template_text, self.specials, where)
+            except ConfigError as e:  # a messages record is where it is needed
+                raise DataError(f"{self.source} line {first}: {e}") from None
             return
         where = (
             f'{self.directory} has no chat template: add "chat_template" to its '

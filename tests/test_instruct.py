@@ -189,7 +189,8 @@ def _tok(directory: str):
 
 
 GOOD = {"prompt": "a", "completion": "b"}
-# case: (records, tokenizer: "none" | "template" | "no template", what the line says)
+# case: (records, tokenizer: "none" | "template" | "no template" | "broken template", what the
+# line says)
 BAD = {
     "invalid-json": ([GOOD, GOOD, '{"prompt": "a", \n'], "template", "line 3: invalid JSON"),
     "missing-key": ([GOOD, {"prompt": "a"}], "template", "line 2: missing 'completion'"),
@@ -206,6 +207,9 @@ BAD = {
         [GOOD, {"messages": CHAT}], "no template", "line 2: a messages record is rendered with a"
     ),
     "bytes-messages": ([{"messages": CHAT}], "none", "the byte tokenizer has none"),
+    "broken-template": (
+        [GOOD, {"messages": CHAT}], "broken template", "line 2: the chat template of"
+    ),
     "one-example": ([GOOD], "template", "gives 1 example(s)"),
 }  # fmt: skip
 IN_A_SUBPROCESS = ("invalid-json", "no-template")
@@ -221,7 +225,8 @@ def test_a_bad_record_is_one_line_naming_the_file_and_line_exit_2_nothing_writte
     src = write_records(tmp_path / "bad.jsonl", records)
     args = ["prepare", src, "--out", str(tmp_path / "out" / "data")]
     if tokenizer != "none":
-        template = TEMPLATES["generation tags"] if tokenizer == "template" else None
+        template = {"template": TEMPLATES["generation tags"], "broken template": "{% for m %}"}
+        template = template.get(tokenizer)
         args += ["--tokenizer", chat_tokenizer(tmp_path / "tok", template)]
     before = sorted(tmp_path.rglob("*"))
     if case in IN_A_SUBPROCESS:

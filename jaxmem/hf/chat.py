@@ -83,7 +83,7 @@ class ChatTemplate:
     """A compiled chat template: ``render`` gives the text and, with ``{% generation %}`` blocks,
     the character spans they produced."""
 
-    def __init__(self, template: str, specials: dict[str, str]):
+    def __init__(self, template: str, specials: dict[str, str], where: str = "the chat template"):
         try:
             import jinja2
             import jinja2.ext
@@ -104,7 +104,13 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception(jinja2)
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         env.globals["dict"] = dict
-        self._template = env.from_string(template)
+        try:
+            self._template = env.from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ConfigError(
+                f"{where} is not valid Jinja2 ({e.message}, line {e.lineno} of the template); "
+                "fix the template"
+            ) from None
         self.generation_tags = has_generation_tags(template)
 
     def render(
