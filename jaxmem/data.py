@@ -243,18 +243,35 @@ def _is_json_records(data: bytes) -> bool:
 
 
 def refuse_json_lines(path: pathlib.Path, data: bytes | None = None) -> None:
-    """Refuse (``DataError``) JSON Lines where a file of plain text is named: one named
-    ``*.jsonl`` / ``*.ndjson``, or (given its ``data``) one whose first non-empty lines are JSON
-    objects. Training on it as text would learn its braces and keys; instruction data
-    (prompt/completion records) is not a format jaxmem reads yet."""
+    """Refuse JSON Lines where plain text is read: a file named ``*.jsonl`` / ``*.ndjson``, or
+    (given its ``data``) one whose first non-empty lines are all JSON objects. Training on it as
+    text would learn its braces and keys; instruction records are read by ``jaxmem prepare``
+    (``jaxmem.instruct``), which writes them as token rows with a loss mask.
+
+    Raises:
+        DataError: ``path`` is JSON Lines.
+    """
     by_name = data is None and path.suffix.lower() in JSON_LINES_SUFFIXES
     if by_name or (data is not None and _looks_like_json_lines(data)):
         how = f"named {path.suffix}" if by_name else "its first lines are JSON objects"
         raise DataError(
-            f"{path} is JSON Lines ({how}): instruction data (prompt/completion records) is not "
-            "read yet, and --data and prepare take plain text; give a text file or a directory "
-            "of them"
+            f"{path} is JSON Lines ({how}): --data and a text directory read plain text; "
+            f"prepare instruction records first: jaxmem prepare {path} --tokenizer DIR --out "
+            "DATA, then train --data DATA"
         )
+
+
+def is_json_lines(path: pathlib.Path) -> bool:
+    """A file named ``*.jsonl`` / ``*.ndjson``, or whose first non-empty lines are JSON objects
+    (read from its first 64 KiB)."""
+    if path.suffix.lower() in JSON_LINES_SUFFIXES:
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    return _looks_like_json_lines(head)
 
 
 def _text_files(root: pathlib.Path) -> list[pathlib.Path]:
@@ -368,7 +385,12 @@ def directory_tokens(root: pathlib.Path, tokenizer: Any = None) -> tuple[np.ndar
 # nanoGPT-style pre-tokenized .bin files
 
 
-def _read_meta(directory: pathlib.Path) -> dict[str, Any] | None:
+def read_meta(directory: pathlib.Path) -> dict[str, Any] | None:
+    """``directory``'s ``meta.json`` (None: it has none).
+
+    Raises:
+        DataError: it is not a readable JSON object.
+    """
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
         return None
@@ -414,7 +436,7 @@ def load_bin(path: str | os.PathLike[str], vocab_size: int = VOCAB_SIZE) -> np.m
     size = p.stat().st_size
     if size == 0:
         raise DataError(f"token file {p} is empty; re-run prepare to regenerate it")
-    meta = _read_meta(p.parent)
+    meta = read_meta(p.parent)
     dtype_name = "uint16" if meta is None else meta.get("dtype", "uint16")
     if dtype_name not in BIN_DTYPES:
         raise DataError(
@@ -499,7 +521,9 @@ def prepare_bin(
     }
     try:
         with made_dirs(out):
-            _write_bin(out, {"train.bin": train, "val.bin": val}, dtype, meta)
+            write_dataset(
+                out, {"train.bin": train.astype(dtype), "val.bin": val.astype(dtype)}, meta
+            )
     except OSError as e:
         raise DataError(
             f"cannot write {out}: {e.strerror or e}; check its space and permissions"
@@ -507,11 +531,10 @@ def prepare_bin(
     return meta
 
 
-def _write_bin(
-    out: pathlib.Path, splits: dict[str, np.ndarray], dtype: np.dtype, meta: dict
-) -> None:
-    """``splits`` and ``meta.json`` into ``out`` (which exists), each under a temporary name first,
-    ``train.bin`` renamed into place last; on failure every file written here is removed."""
+def write_dataset(out: pathlib.Path, splits: dict[str, np.ndarray], meta: dict) -> None:
+    """``splits`` (file name: array, written raw) and ``meta.json`` into ``out`` (which exists),
+    each under a temporary name first, ``train.bin`` renamed into place last; on failure every
+    file written here is removed."""
     temps: dict[str, str] = {}
     placed: list[pathlib.Path] = []
     try:
@@ -519,7 +542,7 @@ def _write_bin(
             fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
             temps[name] = tmp
             with os.fdopen(fd, "wb") as f:
-                arr.astype(dtype).tofile(f)
+                arr.tofile(f)
         fd, tmp = tempfile.mkstemp(prefix=".meta.json.", suffix=".tmp", dir=out)
         temps["meta.json"] = tmp
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -527,7 +550,8 @@ def _write_bin(
             f.write("\n")
         # meta.json first and train.bin last: train.bin is what marks a directory as a prepared
         # dataset, so it appears only once its companions are in place.
-        for name in ("meta.json", "val.bin", "train.bin"):
+        order = ["meta.json", *sorted(set(splits) - {"train.bin"}), "train.bin"]
+        for name in order:
             # mkstemp makes 0600 files; a dataset is shared like any other file (umask applies)
             os.chmod(temps[name], 0o666 & ~_umask())
             # Forget the temp name only after the rename succeeded, so cleanup still sees it.
@@ -547,11 +571,21 @@ def _write_bin(
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """Train and validation token streams plus a human-readable description of their source."""
+    """Train and validation token streams plus a human-readable description of their source.
+    Instruction data (``jaxmem.instruct``) also has a loss mask per token and is rows of
+    ``seq_len + 1`` tokens."""
 
     train: np.ndarray
     val: np.ndarray
     source: str
+    train_mask: np.ndarray | None = None
+    val_mask: np.ndarray | None = None
+    seq_len: int | None = None  # instruction data: the rows' sequence length
+
+    @property
+    def masked(self) -> bool:
+        """Instruction data: the loss counts only the tokens its mask marks."""
+        return self.train_mask is not None
 
 
 def load_dataset(
@@ -592,7 +626,7 @@ def load_dataset(
     train_bin = _train_bin(p)
     if train_bin is not None:
         source = f"nanoGPT .bin in {p}" if p.is_dir() else f"nanoGPT .bin {p}"
-        _check_tokenizer(train_bin.parent, tokenizer)
+        check_tokenizer(train_bin.parent, tokenizer)
         train = load_bin(train_bin, vocab_size)
         val_bin = train_bin.parent / "val.bin"
         if val_bin.exists() and val_bin.resolve() != train_bin.resolve():
@@ -629,14 +663,14 @@ def data_tokenizer(path: str | os.PathLike[str] | None) -> str | None:
     if train_bin is None:
         return "bytes"
     with contextlib.suppress(DataError):
-        name = (_read_meta(train_bin.parent) or {}).get("tokenizer")
+        name = (read_meta(train_bin.parent) or {}).get("tokenizer")
         return name if isinstance(name, str) else None
     return None
 
 
-def _check_tokenizer(directory: pathlib.Path, tokenizer: Any) -> None:
+def check_tokenizer(directory: pathlib.Path, tokenizer: Any) -> None:
     """A prepared dataset whose ``meta.json`` names a tokenizer matches the run's."""
-    meta = _read_meta(directory)
+    meta = read_meta(directory)
     made_with = None if meta is None else meta.get("tokenizer")
     ours = "bytes" if tokenizer is None else tokenizer.name
     if made_with is not None and made_with != ours:

@@ -303,7 +303,8 @@ def _only_json_in_a_directory(tmp_path):
 
 
 SHORT = "has 11 tokens (10 train, 1 validation); each split needs at least"
-JSONL = "chat.jsonl is JSON Lines (named .jsonl): instruction data (prompt/completion records)"
+JSONL = "chat.jsonl is JSON Lines (named .jsonl): --data and a text directory read plain text"
+PREPARE_FIRST = "prepare instruction records first: jaxmem prepare"
 BY_CONTENT = "chat.txt is JSON Lines (its first lines are JSON objects)"
 TRAIN = ["--preset", "tiny", "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--data"]
 # case: (command, what makes its arguments in tmp_path, what its one line says)
@@ -315,14 +316,12 @@ REFUSED = {
         "prepare", lambda t: [*_short(t), "--seq-len", "9"], ("at least 11 tokens",)
     ),
     "train-short": ("train", _short, (SHORT, "34 tokens for --seq-len 32")),
-    "prepare-jsonl": ("prepare", _json_lines("chat.jsonl"), (JSONL, "take plain text")),
-    "prepare-ndjson": ("prepare", _json_lines("chat.NDJSON"), ("is JSON Lines (named .NDJSON)",)),
-    "prepare-by-content": ("prepare", _json_lines("chat.txt"), (BY_CONTENT,)),
     "prepare-only-json-in-a-directory": (
         "prepare", _only_json_in_a_directory, ("contains no text (2 JSON file(s) skipped (chat",)
     ),
-    "train-jsonl": ("train", _json_lines("chat.jsonl"), (JSONL, "--data and prepare")),
-    "train-by-content": ("train", _json_lines("chat.txt"), (BY_CONTENT,)),
+    "train-jsonl": ("train", _json_lines("chat.jsonl"), (JSONL, PREPARE_FIRST)),
+    "train-ndjson": ("train", _json_lines("chat.NDJSON"), ("is JSON Lines (named .NDJSON)",)),
+    "train-by-content": ("train", _json_lines("chat.txt"), (BY_CONTENT, PREPARE_FIRST)),
     "prepare-read-only": (
         "prepare",
         _out_under("/proc/jaxmem-ro/data"),
@@ -335,7 +334,12 @@ REFUSED = {
 
 
 # one case of each kind runs as a subprocess (the real command), its variants in this process
-IN_A_SUBPROCESS = ("prepare-short", "prepare-jsonl", "train-by-content", "prepare-read-only")
+IN_A_SUBPROCESS = (
+    "prepare-short",
+    "prepare-in-a-directory",
+    "train-by-content",
+    "prepare-read-only",
+)
 
 
 def _jaxmem(in_a_subprocess: bool, capsys, *args: str) -> tuple[int, str, str]:

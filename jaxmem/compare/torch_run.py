@@ -256,7 +256,7 @@ class TorchTrainer:
                     self.device, dtype=TORCH_DTYPES[p.compute_dtype], enabled=p.is_mixed
                 ):
                     logits = self.model(b["inputs"])
-                s, n = cross_entropy_sum(logits, b["targets"])
+                s, n = cross_entropy_sum(logits, b["targets"], b.get("mask"))
                 total, count = total + float(s), count + float(n)
         self.model.train()
         return total / count

@@ -94,6 +94,25 @@ class HFTokenizer:
     def decode(self, ids: np.ndarray) -> str:
         return self._tok.decode([int(t) for t in np.asarray(ids).ravel()])
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """``encode(text)`` and each id's ``[start, end)`` character span in ``text``."""
+        out = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(out.ids, dtype=np.uint32), list(out.offsets)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (a special token's text), None when it is not in the vocabulary."""
+        return self._tok.token_to_id(token)
+
+    def added_around(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer's post-processor puts before and after a text (a Llama
+        tokenizer's BOS before; none for GPT-2's)."""
+        bare = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        for at in range(len(full) - len(bare) + 1):
+            if full[at : at + len(bare)] == bare:
+                return full[:at], full[at + len(bare) :]
+        return [], []
+
 
 def _special_ids(directory: str) -> dict[str, int | None]:
     try:

@@ -67,12 +67,19 @@ RECORD_FIELDS = (
 )
 
 
-def lm_step_batch(cfg: ModelConfig, batch: int, seq_len: int, abstract: bool) -> dict[str, Any]:
-    """The deterministic batch a record measures (shapes only when ``abstract``)."""
+def lm_step_batch(
+    cfg: ModelConfig, batch: int, seq_len: int, abstract: bool, *, masked: bool = False
+) -> dict[str, Any]:
+    """The deterministic batch a record measures (shapes only when ``abstract``); ``masked``:
+    with a loss mask, as instruction data has (here the second half of every row counts)."""
     if abstract:
-        return batch_shapes_of(batch, seq_len)
+        return batch_shapes_of(batch, seq_len, masked=masked)
     inputs, targets = lm_batch(cfg, batch, seq_len, seed=0)
-    return {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    data = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    if masked:
+        row = (jnp.arange(seq_len) >= seq_len // 2).astype(jnp.int32)
+        data["mask"] = jnp.broadcast_to(row, (batch, seq_len))
+    return data
 
 
 def runnable_step(spec: StepSpec) -> tuple[Any, tuple]:
@@ -84,7 +91,9 @@ def runnable_step(spec: StepSpec) -> tuple[Any, tuple]:
     require_one_device(spec.parallel)
     built, params = build_step(spec, make_model(spec.model, spec.precision))
     params, opt_state = built.state(params)
-    data = lm_step_batch(spec.model, spec.batch, spec.seq_len, abstract=False)
+    data = lm_step_batch(
+        spec.model, spec.batch, spec.seq_len, abstract=False, masked=spec.loss_mask
+    )
     return built.step, (params, opt_state, init_loss_scale(spec.precision), data)
 
 
@@ -216,7 +225,9 @@ def _arguments(spec: StepSpec, built: BuiltStep, params: Any, abstract: bool) ->
     (the optimizer's initial state, the deterministic batch)."""
     if abstract:
         return built.shapes(params)
-    data = lm_step_batch(spec.model, spec.batch, spec.seq_len, abstract=False)
+    data = lm_step_batch(
+        spec.model, spec.batch, spec.seq_len, abstract=False, masked=spec.loss_mask
+    )
     return params, built.tx.init(params), init_loss_scale(spec.precision), data
 
 
@@ -255,7 +266,7 @@ def jax_record(spec: StepSpec, *, abstract: bool = False) -> dict[str, Any]:
     args = _arguments(spec, built, params, abstract)
     opt_state = args[1]
     # one microbatch of one device (its shapes are what the accounting needs)
-    micro = lm_step_batch(cfg, spec.micro_rows, spec.seq_len, abstract)
+    micro = lm_step_batch(cfg, spec.micro_rows, spec.seq_len, abstract, masked=spec.loss_mask)
     saved = _saved(spec, built, params, micro)
     residuals = summarize_residuals(saved)
     grads = jax.eval_shape(jax.grad(lambda p, b: built.plain_loss(p, b)[0]), params, micro)

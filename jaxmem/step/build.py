@@ -53,13 +53,16 @@ def model_shapes(spec: StepSpec) -> nnx.Module:
 
 def batch_shapes(spec: StepSpec, rows: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes of a batch of ``rows`` rows (default: the spec's whole batch)."""
-    return batch_shapes_of(rows or spec.batch, spec.seq_len)
+    return batch_shapes_of(rows or spec.batch, spec.seq_len, masked=spec.loss_mask)
 
 
-def batch_shapes_of(rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """The shapes of a token batch: ``rows`` x ``seq_len`` int32 inputs and targets."""
+def batch_shapes_of(
+    rows: int, seq_len: int, *, masked: bool = False
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of a token batch: ``rows`` x ``seq_len`` int32 inputs and targets, and with
+    ``masked`` (instruction data) an int32 loss mask of the same shape."""
     shape = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
-    return {"inputs": shape, "targets": shape}
+    return {"inputs": shape, "targets": shape} | ({"mask": shape} if masked else {})
 
 
 def _placed(tree: Any, where: Any) -> Any:

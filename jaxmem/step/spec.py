@@ -39,6 +39,8 @@ class StepSpec:
       target: what the step is compiled for: the local backend (``LOCAL``) or a GPU target
         compiled without a GPU; it decides the attention kernel the model runs and, over a mesh,
         which devices the mesh names.
+      loss_mask: the batch carries a ``mask`` ``[B, S]`` beside its inputs and targets
+        (instruction data: the loss counts only the tokens it marks); without, no mask at all.
       donate: the step donates its parameters and optimizer state (updated in place). False only
         where a program compiled from shapes cannot: a streamed step whose host-resident stack
         arrives in device memory there (XLA's host-offload check refuses a device argument
@@ -54,6 +56,7 @@ class StepSpec:
     accum: AccumConfig = AccumConfig()
     parallel: ParallelConfig = SINGLE_DEVICE
     target: Target = LOCAL
+    loss_mask: bool = False
     donate: bool = True
 
     def __post_init__(self) -> None:
@@ -77,7 +80,9 @@ class StepSpec:
                 isinstance(value, int) and not isinstance(value, bool) and value > 0,
                 f"StepSpec {name}={value!r} must be a positive integer",
             )
-        require(isinstance(self.donate, bool), f"StepSpec donate={self.donate!r} must be a bool")
+        for name in ("donate", "loss_mask"):
+            value = getattr(self, name)
+            require(isinstance(value, bool), f"StepSpec {name}={value!r} must be a bool")
         require(
             self.donate or self.streamed,
             "StepSpec donate=False is for a streamed step planned from shapes; an unstreamed "
@@ -88,8 +93,9 @@ class StepSpec:
             self.parallel.check_batch(self.batch, self.accum.steps)
 
     @classmethod
-    def of_job(cls, job: Any, target: Target = LOCAL) -> StepSpec:
-        """The step ``job`` (a ``jaxmem.job.JobConfig``) trains, compiled for ``target``."""
+    def of_job(cls, job: Any, target: Target = LOCAL, *, loss_mask: bool = False) -> StepSpec:
+        """The step ``job`` (a ``jaxmem.job.JobConfig``) trains, compiled for ``target``;
+        ``loss_mask``: on instruction data (its batches carry a mask)."""
         return cls(
             model=job.model,
             policy=job.memory,
@@ -100,6 +106,7 @@ class StepSpec:
             accum=job.accum,
             parallel=job.parallel,
             target=target,
+            loss_mask=loss_mask,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,6 +122,7 @@ class StepSpec:
             "batch": self.batch,
             "seq_len": self.seq_len,
             "donate": self.donate,
+            "loss_mask": self.loss_mask,
         }
 
     @classmethod
@@ -131,6 +139,7 @@ class StepSpec:
             batch=data["batch"],
             seq_len=data["seq_len"],
             donate=data["donate"],
+            loss_mask=data.get("loss_mask", False),
         )
 
     def replace(self, **changes: Any) -> StepSpec:

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from jaxmem import data as data_lib
 from jaxmem.config import ConfigError
 from jaxmem.figures import TABLE_WIDTH, Figure, render_table
+from jaxmem.instruct import rows_batch
 from jaxmem.job import JobConfig
 from jaxmem.policy import policy_label
 from jaxmem.run_layout import CHECKPOINT_DIR, quarantine
@@ -99,6 +100,9 @@ def val_batches(dataset: data_lib.Dataset, job: JobConfig) -> list[dict[str, np.
     r = job.run
     out = []
     for i in range(r.eval_batches):
+        if dataset.masked:  # instruction data: rows with their loss mask
+            out.append(rows_batch(dataset, "val", i, r.batch_size, r.seed + 1))
+            continue
         x, y = data_lib.batch_at(dataset.val, i, r.batch_size, r.seq_len, r.seed + 1, "validation")
         out.append({"inputs": x, "targets": y})
     return out
@@ -112,6 +116,8 @@ def train_batch(
     r = job.run
 
     def make(step: int) -> dict[str, np.ndarray]:
+        if dataset.masked:
+            return rows_batch(dataset, "train", step, r.batch_size, r.seed, rows)
         x, y = data_lib.batch_at(
             dataset.train, step, r.batch_size, r.seq_len, r.seed, "train", rows
         )

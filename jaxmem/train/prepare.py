@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxmem import data as data_lib
+from jaxmem import instruct
 from jaxmem.config import ConfigError, require
 from jaxmem.figures import format_bytes
 from jaxmem.files import check_can_create
@@ -104,15 +105,27 @@ def prepare_job(
         _check_init_from(job)  # before anything is written: the weights fit, every one
     tokenizer = job_tokenizer(job)
     _check_tokenizer_fits(job, tokenizer)  # before tokenizing: an id past the embedding
-    dataset = data_lib.load_dataset(
-        job.data.path,
-        val_fraction=job.data.val_fraction,
-        vocab_size=job.model.vocab_size,
-        tokenizer=tokenizer,
-    )
-    data_lib.check_split_sizes(
-        dataset.train.size, dataset.val.size, job.run.seq_len, dataset.source
-    )
+    instruction = instruct.instruction_dir(job.data.path)
+    if instruction is not None:  # token rows with a loss mask (jaxmem prepare of JSON Lines)
+        dataset = instruct.load_instruction(instruction, job.model.vocab_size, tokenizer)
+    else:
+        dataset = data_lib.load_dataset(
+            job.data.path,
+            val_fraction=job.data.val_fraction,
+            vocab_size=job.model.vocab_size,
+            tokenizer=tokenizer,
+        )
+    if dataset.masked:
+        require(
+            dataset.seq_len == job.run.seq_len,
+            f"--data {job.data.path} is instruction data prepared in rows of --seq-len "
+            f"{dataset.seq_len}, not {job.run.seq_len}: train with --seq-len {dataset.seq_len} "
+            "or prepare it again",
+        )
+    else:
+        data_lib.check_split_sizes(
+            dataset.train.size, dataset.val.size, job.run.seq_len, dataset.source
+        )
     return PreparedJob(
         job=job,
         dataset=dataset,

@@ -228,7 +228,7 @@ class JaxTrainer:
         self.attention_kernel = model.attention_kernel  # which fused kernel this backend runs
         if weights is not None:
             load_hf_weights(model, r.init_from, weights)
-        self.spec = StepSpec.of_job(job)
+        self.spec = StepSpec.of_job(job, loss_mask=prepared.dataset.masked)
         self.built, params = build_step(self.spec, model)
         del model  # params are donated to the step; keep no second reference
         self.graphdef, self.shardings = self.built.graphdef, self.built.shardings
