@@ -1,19 +1,22 @@
-"""Byte-level tokenizer, training data sources and the host-to-device batch pipeline (pure: numpy,
-no JAX, no PyTorch; each framework passes its own host-to-device transfer to ``Prefetcher``).
+"""Training data sources and the host-to-device batch pipeline (pure: numpy, no JAX, no
+PyTorch; each framework passes its own host-to-device transfer to ``Prefetcher``). The byte
+tokenizer and ``DataError`` live in ``jaxmem.tokens``, text files in ``jaxmem.text_sources``;
+this module re-exports the former, so callers import them from here.
 
 The default corpus is the Python standard library's own source files, found via ``sysconfig`` and
 read in sorted path order, so every machine has training text without a download. Different
 Python versions ship different sources, so loss values are comparable only on one interpreter.
 
-Other sources: a text file or a directory of text files (tokenized on load), or nanoGPT-style
-pre-tokenized ``train.bin`` / ``val.bin`` files (raw little-endian ``uint16``, no header, as
-written by karpathy/nanoGPT's ``data/*/prepare.py``; ``uint32`` for vocabularies above 65,536
-ids, as ``meta.json`` says) with our ``meta.json`` beside them; ``prepare_bin`` writes those.
-Text is byte-tokenized unless a ``tokenizer`` is given (``jaxmem.hf.tokenizer``: a Hugging Face
-model directory's ``tokenizer.json``); ``meta.json`` names the tokenizer a ``.bin`` was made
-with. JSON Lines is refused where a text file is named (``refuse_json_lines``; skipped, and
-said, in a directory of text), and data whose splits cannot hold one sequence
-(``check_split_sizes``), before anything is written or compiled.
+Other sources: a text file or a directory of text files (``jaxmem.text_sources``, tokenized on
+load), or nanoGPT-style pre-tokenized ``train.bin`` / ``val.bin`` files (raw little-endian
+``uint16``, no header, as written by karpathy/nanoGPT's ``data/*/prepare.py``; ``uint32`` for
+vocabularies above 65,536 ids, as ``meta.json`` says) with our ``meta.json`` beside them;
+``prepare_bin`` writes those. Text is byte-tokenized unless a ``tokenizer`` is given
+(``jaxmem.hf.tokenizer``: a Hugging Face model directory's ``tokenizer.json``); ``meta.json``
+names the tokenizer a ``.bin`` was made with. JSON Lines is refused where a text file is named
+(``jaxmem.text_sources.refuse_json_lines``; skipped, and said, in a directory of text), and data
+whose splits cannot hold one sequence (``check_split_sizes``), before anything is written or
+compiled.
 Batches are a pure function of ``(seed, step)`` (``batch_at``) so a resumed run sees exactly the
 data it would have seen, and ``Prefetcher`` overlaps building and transferring the next batches
 with the current step.
@@ -37,12 +40,21 @@ from typing import Any
 import numpy as np
 
 from jaxmem.files import check_can_create, made_dirs
+from jaxmem.text_sources import text_source, text_tokens
+from jaxmem.tokens import (  # noqa: F401  (re-exported: callers import these from here)
+    BIN_DTYPE,
+    BIN_DTYPES,
+    BOS,
+    EOS,
+    PAD,
+    VOCAB_SIZE,
+    DataError,
+    bin_dtype,
+    decode,
+    encode,
+    tokenize_documents,
+)
 
-BOS, EOS, PAD = 256, 257, 258
-VOCAB_SIZE = 259  # 256 byte values + BOS, EOS, PAD
-
-BIN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin layout: raw little-endian uint16, no header
-BIN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # meta.json's "dtype"
 META_FORMAT = "jaxmem-bytes-v1"
 STDLIB_SOURCE = "Python stdlib sources (embedded default)"
 
@@ -51,27 +63,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-class DataError(ValueError):
-    """Training data is missing, empty or malformed (the CLI maps this to exit code 2)."""
-
-
-def bin_dtype(vocab_size: int) -> np.dtype:
-    """The ``.bin`` dtype for ids below ``vocab_size``: nanoGPT's uint16 while every id fits
-    (up to 65,536 ids: 0..65,535), else uint32."""
-    return BIN_DTYPES["uint16"] if vocab_size <= 1 << 16 else BIN_DTYPES["uint32"]
-
-
-def encode(text: str) -> np.ndarray:
-    """UTF-8 bytes as token ids (``uint16``)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-
-
-def decode(tokens: np.ndarray) -> str:
-    """Token ids back to text; special tokens are dropped, invalid UTF-8 is replaced."""
-    data = bytes(int(t) for t in np.asarray(tokens).ravel() if t < 256)
-    return data.decode("utf-8", errors="replace")
 
 
 def stdlib_files() -> list[pathlib.Path]:
@@ -101,30 +92,8 @@ def stdlib_corpus(max_bytes: int = 8 << 20, tokenizer: Any = None) -> np.ndarray
         )
     if tokenizer is not None and tokenizer.name != "bytes":
         files = [c.astype(np.uint8).tobytes() for c in chunks[::2]]
-        return _tokenize(files, tokenizer, cut=max_bytes)
+        return tokenize_documents(files, tokenizer, cut=max_bytes)
     return np.concatenate(chunks)[:max_bytes]
-
-
-def _tokenize(files: list[bytes], tokenizer: Any, cut: int | None = None) -> np.ndarray:
-    """Documents (raw bytes: decoded as UTF-8, invalid bytes replaced) as ``tokenizer``'s ids,
-    separated by its separator; ``cut``: only the first ``cut`` bytes of text."""
-    if cut is not None:
-        kept, total = [], 0
-        for data in files:
-            kept.append(data[: cut - total])
-            total += len(kept[-1])
-            if total >= cut:
-                break
-        files = kept
-    texts = [data.decode("utf-8", errors="replace") for data in files]
-    many = getattr(tokenizer, "encode_many", None)
-    encoded = many(texts) if many is not None else [tokenizer.encode(t) for t in texts]
-    dtype = bin_dtype(tokenizer.vocab_size)
-    sep = [] if tokenizer.separator is None else [np.array([tokenizer.separator], dtype)]
-    out: list[np.ndarray] = []
-    for ids in encoded:
-        out += [*(sep if out else []), np.asarray(ids).astype(dtype)]
-    return np.concatenate(out) if out else np.zeros(0, dtype)
 
 
 def _n_val(n_tokens: int, val_fraction: float) -> int:
@@ -190,195 +159,6 @@ def random_windows(
         starts = rng.integers(0, tokens.size - seq_len - 1, batch)
         windows = np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int32)
         yield windows[:, :-1], windows[:, 1:]
-
-
-# --------------------------------------------------------------------------------------------
-# Text sources
-
-
-def _read_text_file(path: pathlib.Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read data file {path}: {e.strerror}; check its permissions") from e
-
-
-JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
-_JSON_LINES_SNIFFED = 5  # the first non-empty lines that, all JSON objects, make a file JSON Lines
-
-
-def _looks_like_json_lines(data: bytes) -> bool:
-    """The first ``_JSON_LINES_SNIFFED`` non-empty lines (fewer in a shorter file, but at least
-    two) are each a JSON object. Reads only those lines: plain text fails at its first
-    character; one JSON object alone is not yet a format of records."""
-    seen, start = 0, 0
-    while seen < _JSON_LINES_SNIFFED and start < len(data):
-        end = data.find(b"\n", start)
-        end = len(data) if end < 0 else end
-        line, start = data[start:end].strip(), end + 1
-        if not line:
-            continue
-        if not line.startswith(b"{"):
-            return False
-        try:
-            if not isinstance(json.loads(line), dict):
-                return False
-        except ValueError:  # not JSON (UnicodeDecodeError is a ValueError too)
-            return False
-        seen += 1
-    return seen >= 2
-
-
-def _is_json_records(data: bytes) -> bool:
-    """JSON Lines, or one JSON object (a stray ``metadata.json``, a one-line ``{"a": 1}``):
-    data, not text, where a directory of text is read."""
-    if not data.lstrip().startswith(b"{"):
-        return False
-    if _looks_like_json_lines(data):
-        return True
-    try:
-        return isinstance(json.loads(data), dict)
-    except ValueError:
-        return False
-
-
-def refuse_json_lines(path: pathlib.Path, data: bytes | None = None) -> None:
-    """Refuse JSON Lines where plain text is read: a file named ``*.jsonl`` / ``*.ndjson``, or
-    (given its ``data``) one whose first non-empty lines are all JSON objects. Training on it as
-    text would learn its braces and keys; instruction records are read by ``jaxmem prepare``
-    (``jaxmem.instruct``), which writes them as token rows with a loss mask.
-
-    Raises:
-        DataError: ``path`` is JSON Lines.
-    """
-    by_name = data is None and path.suffix.lower() in JSON_LINES_SUFFIXES
-    if by_name or (data is not None and _looks_like_json_lines(data)):
-        how = f"named {path.suffix}" if by_name else "its first lines are JSON objects"
-        raise DataError(
-            f"{path} is JSON Lines ({how}): --data and a text directory read plain text; "
-            f"prepare instruction records first: jaxmem prepare {path} --tokenizer DIR --out "
-            "DATA, then train --data DATA"
-        )
-
-
-def is_json_lines(path: pathlib.Path) -> bool:
-    """A file named ``*.jsonl`` / ``*.ndjson``, or whose first non-empty lines are JSON objects
-    (read from its first 64 KiB)."""
-    if path.suffix.lower() in JSON_LINES_SUFFIXES:
-        return True
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-    except OSError:
-        return False
-    return _looks_like_json_lines(head)
-
-
-def _text_files(root: pathlib.Path) -> list[pathlib.Path]:
-    """Non-hidden regular files under ``root``, in sorted path order."""
-    found: list[pathlib.Path] = []
-    # os.walk rather than rglob: it lets us prune hidden directories (.git, .venv, ...) instead
-    # of walking them, and does not follow directory symlinks, so a link loop cannot hang us.
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found += [
-            pathlib.Path(dirpath, f)
-            for f in filenames
-            if not f.startswith(".") and os.path.isfile(os.path.join(dirpath, f))
-        ]
-    # Sort whole paths (not per-directory walk order) so the token stream is the same on every
-    # filesystem, the same rule stdlib_files uses.
-    return sorted(found)
-
-
-def load_text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> np.ndarray:
-    """``text_tokens`` without what it skipped."""
-    return text_tokens(path, tokenizer)[0]
-
-
-def text_source(path: pathlib.Path, skipped: str) -> str:
-    """How a text source is named in a run's and a prepared dataset's ``source``."""
-    what = "directory" if path.is_dir() else "file"
-    return f"text {what} {path}" + (f" ({skipped})" if skipped else "")
-
-
-def text_tokens(path: str | os.PathLike[str], tokenizer: Any = None) -> tuple[np.ndarray, str]:
-    """Byte tokens (``uint16``) of a text file, or of every text file under a directory; with a
-    ``tokenizer`` (``jaxmem.hf.tokenizer``), its ids instead (files separated by its separator).
-
-    Bytes are used as-is: the byte tokenizer needs no decoding, so text in any encoding (or
-    invalid UTF-8) loads fine. A directory is walked recursively in sorted path order; files
-    are separated by ``EOS`` (none after the last). Hidden files and directories (name starting
-    with ``.``), empty files and files containing NUL bytes (almost surely binary: images,
-    ``.pyc``, ``.bin`` token files) are skipped. A single named file that contains NUL bytes is
-    rejected rather than skipped, because the caller asked for it explicitly. JSON Lines
-    (``refuse_json_lines``) is refused where a file is named; in a directory, JSON Lines and
-    JSON files are skipped (``directory_tokens``), said in the second value ("" for a file).
-
-    Raises:
-        DataError: the path does not exist, cannot be read, is binary, holds JSON Lines, or holds
-            no text.
-    """
-    p = pathlib.Path(path)
-    if not p.exists():
-        raise DataError(f"data path {p} does not exist; pass an existing text file or directory")
-    if p.is_file():
-        refuse_json_lines(p)
-        data = _read_text_file(p)
-        refuse_json_lines(p, data)
-        if not data:
-            raise DataError(f"data file {p} contains no text; it is empty")
-        if b"\0" in data:
-            raise DataError(
-                f"data file {p} contains NUL bytes, so it looks binary, not text; "
-                "pass a text file (a pre-tokenized file must be named *.bin)"
-            )
-        if tokenizer is not None and tokenizer.name != "bytes":
-            return _tokenize([data], tokenizer), ""
-        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16), ""
-    if not p.is_dir():
-        raise DataError(f"data path {p} is neither a file nor a directory; pass a text file")
-    return directory_tokens(p, tokenizer)
-
-
-def directory_tokens(root: pathlib.Path, tokenizer: Any = None) -> tuple[np.ndarray, str]:
-    """``load_text_tokens`` of a directory, and what it skipped: empty, binary (NUL bytes) and
-    JSON files (named ``*.jsonl``/``*.ndjson``, or holding JSON records: ``_is_json_records``),
-    said as ``"1 binary file(s) skipped; ..."`` ("" when none was)."""
-    chunks: list[np.ndarray] = []
-    texts: list[bytes] = []
-    n_binary, json_files = 0, []
-    for f in _text_files(root):
-        if f.suffix.lower() in JSON_LINES_SUFFIXES:  # by name, before a byte is read
-            json_files.append(f)
-            continue
-        data = _read_text_file(f)
-        if not data:
-            continue
-        if b"\0" in data:
-            n_binary += 1
-            continue
-        if _is_json_records(data):
-            json_files.append(f)
-            continue
-        texts.append(data)
-        if chunks:
-            chunks.append(np.array([EOS], dtype=np.uint16))
-        chunks.append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16))
-    skipped = [f"{n_binary} binary file(s) skipped"] if n_binary else []
-    if json_files:
-        named = ", ".join(str(f.relative_to(root)) for f in json_files[:3])
-        named += ", ..." if len(json_files) > 3 else ""
-        skipped.append(f"{len(json_files)} JSON file(s) skipped ({named})")
-    said = "; ".join(skipped)
-    if not chunks:
-        raise DataError(
-            f"data directory {root} contains no text{f' ({said})' if said else ''}; "
-            "it needs non-empty, non-hidden text files"
-        )
-    if tokenizer is not None and tokenizer.name != "bytes":
-        return _tokenize(texts, tokenizer), said
-    return np.concatenate(chunks), said
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,12 +254,12 @@ def prepare_bin(
     Byte tokens in ``uint16``, or ``tokenizer``'s ids (``jaxmem.hf.tokenizer``) in the dtype its
     vocabulary needs (``bin_dtype``), recorded in ``meta.json`` with the tokenizer's name.
 
-    ``src`` is a text file or directory (see ``load_text_tokens``), or ``None`` for the embedded
-    standard-library corpus. The split is ``train_val_split``'s: the last ``val_fraction`` of the
-    tokens is validation; with ``seq_len``, each split must hold a batch of that length
-    (``check_split_sizes``), else one token each. ``out_dir`` and the directories missing above
-    it are made; files are written under temporary names and renamed into place, so an error
-    never leaves a half-written ``.bin`` (or a directory made for it) behind.
+    ``src`` is a text file or directory (see ``jaxmem.text_sources.text_tokens``), or ``None``
+    for the embedded standard-library corpus. The split is ``train_val_split``'s: the last
+    ``val_fraction`` of the tokens is validation; with ``seq_len``, each split must hold a batch
+    of that length (``check_split_sizes``), else one token each. ``out_dir`` and the directories
+    missing above it are made; files are written under temporary names and renamed into place,
+    so an error never leaves a half-written ``.bin`` (or a directory made for it) behind.
 
     Raises:
         ConfigError: ``out_dir`` cannot be made or written (``jaxmem.files.check_can_create``).
@@ -602,7 +382,7 @@ def load_dataset(
       (without ``val.bin`` the train tokens are split instead).
     * a file ending ``.bin``: that file as train data; ``val.bin`` beside it if present,
       otherwise split.
-    * any other file or directory: text, tokenized by ``load_text_tokens`` and split.
+    * any other file or directory: text, tokenized by ``jaxmem.text_sources.text_tokens`` and split.
 
     Text is tokenized by ``tokenizer`` (default: bytes); a ``.bin`` whose ``meta.json`` names
     another tokenizer is refused. Every token id is checked against ``vocab_size``.

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem import data
+from jaxmem import data, text_sources
 from jaxmem.data import DataError
 from tests.test_cli_contract import run_cli
 
@@ -21,7 +21,7 @@ from tests.test_cli_contract import run_cli
 def test_text_file_loads_raw_bytes(tmp_path):
     f = tmp_path / "a.txt"
     f.write_bytes("hé\n".encode() + b"\xff")  # invalid UTF-8 is fine: bytes are used as-is
-    tokens = data.load_text_tokens(f)
+    tokens = text_sources.load_text_tokens(f)
     assert tokens.dtype == np.uint16
     assert tokens.tolist() == list("hé\n".encode() + b"\xff")
 
@@ -36,26 +36,26 @@ def test_directory_loads_sorted_with_eos_and_skips_hidden_empty_and_binary(tmp_p
     (tmp_path / ".git" / "x.txt").write_bytes(b"G")
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "blob.dat").write_bytes(b"X\0Y")
-    tokens = data.load_text_tokens(tmp_path)
+    tokens = text_sources.load_text_tokens(tmp_path)
     E = data.EOS
     assert tokens.tolist() == [ord("A"), E, ord("B"), ord("Z"), E, ord("C")]
 
 
 def test_text_errors(tmp_path):
     with pytest.raises(DataError, match=r"data path .*nope does not exist"):
-        data.load_text_tokens(tmp_path / "nope")
+        text_sources.load_text_tokens(tmp_path / "nope")
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(DataError, match=r"empty\.txt contains no text"):
-        data.load_text_tokens(tmp_path / "empty.txt")
+        text_sources.load_text_tokens(tmp_path / "empty.txt")
     (tmp_path / "bin.dat").write_bytes(b"a\0b")
     with pytest.raises(DataError, match=r"bin\.dat contains NUL bytes"):
-        data.load_text_tokens(tmp_path / "bin.dat")
+        text_sources.load_text_tokens(tmp_path / "bin.dat")
     d = tmp_path / "d"
     d.mkdir()
     (d / ".hidden").write_bytes(b"text")
     (d / "x.pyc").write_bytes(b"\0\1")
     with pytest.raises(DataError, match=r"contains no text \(1 binary file\(s\) skipped\)"):
-        data.load_text_tokens(d)
+        text_sources.load_text_tokens(d)
 
 
 # --- .bin files ---------------------------------------------------------------------------------
@@ -389,13 +389,15 @@ def test_prepare_makes_the_parents_of_out_and_names_the_seq_len_to_train_with(tm
 
 
 def test_json_lines_are_told_from_text_by_their_first_lines():
-    assert data._looks_like_json_lines(b'\n{"text": "a"}\n  \n{"text": "b"}\n')
-    assert not data._looks_like_json_lines(b'{"a": 1}')  # one record is not yet records
-    assert data._is_json_records(b'{"a": 1}') and data._is_json_records(b'{\n"a": [1]\n}\n')
-    assert not data._is_json_records(b"{ is how C begins a block\n")
+    assert text_sources._looks_like_json_lines(b'\n{"text": "a"}\n  \n{"text": "b"}\n')
+    assert not text_sources._looks_like_json_lines(b'{"a": 1}')  # one record is not yet records
+    assert text_sources._is_json_records(b'{"a": 1}') and text_sources._is_json_records(
+        b'{\n"a": [1]\n}\n'
+    )
+    assert not text_sources._is_json_records(b"{ is how C begins a block\n")
     for text in (b"plain text\n", b'{"a": 1}\nthen prose\n', b"[1, 2]\n", b"{not json}\n", b""):
-        assert not data._looks_like_json_lines(text), text
-    assert not data._looks_like_json_lines(b"{\n" + b'"key": 1\n}\n')  # one JSON document
+        assert not text_sources._looks_like_json_lines(text), text
+    assert not text_sources._looks_like_json_lines(b"{\n" + b'"key": 1\n}\n')  # one JSON document
 
 
 def test_a_directory_trains_on_its_text_and_says_which_json_files_it_skipped(tmp_path, capsys):
@@ -410,7 +412,7 @@ def test_a_directory_trains_on_its_text_and_says_which_json_files_it_skipped(tmp
     (corpus / "blob.dat").write_bytes(b"X\0Y")
     dataset = data.load_dataset(corpus)
     tokens = np.concatenate([dataset.train, dataset.val])
-    assert tokens.tolist() == data.load_text_tokens(corpus / "a.txt").tolist()
+    assert tokens.tolist() == text_sources.load_text_tokens(corpus / "a.txt").tolist()
     skipped = "1 binary file(s) skipped; 2 JSON file(s) skipped (metadata.jsonl, z.txt)"
     assert dataset.source == f"text directory {corpus} ({skipped})"
     code, printed, err = _jaxmem(
@@ -418,4 +420,4 @@ def test_a_directory_trains_on_its_text_and_says_which_json_files_it_skipped(tmp
     )
     assert code == 0 and skipped in " ".join(printed.split()), err
     with pytest.raises(DataError, match="metadata.jsonl is JSON Lines"):
-        data.load_text_tokens(corpus / "metadata.jsonl")
+        text_sources.load_text_tokens(corpus / "metadata.jsonl")

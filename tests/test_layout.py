@@ -29,6 +29,8 @@ PURE = (
     "jaxmem.positions",
     "jaxmem.precision",
     "jaxmem.data",
+    "jaxmem.tokens",
+    "jaxmem.text_sources",
     "jaxmem.instruct",
     "jaxmem.files",
     "jaxmem.figures",

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 def _is_instruction_file(source: str) -> bool:
     import pathlib
 
-    from jaxmem.data import is_json_lines
+    from jaxmem.text_sources import is_json_lines
 
     path = pathlib.Path(source)
     return path.is_file() and is_json_lines(path)
