@@ -82,7 +82,7 @@ def runnable_step(spec: StepSpec) -> tuple[Any, tuple]:
     so a loop threads the first three back in. For timing a step and reading a device's runtime
     peak (``benchmarks/gpu_check.py``)."""
     require_one_device(spec.parallel)
-    built, params = build_step(spec, make_model(spec.model, spec.precision))
+    built, params = build_step(spec, make_model(spec.model, spec.precision, adapters=spec.adapters))
     params, opt_state = built.state(params)
     data = lm_step_batch(spec.model, spec.batch, spec.seq_len, abstract=False)
     return built.step, (params, opt_state, init_loss_scale(spec.precision), data)
@@ -249,7 +249,9 @@ def jax_record(spec: StepSpec, *, abstract: bool = False) -> dict[str, Any]:
     abstract = abstract or target.is_gpu or sharded
     state_offload = target.is_gpu and spec.optimizer.state_memory == "pinned_host"
     spec = _record_spec(planned(spec))
-    model = model_shapes(spec) if abstract else make_model(cfg, spec.precision)
+    model = (
+        model_shapes(spec) if abstract else make_model(cfg, spec.precision, adapters=spec.adapters)
+    )
     kernel = model.attention_kernel
     built, params = build_step(spec, model)
     args = _arguments(spec, built, params, abstract)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig, require
 from jaxmem.memory.targets import LOCAL, Target
 from jaxmem.parallel import ParallelConfig
@@ -39,6 +40,9 @@ class StepSpec:
       target: what the step is compiled for: the local backend (``LOCAL``) or a GPU target
         compiled without a GPU; it decides the attention kernel the model runs and, over a mesh,
         which devices the mesh names.
+      adapters: LoRA adapters on a frozen base (``jaxmem.step.frozen``): only they (and the
+        groups they unfreeze) get gradients and optimizer state. Default: none, every
+        parameter trains.
       donate: the step donates its parameters and optimizer state (updated in place). False only
         where a program compiled from shapes cannot: a streamed step whose host-resident stack
         arrives in device memory there (XLA's host-offload check refuses a device argument
@@ -54,6 +58,7 @@ class StepSpec:
     accum: AccumConfig = AccumConfig()
     parallel: ParallelConfig = SINGLE_DEVICE
     target: Target = LOCAL
+    adapters: AdapterConfig = AdapterConfig()
     donate: bool = True
 
     def __post_init__(self) -> None:
@@ -65,6 +70,7 @@ class StepSpec:
             ("accum", AccumConfig),
             ("parallel", ParallelConfig),
             ("target", Target),
+            ("adapters", AdapterConfig),
         ):
             value = getattr(self, name)
             require(
@@ -100,6 +106,7 @@ class StepSpec:
             accum=job.accum,
             parallel=job.parallel,
             target=target,
+            adapters=job.adapters,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,7 +114,15 @@ class StepSpec:
         compiles it (``jaxmem.planner.peak``)."""
         plain = {
             name: dataclasses.asdict(getattr(self, name))
-            for name in ("model", "precision", "optimizer", "accum", "parallel", "target")
+            for name in (
+                "model",
+                "precision",
+                "optimizer",
+                "accum",
+                "parallel",
+                "target",
+                "adapters",
+            )
         }
         return {
             **plain,
@@ -128,6 +143,12 @@ class StepSpec:
             accum=AccumConfig(**data["accum"]),
             parallel=ParallelConfig(**data["parallel"]),
             target=Target(**data["target"]),
+            adapters=AdapterConfig(
+                **{
+                    k: tuple(v) if isinstance(v, list) else v
+                    for k, v in data.get("adapters", {}).items()
+                }
+            ),
             batch=data["batch"],
             seq_len=data["seq_len"],
             donate=data["donate"],
