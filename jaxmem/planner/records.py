@@ -217,7 +217,12 @@ def _arguments(spec: StepSpec, built: BuiltStep, params: Any, abstract: bool) ->
     if abstract:
         return built.shapes(params)
     data = lm_step_batch(spec.model, spec.batch, spec.seq_len, abstract=False)
-    return params, built.tx.init(params), init_loss_scale(spec.precision), data
+    return (
+        params,
+        built.tx.init(built.trainable.trained(params)),
+        init_loss_scale(spec.precision),
+        data,
+    )
 
 
 def _sizes(built: BuiltStep, params: Any, grads: Any, opt_state: Any) -> dict[str, int]:
@@ -260,7 +265,7 @@ def jax_record(spec: StepSpec, *, abstract: bool = False) -> dict[str, Any]:
     micro = lm_step_batch(cfg, spec.micro_rows, spec.seq_len, abstract)
     saved = _saved(spec, built, params, micro)
     residuals = summarize_residuals(saved)
-    grads = jax.eval_shape(jax.grad(lambda p, b: built.plain_loss(p, b)[0]), params, micro)
+    grads = built.grad_shapes(params, micro)
     plan, compiler = compile_step(spec, built.step, args)
     planned_peak = peak_of_plan(plan)
     peak, peak_source = _peak(spec, built, args, abstract, plan, compiler)

@@ -131,6 +131,16 @@ class BuiltStep:
             return jax.eval_shape(lambda p: stream.init_state(self.tx, p), params)
         return jax.eval_shape(lambda p: self.tx.init(self.trainable.trained(p)), params)
 
+    def grad_shapes(self, params: Any, batch: Any) -> Any:
+        """The shapes of the gradients the step forms of ``params`` on ``batch`` (the plain
+        loss's): of the trained subtree only under a frozen base."""
+        trained, frozen = self.trainable.split(params)
+
+        def loss(t: Any, b: Any) -> Any:
+            return self.plain_loss(self.trainable.merge(t, frozen), b)[0]
+
+        return jax.eval_shape(jax.grad(loss), trained, batch)
+
     def state(self, params: Any) -> tuple[Any, Any]:
         """``(params, opt_state)``: the arrays ``params`` and their optimizer's initial state,
         placed where the step takes them (host memory, the mesh's shards, a streamed stack in
