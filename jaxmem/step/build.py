@@ -136,10 +136,10 @@ class BuiltStep:
         loss's): of the trained subtree only under a frozen base."""
         trained, frozen = self.trainable.split(params)
 
-        def loss(t: Any, b: Any) -> Any:
-            return self.plain_loss(self.trainable.merge(t, frozen), b)[0]
+        def loss(t: Any, f: Any, b: Any) -> Any:
+            return self.plain_loss(self.trainable.merge(t, f), b)[0]
 
-        return jax.eval_shape(jax.grad(loss), trained, batch)
+        return jax.eval_shape(jax.grad(loss), trained, frozen, batch)
 
     def state(self, params: Any) -> tuple[Any, Any]:
         """``(params, opt_state)``: the arrays ``params`` and their optimizer's initial state,

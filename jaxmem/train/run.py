@@ -126,10 +126,10 @@ def memory_figures(
         batch = jax.tree_util.tree_map(lambda a: a[: a.shape[0] // accum_steps], batch)
     trained, frozen = trainable.split(params) if trainable is not None else (params, None)
 
-    def trained_loss(t: Any) -> Any:
-        return loss_fn(t if frozen is None else trainable.merge(t, frozen), batch)[0]
+    def trained_loss(t: Any, f: Any) -> Any:
+        return loss_fn(t if f is None else trainable.merge(t, f), batch)[0]
 
-    grads_shape = jax.eval_shape(jax.grad(trained_loss), trained)
+    grads_shape = jax.eval_shape(jax.grad(trained_loss), trained, frozen)
     summary = residuals.summarize_residuals(
         residuals.saved_residuals(lambda p: loss_fn(p, batch)[0], params)
     )
