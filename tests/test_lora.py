@@ -358,3 +358,12 @@ def test_a_resume_that_changes_the_adapters_is_refused(lora_runs, capsys):
     line = _refused(capsys, [*argv, *RUN_FLAGS, "--steps", "6", "--out", str(run), "--resume"])
     assert "adapters.rank: checkpoint 4, now 8" in line
     assert sorted(p.name for p in run.rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_exporting_an_adapter_run_is_refused_in_one_line(lora_runs, capsys, tmp_path):
+    root, _, _ = lora_runs
+    line = _refused(capsys, ["export", str(root / "straight"), "--out", str(tmp_path / "hf")])
+    assert line.startswith("jaxmem export: error: ")
+    assert "trained adapters (LoRA r4 a8 q,k,v,o,down)" in line
+    assert not (tmp_path / "hf").exists()
