@@ -250,15 +250,17 @@ def _losses(run) -> list[float]:
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory):
-    """tiny-llama from a random Hugging Face directory with adapters: 4 steps straight, and 2
-    steps then resumed to 4 (each a subprocess)."""
+    """tiny-llama from a random Hugging Face directory with adapters: 4 steps straight, 2
+    steps then resumed to 4, and 4 steps over an fsdp mesh of 2 CPU devices (each a
+    subprocess)."""
     root = tmp_path_factory.mktemp("lora")
     model = write_model_dir(root / "model", TINY_LLAMA)
     common = ("train", "--init-from", model, *LORA_FLAGS, *RUN_FLAGS)
     straight = run_cli(*common, "--steps", "4", "--out", str(root / "straight"))
     half = run_cli(*common, "--steps", "2", "--out", str(root / "resumed"))
     resumed = run_cli(*common, "--steps", "4", "--out", str(root / "resumed"), "--resume")
-    for proc in (straight, half, resumed):
+    sharded = run_cli(*common, "--steps", "4", "--mesh", "fsdp=2", "--out", str(root / "fsdp"))
+    for proc in (straight, half, resumed, sharded):
         assert proc.returncode == 0, proc.stderr
     return root, model, straight
 
@@ -323,7 +325,7 @@ BAD_OPTIONS = {
     "quantized-base": (["--lora-rank", "4", "--quantize-base", "int8"], "not trainable yet"),
     "dropout": (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout 0.1"),
     "stream": (["--lora-rank", "4", "--stream"], "--stream"),
-    "mesh": (["--lora-rank", "4", "--mesh", "dp=2"], "--mesh dp=2"),
+    "tensor-parallel": (["--lora-rank", "4", "--mesh", "tp=2"], "tensor parallelism"),
     "host-state": (["--lora-rank", "4", "--state-memory", "pinned_host"], "--state-memory"),
     "multisteps": (["--lora-rank", "4", "--accum", "2", "--accum-mode", "multisteps"], "scan"),
 }
@@ -367,3 +369,15 @@ def test_exporting_an_adapter_run_is_refused_in_one_line(lora_runs, capsys, tmp_
     assert line.startswith("jaxmem export: error: ")
     assert "trained adapters (LoRA r4 a8 q,k,v,o,down)" in line
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_adapters_over_an_fsdp_mesh_train_as_on_one_device(lora_runs):
+    """Parameters (frozen and trained) and the adapters' optimizer state sharded over 2
+    devices: the same losses as one device, within the data-parallel bound."""
+    root, _, _ = lora_runs
+    np.testing.assert_allclose(
+        _losses(root / "fsdp"),
+        _losses(root / "straight"),
+        **tolerance("float32", "data_parallel_loss").kwargs(),
+    )

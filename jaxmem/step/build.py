@@ -153,7 +153,11 @@ class BuiltStep:
         if spec.streamed:
             return stream.place(params, stream.init_state(self.tx, params), self.placement)
         if self.shardings is not None:
-            return params, jax.jit(self.tx.init, out_shardings=self.shardings.opt_state)(params)
+            init = jax.jit(
+                lambda p: self.tx.init(self.trainable.trained(p)),
+                out_shardings=self.shardings.opt_state,
+            )
+            return params, init(params)
         opt_state = place(self.tx.init(self.trainable.trained(params)), opt.state_memory)
         return place(params, opt.params_memory), opt_state
 
@@ -180,9 +184,11 @@ class BuiltStep:
         return self.step.lower(*self.shapes(params, batch))
 
 
-def _mesh_shardings(spec: StepSpec, tx: Any, params: Any) -> StepShardings | None:
+def _mesh_shardings(
+    spec: StepSpec, tx: Any, params: Any, trainable: Trainable
+) -> StepShardings | None:
     """The strategy's shardings over the spec's mesh: this backend's devices, or a GPU target's
-    without any GPU (None on one device)."""
+    without any GPU (None on one device); the optimizer state's are of the trained subtree."""
     if not spec.sharded:
         return None
     devices = None
@@ -194,7 +200,7 @@ def _mesh_shardings(spec: StepSpec, tx: Any, params: Any) -> StepShardings | Non
     return step_shardings(
         spec.parallel,
         params,
-        jax.eval_shape(tx.init, params),
+        jax.eval_shape(lambda p: tx.init(trainable.trained(p)), params),
         state_memory=opt.state_memory,
         params_memory=opt.params_memory,
         m=mesh(spec.parallel, devices),
@@ -224,7 +230,7 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
     def plain(lf: Any) -> Loss:
         return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss.chunks)
 
-    shardings = _mesh_shardings(spec, tx, params)
+    shardings = _mesh_shardings(spec, tx, params, trainable)
     make_loss = plain
     if shardings is not None:
         m = shardings.mesh

@@ -93,9 +93,9 @@ def refusal(spec: Any) -> str | None:
             "yet; drop --lora-dropout (0)",
         ),
         (
-            spec.parallel.sharded,
-            f"--mesh {spec.parallel.mesh_text()}: adapters train on one "
-            "device for now; drop --mesh",
+            spec.parallel.tensor_parallel,
+            f"--mesh {spec.parallel.mesh_text()}: tensor parallelism does not lay out adapters "
+            "yet; use dp, zero1 or fsdp without tp",
         ),
         (
             opt.stream,
