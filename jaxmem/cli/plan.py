@@ -24,6 +24,7 @@ from jaxmem.cli.common import (
 )
 from jaxmem.cli.common import names as parse_names
 from jaxmem.cli.flags import (
+    ADAPTER_FLAGS,
     MODEL_FLAGS,
     add_flags,
     job_argv,
@@ -37,7 +38,7 @@ from jaxmem.parallel import STRATEGIES
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 
-NAMES = (*MODEL_FLAGS, "precision", "optimizer", "batch_size", "seq_len", "mesh")
+NAMES = (*MODEL_FLAGS, "precision", "optimizer", "batch_size", "seq_len", "mesh", *ADAPTER_FLAGS)
 DEFAULTS = {"preset": "small", "run": {"batch_size": 8}}
 
 
@@ -164,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
 
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
     not_streamed(job, "plan")
+    if job.adapters.enabled:
+        raise UsageError(
+            f"jaxmem plan does not search adapter jobs ({job.adapters.label()}) yet; "
+            "jaxmem memory and jaxmem peak measure one (they take the same --lora-* flags)"
+        )
     with usage_errors():
         target = get_target(args.target or "cpu")
         if args.budget is not None:
