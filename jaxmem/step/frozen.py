@@ -58,6 +58,14 @@ class Trainable:
     def merge(self, trained: Any, frozen: Any) -> Any:
         return trained if frozen is None else nnx.merge_state(trained, frozen)
 
+    def bind(self, loss_fn: Any, params: Any) -> tuple[Any, Any, Any]:
+        """``(trained, frozen, loss)``: ``loss(trained, batch)`` is ``loss_fn`` of the whole
+        parameters with the frozen ones held (``(params, None, loss_fn)`` without adapters)."""
+        trained, frozen = self.split(params)
+        if frozen is None:
+            return params, None, loss_fn
+        return trained, frozen, lambda t, b: loss_fn(self.merge(t, frozen), b)
+
     def counts(self, params: Any) -> tuple[int, int]:
         """``(trainable, frozen)`` parameter counts of ``params`` (arrays or shapes)."""
         trained, frozen = self.split(params)

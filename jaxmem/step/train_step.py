@@ -298,10 +298,8 @@ def make_train_step(
 
     ``loss_into`` (``stack_accumulating_loss``): with accumulation, the block stack's gradient
     is added into the running sum in place (see ``summed_grads``).
-
-    ``trainable`` (``jaxmem.step.frozen.Trainable``): only its trained subtree is
-    differentiated and updated (``opt_state`` is that subtree's); the frozen parameters pass
-    through unchanged. None: every parameter trains.
+    ``trainable`` (``jaxmem.step.frozen.Trainable.bind``): only the trained subtree is
+    differentiated and updated (``opt_state`` is its); the frozen parameters pass through.
     """
     if accum.mode != "scan":
         raise ValueError("make_train_step runs scan accumulation; use make_multisteps_step")
@@ -318,10 +316,9 @@ def make_train_step(
         # forward, so each microbatch's summed loss is weighted by scale / n_total (fp16
         # overflow then happens at the same scales as in PyTorch).
         factor = None if loss_scale is None else loss_scale.scale / valid_tokens(batch)
-        frozen, of = None, loss_fn
-        if trainable is not None and trainable.frozen_base:
-            params, frozen = trainable.split(params)
-            of = lambda t, b: loss_fn(trainable.merge(t, frozen), b)  # noqa: E731
+        params, frozen, of = (
+            (params, None, loss_fn) if trainable is None else trainable.bind(loss_fn, params)
+        )
         grads, loss_sum, n_tokens = summed_grads(
             of,
             params,
@@ -351,8 +348,7 @@ def make_train_step(
             new_params = jax.tree_util.tree_map(keep, new_params, params)
             new_opt_state = jax.tree_util.tree_map(keep, new_opt_state, opt_state)
             loss_scale = loss_scale.update(finite)
-        if frozen is not None:
-            new_params = trainable.merge(new_params, frozen)
+        new_params = new_params if frozen is None else trainable.merge(new_params, frozen)
         if params_kind != "device":
             new_params = place(new_params, params_kind, p_sh)
         if state_kind != "device":
