@@ -4,7 +4,7 @@ program ``jaxmem plan`` compiles for it (``jaxmem.planner.plans.lowered_step`` o
 planner builds for the job's candidate) and the program ``jaxmem train`` runs for it (the
 ``JaxTrainer``'s lowered step, built from real arrays), as StableHLO text; prints JSON.
 
-    python tests/same_program_worker.py plain mixed streamed fsdp_tp loss_chunks
+    python tests/same_program_worker.py plain mixed streamed fsdp_tp loss_chunks adapters
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ jax.config.update("jax_num_cpu_devices", DEVICES)
 
 from rich.console import Console  # noqa: E402
 
+from jaxmem.adapters import AdapterConfig  # noqa: E402
 from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig  # noqa: E402
 from jaxmem.job import JobConfig, RunConfig  # noqa: E402
 from jaxmem.parallel import ParallelConfig  # noqa: E402
@@ -54,6 +55,11 @@ JOBS = {
     ),
     "loss_chunks": dict(
         memory=POLICIES["full"].replace(loss=LossPolicy(2)), precision=PRECISIONS["bf16"]
+    ),
+    "adapters": dict(
+        memory=POLICIES["selective"],
+        accum=AccumConfig(steps=2),
+        adapters=AdapterConfig(rank=4, targets=("q", "k", "up"), train=("norm",)),
     ),
 }
 

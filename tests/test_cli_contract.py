@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from jaxmem import cli
+from jaxmem.adapters import AdapterConfig
 from jaxmem.cli import flags as cli_flags
 from jaxmem.cli import presets as cli_presets
 from jaxmem.config import PRESETS, AccumConfig, OptimizerConfig
@@ -135,6 +136,12 @@ JOBS = [
             schedule="linear", warmup_steps=3, decay_steps=50, min_lr=1e-5, clip_norm=0.5
         ),
     ),
+    dataclasses.replace(
+        JobConfig.from_dict({"preset": "tiny-llama"}),
+        adapters=AdapterConfig(
+            rank=8, alpha=16.0, rslora=True, targets=("q", "k", "gate"), train=("norm",)
+        ),
+    ),
 ]
 
 
@@ -149,13 +156,14 @@ JOBS = [
         "tag-mix-replay",
         "preset+tags",
         "schedule+clip",
+        "adapters",
     ],
 )
 def test_a_job_printed_as_flags_resolves_to_the_same_job(job):
     argv = cli_flags.job_argv(job)
     args = cli.build_parser().parse_args(["train", *argv])
     resolved = cli_flags.job_from_args(args, list(cli_flags.FLAGS))
-    for section in ("model", "memory", "optimizer", "accum", "parallel"):
+    for section in ("model", "memory", "optimizer", "accum", "parallel", "adapters"):
         assert getattr(resolved, section) == getattr(job, section), section
     assert resolved.precision == job.precision and resolved.preset == job.preset
     for key in ("batch_size", "seq_len", "seed"):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import PRESETS, AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.memory.targets import get_target
 from jaxmem.parallel import ParallelConfig
@@ -20,7 +21,7 @@ from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec
 
 WORKER = Path(__file__).with_name("same_program_worker.py")
-JOBS = ("plain", "mixed", "streamed", "fsdp_tp", "loss_chunks")
+JOBS = ("plain", "mixed", "streamed", "fsdp_tp", "loss_chunks", "adapters")
 EMPTY_MESH = re.compile(
     r"\s*sdy\.mesh @empty_mesh = <\[\]> \{stablehlo\.mesh = \{axes = \[\]\}\}\n"
 )
@@ -82,6 +83,7 @@ def test_a_spec_round_trips_through_json_for_a_child_process():
         accum=AccumConfig(steps=2, inplace=False),
         parallel=ParallelConfig(strategy="fsdp", devices=4, tp=2),
         target=get_target("h100"),
+        adapters=AdapterConfig(rank=4, alpha=16.0, targets=("q", "v", "down"), train=("norm",)),
     )
     assert StepSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 

@@ -57,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
     with usage_errors():
         job = JobConfig.from_dict(saved)
         model_type = hf_model_type(job.model)
+    if job.adapters.enabled:
+        raise UsageError(
+            f"{run_dir} trained adapters ({job.adapters.label()}): exporting an adapter run is "
+            "not built yet (its checkpoint holds the frozen base and the adapters)"
+        )
     params = _params(run_dir, step, job)
     from jaxmem.model.hf import export_hf
     from jaxmem.train.prepare import model_dir
@@ -124,7 +129,7 @@ def _params(run_dir: str, step: int, job):
     from jaxmem.run_layout import CHECKPOINT_DIR
     from jaxmem.train.checkpoint import restore_params
 
-    like = nnx.split(make_model(job.model, job.precision), nnx.Param)[1]
+    like = nnx.split(make_model(job.model, job.precision, adapters=job.adapters), nnx.Param)[1]
     try:
         return restore_params(os.path.join(run_dir, CHECKPOINT_DIR), step, like)
     except (CheckpointError, ConfigError) as e:

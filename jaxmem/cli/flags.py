@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jaxmem.adapters import BASES, TRAINABLE_GROUPS
+from jaxmem.adapters import TARGETS as ADAPTER_TARGETS
 from jaxmem.cli.common import (
     non_negative_int,
     positive_float,
@@ -193,13 +195,62 @@ FLAGS: dict[str, Flag] = {
             "tokenizer.json, if any, tokenizes text --data and the sample",
             metavar="DIR",
         ),
+        # adapters on a frozen base (docs/adapters.md)
+        Flag(
+            "--lora-rank",
+            "adapters.rank",
+            "train LoRA adapters of this rank on a frozen base (0: every parameter trains)",
+            non_negative_int,
+            metavar="R",
+        ),
+        Flag(
+            "--lora-alpha",
+            "adapters.alpha",
+            "the adapters' alpha: their product is scaled by alpha / rank",
+            positive_float,
+            metavar="A",
+        ),
+        Flag(
+            "--lora-targets",
+            "adapters.targets",
+            f"projections given adapters, comma-separated from {','.join(ADAPTER_TARGETS)}",
+            metavar="LIST",
+        ),
+        Flag(
+            "--lora-dropout",
+            "adapters.dropout",
+            "dropout on the adapters' input",
+            float,
+            metavar="P",
+        ),
+        Flag(
+            "--lora-rslora",
+            "adapters.rslora",
+            "scale the adapters by alpha / sqrt(rank) (rsLoRA)",
+            action="store_const",
+        ),
+        Flag(
+            "--quantize-base",
+            "adapters.base",
+            f"the frozen base's storage: {' or '.join(BASES)}",
+        ),
+        Flag(
+            "--lora-train",
+            "adapters.train",
+            f"parameter groups trained beside the adapters: {','.join(TRAINABLE_GROUPS)}",
+            metavar="LIST",
+        ),
     )
 }
 
 # What most step commands take (train adds its run flags).
 MODEL_FLAGS = ("preset", "config", "set", "n_layers", "d_model", "n_heads", "d_ff", "attention")
+# LoRA adapters on a frozen base (every step command builds them through ``StepSpec``)
+ADAPTER_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "lora_rslora")
+ADAPTER_FLAGS += ("quantize_base", "lora_train")
 STEP_FLAGS = (
     *MODEL_FLAGS,
+    *ADAPTER_FLAGS,
     "precision",
     "optimizer",
     "state_memory",
@@ -266,7 +317,7 @@ def flag_settings(args: argparse.Namespace, names: Sequence[str]) -> dict[str, A
         flag, value = FLAGS[name], getattr(args, name, None)
         if value is None or flag.path is None:
             continue
-        if name in ("save", "offload"):
+        if name in ("save", "offload", "lora_targets", "lora_train"):
             value = [n.strip() for n in value.split(",") if n.strip()]
         if name == "mesh":
             parallel = parse_mesh(value)
@@ -319,6 +370,7 @@ def job_argv(job) -> list[str]:
     """``jaxmem train`` flags that resolve to ``job``'s step (its model, policy, precision,
     optimizer, accumulation, batch, sequence, mesh and seed): what a command prints for the user
     to run. ``job_from_args`` of them gives ``job`` back (tested)."""
+    from jaxmem.adapters import AdapterConfig
     from jaxmem.config import AccumConfig, OptimizerConfig
     from jaxmem.hf.config import resolve_preset
     from jaxmem.job import RunConfig
@@ -362,6 +414,7 @@ def job_argv(job) -> list[str]:
     argv += ["--precision", job.precision.name, "--optimizer", job.optimizer.name]
     argv += _changed("optimizer", job.optimizer, OptimizerConfig(name=job.optimizer.name))
     argv += _changed("accum", job.accum, AccumConfig())
+    argv += _changed("adapters", job.adapters, AdapterConfig())
     argv += ["--batch-size", str(job.run.batch_size), "--seq-len", str(job.run.seq_len)]
     if job.run.seed != RunConfig().seed:
         argv += ["--seed", str(job.run.seed)]
@@ -410,7 +463,7 @@ def _changed(section: str, obj: Any, default: Any) -> list[str]:
         if flag is not None and flag.action == "store_const":
             out += [flag.option] if value is True else ["--set", f"{section}.{f.name}=false"]
         elif flag is not None:
-            out += [flag.option, str(value)]
+            out += [flag.option, ",".join(value) if isinstance(value, tuple) else str(value)]
         else:
             out += ["--set", f"{section}.{f.name}={_yaml(value)}"]
     return out

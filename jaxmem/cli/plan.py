@@ -25,6 +25,7 @@ from jaxmem.cli.common import (
 )
 from jaxmem.cli.common import names as parse_names
 from jaxmem.cli.flags import (
+    ADAPTER_FLAGS,
     MODEL_FLAGS,
     add_flags,
     job_argv,
@@ -40,7 +41,7 @@ from jaxmem.precision import PRECISIONS
 
 # what lets more of a step's arguments leave the device, said when a budget is under them
 LEAVE = "--mesh fsdp=N, --precisions, --state-offload on a GPU target"
-NAMES = (*MODEL_FLAGS, "precision", "optimizer", "batch_size", "seq_len", "mesh")
+NAMES = (*MODEL_FLAGS, "precision", "optimizer", "batch_size", "seq_len", "mesh", *ADAPTER_FLAGS)
 DEFAULTS = {"preset": "small", "run": {"batch_size": 8}}
 
 
@@ -167,6 +168,11 @@ def run(args: argparse.Namespace) -> int:
 
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
     not_streamed(job, "plan")
+    if job.adapters.enabled:
+        raise UsageError(
+            f"jaxmem plan does not search adapter jobs ({job.adapters.label()}) yet; "
+            "jaxmem memory and jaxmem peak measure one (they take the same --lora-* flags)"
+        )
     with usage_errors():
         target = get_target(args.target or "cpu")
         if args.budget is not None:

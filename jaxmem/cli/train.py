@@ -410,6 +410,18 @@ def _framework(job, group):
     return framework, primary
 
 
+def _adapters_refusal(job) -> str | None:
+    """Why ``job``'s adapters cannot train (one line, before any data is read), or None."""
+    if not job.adapters.enabled:
+        return None
+    if job.run.framework != "jax":
+        return "--lora-rank: torch_ref does not train adapters yet; use --framework jax"
+    from jaxmem.step.frozen import refusal
+    from jaxmem.step.spec import StepSpec
+
+    return refusal(StepSpec.of_job(job))
+
+
 def _train(args: argparse.Namespace, job, group, target, watch=None) -> int:
     from jaxmem.data import DataError
     from jaxmem.job import torch_tensor_parallel_refusal
@@ -417,6 +429,8 @@ def _train(args: argparse.Namespace, job, group, target, watch=None) -> int:
     from jaxmem.train.loop import RunFailed, RunInterrupted
 
     refusal = torch_tensor_parallel_refusal(job) if job.run.framework == "torch" else None
+    if refusal is None:
+        refusal = _adapters_refusal(job)
     if refusal is not None:
         raise UsageError(refusal)
     framework, primary = _framework(job, group)

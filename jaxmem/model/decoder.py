@@ -11,6 +11,8 @@ attention: G = H / Hkv query heads share each), K head_dim, F d_ff, V vocab, L l
 
 Architecture is data (``ModelConfig``): LayerNorm or RMSNorm, learned positions or RoPE, a
 standard or gated MLP, grouped-query attention, biases per part; GPT-2 and Llama are presets.
+Low-rank adapters (``AdapterConfig``) add ``nnx.LoRA`` parameters beside the projections they
+target (see ``lora_delta``); which parameters train is the step's business, not the model's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem.model.ops as ops
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import ModelConfig
 from jaxmem.model.flash import cudnn_installed, fused_attention, fused_kernel
 from jaxmem.model.ops import wide
@@ -113,6 +116,54 @@ def _linear_kwargs(
     )
 
 
+# PEFT's init of A (``nn.init.kaiming_uniform_(a=sqrt(5))``, torch's nn.Linear default):
+# U(-1/sqrt(in), 1/sqrt(in)); on A's [in, r] layout fan_in is ``in``
+LORA_A_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+# the Rngs stream adapters draw from: adding adapters leaves the base's random init unchanged
+LORA_STREAM = "lora"
+
+
+def make_lora(
+    adapters: AdapterConfig | None,
+    target: str,
+    d_in: int,
+    d_out: int,
+    *,
+    rngs: nnx.Rngs,
+    param_dtype: Any,
+) -> nnx.LoRA | None:
+    """The adapter on projection ``target`` (``d_in`` -> ``d_out``): Flax's ``nnx.LoRA``
+    holding ``lora_a`` ``[in, r]`` (PEFT's init) and ``lora_b`` ``[r, out]`` (zeros), both
+    ``nnx.LoRAParam``; None where ``adapters`` do not target it. Its keys come from the
+    ``lora`` stream of ``rngs`` (``make_model`` adds it)."""
+    if adapters is None or not adapters.enabled or target not in adapters.targets:
+        return None
+    return nnx.LoRA(
+        d_in,
+        adapters.rank,
+        d_out,
+        param_dtype=param_dtype,
+        a_initializer=LORA_A_INIT,
+        rngs=nnx.Rngs(params=getattr(rngs, LORA_STREAM)()),
+    )
+
+
+def lora_delta(lora: nnx.LoRA, x: Array, scale: float, dtype: Any) -> Array:
+    """``scale * (x A) B`` in ``wide(dtype)``, what the adapter adds to its projection's output
+    before the projection rounds: both products multiply in the compute dtype with fp32 (or
+    wider) accumulation, as ``nnx.Linear`` does here. Written by hand because ``nnx.LoRA``'s
+    own call multiplies in one promoted dtype with no accumulation type and no scale."""
+    acc = wide(dtype)
+    a_ir, b_ro = lora.lora_a[...].astype(dtype), lora.lora_b[...].astype(dtype)
+    h = jnp.einsum("...i,ir->...r", x, a_ir, preferred_element_type=acc).astype(dtype)
+    return jnp.einsum("...r,ro->...o", h, b_ro, preferred_element_type=acc) * scale
+
+
+def adapted(y: Array, lora: nnx.LoRA | None, x: Array, scale: float, dtype: Any) -> Array:
+    """A projection's wide output ``y`` of input ``x`` with its adapter's delta added (if any)."""
+    return y if lora is None else y + lora_delta(lora, x, scale, dtype)
+
+
 class LayerNorm(nnx.Module):
     """LayerNorm whose statistics and affine transform are always computed in fp32 (or wider).
 
@@ -170,6 +221,12 @@ class SelfAttention(nnx.Module):
 
     Parameters mirror ``torch.nn.MultiheadAttention``: ``in_proj`` ↔ ``in_proj_weight`` /
     ``in_proj_bias`` (q, k, v stacked in that order: D, Hkv·K, Hkv·K rows) and ``out_proj``.
+
+    Adapters: ``lora_q``, ``lora_k``, ``lora_v`` (one per targeted part of the fused kernel, each
+    added to its own columns of ``in_proj``'s output: [q | k | v] = D, Hkv·K, Hkv·K) and
+    ``lora_o`` on ``out_proj``. One adapter per part, not one on the fused kernel, because that is
+    what PEFT trains on a Hugging Face Llama's separate ``q_proj``, ``k_proj``, ``v_proj``: a
+    rank-r adapter on the fused [D, D + 2 Hkv·K] kernel would be a different (shared-A) model.
     """
 
     def __init__(
@@ -180,6 +237,7 @@ class SelfAttention(nnx.Module):
         dtype: Any,
         param_dtype: Any,
         attention_kernel: str = "blockwise",
+        adapters: AdapterConfig | None = None,
     ):
         self.kernel = attention_kernel
         self.rotary = cfg.positions == "rope"
@@ -198,11 +256,34 @@ class SelfAttention(nnx.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         out = _linear_kwargs(cfg, "out", **kw)
         self.out_proj = nnx.Linear(d, d, kernel_init=_normal(out_std), **out)
+        lora = dict(rngs=rngs, param_dtype=param_dtype)
+        self.lora_scale = adapters.scale if adapters is not None and adapters.enabled else 0.0
+        self.lora_q = make_lora(adapters, "q", d, d, **lora)
+        self.lora_k = make_lora(adapters, "k", d, kv, **lora)
+        self.lora_v = make_lora(adapters, "v", d, kv, **lora)
+        self.lora_o = make_lora(adapters, "o", d, d, **lora)
+
+    def _qkv(self, x_bsd: Array) -> Array:
+        """The fused projection's output in the compute dtype, ``[B, S, D + 2 Hkv K]``, each
+        targeted part's adapter added to its columns before rounding."""
+        qkv = self.in_proj(x_bsd)  # wide
+        parts = (self.lora_q, self.lora_k, self.lora_v)
+        if all(p is None for p in parts):
+            return qkv.astype(self.dtype)
+        d, kv = x_bsd.shape[-1], self.kv_heads * self.head_dim
+        split = jnp.split(qkv, [d, d + kv], axis=-1)
+        sc, dt = self.lora_scale, self.dtype
+        split = [adapted(y, p, x_bsd, sc, dt) for y, p in zip(split, parts, strict=True)]
+        return jnp.concatenate(split, axis=-1).astype(self.dtype)
+
+    def _out(self, context: Array) -> Array:
+        y = adapted(self.out_proj(context), self.lora_o, context, self.lora_scale, self.dtype)
+        return checkpoint_name(y.astype(self.dtype), "attn_out")
 
     def __call__(self, x_bsd: Array, mask_ss: Array | None, rope: RopeTables = None) -> Array:
         b, s, d = x_bsd.shape
         kv, hd = self.kv_heads, self.head_dim
-        qkv = self.in_proj(x_bsd).astype(self.dtype)  # [B, S, D + 2 Hkv K]
+        qkv = self._qkv(x_bsd)  # [B, S, D + 2 Hkv K]
         q, k, v = jnp.split(qkv, [d, d + kv * hd], axis=-1)
         # grouped heads, naive core: q as [B, S, Hkv, G, K] from the start, so the tensor the
         # scores' backward keeps is the tagged one (a reshape after tagging would be a second)
@@ -218,7 +299,7 @@ class SelfAttention(nnx.Module):
             k = checkpoint_name(ops.rope(k, *rope), "key_rope")
         if self.fused:  # one op; its output and log-sum-exp are tagged inside (see flash)
             context = fused_attention(q, k, v, self.causal, self.block, self.kernel)  # [B, S, D]
-            return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")
+            return self._out(context)
         scale = 1.0 / math.sqrt(hd)
         # Scores and softmax in fp32 (or wider) whatever the compute dtype.
         acc = wide(self.dtype)
@@ -231,7 +312,7 @@ class SelfAttention(nnx.Module):
         probs = ops.softmax(scores, self.dtype, "attn_probs")  # tagged inside (see ops)
         context = _context(probs, v).reshape(b, s, d)  # [B, S, D]
         context = checkpoint_name(context, "attn_context")
-        return checkpoint_name(self.out_proj(context).astype(self.dtype), "attn_out")
+        return self._out(context)
 
 
 def _scores(q: Array, k: Array, acc: Any) -> Array:
@@ -254,9 +335,17 @@ def _context(probs: Array, v: Array) -> Array:
 class FeedForward(nnx.Module):
     """The MLP. Standard: ``down(act(up(x)))``, ``up`` ↔ PyTorch ``ffn.0``, ``down`` ↔
     ``ffn.2`` (``ffn.1`` is the activation). Gated (``mlp="gated"``; SwiGLU with ``silu``):
-    ``down(act(gate(x)) * up(x))``."""
+    ``down(act(gate(x)) * up(x))``. Adapters: ``lora_gate``, ``lora_up``, ``lora_down``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any,
+        param_dtype: Any,
+        adapters: AdapterConfig | None = None,
+    ):
         common = _linear_kwargs(cfg, "mlp", rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.dtype = dtype
         self.gated = cfg.mlp == "gated"
@@ -267,16 +356,29 @@ class FeedForward(nnx.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.down = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_normal(out_std), **common)
         self.activation = cfg.activation
+        d, f = cfg.d_model, cfg.d_ff
+        lora = dict(rngs=rngs, param_dtype=param_dtype)
+        self.lora_scale = adapters.scale if adapters is not None and adapters.enabled else 0.0
+        self.lora_gate = make_lora(adapters, "gate", d, f, **lora) if self.gated else None
+        self.lora_up = make_lora(adapters, "up", d, f, **lora)
+        self.lora_down = make_lora(adapters, "down", f, d, **lora)
+
+    def _proj(self, name: str, x: Array) -> Array:
+        """Projection ``name`` of ``x`` (its adapter added), rounded to the compute dtype."""
+        y = adapted(
+            getattr(self, name)(x), getattr(self, f"lora_{name}"), x, self.lora_scale, self.dtype
+        )
+        return y.astype(self.dtype)
 
     def __call__(self, x_bsd: Array) -> Array:
         if self.gated:
-            g = checkpoint_name(self.gate(x_bsd).astype(self.dtype), "mlp_gate")  # [B, S, F]
-            u = checkpoint_name(self.up(x_bsd).astype(self.dtype), "mlp_up")
+            g = checkpoint_name(self._proj("gate", x_bsd), "mlp_gate")  # [B, S, F]
+            u = checkpoint_name(self._proj("up", x_bsd), "mlp_up")
             h = checkpoint_name(ops.gated(g, u, self.activation), "mlp_act")
         else:
-            h = checkpoint_name(self.up(x_bsd).astype(self.dtype), "mlp_up")  # [B, S, F]
+            h = checkpoint_name(self._proj("up", x_bsd), "mlp_up")  # [B, S, F]
             h = activation(self.activation, h, "mlp_act")
-        return checkpoint_name(self.down(h).astype(self.dtype), "mlp_down")  # [B, S, D]
+        return checkpoint_name(self._proj("down", h), "mlp_down")  # [B, S, D]
 
 
 class Block(nnx.Module):
@@ -290,12 +392,15 @@ class Block(nnx.Module):
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
         attention_kernel: str = "blockwise",
+        adapters: AdapterConfig | None = None,
     ):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.pre_norm = cfg.norm == "pre"
         self.dtype = dtype
-        self.self_attn = SelfAttention(cfg, attention_kernel=attention_kernel, **kw)
-        self.ffn = FeedForward(cfg, **kw)
+        self.self_attn = SelfAttention(
+            cfg, attention_kernel=attention_kernel, adapters=adapters, **kw
+        )
+        self.ffn = FeedForward(cfg, adapters=adapters, **kw)
         self.norm1 = make_norm(cfg, **kw)
         self.norm2 = make_norm(cfg, **kw)
 
@@ -358,6 +463,7 @@ class BlockStack(nnx.Module):
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
         attention_kernel: str = "blockwise",
+        adapters: AdapterConfig | None = None,
     ):
         self.cfg = cfg
 
@@ -365,7 +471,7 @@ class BlockStack(nnx.Module):
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> Block:
             kw = dict(dtype=dtype, param_dtype=param_dtype, attention_kernel=attention_kernel)
-            return Block(cfg, rngs=rngs, **kw)
+            return Block(cfg, rngs=rngs, adapters=adapters, **kw)
 
         self.layers = make_layers(rngs)
 
@@ -390,7 +496,8 @@ class BlockStack(nnx.Module):
 
 class Decoder(nnx.Module):
     """Token embeddings (+ learned position embeddings, or RoPE inside the blocks), a
-    ``BlockStack``, optional final norm, LM head."""
+    ``BlockStack``, optional final norm, LM head; with enabled ``adapters``, LoRA adapters on
+    the projections they target (``rngs`` then needs a ``lora`` stream: ``make_model``)."""
 
     def __init__(
         self,
@@ -400,8 +507,10 @@ class Decoder(nnx.Module):
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
         attention_kernel: str = "blockwise",
+        adapters: AdapterConfig | None = None,
     ):
         self.cfg = cfg
+        self.adapters = adapters if adapters is not None and adapters.enabled else None
         self.dtype = dtype
         self.attention_kernel = attention_kernel if cfg.attention == "fused" else "naive"
         emb = dict(embedding_init=_normal(cfg.init_std), param_dtype=param_dtype, rngs=rngs)
@@ -413,6 +522,7 @@ class Decoder(nnx.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             attention_kernel=attention_kernel,
+            adapters=self.adapters,
         )
         self.norm_f = (
             make_norm(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -517,19 +627,25 @@ def make_model(
     *,
     seed: int = 0,
     platform: str | None = None,
+    adapters: AdapterConfig | None = None,
 ) -> Decoder:
     """A ``Decoder`` whose parameters are stored and computed in ``precision``'s dtypes (default
     fp32), initialised from ``seed``. Fused attention runs cuDNN's kernel on an NVIDIA GPU where
     it applies (``platform``: the backend the step runs or is planned on; default this
-    process's), the blockwise kernel elsewhere (``Decoder.attention_kernel`` says which)."""
+    process's), the blockwise kernel elsewhere (``Decoder.attention_kernel`` says which).
+    ``adapters`` (enabled): LoRA adapters too, drawn from their own stream of ``seed`` (the
+    base's initial weights are the same with or without them)."""
     p = precision or Precision(name="fp32")
     compute = jnp.dtype(p.compute_dtype)
     where = platform or jax.devices()[0].platform
     kernel = fused_kernel(cfg.head_dim, compute, where, cudnn_installed())
+    enabled = adapters is not None and adapters.enabled
+    streams = {LORA_STREAM: jax.random.fold_in(jax.random.key(seed), 1)} if enabled else {}
     return Decoder(
         cfg,
-        rngs=nnx.Rngs(seed),
+        rngs=nnx.Rngs(seed, **streams),
         dtype=compute,
         param_dtype=jnp.dtype(p.param_dtype),
         attention_kernel=kernel,
+        adapters=adapters,
     )

@@ -30,10 +30,17 @@ from jaxmem.hf.files import read_params, save_model_dir
 from jaxmem.hf.keys import Path, hf_tensors
 from jaxmem.model.decoder import Decoder
 
+# a model's own weights: every parameter but its adapters (``nnx.LoRAParam``)
+BASE_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
 
 def flat_params(params: Any) -> dict[Path, Any]:
-    """An ``nnx.State`` of parameters (or a module) as ``path -> variable``."""
-    state = nnx.state(params, nnx.Param) if isinstance(params, nnx.Module) else params
+    """An ``nnx.State`` of parameters (or a module) as ``path -> variable``: the base model's
+    (adapters are not a Hugging Face model's tensors)."""
+    if isinstance(params, nnx.Module):
+        state = nnx.state(params, BASE_PARAMS)
+    else:
+        state = nnx.filter_state(params, BASE_PARAMS)
     return {tuple(str(k) for k in path): var for path, var in nnx.to_flat_state(state)}
 
 

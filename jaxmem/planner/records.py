@@ -89,7 +89,7 @@ def runnable_step(spec: StepSpec) -> tuple[Any, tuple]:
     so a loop threads the first three back in. For timing a step and reading a device's runtime
     peak (``benchmarks/gpu_check.py``)."""
     require_one_device(spec.parallel)
-    built, params = build_step(spec, make_model(spec.model, spec.precision))
+    built, params = build_step(spec, make_model(spec.model, spec.precision, adapters=spec.adapters))
     params, opt_state = built.state(params)
     data = lm_step_batch(
         spec.model, spec.batch, spec.seq_len, abstract=False, masked=spec.loss_mask
@@ -228,7 +228,12 @@ def _arguments(spec: StepSpec, built: BuiltStep, params: Any, abstract: bool) ->
     data = lm_step_batch(
         spec.model, spec.batch, spec.seq_len, abstract=False, masked=spec.loss_mask
     )
-    return params, built.tx.init(params), init_loss_scale(spec.precision), data
+    return (
+        params,
+        built.tx.init(built.trainable.trained(params)),
+        init_loss_scale(spec.precision),
+        data,
+    )
 
 
 def _sizes(built: BuiltStep, params: Any, grads: Any, opt_state: Any) -> dict[str, int]:
@@ -260,7 +265,9 @@ def jax_record(spec: StepSpec, *, abstract: bool = False) -> dict[str, Any]:
     abstract = abstract or target.is_gpu or sharded
     state_offload = target.is_gpu and spec.optimizer.state_memory == "pinned_host"
     spec = _record_spec(planned(spec))
-    model = model_shapes(spec) if abstract else make_model(cfg, spec.precision)
+    model = (
+        model_shapes(spec) if abstract else make_model(cfg, spec.precision, adapters=spec.adapters)
+    )
     kernel = model.attention_kernel
     built, params = build_step(spec, model)
     args = _arguments(spec, built, params, abstract)
@@ -269,7 +276,7 @@ def jax_record(spec: StepSpec, *, abstract: bool = False) -> dict[str, Any]:
     micro = lm_step_batch(cfg, spec.micro_rows, spec.seq_len, abstract, masked=spec.loss_mask)
     saved = _saved(spec, built, params, micro)
     residuals = summarize_residuals(saved)
-    grads = jax.eval_shape(jax.grad(lambda p, b: built.plain_loss(p, b)[0]), params, micro)
+    grads = built.grad_shapes(params, micro)
     plan, compiler = compile_step(spec, built.step, args)
     planned_peak = peak_of_plan(plan)
     peak, peak_source = _peak(spec, built, args, abstract, plan, compiler)

@@ -24,6 +24,7 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
 from jaxmem.sharding import StepShardings, mesh, parallel_loss, step_shardings
 from jaxmem.step import stream
+from jaxmem.step.frozen import Trainable, check_composes
 from jaxmem.step.scaling import init_loss_scale
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import (
@@ -47,7 +48,9 @@ def model_shapes(spec: StepSpec) -> nnx.Module:
     """The decoder of ``spec`` as shapes (no weights allocated), on the spec's platform (which
     picks the attention kernel)."""
     return nnx.eval_shape(
-        lambda: make_model(spec.model, spec.precision, platform=platform_of(spec))
+        lambda: make_model(
+            spec.model, spec.precision, platform=platform_of(spec), adapters=spec.adapters
+        )
     )
 
 
@@ -100,6 +103,8 @@ class BuiltStep:
         ``jaxmem.step.train_step.make_multisteps_step``.
       shardings: the strategy's shardings over the mesh (None on one device).
       placement: a streamed step's shardings over the mesh (None otherwise).
+      trainable: which parameters the step trains (``jaxmem.step.frozen``): the optimizer's
+        state is of ``trainable.trained(params)``, every parameter without adapters.
     """
 
     spec: StepSpec
@@ -113,6 +118,7 @@ class BuiltStep:
     step: Any
     shardings: StepShardings | None
     placement: stream.Placement | None
+    trainable: Trainable
 
     @property
     def params_sharding(self) -> Any:
@@ -126,7 +132,17 @@ class BuiltStep:
         ``params`` are shapes (placed nowhere)."""
         if self.spec.streamed:
             return jax.eval_shape(lambda p: stream.init_state(self.tx, p), params)
-        return jax.eval_shape(self.tx.init, params)
+        return jax.eval_shape(lambda p: self.tx.init(self.trainable.trained(p)), params)
+
+    def grad_shapes(self, params: Any, batch: Any) -> Any:
+        """The shapes of the gradients the step forms of ``params`` on ``batch`` (the plain
+        loss's): of the trained subtree only under a frozen base."""
+        trained, frozen = self.trainable.split(params)
+
+        def loss(t: Any, f: Any, b: Any) -> Any:
+            return self.plain_loss(self.trainable.merge(t, f), b)[0]
+
+        return jax.eval_shape(jax.grad(loss), trained, frozen, batch)
 
     def state(self, params: Any) -> tuple[Any, Any]:
         """``(params, opt_state)``: the arrays ``params`` and their optimizer's initial state,
@@ -140,8 +156,12 @@ class BuiltStep:
         if spec.streamed:
             return stream.place(params, stream.init_state(self.tx, params), self.placement)
         if self.shardings is not None:
-            return params, jax.jit(self.tx.init, out_shardings=self.shardings.opt_state)(params)
-        opt_state = place(self.tx.init(params), opt.state_memory)
+            init = jax.jit(
+                lambda p: self.tx.init(self.trainable.trained(p)),
+                out_shardings=self.shardings.opt_state,
+            )
+            return params, init(params)
+        opt_state = place(self.tx.init(self.trainable.trained(params)), opt.state_memory)
         return place(params, opt.params_memory), opt_state
 
     def shapes(self, params: Any, batch: Any = None) -> tuple[Any, Any, Any, Any]:
@@ -167,9 +187,11 @@ class BuiltStep:
         return self.step.lower(*self.shapes(params, batch))
 
 
-def _mesh_shardings(spec: StepSpec, tx: Any, params: Any) -> StepShardings | None:
+def _mesh_shardings(
+    spec: StepSpec, tx: Any, params: Any, trainable: Trainable
+) -> StepShardings | None:
     """The strategy's shardings over the spec's mesh: this backend's devices, or a GPU target's
-    without any GPU (None on one device)."""
+    without any GPU (None on one device); the optimizer state's are of the trained subtree."""
     if not spec.sharded:
         return None
     devices = None
@@ -181,7 +203,7 @@ def _mesh_shardings(spec: StepSpec, tx: Any, params: Any) -> StepShardings | Non
     return step_shardings(
         spec.parallel,
         params,
-        jax.eval_shape(tx.init, params),
+        jax.eval_shape(lambda p: tx.init(trainable.trained(p)), params),
         state_memory=opt.state_memory,
         params_memory=opt.params_memory,
         m=mesh(spec.parallel, devices),
@@ -199,9 +221,11 @@ def _eval_loss(spec: StepSpec, loss: Loss, where: Any) -> Any:
 def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltStep, Any]:
     """``spec``'s training step: ``(built, params)``, ``params`` being ``model``'s parameters
     (arrays, for a run) or, without a model, the spec's decoder as shapes (for a plan)."""
+    check_composes(spec)  # before anything compiles
     if model is None:
         model = model_shapes(spec)
     graphdef, params = nnx.split(model, nnx.Param)
+    trainable = Trainable(spec.adapters)
     cfg, policy, opt = spec.model, spec.policy, spec.optimizer
     tx = make_optimizer(opt)
     layers = layers_fn(policy, cfg.n_layers)
@@ -209,7 +233,7 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
     def plain(lf: Any) -> Loss:
         return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss.chunks)
 
-    shardings = _mesh_shardings(spec, tx, params)
+    shardings = _mesh_shardings(spec, tx, params, trainable)
     make_loss = plain
     if shardings is not None:
         m = shardings.mesh
@@ -244,7 +268,11 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
             accum=spec.accum,
             opt_cfg=opt,
             shardings=shardings,
-            loss_into=stack_accumulating_loss(make_loss, policy, cfg.n_layers, spec.accum),
+            # a frozen base's trained stack is small: its gradient is summed whole
+            loss_into=None
+            if trainable.frozen_base
+            else stack_accumulating_loss(make_loss, policy, cfg.n_layers, spec.accum),
+            trainable=trainable,
         )
     eval_of = make_loss(stream.streamed_layers_fn(layers)) if spec.streamed else loss
     where = shardings.params if shardings is not None else None
@@ -260,5 +288,6 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
         step=step,
         shardings=shardings,
         placement=placement,
+        trainable=trainable,
     )
     return built, params

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig, require
 from jaxmem.memory.targets import LOCAL, Target
 from jaxmem.parallel import ParallelConfig
@@ -41,6 +42,9 @@ class StepSpec:
         which devices the mesh names.
       loss_mask: the batch carries a ``mask`` ``[B, S]`` beside its inputs and targets
         (instruction data: the loss counts only the tokens it marks); without, no mask at all.
+      adapters: LoRA adapters on a frozen base (``jaxmem.step.frozen``): only they (and the
+        groups they unfreeze) get gradients and optimizer state. Default: none, every
+        parameter trains.
       donate: the step donates its parameters and optimizer state (updated in place). False only
         where a program compiled from shapes cannot: a streamed step whose host-resident stack
         arrives in device memory there (XLA's host-offload check refuses a device argument
@@ -57,6 +61,7 @@ class StepSpec:
     parallel: ParallelConfig = SINGLE_DEVICE
     target: Target = LOCAL
     loss_mask: bool = False
+    adapters: AdapterConfig = AdapterConfig()
     donate: bool = True
 
     def __post_init__(self) -> None:
@@ -68,6 +73,7 @@ class StepSpec:
             ("accum", AccumConfig),
             ("parallel", ParallelConfig),
             ("target", Target),
+            ("adapters", AdapterConfig),
         ):
             value = getattr(self, name)
             require(
@@ -107,6 +113,7 @@ class StepSpec:
             parallel=job.parallel,
             target=target,
             loss_mask=loss_mask,
+            adapters=job.adapters,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,7 +121,15 @@ class StepSpec:
         compiles it (``jaxmem.planner.peak``)."""
         plain = {
             name: dataclasses.asdict(getattr(self, name))
-            for name in ("model", "precision", "optimizer", "accum", "parallel", "target")
+            for name in (
+                "model",
+                "precision",
+                "optimizer",
+                "accum",
+                "parallel",
+                "target",
+                "adapters",
+            )
         }
         return {
             **plain,
@@ -136,6 +151,12 @@ class StepSpec:
             accum=AccumConfig(**data["accum"]),
             parallel=ParallelConfig(**data["parallel"]),
             target=Target(**data["target"]),
+            adapters=AdapterConfig(
+                **{
+                    k: tuple(v) if isinstance(v, list) else v
+                    for k, v in data.get("adapters", {}).items()
+                }
+            ),
             batch=data["batch"],
             seq_len=data["seq_len"],
             donate=data["donate"],

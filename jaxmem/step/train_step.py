@@ -28,7 +28,9 @@ from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.step.scaling import all_finite
 
-DECAYED_LEAVES = ("kernel", "embedding")  # matrices; biases and norm scales are not decayed
+# matrices; biases and norm scales are not decayed. Adapters' A and B are decayed, as the
+# Hugging Face Trainer decays every parameter of a PEFT model but biases and norms.
+DECAYED_LEAVES = ("kernel", "embedding", "lora_a", "lora_b")
 FP32 = PRECISIONS["fp32"]
 NO_ACCUM = AccumConfig()
 # Bumped whenever what the step runs changes outside a policy's translation (which has
@@ -280,6 +282,7 @@ def make_train_step(
     opt_cfg: OptimizerConfig | None = None,
     shardings: Any = None,
     loss_into: Callable[[Any], Callable[..., tuple]] | None = None,
+    trainable: Any = None,
 ) -> Callable[..., tuple]:
     """A jitted ``step(params, opt_state, loss_scale, batch) -> (params, opt_state, loss_scale,
     metrics)``, donating params and optimizer state. ``loss_scale`` is a ``DynamicLossScale``
@@ -295,6 +298,8 @@ def make_train_step(
 
     ``loss_into`` (``stack_accumulating_loss``): with accumulation, the block stack's gradient
     is added into the running sum in place (see ``summed_grads``).
+    ``trainable`` (``jaxmem.step.frozen.Trainable.bind``): only the trained subtree is
+    differentiated and updated (``opt_state`` is its); the frozen parameters pass through.
     """
     if accum.mode != "scan":
         raise ValueError("make_train_step runs scan accumulation; use make_multisteps_step")
@@ -311,8 +316,11 @@ def make_train_step(
         # forward, so each microbatch's summed loss is weighted by scale / n_total (fp16
         # overflow then happens at the same scales as in PyTorch).
         factor = None if loss_scale is None else loss_scale.scale / valid_tokens(batch)
+        params, frozen, of = (
+            (params, None, loss_fn) if trainable is None else trainable.bind(loss_fn, params)
+        )
         grads, loss_sum, n_tokens = summed_grads(
-            loss_fn,
+            of,
             params,
             batch,
             accum_steps=accum.steps,
@@ -340,6 +348,7 @@ def make_train_step(
             new_params = jax.tree_util.tree_map(keep, new_params, params)
             new_opt_state = jax.tree_util.tree_map(keep, new_opt_state, opt_state)
             loss_scale = loss_scale.update(finite)
+        new_params = new_params if frozen is None else trainable.merge(new_params, frozen)
         if params_kind != "device":
             new_params = place(new_params, params_kind, p_sh)
         if state_kind != "device":

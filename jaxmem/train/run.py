@@ -39,6 +39,7 @@ from jaxmem.sharding import (
 )
 from jaxmem.step import stream
 from jaxmem.step.build import build_step
+from jaxmem.step.frozen import counts_line
 from jaxmem.step.scaling import init_loss_scale
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import (
@@ -114,14 +115,21 @@ def memory_figures(
     accum_steps: int = 1,
     shardings: Any = None,
     mesh_text: str = "",
+    trainable: Any = None,
 ) -> list[Figure]:
     """The memory table of one training step. Every figure is measured, with its method.
     Residuals are those of one microbatch (what the backward keeps at a time). Over a mesh
     (``shardings``): parameters and optimizer state also per device, from each leaf's shard
-    shape; residuals are the whole microbatch's (every device's rows); the plan is per device."""
+    shape; residuals are the whole microbatch's (every device's rows); the plan is per device.
+    ``trainable`` (``jaxmem.step.frozen.Trainable``): gradients of its trained subtree only."""
     if accum_steps > 1:
         batch = jax.tree_util.tree_map(lambda a: a[: a.shape[0] // accum_steps], batch)
-    grads_shape = jax.eval_shape(jax.grad(lambda p: loss_fn(p, batch)[0]), params)
+    trained, frozen = trainable.split(params) if trainable is not None else (params, None)
+
+    def trained_loss(t: Any, f: Any) -> Any:
+        return loss_fn(t if f is None else trainable.merge(t, f), batch)[0]
+
+    grads_shape = jax.eval_shape(jax.grad(trained_loss), trained, frozen)
     summary = residuals.summarize_residuals(
         residuals.saved_residuals(lambda p: loss_fn(p, batch)[0], params)
     )
@@ -224,7 +232,7 @@ class JaxTrainer:
 
             # read (every tensor checked finite) before the random init compiles anything
             weights = read_hf_weights(r.init_from, cfg, job.precision.param_dtype)
-        model = make_model(cfg, job.precision, seed=r.seed)
+        model = make_model(cfg, job.precision, seed=r.seed, adapters=job.adapters)
         self.attention_kernel = model.attention_kernel  # which fused kernel this backend runs
         if weights is not None:
             load_hf_weights(model, r.init_from, weights)
@@ -245,6 +253,8 @@ class JaxTrainer:
         self._eval = self.built.eval_loss
         self.loss_scale = init_loss_scale(job.precision)
         first = self.transfer(train_batch(prepared.dataset, job, self.local_rows)(1))
+        # the run's first line says the adapters and what trains (``describe``)
+        self.adapters_text = counts_line(job.adapters, params) if job.adapters.enabled else None
         console.print(
             f"compiling the train step ({cfg.n_params / 1e6:.2f} M params, policy "
             f"{policy_label(job.memory)}, {job.precision.name}, batch {r.batch_size} x seq "
@@ -303,6 +313,7 @@ class JaxTrainer:
             job.accum.steps,
             self._placed_by(self.built.placement) if self.streamed else self.shardings,
             job.parallel.mesh_text(),
+            trainable=self.built.trainable,
         )
         if self.streamed:
             _, stack = stream.split(self.params)
@@ -348,7 +359,8 @@ class JaxTrainer:
             where = f" per device, {self.job.parallel.mesh_text()}"
         kernel = KERNEL_NAMES.get(self.attention_kernel)
         return (
-            f"compiled in {self.compile_s:.1f} s, step plans {format_bytes(self.planned_bytes)}"
+            (f"{self.adapters_text}; " if self.adapters_text else "")
+            + f"compiled in {self.compile_s:.1f} s, step plans {format_bytes(self.planned_bytes)}"
             f"{where} (compiled plan)" + (f"; fused attention: {kernel}" if kernel else "")
         )
 

@@ -1,0 +1,136 @@
+"""The frozen base of an adapter step: which parameters train, and the step's parameters split
+into the trained and the frozen.
+
+With adapters (``AdapterConfig.enabled``) the step differentiates only the trainable subtree
+(every ``nnx.LoRAParam`` the decoder holds, and the groups ``AdapterConfig.train`` unfreezes),
+and the optimizer is built over that subtree alone: a frozen parameter gets no gradient and no
+optimizer state at all (not a zero-filled one, as ``optax.masked`` would keep). The parameters
+still enter and leave the step whole (the frozen ones unchanged), so checkpoints, evaluation
+and export see one tree. ``check_composes`` names, in one line each, what an adapter step does
+not compose with yet; the step builder calls it before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxmem.adapters import AdapterConfig
+from jaxmem.config import ConfigError
+
+# the path element each group of ``AdapterConfig.train`` is recognised by: every norm's
+# parameters sit under a ``norm`` module (``norm1.norm.scale``, ``norm_f.norm.bias``)
+GROUP_PATHS: dict[str, str] = {"norm": "norm"}
+
+
+def trainable_filter(adapters: AdapterConfig) -> Any:
+    """The ``nnx`` filter of the parameters ``adapters`` train (every one without adapters)."""
+    if not adapters.enabled:
+        return nnx.Param
+    groups = [nnx.PathContains(GROUP_PATHS[g]) for g in adapters.train]
+    return nnx.Any(nnx.LoRAParam, *groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """The split of a step's parameters (an ``nnx.State``) by ``adapters``: ``split`` gives
+    ``(trained, frozen)`` (frozen None without adapters: every parameter trains), ``merge``
+    puts them back together; both run inside the jitted step."""
+
+    adapters: AdapterConfig
+
+    @property
+    def frozen_base(self) -> bool:
+        return self.adapters.enabled
+
+    def split(self, params: Any) -> tuple[Any, Any]:
+        if not self.frozen_base:
+            return params, None
+        return nnx.split_state(params, trainable_filter(self.adapters), ...)
+
+    def trained(self, params: Any) -> Any:
+        """The subtree the optimizer updates (and holds state for)."""
+        return self.split(params)[0]
+
+    def merge(self, trained: Any, frozen: Any) -> Any:
+        return trained if frozen is None else nnx.merge_state(trained, frozen)
+
+    def bind(self, loss_fn: Any, params: Any) -> tuple[Any, Any, Any]:
+        """``(trained, frozen, loss)``: ``loss(trained, batch)`` is ``loss_fn`` of the whole
+        parameters with the frozen ones held (``(params, None, loss_fn)`` without adapters)."""
+        trained, frozen = self.split(params)
+        if frozen is None:
+            return params, None, loss_fn
+        return trained, frozen, lambda t, b: loss_fn(self.merge(t, frozen), b)
+
+    def counts(self, params: Any) -> tuple[int, int]:
+        """``(trainable, frozen)`` parameter counts of ``params`` (arrays or shapes)."""
+        trained, frozen = self.split(params)
+
+        def size(tree: Any) -> int:
+            return sum(x.size for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "size"))
+
+        return size(trained), (0 if frozen is None else size(frozen))
+
+
+def counts_line(adapters: AdapterConfig, params: Any) -> str:
+    """What the run's first line says of the adapters: their label and the parameter counts."""
+    trained, frozen = Trainable(adapters).counts(params)
+    return f"{adapters.label()}: {trained:,} trainable, {frozen:,} frozen parameters"
+
+
+def refusal(spec: Any) -> str | None:
+    """The one line saying why ``spec`` (a ``StepSpec``) cannot train its adapters yet, or
+    None. Every flag named is the one to drop."""
+    ad = spec.adapters
+    if not ad.enabled:
+        return None
+    opt = spec.optimizer
+    reasons = (
+        (
+            ad.base != "compute",
+            f"--quantize-base {ad.base}: a quantized frozen base is not "
+            "trainable yet; drop --quantize-base (the base stays in the compute dtype)",
+        ),
+        (
+            ad.dropout > 0,
+            f"--lora-dropout {ad.dropout:g}: adapter dropout is not trainable "
+            "yet; drop --lora-dropout (0)",
+        ),
+        (
+            spec.parallel.tensor_parallel,
+            f"--mesh {spec.parallel.mesh_text()}: tensor parallelism does not lay out adapters "
+            "yet; use dp, zero1 or fsdp without tp",
+        ),
+        (
+            opt.stream,
+            "--stream: a streamed stack with adapters is not built yet; drop --stream "
+            "(the frozen base has no optimizer state to stream)",
+        ),
+        (
+            opt.state_memory != "device",
+            f"--state-memory {opt.state_memory}: adapters keep "
+            "their (small) optimizer state on the device; drop --state-memory",
+        ),
+        (
+            opt.params_memory != "device",
+            f"optimizer.params_memory={opt.params_memory!r}: "
+            "adapters keep the parameters on the device; set it to device",
+        ),
+        (
+            spec.accum.mode != "scan",
+            f"--accum-mode {spec.accum.mode}: adapters accumulate "
+            "with the scanned step; use --accum-mode scan",
+        ),
+    )
+    return next((line for bad, line in reasons if bad), None)
+
+
+def check_composes(spec: Any) -> None:
+    """Raise ``ConfigError`` (``refusal``'s line) unless ``spec``'s adapters can be trained."""
+    line = refusal(spec)
+    if line is not None:
+        raise ConfigError(line)
