@@ -1,0 +1,128 @@
+"""LoRA in torch_ref (``torch_ref.lora``: PEFT's LoRA layers, one adapter per part of the fused
+q/k/v projection) against stock PEFT (``get_peft_model``) on ``transformers``' own
+``LlamaForCausalLM``: the same base and adapter weights give the same logits and adapter
+gradients in float64, the base gets no gradient, and the merged weights equal PEFT's
+``merge_and_unload`` bit for bit."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from jaxmem.adapters import TARGETS, AdapterConfig
+from jaxmem.compare.parity import dtype_context, precision_of, torch_model_from
+from jaxmem.compare.tolerances import compare_state_dicts, tolerance
+from parity_tests.hf_models import float64_internals, load_hf, save_hf_model
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from torch_ref.lora import (  # noqa: E402  (after the importorskip)
+    adapter_state_dict,
+    add_adapters,
+    hf_adapter_key,
+    hf_target_modules,
+    lora_config,
+    merged_state_dict,
+)
+
+ADAPTERS = AdapterConfig(rank=4, alpha=12.0, targets=TARGETS, rslora=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """transformers' Llama (grouped-query attention: q, k, v of different widths) with stock
+    PEFT, and torch_ref's decoder holding its weights with ``torch_ref.lora``'s adapters, both
+    float64, every adapter's A and B set to the same random, nonzero values."""
+    from peft import get_peft_model
+
+    from jaxmem.hf.config import model_config_from_dir
+    from jaxmem.model import make_model
+    from jaxmem.model.hf import load_hf_weights
+
+    directory = save_hf_model("llama-gqa-untied", os.fspath(tmp_path_factory.mktemp("hf")))
+    cfg = model_config_from_dir(directory)
+    with dtype_context("float64"):
+        initial = make_model(cfg, precision_of("float64"))
+        load_hf_weights(initial, directory)
+        ours = add_adapters(torch_model_from(initial), ADAPTERS)
+    hf = get_peft_model(
+        load_hf(directory, "float64"), lora_config(ADAPTERS, hf_target_modules(ADAPTERS))
+    )
+    theirs = dict(hf.named_parameters())
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for key, p in adapter_state_dict(ours).items():
+            p.copy_(0.1 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+            theirs[_peft_param(hf_adapter_key(key))].copy_(p)
+    return ours, hf
+
+
+def _peft_param(key: str) -> str:
+    """A PEFT adapter file's key as the parameter's name on the ``PeftModel``."""
+    return re.sub(r"\.lora_([AB])\.weight$", r".lora_\1.default.weight", f"base_model.model.{key}")
+
+
+def _batch(seed: int = 5, batch: int = 2, seq_len: int = 24):
+    tokens = np.random.default_rng(seed).integers(0, 300, (batch, seq_len + 1))
+    return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(tokens[:, 1:])
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_torch_ref_adapters_give_peft_logits_and_adapter_gradients_in_float64(models):
+    ours, hf = models
+    inputs, targets = _batch()
+    ours.zero_grad(set_to_none=True)
+    hf.zero_grad(set_to_none=True)
+    logits = ours(inputs)
+    _loss(logits, targets).backward()
+    with float64_internals():
+        logits_hf = hf(inputs).logits
+        _loss(logits_hf, targets).backward()
+    tol = tolerance("float64", "logits")
+    np.testing.assert_allclose(logits.detach(), logits_hf.detach(), rtol=tol.rtol, atol=tol.atol)
+    theirs = {k: p.grad.numpy() for k, p in hf.named_parameters() if p.grad is not None}
+    grads = {
+        _peft_param(hf_adapter_key(k)): p.grad.numpy()
+        for k, p in ours.named_parameters()
+        if p.grad is not None
+    }
+    assert {k for k, p in ours.named_parameters() if p.requires_grad} == set(
+        adapter_state_dict(ours)
+    )  # the base is frozen: only the adapters train
+    assert len(grads) == 2 * 7 * ours.cfg.n_layers
+    diff = compare_state_dicts(grads, theirs, tolerance("float64", "grads"))
+    assert diff.passed, diff
+    assert all(np.abs(g).max() > 1e-6 for g in theirs.values())  # every adapter has signal
+
+
+def test_merged_weights_equal_peft_merge_and_unload_bit_for_bit(models):
+    ours, hf = models
+    merged = merged_state_dict(ours)
+    theirs = {k: v.detach() for k, v in hf.merge_and_unload(progressbar=False).state_dict().items()}
+    hf_state = _as_hf(merged, ours.cfg)
+    assert set(hf_state) <= set(theirs)
+    for key, value in hf_state.items():
+        assert torch.equal(value, theirs[key]), key
+
+
+def _as_hf(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """torch_ref's block weights under transformers' Llama names (q, k, v: the fused rows)."""
+    out = {}
+    sizes = [cfg.d_model, cfg.kv_dim, cfg.kv_dim]
+    for i in range(cfg.n_layers):
+        src, dst = f"blocks.layers.{i}.", f"model.layers.{i}."
+        qkv = state[f"{src}self_attn.in_proj_weight"].split(sizes)
+        for name, w in zip(("q", "k", "v"), qkv, strict=True):
+            out[f"{dst}self_attn.{name}_proj.weight"] = w
+        out[f"{dst}self_attn.o_proj.weight"] = state[f"{src}self_attn.out_proj.weight"]
+        for name in ("gate", "up", "down"):
+            out[f"{dst}mlp.{name}_proj.weight"] = state[f"{src}ffn.{name}.weight"]
+    return out
