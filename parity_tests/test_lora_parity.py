@@ -126,3 +126,72 @@ def _as_hf(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
         for name in ("gate", "up", "down"):
             out[f"{dst}mlp.{name}_proj.weight"] = state[f"{src}ffn.{name}.weight"]
     return out
+
+
+# ------------------------------------------------------------------ training (--framework torch)
+LORA_RUN = [
+    "--sample-tokens",
+    "0",
+    "--preset",
+    "tiny-llama",
+    "--framework",
+    "torch",
+    "--set",
+    "adapters.rank=4",
+    "--set",
+    'adapters.targets=["q","k","v","o","gate","up","down"]',
+    "--set",
+    'adapters.train=["norm"]',
+]
+
+
+def test_a_lora_torch_run_trains_its_adapters_only_and_resumes_bit_for_bit(tmp_path):
+    """4 steps equal 2 steps and a resume to 4 exactly; the checkpoint holds the base under
+    torch_ref's own names (what ``jaxmem.compare.weights`` maps), the adapters apart, and
+    optimizer state for the adapters and norms only."""
+    from jaxmem import cli
+    from tests.test_train import metrics
+
+    def train(*args: str) -> int:
+        return cli.main(["train", "--batch-size", "4", "--seq-len", "32", *args])
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert train("--steps", "4", *LORA_RUN, "--out", str(whole)) == 0
+    first = ["--steps", "2", "--checkpoint-every", "2", *LORA_RUN, "--out", str(resumed)]
+    assert train(*first) == 0
+    assert train("--steps", "4", "--resume", "--out", str(resumed)) == 0
+    keys = ("step", "loss", "grad_norm")
+    assert [[r[k] for k in keys] for r in metrics(resumed)] == [
+        [r[k] for k in keys] for r in metrics(whole)
+    ]
+    state = torch.load(resumed / "checkpoints" / "4" / "state.pt", weights_only=True)
+    import torch_ref
+    from jaxmem.config import PRESETS
+
+    cfg = PRESETS["tiny-llama"]
+    assert set(state["model"]) == set(torch_ref.Decoder(cfg).state_dict())
+    n_adapters = 2 * 7 * cfg.n_layers
+    assert len(state["adapters"]) == n_adapters
+    norms = 2 * cfg.n_layers + 1
+    assert len(state["optimizer"]["state"]) == n_adapters + norms
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"adapters": {"base": "int8"}}, "adapters.base='int8' with --framework torch: "),
+        ({"parallel": {"devices": 2, "tp": 2}}, "not split the q/k/v adapters over a tensor"),
+    ],
+)
+def test_what_torch_ref_cannot_train_with_adapters_is_refused_in_one_line(sections, message):
+    """Refused by the torch backend's check (``jaxmem train`` runs it before any model, data or
+    process is made), in one line."""
+    from jaxmem.compare.torch_run import check_torch_backend
+    from jaxmem.config import ConfigError
+    from jaxmem.job import JobConfig
+
+    adapters = {"rank": 4, **sections.pop("adapters", {})}
+    raw = {"preset": "tiny-llama", "precision": "bf16", "adapters": adapters, **sections}
+    with pytest.raises(ConfigError) as e:
+        check_torch_backend(JobConfig.from_dict(raw))
+    assert message in str(e.value) and "\n" not in str(e.value), e.value

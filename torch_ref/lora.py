@@ -110,23 +110,35 @@ def base_name(name: str) -> str:
     return name.replace(BASE_LAYER, "")
 
 
+def split_state(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """A model state dict with adapters as ``(base, adapters)``: the base under torch_ref's own
+    names (as without adapters: what ``jaxmem.compare.weights`` maps), the adapters under the
+    keys of the module docstring."""
+    base = {base_name(k): v for k, v in state.items() if not is_adapter(k)}
+    return base, {k: v for k, v in state.items() if is_adapter(k)}
+
+
+def join_state(model: nn.Module, base: dict, adapters: dict) -> dict[str, torch.Tensor]:
+    """Inverse of ``split_state`` for ``model``: one state dict under ``model``'s own names;
+    raises ``KeyError`` naming keys that differ (adapters saved with other targets)."""
+    names = list(model.state_dict())
+    own = {base_name(k): k for k in names if not is_adapter(k)}
+    differ = sorted(set(own) ^ set(base)) + sorted(
+        {k for k in names if is_adapter(k)} ^ set(adapters)
+    )
+    if differ:
+        raise KeyError(f"the saved state's keys differ from the model's: {differ[:3]}")
+    return {**{own[k]: v for k, v in base.items()}, **adapters}
+
+
 def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base's state dict under torch_ref's own names (as without adapters)."""
-    return {base_name(k): v for k, v in model.state_dict().items() if not is_adapter(k)}
+    return split_state(model.state_dict())[0]
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' state dict (the keys in the module docstring)."""
-    return {k: v for k, v in model.state_dict().items() if is_adapter(k)}
-
-
-def load_split(model: nn.Module, base: dict[str, torch.Tensor], adapter: dict) -> None:
-    """Inverse of ``base_state_dict`` + ``adapter_state_dict`` (every key, strictly)."""
-    own = {base_name(k): k for k in model.state_dict() if not is_adapter(k)}
-    missing = sorted(set(own) ^ set(base)) or sorted(set(adapter_state_dict(model)) ^ set(adapter))
-    if missing:
-        raise KeyError(f"state dict keys differ from the model's: {missing[:4]}")
-    model.load_state_dict({**{own[k]: v for k, v in base.items()}, **adapter}, strict=True)
+    return split_state(model.state_dict())[1]
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
