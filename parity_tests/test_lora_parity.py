@@ -21,6 +21,7 @@ from parity_tests.hf_models import float64_internals, load_hf, save_hf_model
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+import torch_ref  # noqa: E402
 from torch_ref.lora import (  # noqa: E402  (after the importorskip)
     adapter_state_dict,
     add_adapters,
@@ -165,7 +166,6 @@ def test_a_lora_torch_run_trains_its_adapters_only_and_resumes_bit_for_bit(tmp_p
         [r[k] for k in keys] for r in metrics(whole)
     ]
     state = torch.load(resumed / "checkpoints" / "4" / "state.pt", weights_only=True)
-    import torch_ref
     from jaxmem.config import PRESETS
 
     cfg = PRESETS["tiny-llama"]
@@ -195,3 +195,33 @@ def test_what_torch_ref_cannot_train_with_adapters_is_refused_in_one_line(sectio
     with pytest.raises(ConfigError) as e:
         check_torch_backend(JobConfig.from_dict(raw))
     assert message in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_the_memory_record_counts_gradients_and_optimizer_state_for_the_adapters_only():
+    """``jaxmem memory --frameworks torch`` with adapters: parameters whole, the trainable part
+    apart, gradients and AdamW's two moments (and a step count each) for the adapters only;
+    the same from a real step and from one on fake tensors (how planning presets run)."""
+    from jaxmem.compare.records import torch_record
+    from jaxmem.config import PRESETS, OptimizerConfig
+    from jaxmem.policy import POLICIES
+    from jaxmem.precision import PRECISIONS
+    from torch_ref.module_memory import step_peak
+
+    cfg = PRESETS["tiny-llama"]
+    adapters = AdapterConfig(rank=4, targets=("q", "k", "v", "down"))
+    model = add_adapters(torch_ref.Decoder(cfg), adapters)
+    lora = list(adapter_state_dict(model).values())
+    lora_bytes = sum(t.numel() * 4 for t in lora)
+    every = sum(t.numel() * 4 for t in model.state_dict().values())
+    for fake in (False, True):
+        rec = torch_record(
+            cfg, POLICIES["none"], PRECISIONS["fp32"], OptimizerConfig(), 2, 16,
+            fake=fake, adapters=adapters,
+        )  # fmt: skip
+        assert rec["params_bytes"] == every, fake
+        assert rec["trainable_params_bytes"] == rec["grads_bytes"] == lora_bytes, fake
+        assert rec["opt_state_bytes"] == 2 * lora_bytes + 4 * len(lora), fake
+        assert rec["adapters"] == "LoRA r4 a8 q,k,v,down"
+    peak = step_peak(model, torch.zeros(2, 16, dtype=torch.long))  # the module-level API
+    assert (peak.parameter_bytes, peak.trainable_parameter_bytes) == (every, lora_bytes)
+    assert peak.gradient_bytes == lora_bytes
