@@ -174,6 +174,34 @@ def test_a_lora_torch_run_trains_its_adapters_only_and_resumes_bit_for_bit(tmp_p
     assert len(state["adapters"]) == n_adapters
     norms = 2 * cfg.n_layers + 1
     assert len(state["optimizer"]["state"]) == n_adapters + norms
+    _check_merged_restore(resumed, state, cfg)
+
+
+def _check_merged_restore(run_dir, state: dict, cfg) -> None:
+    """``restored_model`` (what ``jaxmem export`` reads of a torch run) merges the adapters:
+    each targeted projection moves by a delta of rank <= r (per q/k/v part), every other
+    weight (the trained norms included) is the checkpoint's."""
+    import json
+
+    from jaxmem.compare.torch_run import restored_model
+    from jaxmem.compare.weights import to_torch_state_dict
+    from jaxmem.job import JobConfig
+
+    run_config = json.loads((run_dir / "checkpoints" / "4" / "run_config.json").read_text())
+    merged = to_torch_state_dict(restored_model(str(run_dir), 4, JobConfig.from_dict(run_config)))
+    sizes = [cfg.d_model, cfg.kv_dim, cfg.kv_dim]
+    for key, base in state["model"].items():
+        delta = torch.from_numpy(np.asarray(merged[key])) - base
+        if key.endswith(("in_proj_weight", "out_proj.weight", "gate.weight", "up.weight",
+                         "down.weight")):  # fmt: skip
+            parts = delta.split(sizes) if key.endswith("in_proj_weight") else [delta]
+            # float32 weights: W + delta rounds, so the difference is delta plus rounding noise
+            # ~1e-9 (singular values ~1e-8, the adapters' ~1e-3): rank counted above 1e-4 of
+            # the largest
+            ranks = [int(torch.linalg.matrix_rank(p.double(), rtol=1e-4)) for p in parts]
+            assert all(0 < r <= 4 for r in ranks), (key, ranks)
+        else:
+            assert not delta.any(), key
 
 
 @pytest.mark.parametrize(

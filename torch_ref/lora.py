@@ -223,10 +223,8 @@ class FusedQKVLora(nn.Module, LoraLayer):
             "torch_ref.lora.merged_state_dict"
         )
 
-    def forward(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        result = self.base_layer(x, weight, bias)  # [B, S, D + 2 Hkv K]
+    def forward(self, x: torch.Tensor, attention: nn.Module) -> torch.Tensor:
+        result = self.base_layer(x, attention)  # [B, S, D + 2 Hkv K]
         if self.disable_adapters:
             return result
         rows = self.part_rows()

@@ -147,7 +147,12 @@ class FusedProjection(nn.Module):
     """The fused q/k/v projection's matmul, ``F.linear(x, weight, bias)``, as a module without
     parameters of its own (the weight stays ``SelfAttention.in_proj_weight``, so the state dict
     is ``nn.MultiheadAttention``'s): the place low-rank adapters attach to, one per part
-    (``torch_ref.lora``). ``parts``: each part's name and output width, in row order."""
+    (``torch_ref.lora``). ``parts``: each part's name and output width, in row order.
+
+    ``forward(x, attention)`` reads ``attention.in_proj_weight`` and ``in_proj_bias``: handed
+    the module, not the tensors, because module trackers (``FlopCounterMode``'s, ``MemTracker``)
+    hook every tensor input of a module that requires grad, which a parameter (a leaf) or a
+    view of one made under ``no_grad`` (a reentrant checkpoint's forward) cannot take."""
 
     def __init__(self, in_features: int, parts: dict[str, int]):
         super().__init__()
@@ -164,10 +169,8 @@ class FusedProjection(nn.Module):
         projection's device, in its dtype, what PEFT reads to place the adapters."""
         return self.placement
 
-    def forward(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+    def forward(self, x: torch.Tensor, attention: nn.Module) -> torch.Tensor:
+        return F.linear(x, attention.in_proj_weight, attention.in_proj_bias)
 
 
 class SelfAttention(nn.Module):
@@ -203,7 +206,7 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         b, s, d = x_bsd.shape
         hd = self.head_dim
-        qkv = self.in_proj(x_bsd, self.in_proj_weight, self.in_proj_bias)  # [B, S, D + 2 Hkv K]
+        qkv = self.in_proj(x_bsd, self)  # [B, S, D + 2 Hkv K]
         # A tensor-parallel rank holds 1/T of the rows, its heads' q, k and v rows in that order
         # (torch_ref.distributed.HeadAlignedColwise): the same split by the q:k:v ratio, and
         # the head counts read from the shapes, run the whole layer and one rank's part.

@@ -477,14 +477,29 @@ def restored_model(run_dir: str, step: int, job: JobConfig) -> Any:
     """A jaxmem ``Decoder`` (in the run's parameter dtype) holding the model weights of
     checkpoint ``step`` of the torch_ref run in ``run_dir``: its ``state.pt`` (a torch pickle
     of jaxmem's own writing, read with ``weights_only=True``) through the key map of
-    ``jaxmem.compare.weights``. What ``jaxmem export`` writes out for a torch run."""
+    ``jaxmem.compare.weights``. What ``jaxmem export`` writes out for a torch run; a run with
+    adapters gives its merged weights (base + scale·B·A, ``torch_ref.lora.merged_state_dict``)."""
     from jaxmem.compare.weights import WeightMapError, load_torch_state_dict
 
     ckpt = TorchCheckpointer(os.path.join(run_dir, CHECKPOINT_DIR), job.run.keep_checkpoints)
     state = ckpt.load(step)
     model = make_model(job.model, job.precision)
+    weights = state["model"]
     try:
-        load_torch_state_dict(model, state["model"])
+        if "adapters" in state:  # a LoRA run: its adapters merged into the base
+            weights = _merged(job, weights, state["adapters"])
+        load_torch_state_dict(model, weights)
     except (WeightMapError, KeyError) as e:
         raise ConfigError(f"checkpoint {run_dir}/{CHECKPOINT_DIR}/{step}: {e}") from None
     return model
+
+
+def _merged(job: JobConfig, base: dict, adapters: dict) -> dict:
+    """A LoRA checkpoint's base with its adapters merged in, under torch_ref's names."""
+    import torch_ref
+    from torch_ref.lora import add_adapters, join_state, merged_state_dict
+
+    dtype = next(iter(base.values())).dtype
+    decoder = add_adapters(torch_ref.Decoder(job.model).to(dtype), job.adapters)
+    decoder.load_state_dict(join_state(decoder, base, adapters), strict=True)
+    return merged_state_dict(decoder)
