@@ -227,19 +227,17 @@ class FusedQKVLora(nn.Module, LoraLayer):
         result = self.base_layer(x, attention)  # [B, S, D + 2 Hkv K]
         if self.disable_adapters:
             return result
-        rows = self.part_rows()
-        out = list(result.split(list(self.get_base_layer().parts.values()), dim=-1))
-        names = list(self.get_base_layer().parts)
+        sizes = self.get_base_layer().parts  # every part, in row order
+        out = dict(zip(sizes, result.split(list(sizes.values()), dim=-1), strict=True))
         for adapter in self.active_adapters:
             if adapter not in self.lora_A:
                 continue
-            for part, _ in rows.items():
+            for part in self.parts:  # PEFT's lora.Linear.forward on the part's columns
                 a, b = self.lora_A[adapter][part], self.lora_B[adapter][part]
                 drop = self.lora_dropout[adapter][part]
                 xa = self._cast_input_dtype(x, a.weight.dtype)
-                i = names.index(part)
-                out[i] = out[i] + b(a(drop(xa))) * self.scaling[adapter]
-        return torch.cat(out, dim=-1)
+                out[part] = out[part] + b(a(drop(xa))) * self.scaling[adapter]
+        return torch.cat(list(out.values()), dim=-1)
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()
