@@ -143,6 +143,36 @@ def apply_rope(x_bshk: torch.Tensor, cos_sk: torch.Tensor, sin_sk: torch.Tensor)
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x_bshk.dtype)
 
 
+class FusedProjection(nn.Module):
+    """The fused q/k/v projection's matmul, ``F.linear(x, weight, bias)``, as a module without
+    parameters of its own (the weight stays ``SelfAttention.in_proj_weight``, so the state dict
+    is ``nn.MultiheadAttention``'s): the place low-rank adapters attach to, one per part
+    (``torch_ref.lora``). ``parts``: each part's name and output width, in row order.
+
+    ``forward(x, attention)`` reads ``attention.in_proj_weight`` and ``in_proj_bias``: handed
+    the module, not the tensors, because module trackers (``FlopCounterMode``'s, ``MemTracker``)
+    hook every tensor input of a module that requires grad, which a parameter (a leaf) or a
+    view of one made under ``no_grad`` (a reentrant checkpoint's forward) cannot take."""
+
+    def __init__(self, in_features: int, parts: dict[str, int]):
+        super().__init__()
+        self.in_features = in_features
+        self.parts = dict(parts)
+        self.out_features = sum(self.parts.values())
+        # an empty tensor that follows the module's device and dtype (.to, .double): where
+        # PEFT, reading ``weight``, places the adapters; not state (no state-dict key)
+        self.register_buffer("placement", torch.empty(0), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Not the weight (that is the parent's ``in_proj_weight``): an empty tensor on the
+        projection's device, in its dtype, what PEFT reads to place the adapters."""
+        return self.placement
+
+    def forward(self, x: torch.Tensor, attention: nn.Module) -> torch.Tensor:
+        return F.linear(x, attention.in_proj_weight, attention.in_proj_bias)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with ``nn.MultiheadAttention``'s parameter names, written out so
     every intermediate (q, k, v, scores, probabilities, context) is an ordinary tensor; under
@@ -168,6 +198,7 @@ class SelfAttention(nn.Module):
             self.in_proj_bias = nn.Parameter(torch.zeros(d + 2 * self.kv_dim))
         else:
             self.register_parameter("in_proj_bias", None)
+        self.in_proj = FusedProjection(d, {"q": d, "k": self.kv_dim, "v": self.kv_dim})
         self.out_proj = nn.Linear(d, d, bias=cfg.has_bias("out"))
 
     def forward(
@@ -175,7 +206,7 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         b, s, d = x_bsd.shape
         hd = self.head_dim
-        qkv = F.linear(x_bsd, self.in_proj_weight, self.in_proj_bias)  # [B, S, D + 2 Hkv K]
+        qkv = self.in_proj(x_bsd, self)  # [B, S, D + 2 Hkv K]
         # A tensor-parallel rank holds 1/T of the rows, its heads' q, k and v rows in that order
         # (torch_ref.distributed.HeadAlignedColwise): the same split by the q:k:v ratio, and
         # the head counts read from the shapes, run the whole layer and one rank's part.
@@ -374,7 +405,7 @@ class Decoder(nn.Module):
             # module hooks that expect one call per step (MemTracker refuses a second)
             return chunked_lm_loss(
                 functools.partial(self.head_logits, hooks=False),
-                self.head_parameters(),
+                [p for p in self.head_parameters() if p.requires_grad],  # a frozen head: none
                 x,
                 targets_bs,
                 mask_bs,

@@ -48,6 +48,9 @@ class StepPeak:
         (every later step looks like it).
       parameter_bytes, gradient_bytes, optimizer_state_bytes: counted from the tensors after
         the second step (storages counted once).
+      trainable_parameter_bytes: of ``parameter_bytes``, those with ``requires_grad`` (what
+        the gradients and optimizer state are for; less than all with a frozen base, e.g.
+        PEFT's LoRA).
       device: where the step ran.
       policy: the checkpoint plan, in words.
       source: how the peaks were obtained (``CUDA_PEAK`` or ``CPU_PEAK``).
@@ -59,6 +62,7 @@ class StepPeak:
     parameter_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int
+    trainable_parameter_bytes: int
     device: str
     policy: str
     source: str
@@ -186,4 +190,5 @@ def step_peak(
         device=str(device),
         policy=plan.describe(),
         source=source,
+        trainable_parameter_bytes=_unique_bytes(params),
     )

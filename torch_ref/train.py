@@ -50,7 +50,9 @@ def _optimizer(params: Iterable[nn.Parameter], cfg: OptimizerConfig) -> torch.op
 
 
 def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    return _optimizer(model.parameters(), cfg)
+    """``cfg``'s optimizer over the parameters that train: a frozen one (``requires_grad``
+    off: a base under adapters) gets no state."""
+    return _optimizer([p for p in model.parameters() if p.requires_grad], cfg)
 
 
 def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

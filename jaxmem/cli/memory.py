@@ -25,6 +25,7 @@ from jaxmem.cli.common import (
 from jaxmem.cli.common import names as parse_names
 from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, not_streamed
 from jaxmem.config import PRESETS, ModelConfig
+from jaxmem.figures import format_bytes
 from jaxmem.files import write_json_atomic
 from jaxmem.policy import EmbeddingReplay, can_replay_embedding
 from jaxmem.policy_config import parse_policy
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         records = [r | {"adapter_state": adapters} for r in records]
     if records:
         render.memory_report(console, records, job, setup.planning, target, wide=args.wide)
+        _trainable_note(console, records)
     if adapters is not None:
         render.adapter_state_table(console, adapters, job)
     if ranks:
@@ -124,6 +126,26 @@ def _adapter_state(job) -> dict | None:
     from jaxmem.memory.analytic import adapter_state
 
     return adapter_state(job.model, job.adapters, job.optimizer, job.precision).as_record()
+
+
+def _trainable_note(console, records: list[dict]) -> None:
+    """With adapters, torch_ref's parameters split into trainable and frozen (counted)."""
+    split = [
+        r
+        for r in records
+        if r.get("trainable_params_bytes", r["params_bytes"]) != r["params_bytes"]
+    ]
+    if split:
+        console.print(
+            f"{split[0]['adapters']}, torch: frozen base (no gradient or optimizer state), "
+            "counted from the tensors:"
+        )
+    for r in split:
+        console.print(
+            f"  {r['framework']} {r['policy']}: parameters {format_bytes(r['params_bytes'])}, "
+            f"trainable {format_bytes(r['trainable_params_bytes'])}; grads "
+            f"{format_bytes(r['grads_bytes'])}; opt state {format_bytes(r['opt_state_bytes'])}"
+        )
 
 
 def _policies(args: argparse.Namespace, job) -> list:
@@ -331,6 +353,7 @@ def _record(job, policy, fw: str, setup: Setup) -> dict:
         translation="lean" if fw == "torch-lean" else "stock",
         fake=setup.planning,
         accum=job.accum.steps,
+        adapters=job.adapters,
     )
 
 

@@ -20,6 +20,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import torch_ref
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import AccumConfig, ModelConfig, OptimizerConfig
 from jaxmem.figures import process_max_rss_bytes
 from jaxmem.memory import analytic
@@ -44,9 +45,14 @@ def torch_record(
     translation: str = "stock",
     fake: bool = False,
     accum: int = 1,
+    adapters: AdapterConfig | None = None,
 ) -> dict[str, Any]:
     """Run one torch_ref training step under ``policy`` (``translation``: ``stock`` PyTorch or
     torch_ref's ``lean`` extension, see ``torch_ref.remat``) and measure it.
+
+    ``adapters`` (enabled): LoRA on a frozen base (``torch_ref.lora``, PEFT): gradients and
+    optimizer state exist for the trainable parameters only, and ``trainable_params_bytes``
+    says how many of ``params_bytes`` those are.
 
     ``fake``: run the same step under ``FakeTensorMode`` (every tensor is meta storage with a
     shape: no memory, no arithmetic), so the accounting exists at sizes this machine cannot hold
@@ -59,7 +65,9 @@ def torch_record(
     into ``.grad`` (as a PyTorch user accumulates), then the optimizer; saved activations are one
     microbatch's, FLOPs and the peak the whole step's."""
     AccumConfig(steps=accum).check_batch(batch)  # the same check and message as jax_record
-    step = _measure_step(cfg, policy, precision, opt_cfg, batch, seq_len, translation, fake, accum)
+    step = _measure_step(
+        cfg, policy, precision, opt_cfg, batch, seq_len, translation, fake, accum, adapters
+    )
     live, hooks = step.live, step.hooks
     estimate = analytic.saved_activation_bytes(cfg, policy, batch // accum, seq_len, precision)
     how = " under FakeTensorMode (shapes only: no memory, no arithmetic)" if fake else ""
@@ -73,6 +81,8 @@ def torch_record(
         "accum": accum,
         "planned_from_shapes": fake,
         "params_bytes": step.params_bytes,
+        "trainable_params_bytes": step.trainable_bytes,
+        "adapters": (adapters or AdapterConfig()).label(),
         "grads_bytes": step.grads_bytes,
         "opt_state_bytes": step.opt_state_bytes,
         "saved_activation_bytes_device": live.device_bytes,
@@ -109,6 +119,7 @@ class _Step:
     flops: int  # of every microbatch's forward and backward
     translation: str  # how the policy was applied (the runner's description)
     params_bytes: int
+    trainable_bytes: int  # of params_bytes, those with requires_grad (all but a frozen base)
     grads_bytes: int
     opt_state_bytes: int
     peak_bytes: int | None  # the runtime peak (None under fake tensors)
@@ -125,6 +136,7 @@ def _measure_step(
     translation: str,
     fake: bool,
     accum: int,
+    adapters: AdapterConfig | None = None,
 ) -> _Step:
     """Build the model and run ``torch_record``'s step: the accounted step first, untracked;
     then (real tensors) a steady step, holding the optimizer state a first step has not created
@@ -136,22 +148,27 @@ def _measure_step(
     tracker = None
     with FakeTensorMode() if fake else contextlib.nullcontext():
         model, runner, opt = _model_and_optimizer(
-            cfg, policy, opt_cfg, translation, device, dtype, fake
+            cfg, policy, opt_cfg, translation, device, dtype, fake, adapters
         )
         xs, ys = _token_microbatches(cfg, batch, seq_len, accum, device, fake)
         live, hooks, flops = _accounted_microbatches(model, runner, xs, ys, precision)
-        grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+        grads = [p.grad for p in model.parameters() if p.grad is not None]  # frozen: none
+        grads_bytes = sum(g.numel() * g.element_size() for g in grads)
         opt.step()
         if not fake:
             tracker = _tracked_step(model, opt, xs, ys, precision, device, opt_cfg)
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
         opt_state_bytes = sum(t.numel() * t.element_size() for t in state)
     if fake:
         peak, source = None, "none (fake tensors allocate nothing)"
     elif device == "cuda":
         peak = torch.cuda.max_memory_allocated()
         source = "runtime peak (max_memory_allocated; a second step: optimizer state included)"
+    elif tracker is None:
+        peak, source = None, "none (torch's MemTracker cannot hook a frozen parameter)"
     else:
         peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
         source = "runtime peak (torch MemTracker, CPU; a second step: optimizer state included)"
@@ -161,6 +178,7 @@ def _measure_step(
         flops=flops,
         translation=runner.description,
         params_bytes=params_bytes,
+        trainable_bytes=trainable_bytes,
         grads_bytes=grads_bytes,
         opt_state_bytes=opt_state_bytes,
         peak_bytes=None if peak is None else int(peak),
@@ -176,14 +194,23 @@ def _model_and_optimizer(
     device: str,
     dtype: torch.dtype,
     fake: bool,
+    adapters: AdapterConfig | None = None,
 ) -> tuple[Any, Any, Any]:
-    """torch_ref's decoder in ``dtype`` on ``device``, ``policy`` applied to its blocks
-    (``translation``) and its loss, the policy's runner, and the optimizer."""
-    if fake:  # Module.to cannot swap fake parameters: build them in their dtype instead
+    """torch_ref's decoder in ``dtype`` on ``device`` (with ``adapters``: PEFT's LoRA on its
+    frozen base), ``policy`` applied to its blocks (``translation``) and its loss, the
+    policy's runner, and the optimizer (over the trainable parameters)."""
+    lora = adapters is not None and adapters.enabled
+    if fake and lora:
+        model = _fake_model_with_adapters(cfg, adapters, dtype)
+    elif fake:  # Module.to cannot swap fake parameters: build them in their dtype instead
         with _default_dtype(dtype):
             model = torch_ref.Decoder(cfg)
     else:
         model = torch_ref.Decoder(cfg).to(device, dtype)
+    if lora and not fake:
+        from torch_ref.lora import add_adapters
+
+        add_adapters(model, adapters)
     runner = apply_memory_policy(model.blocks, policy, translation)
     apply_loss_policy(model, policy)
     return model, runner, make_torch_optimizer(model, opt_cfg)
@@ -226,7 +253,7 @@ def _tracked_step(
     precision: Precision,
     device: str,
     opt_cfg: OptimizerConfig,
-) -> MemTracker:
+) -> MemTracker | None:
     """A steady step under MemTracker (and CUDA's peak statistics, reset): the microbatches
     through torch_ref's own training step (``accumulate_grads``: each summed loss over the
     batch's token count) with no accounting attached, then the optimizer. The accounting's
@@ -235,14 +262,18 @@ def _tracked_step(
     runs; 123.4 with the collector off). A clipping ``opt_cfg`` clips as the trainer does
     (``clip_grads``: per-tensor norms, scalars)."""
     opt.zero_grad(set_to_none=True)
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
+    # MemTracker hooks every parameter's gradient, and a frozen one (adapters' base) refuses a
+    # hook: no tracker then (the CUDA statistics still give a peak)
+    frozen = any(not p.requires_grad for p in model.parameters())
+    tracker = None if frozen else MemTracker()
+    if tracker is not None:
+        tracker.track_external(model, opt)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    with tracker:
+    with tracker or contextlib.nullcontext():
         n_total = torch.tensor(float(sum(yi.numel() for yi in ys)), device=ys[0].device)
         for i, (xi, yi) in enumerate(zip(xs, ys, strict=True)):
-            if i:
+            if i and tracker is not None:
                 # MemTracker refuses a module run twice in one context (NotImplementedError,
                 # "multiple iterative calls"); its per-module stats are cleared, the peak
                 # over the whole step is kept
@@ -256,6 +287,25 @@ def _tracked_step(
         clip_grads(model.parameters(), opt_cfg)
         opt.step()
     return tracker
+
+
+def _fake_model_with_adapters(cfg: ModelConfig, adapters: AdapterConfig, dtype: torch.dtype):
+    """torch_ref's decoder with adapters under the active ``FakeTensorMode``, on the CPU: built
+    on the meta device (PEFT moves each new adapter to its base layer's device with
+    ``Module.to``, which cannot swap fake parameters, and leaves meta ones where they are), then
+    every tensor put on the CPU by assignment."""
+    from torch_ref.lora import add_adapters
+
+    with torch.device("meta"), _default_dtype(dtype):
+        model = add_adapters(torch_ref.Decoder(cfg), adapters)
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[key] = torch.nn.Parameter(p.to("cpu"), p.requires_grad)
+        for key, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[key] = b.to("cpu")
+    return model
 
 
 @contextlib.contextmanager

@@ -60,10 +60,41 @@ from torch_ref.train import (
 def check_torch_backend(job: JobConfig) -> None:
     """Raise ``ConfigError`` for what torch_ref cannot express (e.g. q/k/v split choices)."""
     validate_for_torch(job.memory, cfg=job.model)
-    refusal = torch_tensor_parallel_refusal(job) or torch_host_memory_refusal(job)
+    refusal = (
+        torch_tensor_parallel_refusal(job)
+        or torch_host_memory_refusal(job)
+        or torch_adapter_refusal(job)
+    )
     if refusal is not None:
         raise ConfigError(refusal)
     _check_torch_resident(job)
+
+
+def torch_adapter_refusal(job: JobConfig) -> str | None:
+    """Why torch_ref cannot train ``job``'s adapters (None: it can, or there are none):
+    ``torch_ref.lora`` needs PEFT, holds its base in the compute dtype, and does not split its
+    per-part q/k/v adapters over a tensor axis."""
+    adapters = job.adapters
+    if not adapters.enabled:
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return (
+            f"adapters.rank={adapters.rank} with --framework torch needs Hugging Face PEFT, "
+            "which is not installed: pip install peft (or --framework jax)"
+        )
+    if adapters.base != "compute":
+        return (
+            f"adapters.base={adapters.base!r} with --framework torch: torch_ref trains adapters "
+            "on a base in the compute dtype; use adapters.base compute or --framework jax"
+        )
+    if job.parallel.tensor_parallel:
+        return (
+            f"adapters with --mesh {job.parallel.mesh_text()}: torch_ref does not split the "
+            "q/k/v adapters over a tensor axis; drop tp from --mesh or use --framework jax"
+        )
+    return None
 
 
 def _check_torch_resident(job: JobConfig) -> None:
@@ -125,6 +156,10 @@ class TorchTrainer:
             load_hf_weights(initial, r.init_from, weights)
         model = torch_model_from(initial)
         model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
+        if job.adapters.enabled:  # PEFT's LoRA layers; the base frozen (torch_ref.lora)
+            from torch_ref.lora import add_adapters
+
+            add_adapters(model, job.adapters)
         self.runner = apply_memory_policy(model.blocks, job.memory)
         apply_loss_policy(model, job.memory)
         # FSDP2 manages the model (sharded, or streamed through host memory on one process too)
@@ -196,16 +231,36 @@ class TorchTrainer:
         if self.grouped:
             # rank 0 reads and verifies the checkpoint and broadcasts it; each rank keeps its
             # shards (and the GradScaler's few numbers)
-            state = self.ckpt.load(step) if self.launch.primary else {}
+            state = self._joined(self.ckpt.load(step)) if self.launch.primary else {}
             tdist.load_full_state(self.model, self.opt, state)
             if self.scaler is not None:
                 self.scaler.load_state_dict(tdist.broadcast_object(state.get("scaler")))
             return
-        state = self.ckpt.load(step)
+        state = self._joined(self.ckpt.load(step))
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+    def _joined(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's state with its ``adapters`` (saved apart from the base, which keeps
+        torch_ref's own names) joined back under this model's names."""
+        if self.job.adapters.enabled != ("adapters" in state):
+            held = "holds adapters" if "adapters" in state else "holds no adapters"
+            raise ConfigError(
+                f"checkpoint {self.ckpt.directory} {held} and this job "
+                f"{'asks for' if self.job.adapters.enabled else 'has none'} "
+                f"({self.job.adapters.label()}): resume with the adapters it was trained with"
+            )
+        if "adapters" not in state:
+            return state
+        from torch_ref.lora import join_state
+
+        try:
+            model = join_state(tdist.unwrap(self.model), state["model"], state["adapters"])
+        except KeyError as e:
+            raise ConfigError(f"checkpoint {self.ckpt.directory}: {e.args[0]}") from None
+        return {**{k: v for k, v in state.items() if k != "adapters"}, "model": model}
 
     def step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         self.opt.zero_grad(set_to_none=True)
@@ -269,6 +324,10 @@ class TorchTrainer:
             state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        if self.job.adapters.enabled and "model" in state:
+            from torch_ref.lora import split_state
+
+            state["model"], state["adapters"] = split_state(state["model"])
         if self.launch.primary:
             self.ckpt.save(step, state, self.job.to_dict(), extra)
         tdist.barrier()  # no rank runs ahead of a checkpoint being written
@@ -304,6 +363,7 @@ class TorchTrainer:
         host = " (host memory)"
         out = [
             Figure("parameters" + host * self.streamed, nbytes(self.model.parameters()), source),
+            *self._frozen_figures(nbytes, source),
             Figure(
                 "optimizer state" + host * (self.streamed or self.host_state), nbytes(state), source
             ),
@@ -315,6 +375,18 @@ class TorchTrainer:
             peak = torch.cuda.max_memory_allocated()
             out.append(Figure("device peak", peak, "runtime peak (max_memory_allocated)"))
         return [*out, rss_figure()]
+
+    def _frozen_figures(self, nbytes: Any, source: str) -> list[Figure]:
+        """With adapters: the parameters that train (the optimizer's) and the frozen base."""
+        if not self.job.adapters.enabled:
+            return []
+        params = list(self.model.parameters())
+        trained = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        return [
+            Figure(f"  trainable ({self.job.adapters.label()})", nbytes(trained), source),
+            Figure("  frozen (no gradient, no optimizer state)", nbytes(frozen), source),
+        ]
 
     def any_process(self, flag: bool) -> bool:
         import torch.distributed as dist
@@ -408,14 +480,29 @@ def restored_model(run_dir: str, step: int, job: JobConfig) -> Any:
     """A jaxmem ``Decoder`` (in the run's parameter dtype) holding the model weights of
     checkpoint ``step`` of the torch_ref run in ``run_dir``: its ``state.pt`` (a torch pickle
     of jaxmem's own writing, read with ``weights_only=True``) through the key map of
-    ``jaxmem.compare.weights``. What ``jaxmem export`` writes out for a torch run."""
+    ``jaxmem.compare.weights``. What ``jaxmem export`` writes out for a torch run; a run with
+    adapters gives its merged weights (base + scale·B·A, ``torch_ref.lora.merged_state_dict``)."""
     from jaxmem.compare.weights import WeightMapError, load_torch_state_dict
 
     ckpt = TorchCheckpointer(os.path.join(run_dir, CHECKPOINT_DIR), job.run.keep_checkpoints)
     state = ckpt.load(step)
     model = make_model(job.model, job.precision)
+    weights = state["model"]
     try:
-        load_torch_state_dict(model, state["model"])
+        if "adapters" in state:  # a LoRA run: its adapters merged into the base
+            weights = _merged(job, weights, state["adapters"])
+        load_torch_state_dict(model, weights)
     except (WeightMapError, KeyError) as e:
         raise ConfigError(f"checkpoint {run_dir}/{CHECKPOINT_DIR}/{step}: {e}") from None
     return model
+
+
+def _merged(job: JobConfig, base: dict, adapters: dict) -> dict:
+    """A LoRA checkpoint's base with its adapters merged in, under torch_ref's names."""
+    import torch_ref
+    from torch_ref.lora import add_adapters, join_state, merged_state_dict
+
+    dtype = next(iter(base.values())).dtype
+    decoder = add_adapters(torch_ref.Decoder(job.model).to(dtype), job.adapters)
+    decoder.load_state_dict(join_state(decoder, base, adapters), strict=True)
+    return merged_state_dict(decoder)
