@@ -415,7 +415,9 @@ def _adapters_refusal(job) -> str | None:
     if not job.adapters.enabled:
         return None
     if job.run.framework != "jax":
-        return "--lora-rank: torch_ref does not train adapters yet; use --framework jax"
+        from jaxmem.compare.torch_run import torch_adapter_refusal
+
+        return torch_adapter_refusal(job)
     from jaxmem.step.frozen import refusal
     from jaxmem.step.spec import StepSpec
 
