@@ -91,9 +91,9 @@ def refusal(spec: Any) -> str | None:
     opt = spec.optimizer
     reasons = (
         (
-            ad.base != "compute",
-            f"--quantize-base {ad.base}: a quantized frozen base is not "
-            "trainable yet; drop --quantize-base (the base stays in the compute dtype)",
+            ad.base != "compute" and spec.parallel.shards_params,
+            f"--quantize-base {ad.base} with --mesh {spec.parallel.mesh_text()}: packed "
+            "base weights are not sharded yet; use dp or zero1, or drop --quantize-base",
         ),
         (
             ad.dropout > 0,
