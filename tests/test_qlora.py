@@ -29,6 +29,7 @@ from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import lm_loss_fn
 from tests.test_cli_contract import run_cli
 from tests.test_hub import TINY_LLAMA, write_model_dir
+from tests.test_lora import LORA_FLAGS
 
 LLAMA = PRESETS["tiny-llama"]
 QLORA = AdapterConfig(rank=4, targets=("q", "k", "v", "o"), base="nf4")
@@ -101,16 +102,17 @@ def _losses(run) -> list[float]:
 
 
 @pytest.mark.slow
-def test_qlora_trains_from_a_directory_and_resumes_bit_for_bit(tmp_path):
-    model = write_model_dir(tmp_path / "model", TINY_LLAMA)
-    common = ("train", "--init-from", model, "--lora-rank", "4", "--quantize-base", "nf4")
+def test_qlora_trains_from_a_directory_and_resumes_2_plus_2_as_4_bit_for_bit(tmp_path):
+    # nf4 packs blocks of 64 along the input: d_ff a multiple of 64
+    model = write_model_dir(tmp_path / "model", TINY_LLAMA | {"intermediate_size": 128})
+    common = ("train", "--init-from", model, "--quantize-base", "nf4", *LORA_FLAGS)
     common += ("--batch-size", "2", "--seq-len", "16", "--checkpoint-every", "2")
     common += ("--eval-every", "2", "--sample-tokens", "0")
-    straight = run_cli(*common, "--steps", "3", "--out", str(tmp_path / "straight"))
+    straight = run_cli(*common, "--steps", "4", "--out", str(tmp_path / "straight"))
     half = run_cli(*common, "--steps", "2", "--out", str(tmp_path / "resumed"))
-    resumed = run_cli(*common, "--steps", "3", "--out", str(tmp_path / "resumed"), "--resume")
+    resumed = run_cli(*common, "--steps", "4", "--out", str(tmp_path / "resumed"), "--resume")
     for proc in (straight, half, resumed):
         assert proc.returncode == 0, proc.stderr
     losses = _losses(tmp_path / "straight")
-    assert len(losses) == 3 and np.isfinite(losses).all() and losses[-1] < losses[0]
+    assert len(losses) == 4 and np.isfinite(losses).all() and losses[-1] < losses[0]
     assert _losses(tmp_path / "resumed") == losses
