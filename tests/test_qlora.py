@@ -53,6 +53,8 @@ def test_the_packed_base_takes_the_analytic_bytes_and_never_trains(kind):
     expected = adapter_state(LLAMA, ad, OptimizerConfig(), Precision(name="fp32"))
     assert packed_param_bytes(params) == expected.quantized_bytes
     trained, frozen = built.trainable.split(params)
+    n_trained, n_frozen = built.trainable.counts(params)  # the weights packed, not their bytes
+    assert n_frozen == LLAMA.n_params and n_trained == expected.adapter_params
     assert not jax.tree.leaves(trained.filter(PackedBase))
     # no float kernel left in the blocks: embeddings, head and norms stay as they were
     kernels = [p for p, _ in nnx.to_flat_state(params) if p[-1] == "kernel"]
