@@ -207,15 +207,15 @@ def test_memory_reports_frozen_and_trainable_state_labelled_analytic(tmp_path, c
 
 
 def test_train_weighs_a_lora_jobs_frozen_base_before_compiling(monkeypatch, capsys):
-    """The resident check counts a LoRA job's state as stored (the frozen base, gradients and
-    AdamW state for the adapters only): the refusal names those bytes."""
+    """The resident check counts a LoRA job's state as stored (an nf4 base, gradients and AdamW
+    state for the adapters only): the refusal names those bytes."""
     import jaxmem.train.run as run
 
     monkeypatch.setattr(run, "host_available_bytes", lambda: 2 * 2**30)
-    lora = AdapterConfig(rank=16)
+    lora = AdapterConfig(rank=16, base="nf4")
     args = ["train", "--preset", "gpt3-6.7b", "--steps", "1", "--set", "adapters.rank=16"]
     with pytest.raises(SystemExit) as exc:
-        cli.main(args)
+        cli.main([*args, "--set", "adapters.base=nf4"])
     assert exc.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     cfg, fp32 = PRESETS["gpt3-6.7b"], PRECISIONS["fp32"]

@@ -322,7 +322,10 @@ BAD_OPTIONS = {
         "'gate' is a gated MLP's projection",
     ),
     "rank-too-large": (["--lora-rank", "33"], "exceeds the model's narrowest projection (32)"),
-    "quantized-base": (["--lora-rank", "4", "--quantize-base", "int8"], "not trainable yet"),
+    "quantized-base-fsdp": (
+        ["--lora-rank", "4", "--quantize-base", "int8", "--mesh", "fsdp=2"],
+        "packed base weights are not sharded yet",
+    ),
     "dropout": (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout 0.1"),
     "stream": (["--lora-rank", "4", "--stream"], "--stream"),
     "tensor-parallel": (["--lora-rank", "4", "--mesh", "tp=2"], "tensor parallelism"),

@@ -157,7 +157,9 @@ def _flops(spec: StepSpec, built: BuiltStep, kernel: str, params: Any, micro: An
             layers_fn=built.layers,
             loss_chunks=spec.policy.loss.chunks,
         )
-    flops = accum * grad_matmul_flops(lambda p, b: loss(p, b)[0], params, micro)
+    # the step's own gradient: of the trained subtree only under a frozen base
+    trained, _, trained_loss = built.trainable.bind(lambda p, b: loss(p, b)[0], params)
+    flops = accum * grad_matmul_flops(trained_loss, trained, micro)
     model_flops = analytic.model_flops(cfg, spec.batch // n_dev, spec.seq_len)
     if spec.sharded and spec.parallel.tensor_parallel:
         # every block matmul splits over the tensor devices (heads, columns, rows); the LM head

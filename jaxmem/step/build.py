@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
+from jaxmem.model.qbase import quantize_base
 from jaxmem.sharding import StepShardings, mesh, parallel_loss, step_shardings
 from jaxmem.step import stream
 from jaxmem.step.frozen import Trainable, check_composes
@@ -224,6 +225,8 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
     check_composes(spec)  # before anything compiles
     if model is None:
         model = model_shapes(spec)
+    if spec.adapters.base != "compute":  # the frozen projections packed, once
+        quantize_base(model, spec.adapters.base)
     graphdef, params = nnx.split(model, nnx.Param)
     trainable = Trainable(spec.adapters)
     cfg, policy, opt = spec.model, spec.policy, spec.optimizer

@@ -16,10 +16,12 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxmem.adapters import AdapterConfig
 from jaxmem.config import ConfigError
+from jaxmem.model.qbase import PackedBase
 
 # the path element each group of ``AdapterConfig.train`` is recognised by: every norm's
 # parameters sit under a ``norm`` module (``norm1.norm.scale``, ``norm_f.norm.bias``)
@@ -73,7 +75,13 @@ class Trainable:
         def size(tree: Any) -> int:
             return sum(x.size for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "size"))
 
-        return size(trained), (0 if frozen is None else size(frozen))
+        def frozen_size(tree: Any) -> int:
+            # a packed base counts the weights it packs (nf4: two a byte), not its bytes
+            plain, packed = nnx.split_state(tree, nnx.Not(PackedBase), PackedBase)
+            weights = [v for p, v in nnx.to_flat_state(packed) if p[-1] == "packed"]
+            return size(plain) + sum(v.size * (2 if v.dtype == jnp.uint8 else 1) for v in weights)
+
+        return size(trained), (0 if frozen is None else frozen_size(frozen))
 
 
 def counts_line(adapters: AdapterConfig, params: Any) -> str:
@@ -91,9 +99,9 @@ def refusal(spec: Any) -> str | None:
     opt = spec.optimizer
     reasons = (
         (
-            ad.base != "compute",
-            f"--quantize-base {ad.base}: a quantized frozen base is not "
-            "trainable yet; drop --quantize-base (the base stays in the compute dtype)",
+            ad.base != "compute" and spec.parallel.shards_params,
+            f"--quantize-base {ad.base} with --mesh {spec.parallel.mesh_text()}: packed "
+            "base weights are not sharded yet; use dp or zero1, or drop --quantize-base",
         ),
         (
             ad.dropout > 0,

@@ -1,0 +1,129 @@
+"""The decoder's frozen block projections stored packed (``--quantize-base int8|nf4``).
+
+``quantize_base`` replaces, in a built ``Decoder``, every block projection's ``nnx.Linear``
+(``in_proj``, ``out_proj``, the MLP's ``up``, ``down``, ``gate``) by a ``QuantizedLinear``
+holding the same weights packed (``jaxmem.quant``), one ``QuantizedPart`` per projection of a
+Hugging Face Llama (``in_proj`` as three: q, k and v, each packed separately, as bitsandbytes
+packs ``q_proj``, ``k_proj``, ``v_proj``). Biases, embeddings, the head and the norms stay in
+the parameter dtype. The packed arrays are ``PackedBase`` variables, stacked over the layers as
+every block parameter is (a leading L axis), so the scan slices them like the rest.
+
+``PackedBase`` is an ``nnx.Param`` (the step's one parameter tree holds it, so checkpoints save
+and restore it) that no adapter filter selects: it never trains. A projection computes
+``x @ dequantize(W)`` with ``jaxmem.model.quant.quantized_matmul``, whose backward keeps only the
+packed arrays whatever the memory policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmem.model.quant import quantized_matmul
+from jaxmem.quant import QuantizedWeight, quantize
+
+Array = jax.Array
+FIELDS = ("packed", "absmax", "absmax_scale", "absmax_offset")
+
+
+class PackedBase(nnx.Param):
+    """A packed array of a quantized frozen weight (integer or fp32 statistics): frozen."""
+
+
+class QuantizedPart(nnx.Module):
+    """One projection's ``[out, in]`` weight, packed as ``kind`` (arrays per ``FIELDS``)."""
+
+    def __init__(self, kind: str, shape: tuple[int, int], arrays: dict[str, Any]):
+        self.kind, self.shape = kind, shape
+        for name in FIELDS:
+            value = arrays.get(name)
+            setattr(self, name, None if value is None else PackedBase(value))
+
+    def weight(self) -> QuantizedWeight:
+        arrays = {n: None if getattr(self, n) is None else getattr(self, n)[...] for n in FIELDS}
+        return QuantizedWeight(kind=self.kind, shape=self.shape, **arrays)
+
+    def __call__(self, x: Array, dtype: Any) -> Array:
+        return quantized_matmul(x, self.weight(), dtype)
+
+
+class QuantizedLinear(nnx.Module):
+    """A linear layer over packed parts (their outputs side by side), the bias in the
+    parameter dtype: ``nnx.Linear``'s output (wide, the bias cast to the compute dtype)."""
+
+    def __init__(self, parts: dict[str, QuantizedPart], bias: Any, dtype: Any):
+        self.names = tuple(parts)
+        for name, part in parts.items():
+            setattr(self, name, part)
+        self.bias = bias
+        self.dtype = dtype
+
+    def __call__(self, x: Array) -> Array:
+        ys = [getattr(self, n)(x, self.dtype) for n in self.names]
+        y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
+def _packed_stack(kernel: Any, kind: str, abstract: bool) -> tuple[tuple[int, int], dict]:
+    """The ``[L, in, out]`` kernel packed layer by layer as ``kind`` (each layer's weight
+    ``[out, in]``, as PyTorch stores it), the arrays stacked on a leading L axis; shapes only
+    for an ``abstract`` kernel."""
+    n_layers, d_in, d_out = kernel.shape
+    shape = (int(d_out), int(d_in))
+    if abstract:  # the shapes one layer packs to, stacked
+        like = quantize(np.zeros(shape, np.float32), kind)
+        arrays = {n: getattr(like, n) for n in FIELDS if getattr(like, n) is not None}
+        return shape, {
+            n: jax.ShapeDtypeStruct((n_layers, *a.shape), a.dtype) for n, a in arrays.items()
+        }
+    host = np.asarray(jax.device_get(kernel), dtype=np.float32)
+    layers = [quantize(host[i].T, kind) for i in range(n_layers)]
+    arrays = {
+        n: jnp.asarray(np.stack([getattr(q, n) for q in layers]))
+        for n in FIELDS
+        if getattr(layers[0], n) is not None
+    }
+    return shape, arrays
+
+
+def _quantized(linear: nnx.Linear, kind: str, splits: dict[str, tuple[int, int]], dtype: Any):
+    kernel = linear.kernel.get_value()  # [L, in, out]
+    abstract = isinstance(kernel, jax.ShapeDtypeStruct)
+    parts = {}
+    for name, (lo, hi) in splits.items():
+        cols = (
+            jax.ShapeDtypeStruct((*kernel.shape[:2], hi - lo), kernel.dtype)
+            if abstract
+            else kernel[..., lo:hi]
+        )
+        shape, arrays = _packed_stack(cols, kind, abstract)
+        parts[name] = QuantizedPart(kind, shape, arrays)
+    return QuantizedLinear(parts, linear.bias, dtype)
+
+
+def quantize_base(model: Any, kind: str) -> Any:
+    """``model`` (a ``Decoder``, arrays or shapes) with its block projections packed as
+    ``kind`` (``int8``, ``nf4``), in place; returned for convenience."""
+    layers = model.blocks.layers
+    if isinstance(layers.self_attn.in_proj, QuantizedLinear):
+        return model  # already packed
+    cfg, dtype = model.cfg, model.dtype
+    d, kv = cfg.d_model, cfg.kv_dim
+    attn, ffn = layers.self_attn, layers.ffn
+    qkv = {"q": (0, d), "k": (d, d + kv), "v": (d + kv, d + 2 * kv)}
+    attn.in_proj = _quantized(attn.in_proj, kind, qkv, dtype)
+    attn.out_proj = _quantized(attn.out_proj, kind, {"w": (0, d)}, dtype)
+    for name in ("gate", "up", "down") if ffn.gated else ("up", "down"):
+        width = getattr(ffn, name).kernel.shape[-1]
+        setattr(ffn, name, _quantized(getattr(ffn, name), kind, {"w": (0, width)}, dtype))
+    return model
+
+
+def packed_param_bytes(params: Any) -> int:
+    """The bytes the ``PackedBase`` arrays of ``params`` (an ``nnx.State``) hold."""
+    leaves = jax.tree_util.tree_leaves(params.filter(PackedBase))
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
