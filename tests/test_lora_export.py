@@ -2,7 +2,7 @@
 ``peft.PeftModel.from_pretrained`` loads onto the base and that computes jaxmem's logits, with
 PEFT's own config keys and tensor keys; ``--merge``: the base with each adapter merged in, a delta
 of rank at most r on each targeted projection and nothing elsewhere; GPT-2's fused ``c_attn``
-refused for an adapter directory in one line."""
+refused for an adapter directory in one line, and a torch run exports merged only."""
 
 from __future__ import annotations
 
@@ -161,3 +161,28 @@ def test_a_gpt2_adapter_directory_is_refused_in_one_line_and_merge_writes_one(tm
         "config.json",
         "model.safetensors",
     ]
+
+
+@pytest.mark.slow
+def test_a_torch_adapter_run_exports_merged_only(run, tmp_path, capsys):
+    """A ``--framework torch`` run's checkpoint restores merged: ``--merge`` writes it (only the
+    targeted projections differ from the base), an adapter directory is refused in one line."""
+    pytest.importorskip("peft")
+    from jaxmem.cli import main
+    from jaxmem.hf.files import read_params
+
+    root, model, cfg, _ = run
+    args = ["train", "--framework", "torch", "--init-from", model, "--lora-rank", "4"]
+    args += [*RUN_FLAGS, "--steps", "2", "--out", str(tmp_path / "run")]
+    assert main(args) == 0
+    capsys.readouterr()
+    line = _refused(capsys, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
+    assert "--framework torch adapter run" in line and "--merge" in line
+    assert main(["export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "hf")]) == 0
+    merged = read_params(str(tmp_path / "hf"), cfg, np.float32)
+    start = read_hf_weights(model, cfg, "float32")
+    changed = {p for p in merged if not np.array_equal(merged[p], start[p])}
+    in_proj = ("blocks", "layers", "self_attn", "in_proj", "kernel")
+    assert changed == {in_proj}  # the default targets, q and v
+    k = slice(cfg.d_model, cfg.d_model + cfg.kv_dim)  # k's columns: untargeted
+    assert np.array_equal(merged[in_proj][..., k], start[in_proj][..., k])
