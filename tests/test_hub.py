@@ -496,6 +496,16 @@ def test_export_makes_the_parents_of_out_and_says_a_byte_run_has_no_tokenizer(by
     assert "encode with list(text.encode())" in text
 
 
+@pytest.mark.slow
+def test_export_merge_of_a_run_without_adapters_is_one_line(byte_run, tmp_path, capsys):
+    from tests.test_lora import _refused
+
+    capsys.readouterr()
+    line = _refused(capsys, ["export", byte_run, "--merge", "--out", str(tmp_path / "hf")])
+    assert "--merge: " in line and "trained no adapters" in line and "drop --merge" in line
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize(
     "meta, says",
     [

@@ -44,6 +44,7 @@ PURE = (
     "jaxmem.hf.files",
     "jaxmem.hf.tokenizer",
     "jaxmem.hf.chat",
+    "jaxmem.hf.adapters",
     "jaxmem.train.loop",
     "jaxmem.train.prepare",
     "jaxmem.train.run_dir",

@@ -368,15 +368,6 @@ def test_a_resume_that_changes_the_adapters_is_refused(lora_runs, capsys):
 
 
 @pytest.mark.slow
-def test_exporting_an_adapter_run_is_refused_in_one_line(lora_runs, capsys, tmp_path):
-    root, _, _ = lora_runs
-    line = _refused(capsys, ["export", str(root / "straight"), "--out", str(tmp_path / "hf")])
-    assert line.startswith("jaxmem export: error: ")
-    assert "trained adapters (LoRA r4 a8 q,k,v,o,down)" in line
-    assert not (tmp_path / "hf").exists()
-
-
-@pytest.mark.slow
 def test_adapters_over_an_fsdp_mesh_train_as_on_one_device(lora_runs):
     """Parameters (frozen and trained) and the adapters' optimizer state sharded over 2
     devices: the same losses as one device, within the data-parallel bound."""

@@ -1,7 +1,9 @@
 """``jaxmem export RUN_DIR --out HF_DIR``: the newest verified checkpoint of a training run as a
 Hugging Face model directory (``config.json`` + ``model.safetensors``) that
 ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` loads; the tokenizer files come
-along when the run started from a model directory that had them."""
+along when the run started from a model directory that had them. A run that trained LoRA
+adapters gives a PEFT adapter directory (``adapter_config.json`` +
+``adapter_model.safetensors``), or with ``--merge`` the base with the adapters merged in."""
 
 from __future__ import annotations
 
@@ -21,10 +23,19 @@ def add_parser(sub) -> None:
         "the tokenizer files of the model directory the run started from (--init-from or "
         "--preset DIR), if it had them (a run on raw bytes has none: the output says how to "
         "encode). --out must be new or empty, its missing parents are made; it is written whole "
-        "or not at all. Bad input exits with code 2 and writes nothing.",
+        "or not at all. A run that trained LoRA adapters (--lora-rank) gives a PEFT adapter "
+        "directory instead (adapter_config.json, adapter_model.safetensors), or with --merge "
+        "its merged weights (W + scale·B·A) as a model directory. Bad input exits with code 2 "
+        "and writes nothing.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (jaxmem train --out)")
     p.add_argument("--out", required=True, metavar="HF_DIR", help="the new model directory")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="an adapter run: write the base with its adapters merged in (W + scale·B·A) as a "
+        "model directory, not a PEFT adapter directory",
+    )
     p.set_defaults(func=run)
 
 
@@ -57,12 +68,19 @@ def run(args: argparse.Namespace) -> int:
     with usage_errors():
         job = JobConfig.from_dict(saved)
         model_type = hf_model_type(job.model)
-    if job.adapters.enabled:
+    if args.merge and not job.adapters.enabled:
         raise UsageError(
-            f"{run_dir} trained adapters ({job.adapters.label()}): exporting an adapter run is "
-            "not built yet (its checkpoint holds the frozen base and the adapters)"
+            f"--merge: {run_dir} trained no adapters (full fine-tuning): there is nothing to "
+            "merge, its export is the full weights; drop --merge"
         )
+    if job.adapters.enabled and not args.merge:
+        return _export_adapters(args, run_dir, step, job)
     params = _params(run_dir, step, job)
+    if job.adapters.enabled and job.run.framework == "jax":  # torch's come merged
+        from jaxmem.hf.adapters import merged_params
+        from jaxmem.model.hf import all_arrays
+
+        params = merged_params(all_arrays(params), job.model, job.adapters)
     from jaxmem.model.hf import export_hf
     from jaxmem.train.prepare import model_dir
 
@@ -81,6 +99,42 @@ def run(args: argparse.Namespace) -> int:
     )
     if not note and not has_tokenizer(source):
         print(no_tokenizer_note(args.out, job, source))
+    return 0
+
+
+def _export_adapters(args: argparse.Namespace, run_dir: str, step: int, job) -> int:
+    """The adapters of a JAX LoRA run as a PEFT adapter directory."""
+    from jaxmem.hf.adapters import (
+        ADAPTER_CONFIG,
+        ADAPTER_FILE,
+        check_exportable,
+        peft_config,
+        peft_tensors,
+    )
+    from jaxmem.hf.files import save_model_dir
+    from jaxmem.model.hf import all_arrays
+    from jaxmem.train.prepare import model_dir
+
+    with usage_errors():
+        check_exportable(job.model)
+    if job.run.framework == "torch":
+        raise UsageError(
+            f"{run_dir} is a --framework torch adapter run: its adapters export merged only "
+            "(jaxmem export --merge); a PEFT adapter directory comes from a jax run"
+        )
+    arrays = all_arrays(_params(run_dir, step, job))
+    dtype = arrays[("wte", "embedding")].dtype  # the base's
+    tensors = {k: v.astype(dtype) for k, v in peft_tensors(arrays, job.model, job.adapters).items()}
+    base = model_dir(job)
+    config = peft_config(job.adapters, base)
+    with usage_errors():
+        written = save_model_dir(args.out, config, tensors, names=(ADAPTER_CONFIG, ADAPTER_FILE))
+    base_text = repr(base) if base is not None else "a model directory of the base (jaxmem export)"
+    print(
+        f"wrote {args.out}/: {', '.join(written)} (PEFT LoRA, {job.adapters.label()}, "
+        f"{dtype.name}, step {step} of {run_dir}); load it with peft.PeftModel.from_pretrained("
+        f"transformers.AutoModelForCausalLM.from_pretrained({base_text}), {args.out!r})"
+    )
     return 0
 
 

@@ -276,9 +276,11 @@ def save_model_dir(
     *,
     copy_from: str | None = None,
     files: Iterable[str] = (),
+    names: tuple[str, str] = ("config.json", SINGLE_FILE),
 ) -> list[str]:
-    """Write a Hugging Face model directory: ``config.json``, ``model.safetensors`` and the
-    ``files`` of ``copy_from`` that exist there (the tokenizer's). Everything is written into
+    """Write a Hugging Face model directory: ``config.json``, ``model.safetensors`` (or the
+    two ``names``: a PEFT adapter's) and the ``files`` of ``copy_from`` that exist there (the
+    tokenizer's). Everything is written into
     a temporary directory beside ``out_dir`` and renamed into place, so an error leaves
     nothing half-written. Returns the file names written."""
     import shutil
@@ -289,11 +291,11 @@ def save_model_dir(
     with made_dirs(parent):  # the directories missing above out_dir: removed again on failure
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
         try:
-            with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as fh:
+            with open(os.path.join(tmp, names[0]), "w", encoding="utf-8") as fh:
                 json.dump(dict(config_json), fh, indent=2, sort_keys=True)
                 fh.write("\n")
-            write_safetensors(os.path.join(tmp, SINGLE_FILE), tensors)
-            written = ["config.json", SINGLE_FILE]
+            write_safetensors(os.path.join(tmp, names[1]), tensors)
+            written = list(names)
             for name in files if copy_from else ():
                 src = os.path.join(copy_from, name)
                 if os.path.isfile(src):

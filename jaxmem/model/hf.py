@@ -44,6 +44,13 @@ def flat_params(params: Any) -> dict[Path, Any]:
     return {tuple(str(k) for k in path): var for path, var in nnx.to_flat_state(state)}
 
 
+def all_arrays(params: Any) -> dict[Path, np.ndarray]:
+    """Every parameter of an ``nnx.State`` of parameters, adapters included, as
+    ``path -> numpy array``."""
+    state = nnx.filter_state(params, nnx.Param)
+    return {tuple(str(k) for k in p): np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}
+
+
 def read_hf_weights(directory: str, cfg: ModelConfig, dtype: Any) -> dict[Path, np.ndarray]:
     """The Hugging Face checkpoint in ``directory`` as jaxmem's flat parameter tree in
     ``dtype``, read before any model exists (a run reads them before its random init
@@ -88,11 +95,15 @@ def export_hf(
     *,
     tokenizer_from: str | None = None,
 ) -> list[str]:
-    """Write ``params`` (an ``nnx.State`` or ``Decoder`` of ``cfg``) as a Hugging Face model
+    """Write ``params`` (an ``nnx.State`` or ``Decoder`` of ``cfg``, or its base parameters as
+    ``path -> array``: ``jaxmem.hf.adapters.merged_params``) as a Hugging Face model
     directory: ``config.json``, ``model.safetensors`` (Hugging Face key names, the parameters'
     dtype) and the tokenizer files of ``tokenizer_from`` that exist. ``out_dir`` must be new
     or empty; written whole or not at all. Returns the file names."""
-    arrays = {p: np.asarray(v[...]) for p, v in flat_params(params).items()}
+    if type(params) is dict:
+        arrays = params
+    else:
+        arrays = {p: np.asarray(v[...]) for p, v in flat_params(params).items()}
     dtype = next(iter(arrays.values())).dtype.name
     tensors = hf_tensors(arrays, cfg)
     config = hf_config_from_model(cfg, dtype=dtype)
