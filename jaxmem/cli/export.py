@@ -73,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
             f"--merge: {run_dir} trained no adapters (full fine-tuning): there is nothing to "
             "merge, its export is the full weights; drop --merge"
         )
+    if job.adapters.base != "compute":
+        raise UsageError(
+            f"{run_dir} trained adapters on an {job.adapters.base} base: exporting a run whose "
+            "base is packed is not built yet (its checkpoint holds the packed base)"
+        )
     if job.adapters.enabled and not args.merge:
         return _export_adapters(args, run_dir, step, job)
     params = _params(run_dir, step, job)
