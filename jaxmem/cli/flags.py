@@ -23,6 +23,7 @@ from jaxmem.cli.common import (
     usage_errors,
 )
 from jaxmem.config import ATTENTIONS, MEMORY_KINDS, OPTIMIZERS, PRESETS, SCHEDULES, ModelConfig
+from jaxmem.memory.targets import SHIPPED
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 
@@ -40,8 +41,8 @@ class Flag:
 
 
 TARGETS_HELP = (
-    "cpu (this machine's backend), h100, a100-40gb, a100-80gb, v100-32gb, a10-24gb (compiled "
-    "without a GPU; needs jaxmem[gpu-plan]) or a captured .txtpb target file"
+    f"cpu (this machine's backend), {', '.join(SHIPPED)} (compiled without a GPU; needs "
+    "jaxmem[gpu-plan]) or a captured .txtpb target file"
 )
 
 FLAGS: dict[str, Flag] = {
