@@ -18,8 +18,13 @@ from jaxmem.compare.parity import dtype_context, precision_of, torch_model_from
 from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from parity_tests.hf_models import float64_internals, load_hf, save_hf_model
 
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
+pytest.importorskip(
+    "peft",
+    reason="peft: the adapters and dev extras (make test installs it)",
+)
+pytest.importorskip(
+    "transformers", reason="transformers is in the dev extra (make test installs it)"
+)
 
 import torch_ref  # noqa: E402
 from torch_ref.lora import (  # noqa: E402  (after the importorskip)

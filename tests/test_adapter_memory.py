@@ -97,7 +97,10 @@ def test_a_qlora_llama_3_8b_base_is_its_published_5_7_gb():
 def test_a_quantized_matrix_is_bitsandbytes_packed_weights_and_statistics(n_out, n_in):
     """bitsandbytes on a torch Linear's [out, in] weight: nf4 with double quantization (192 and
     512 blocks: one and two second-level scales) and row-wise int8."""
-    pytest.importorskip("bitsandbytes")
+    pytest.importorskip(
+        "bitsandbytes",
+        reason="bitsandbytes: the adapters and dev extras (make test installs it)",
+    )
     import bitsandbytes.functional as bnbf
     import torch
 
@@ -126,8 +129,13 @@ def test_the_counts_are_pefts_on_a_tiny_hugging_face_llama():
     trainable and frozen parameters PEFT counts for several target sets (all seven included),
     and with the norms unfrozen; the matrices quantized are the linear layers Hugging Face's
     bitsandbytes integration converts (every one but the LM head)."""
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip(
+        "peft",
+        reason="peft: the adapters and dev extras (make test installs it)",
+    )
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is in the dev extra (make test installs it)"
+    )
     from transformers.quantizers.base import get_keys_to_not_convert
 
     def hf_llama():

@@ -130,7 +130,9 @@ def test_messages_render_as_transformers_apply_chat_template(kind, tmp_path):
     """The text and ids equal transformers' ``apply_chat_template``; with generation tags its
     assistant mask too; found prefix by prefix, the masked-in tokens are the assistant turns and
     what the template writes after each (its end-of-turn)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is in the dev extra (make test installs it)"
+    )
     tok_dir = chat_tokenizer(tmp_path / "tok", TEMPLATES[kind])
     theirs = transformers.AutoTokenizer.from_pretrained(tok_dir)
     text = theirs.apply_chat_template(CHAT, tokenize=False)
@@ -301,7 +303,7 @@ def test_the_masked_loss_is_the_mean_over_masked_in_tokens(byte_rows, f64_model)
 def test_masked_accumulation_equals_one_batch_and_torch_ref_agrees(byte_rows, f64_model):
     """Two microbatches with different numbers of masked-in tokens sum and divide once: the
     loss and gradients equal the one-batch ones, and torch_ref's (float64, same weights)."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is the torch extra (make test installs it)")
     import torch_ref
     from jaxmem.compare.weights import to_torch_state_dict
     from jaxmem.step.train_step import lm_loss_fn, summed_grads
@@ -361,7 +363,7 @@ def test_train_on_prepared_instruction_data_logs_the_same_losses_in_both_framewo
     """``jaxmem train --data DATA`` (3 steps, tiny) in JAX and PyTorch: equal losses within the
     table; a text-only reader still refuses the JSON Lines file, pointing at prepare; a seq-len
     other than the data's is one line."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason="torch is the torch extra (make test installs it)")
     base = ["train", "--preset", "tiny", "--steps", "3", "--batch-size", "4", "--set"]
     base += ["run.eval_batches=1", "--sample-tokens", "0", "--data", str(byte_rows)]
     losses = {}

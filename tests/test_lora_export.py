@@ -54,7 +54,10 @@ def run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_peft_loads_the_adapter_directory_and_computes_jaxmems_logits(run):
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip(
+        "peft",
+        reason="peft: the adapters and dev extras (make test installs it)",
+    )
     import torch
     from safetensors.numpy import load_file
     from transformers import LlamaForCausalLM
@@ -167,7 +170,10 @@ def test_a_gpt2_adapter_directory_is_refused_in_one_line_and_merge_writes_one(tm
 def test_a_torch_adapter_run_exports_merged_only(run, tmp_path, capsys):
     """A ``--framework torch`` run's checkpoint restores merged: ``--merge`` writes it (only the
     targeted projections differ from the base), an adapter directory is refused in one line."""
-    pytest.importorskip("peft")
+    pytest.importorskip(
+        "peft",
+        reason="peft: the adapters and dev extras (make test installs it)",
+    )
     from jaxmem.cli import main
     from jaxmem.hf.files import read_params
 

@@ -62,7 +62,10 @@ def test_nf4_packs_and_dequantizes_as_bitsandbytes(shape):
     """bitsandbytes' own nf4 arrays dequantize to its values exactly; our packing equals its
     bytes and 8-bit statistics exactly, the mean offset within ``OFFSET_ULPS`` (torch's fp32
     ``mean()`` sums in its own order; ours is the float64 mean rounded once)."""
-    bnb = pytest.importorskip("bitsandbytes.functional")
+    bnb = pytest.importorskip(
+        "bitsandbytes.functional",
+        reason="bitsandbytes: the adapters and dev extras (make test installs it)",
+    )
     w = torch.from_numpy(weight(shape))
     bnb_packed, state = bnb.quantize_4bit(
         w, blocksize=64, compress_statistics=True, quant_type="nf4"
@@ -91,7 +94,10 @@ def test_nf4_packs_and_dequantizes_as_bitsandbytes(shape):
 def test_the_8_bit_statistics_code_is_bitsandbytes_own():
     """The dynamic code, and values coded by bitsandbytes' CPU blockwise kernel, densely over
     [-1, 1] and near zero (where its steps are finest), in blocks of 256 with a partial one."""
-    bnb = pytest.importorskip("bitsandbytes.functional")
+    bnb = pytest.importorskip(
+        "bitsandbytes.functional",
+        reason="bitsandbytes: the adapters and dev extras (make test installs it)",
+    )
     np.testing.assert_array_equal(dynamic_code(), bnb.create_dynamic_map().numpy())
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.uniform(-1, 1, 20_000), rng.uniform(-0.01, 0.01, 10_000)])
@@ -105,7 +111,10 @@ def test_the_8_bit_statistics_code_is_bitsandbytes_own():
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
 def test_int8_packs_and_dequantizes_as_bitsandbytes(shape, dtype):
-    bnb = pytest.importorskip("bitsandbytes.functional")
+    bnb = pytest.importorskip(
+        "bitsandbytes.functional",
+        reason="bitsandbytes: the adapters and dev extras (make test installs it)",
+    )
     w = torch.from_numpy(weight(shape)).to(dtype)
     cb, scb, _ = bnb.int8_vectorwise_quant(w.clone())
     ours = quantize(w.numpy(), "int8")
@@ -191,7 +200,10 @@ def test_torch_saves_only_the_packed_buffers_and_its_gradient_is_the_plain_one(p
 def test_bitsandbytes_matmul_4bit_agrees_on_the_same_packed_bytes(packed):
     """bitsandbytes' own 4-bit linear (``matmul_4bit``, forward and backward on CPU) over the
     arrays jaxmem packed gives torch_ref's output and input gradient exactly."""
-    bnb = pytest.importorskip("bitsandbytes")
+    bnb = pytest.importorskip(
+        "bitsandbytes",
+        reason="bitsandbytes: the adapters and dev extras (make test installs it)",
+    )
     qw = packed["nf4", (16, 128)]
     _, state = bnb.functional.quantize_4bit(
         torch.zeros(16, 128), blocksize=64, compress_statistics=True, quant_type="nf4"
