@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxmem.adapters import NF4_BLOCK, NF4_STATS_BLOCK, AdapterConfig
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import ModelConfig, OptimizerConfig
 from jaxmem.parallel import ParallelConfig, shard_elements, tensor_share
 from jaxmem.policy import (
@@ -72,6 +72,7 @@ from jaxmem.policy import (
     recomputed_from,
 )
 from jaxmem.precision import Precision
+from jaxmem.quant import packed_bytes
 
 FP32 = 4
 ROPE_SOURCES = ("query_proj", "key_proj")  # RoPE rotates them: the backward reads the rotations
@@ -344,13 +345,9 @@ def frozen_matrix_bytes(n_in: int, n_out: int, base: str, param_bytes: int) -> i
     ``quantize_4bit(blocksize=64, compress_statistics=True)``: the packed weights, ``absmax``,
     ``state2.absmax`` and ``offset``; its two lookup tables, 16 and 256 fp32 values, are
     constants jaxmem keeps once, not per matrix)."""
-    n = n_in * n_out
-    if base == "int8":
-        return n + FP32 * n_out
-    if base == "nf4":
-        blocks = math.ceil(n / NF4_BLOCK)
-        return math.ceil(n / 2) + blocks + FP32 * math.ceil(blocks / NF4_STATS_BLOCK) + FP32
-    return n * param_bytes
+    if base in ("int8", "nf4"):
+        return packed_bytes(base, n_out, n_in)  # the packing's own count (jaxmem.quant)
+    return n_in * n_out * param_bytes
 
 
 @dataclasses.dataclass(frozen=True)
