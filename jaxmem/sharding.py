@@ -99,6 +99,14 @@ def leaf_spec(shape: tuple[int, ...], n: int, stacked: bool, tensor_dim: int | N
 # interleaved layout avoids.
 COLUMN = ("in_proj", "up", "gate")
 ROW = ("out_proj", "down")
+# A projection's adapter (``lora_<target>``: A [L, in, r], B [L, r, out]) follows its kernel:
+# column-parallel, B split by output columns (each device adds its heads' or columns' share of
+# the delta) and A replicated; row-parallel, A split by input rows (each device's partial
+# x A is summed with the kernel's) and B replicated. The fused kernel's q, k and v adapters
+# each split their own part's columns, which line up with the heads layout of the query, key
+# and value tags (not with the fused kernel's contiguous blocks).
+LORA_COLUMN = ("lora_q", "lora_k", "lora_v", "lora_gate", "lora_up")
+LORA_ROW = ("lora_o", "lora_down")
 
 
 def tensor_dim(path: tuple, shape: tuple[int, ...], stacked: bool) -> int | None:
@@ -107,6 +115,10 @@ def tensor_dim(path: tuple, shape: tuple[int, ...], stacked: bool) -> int | None
     if not stacked or len(keys) < 2:
         return None
     layer, leaf = keys[-2], keys[-1]
+    if (layer, leaf) in ((c, "lora_b") for c in LORA_COLUMN):  # B [L, r, out]
+        return len(shape) - 1
+    if (layer, leaf) in ((r, "lora_a") for r in LORA_ROW):  # A [L, in, r]
+        return len(shape) - 2
     if layer in COLUMN:  # kernel [L, in, out] or bias [L, out]: the output columns
         return len(shape) - 1
     if layer in ROW and leaf == "kernel":  # kernel [L, in, out]: the input rows

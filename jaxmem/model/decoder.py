@@ -29,7 +29,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem.model.ops as ops
-from jaxmem.adapters import AdapterConfig
+from jaxmem.adapters import TARGETS, AdapterConfig
 from jaxmem.config import ModelConfig
 from jaxmem.model.flash import cudnn_installed, fused_attention, fused_kernel
 from jaxmem.model.ops import wide
@@ -159,9 +159,62 @@ def lora_delta(lora: nnx.LoRA, x: Array, scale: float, dtype: Any) -> Array:
     return jnp.einsum("...r,ro->...o", h, b_ro, preferred_element_type=acc) * scale
 
 
-def adapted(y: Array, lora: nnx.LoRA | None, x: Array, scale: float, dtype: Any) -> Array:
-    """A projection's wide output ``y`` of input ``x`` with its adapter's delta added (if any)."""
-    return y if lora is None else y + lora_delta(lora, x, scale, dtype)
+def adapted(
+    y: Array,
+    lora: nnx.LoRA | None,
+    x: Array,
+    scale: float,
+    dtype: Any,
+    dropout: AdapterDropout | None = None,
+    target: str = "",
+) -> Array:
+    """A projection's wide output ``y`` of input ``x`` with its adapter's delta added (if any),
+    the adapter reading ``dropout(x)`` when ``dropout`` is given (``target`` names the mask)."""
+    if lora is None:
+        return y
+    return y + lora_delta(lora, x if dropout is None else dropout(x, target), scale, dtype)
+
+
+# The batch field holding each row's dropout key (``[B, *key shape]``, ``jax.random.key_data``)
+# for the adapters' dropout: the training step adds it (``jaxmem.step.frozen``); without it
+# (evaluation, sampling, a rate of 0) no mask is drawn.
+DROPOUT_KEYS = "lora_dropout_keys"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterDropout:
+    """Inverted dropout on the adapters' input in one block, as PEFT's ``lora_dropout`` (an
+    ``nn.Dropout`` per adapted module): each element kept with probability ``1 - rate`` and
+    multiplied by ``1 / (1 - rate)`` (in ``x``'s dtype, as torch does), else zero. The masks
+    come from ``keys`` (``[B, *key shape]``: row ``b``'s key for this block) folded with the
+    target's index, so each projection of each row of each block draws its own mask, and a
+    recomputed block (any memory policy) draws the same one: no stateful RNG."""
+
+    rate: float
+    keys: Array
+
+    def __call__(self, x: Array, target: str) -> Array:
+        keep = 1.0 - self.rate
+        part = TARGETS.index(target)
+
+        def row_mask(key_data: Array, row: Array) -> Array:
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), part)
+            return jax.random.bernoulli(key, keep, row.shape)
+
+        mask = jax.vmap(row_mask)(self.keys, x)
+        return jnp.where(mask, x * jnp.asarray(1.0 / keep, x.dtype), jnp.zeros((), x.dtype))
+
+
+def layer_dropout_keys(row_keys: Array, layer: Array) -> Array:
+    """Each row's key (``[B, *key shape]``) folded with block ``layer`` (a float index: see
+    ``BlockStack``), as key data."""
+    index = layer.astype(jnp.int32)
+
+    def one(key_data: Array) -> Array:
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data), index)
+        return jax.random.key_data(key)
+
+    return jax.vmap(one)(row_keys)
 
 
 class LayerNorm(nnx.Module):
@@ -263,9 +316,10 @@ class SelfAttention(nnx.Module):
         self.lora_v = make_lora(adapters, "v", d, kv, **lora)
         self.lora_o = make_lora(adapters, "o", d, d, **lora)
 
-    def _qkv(self, x_bsd: Array) -> Array:
+    def _qkv(self, x_bsd: Array, dropout: AdapterDropout | None = None) -> Array:
         """The fused projection's output in the compute dtype, ``[B, S, D + 2 Hkv K]``, each
-        targeted part's adapter added to its columns before rounding."""
+        targeted part's adapter added to its columns before rounding (its input dropped out by
+        its own mask under ``dropout``)."""
         qkv = self.in_proj(x_bsd)  # wide
         parts = (self.lora_q, self.lora_k, self.lora_v)
         if all(p is None for p in parts):
@@ -273,17 +327,27 @@ class SelfAttention(nnx.Module):
         d, kv = x_bsd.shape[-1], self.kv_heads * self.head_dim
         split = jnp.split(qkv, [d, d + kv], axis=-1)
         sc, dt = self.lora_scale, self.dtype
-        split = [adapted(y, p, x_bsd, sc, dt) for y, p in zip(split, parts, strict=True)]
+        split = [
+            adapted(y, p, x_bsd, sc, dt, dropout, t)
+            for y, p, t in zip(split, parts, "qkv", strict=True)
+        ]
         return jnp.concatenate(split, axis=-1).astype(self.dtype)
 
-    def _out(self, context: Array) -> Array:
-        y = adapted(self.out_proj(context), self.lora_o, context, self.lora_scale, self.dtype)
+    def _out(self, context: Array, dropout: AdapterDropout | None = None) -> Array:
+        sc, dt = self.lora_scale, self.dtype
+        y = adapted(self.out_proj(context), self.lora_o, context, sc, dt, dropout, "o")
         return checkpoint_name(y.astype(self.dtype), "attn_out")
 
-    def __call__(self, x_bsd: Array, mask_ss: Array | None, rope: RopeTables = None) -> Array:
+    def __call__(
+        self,
+        x_bsd: Array,
+        mask_ss: Array | None,
+        rope: RopeTables = None,
+        dropout: AdapterDropout | None = None,
+    ) -> Array:
         b, s, d = x_bsd.shape
         kv, hd = self.kv_heads, self.head_dim
-        qkv = self._qkv(x_bsd)  # [B, S, D + 2 Hkv K]
+        qkv = self._qkv(x_bsd, dropout)  # [B, S, D + 2 Hkv K]
         q, k, v = jnp.split(qkv, [d, d + kv * hd], axis=-1)
         # grouped heads, naive core: q as [B, S, Hkv, G, K] from the start, so the tensor the
         # scores' backward keeps is the tagged one (a reshape after tagging would be a second)
@@ -299,7 +363,7 @@ class SelfAttention(nnx.Module):
             k = checkpoint_name(ops.rope(k, *rope), "key_rope")
         if self.fused:  # one op; its output and log-sum-exp are tagged inside (see flash)
             context = fused_attention(q, k, v, self.causal, self.block, self.kernel)  # [B, S, D]
-            return self._out(context)
+            return self._out(context, dropout)
         scale = 1.0 / math.sqrt(hd)
         # Scores and softmax in fp32 (or wider) whatever the compute dtype.
         acc = wide(self.dtype)
@@ -312,7 +376,7 @@ class SelfAttention(nnx.Module):
         probs = ops.softmax(scores, self.dtype, "attn_probs")  # tagged inside (see ops)
         context = _context(probs, v).reshape(b, s, d)  # [B, S, D]
         context = checkpoint_name(context, "attn_context")
-        return self._out(context)
+        return self._out(context, dropout)
 
 
 def _scores(q: Array, k: Array, acc: Any) -> Array:
@@ -363,22 +427,20 @@ class FeedForward(nnx.Module):
         self.lora_up = make_lora(adapters, "up", d, f, **lora)
         self.lora_down = make_lora(adapters, "down", f, d, **lora)
 
-    def _proj(self, name: str, x: Array) -> Array:
+    def _proj(self, name: str, x: Array, dropout: AdapterDropout | None = None) -> Array:
         """Projection ``name`` of ``x`` (its adapter added), rounded to the compute dtype."""
-        y = adapted(
-            getattr(self, name)(x), getattr(self, f"lora_{name}"), x, self.lora_scale, self.dtype
-        )
-        return y.astype(self.dtype)
+        lora, sc, dt = getattr(self, f"lora_{name}"), self.lora_scale, self.dtype
+        return adapted(getattr(self, name)(x), lora, x, sc, dt, dropout, name).astype(dt)
 
-    def __call__(self, x_bsd: Array) -> Array:
+    def __call__(self, x_bsd: Array, dropout: AdapterDropout | None = None) -> Array:
         if self.gated:
-            g = checkpoint_name(self._proj("gate", x_bsd), "mlp_gate")  # [B, S, F]
-            u = checkpoint_name(self._proj("up", x_bsd), "mlp_up")
+            g = checkpoint_name(self._proj("gate", x_bsd, dropout), "mlp_gate")  # [B, S, F]
+            u = checkpoint_name(self._proj("up", x_bsd, dropout), "mlp_up")
             h = checkpoint_name(ops.gated(g, u, self.activation), "mlp_act")
         else:
-            h = checkpoint_name(self._proj("up", x_bsd), "mlp_up")  # [B, S, F]
+            h = checkpoint_name(self._proj("up", x_bsd, dropout), "mlp_up")  # [B, S, F]
             h = activation(self.activation, h, "mlp_act")
-        return checkpoint_name(self._proj("down", h), "mlp_down")  # [B, S, D]
+        return checkpoint_name(self._proj("down", h, dropout), "mlp_down")  # [B, S, D]
 
 
 class Block(nnx.Module):
@@ -404,17 +466,23 @@ class Block(nnx.Module):
         self.norm1 = make_norm(cfg, **kw)
         self.norm2 = make_norm(cfg, **kw)
 
-    def __call__(self, x_bsd: Array, mask_ss: Array | None, rope: RopeTables = None) -> Array:
+    def __call__(
+        self,
+        x_bsd: Array,
+        mask_ss: Array | None,
+        rope: RopeTables = None,
+        dropout: AdapterDropout | None = None,
+    ) -> Array:
         x = checkpoint_name(x_bsd.astype(self.dtype), "block_input")
         if self.pre_norm:  # GPT-2, Llama: x + f(norm(x))
             h = checkpoint_name(self.norm1(x), "norm1_out")
-            x = checkpoint_name(x + self.self_attn(h, mask_ss, rope), "attn_residual")
+            x = checkpoint_name(x + self.self_attn(h, mask_ss, rope, dropout), "attn_residual")
             h = checkpoint_name(self.norm2(x), "norm2_out")
-            return checkpoint_name(x + self.ffn(h), "mlp_residual")
+            return checkpoint_name(x + self.ffn(h, dropout), "mlp_residual")
         # Post-norm (the seeds' DecoderLayer): norm(x + f(x)).
-        x = checkpoint_name(x + self.self_attn(x, mask_ss, rope), "attn_residual")
+        x = checkpoint_name(x + self.self_attn(x, mask_ss, rope, dropout), "attn_residual")
         x = checkpoint_name(self.norm1(x), "norm1_out")
-        x = checkpoint_name(x + self.ffn(x), "mlp_residual")
+        x = checkpoint_name(x + self.ffn(x, dropout), "mlp_residual")
         return checkpoint_name(self.norm2(x), "norm2_out")
 
 
@@ -466,6 +534,7 @@ class BlockStack(nnx.Module):
         adapters: AdapterConfig | None = None,
     ):
         self.cfg = cfg
+        self.dropout = adapters.dropout if adapters is not None and adapters.enabled else 0.0
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -475,9 +544,17 @@ class BlockStack(nnx.Module):
 
         self.layers = make_layers(rngs)
 
-    def __call__(self, x_bsd: Array, *, layers_fn: LayersFn | None = None) -> Array:
+    def __call__(
+        self, x_bsd: Array, *, layers_fn: LayersFn | None = None, dropout_keys: Array | None = None
+    ) -> Array:
         """Apply every block. ``layers_fn(layer_fn, x, stacked_state)`` decides how (default:
-        ``scan_layers``); memory policies pass their own (see ``jaxmem.memory.remat``)."""
+        ``scan_layers``); memory policies pass their own (see ``jaxmem.memory.remat``).
+
+        ``dropout_keys`` (``[B, *key shape]``, with a dropout rate): the adapters' inputs are
+        dropped out (``AdapterDropout``). Each block's keys are the rows' folded with its index,
+        which travels with its parameters as a float ``[L]`` leaf of the stacked state (a
+        ``layers_fn`` slices it like a weight; a float, so a custom VJP's cotangent for it is
+        an ordinary zero)."""
         seq_len = x_bsd.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(
@@ -487,11 +564,21 @@ class BlockStack(nnx.Module):
         mask_ss = causal_mask(self.cfg, seq_len) if self.cfg.attention == "naive" else None
         rope = rope_tables(self.cfg, seq_len, x_bsd.dtype)  # an EmbeddingLookup's too
         graphdef, stacked_state = nnx.split(self.layers)
+        run = layers_fn or scan_layers
+        if dropout_keys is None or not self.dropout:
 
-        def layer_fn(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, mask_ss, rope)
+            def layer_fn(x, layer_state):
+                return nnx.merge(graphdef, layer_state)(x, mask_ss, rope)
 
-        return (layers_fn or scan_layers)(layer_fn, x_bsd, stacked_state)
+            return run(layer_fn, x_bsd, stacked_state)
+
+        def dropped_layer_fn(x, layer):
+            layer_state, index = layer
+            drop = AdapterDropout(self.dropout, layer_dropout_keys(dropout_keys, index))
+            return nnx.merge(graphdef, layer_state)(x, mask_ss, rope, drop)
+
+        index = jnp.arange(self.cfg.n_layers, dtype=jnp.float32)
+        return run(dropped_layer_fn, x_bsd, (stacked_state, index))
 
 
 class Decoder(nnx.Module):
@@ -544,14 +631,28 @@ class Decoder(nnx.Module):
             )
         )
 
-    def __call__(self, tokens_bs: Array, *, layers_fn: LayersFn | None = None) -> Array:
+    def __call__(
+        self,
+        tokens_bs: Array,
+        *,
+        layers_fn: LayersFn | None = None,
+        dropout_keys: Array | None = None,
+    ) -> Array:
         """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32 (float64 for a float64 model)."""
         head, head_params = self.head()
-        return head(head_params, self.features(tokens_bs, layers_fn=layers_fn))
+        x = self.features(tokens_bs, layers_fn=layers_fn, dropout_keys=dropout_keys)
+        return head(head_params, x)
 
-    def features(self, tokens_bs: Array, *, layers_fn: LayersFn | None = None) -> Array:
+    def features(
+        self,
+        tokens_bs: Array,
+        *,
+        layers_fn: LayersFn | None = None,
+        dropout_keys: Array | None = None,
+    ) -> Array:
         """Token ids ``[B, S]`` → the block stack's output ``[B, S, D]`` (compute dtype), what
-        the head (``head``) turns into logits."""
+        the head (``head``) turns into logits. ``dropout_keys``: each row's key for the
+        adapters' dropout (training only; ``BlockStack``)."""
         seq_len = tokens_bs.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(
@@ -559,7 +660,7 @@ class Decoder(nnx.Module):
             )
         x = self.embedding(tokens_bs)
         replays = getattr(layers_fn, "replays_embedding", False)
-        return self.blocks(x if replays else x(), layers_fn=layers_fn)
+        return self.blocks(x if replays else x(), layers_fn=layers_fn, dropout_keys=dropout_keys)
 
     def embedding(self, tokens_bs: Array) -> EmbeddingLookup:
         """The embedding lookup of ``tokens_bs``, not yet run: the stack's input as

@@ -230,7 +230,7 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
     graphdef, params = nnx.split(model, nnx.Param)
     trainable = Trainable(spec.adapters)
     cfg, policy, opt = spec.model, spec.policy, spec.optimizer
-    tx = make_optimizer(opt)
+    tx = trainable.optimizer(make_optimizer(opt))
     layers = layers_fn(policy, cfg.n_layers)
 
     def plain(lf: Any) -> Loss:

@@ -8,20 +8,81 @@ optimizer state at all (not a zero-filled one, as ``optax.masked`` would keep). 
 still enter and leave the step whole (the frozen ones unchanged), so checkpoints, evaluation
 and export see one tree. ``check_composes`` names, in one line each, what an adapter step does
 not compose with yet; the step builder calls it before anything compiles.
+
+The adapters' dropout (``AdapterConfig.dropout``) draws its masks from keys, not from state
+the model keeps: the step folds the run's seed and the update count (``DropoutRng``, kept in
+the optimizer state, so a checkpoint resumes it) into one key per batch row, which the model
+folds with the block and projection (``jaxmem.model.decoder.AdapterDropout``). A row's masks
+are therefore the same however the batch is split into microbatches or over devices, and a
+resumed run draws the masks the uninterrupted one did.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from jaxmem.adapters import AdapterConfig
 from jaxmem.config import ConfigError
+from jaxmem.model.decoder import DROPOUT_KEYS
 from jaxmem.model.qbase import PackedBase
+
+# folded into the run's seed for the dropout's keys (the adapters' init folds in 1)
+DROPOUT_STREAM = 2
+
+
+class DropoutRng(NamedTuple):
+    """The adapters' dropout's random state, a leaf of the optimizer state: the run's seed
+    (``with_dropout_seed`` sets it) and the updates done so far."""
+
+    seed: jax.Array  # uint32 scalar
+    step: jax.Array  # int32 scalar
+
+
+def dropout_rng() -> optax.GradientTransformation:
+    """The optimizer part that counts updates for the dropout's keys (the updates pass
+    unchanged)."""
+
+    def init(params: Any) -> DropoutRng:
+        del params
+        return DropoutRng(jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.int32))
+
+    def update(updates: Any, state: DropoutRng, params: Any = None) -> tuple[Any, DropoutRng]:
+        del params
+        return updates, state._replace(step=state.step + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _is_rng(x: Any) -> bool:
+    return isinstance(x, DropoutRng)
+
+
+def with_dropout_seed(opt_state: Any, seed: int) -> Any:
+    """``opt_state`` with its ``DropoutRng``'s seed set to the run's ``seed`` (where it is:
+    unchanged without adapter dropout), on the devices the old seed was on."""
+
+    def put(x: Any) -> Any:
+        if not _is_rng(x):
+            return x
+        value = jnp.asarray(seed, jnp.uint32)
+        where = getattr(x.seed, "sharding", None)
+        return x._replace(seed=value if where is None else jax.device_put(value, where))
+
+    return jax.tree_util.tree_map(put, opt_state, is_leaf=_is_rng)
+
+
+def dropout_keys(rng: DropoutRng, rows: int) -> jax.Array:
+    """One dropout key per batch row (``[rows, *key shape]`` key data) for the step ``rng``
+    counts: the run's seed folded with ``DROPOUT_STREAM``, the step and the row."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(rng.seed), DROPOUT_STREAM), rng.step)
+    return jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(jnp.arange(rows))
+
 
 # the path element each group of ``AdapterConfig.train`` is recognised by: every norm's
 # parameters sit under a ``norm`` module (``norm1.norm.scale``, ``norm_f.norm.bias``)
@@ -56,6 +117,21 @@ class Trainable:
     def trained(self, params: Any) -> Any:
         """The subtree the optimizer updates (and holds state for)."""
         return self.split(params)[0]
+
+    @property
+    def dropout(self) -> bool:
+        return self.adapters.enabled and self.adapters.dropout > 0
+
+    def optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``tx``, with the dropout's update counter (``DropoutRng``) under adapter dropout."""
+        return optax.chain(tx, dropout_rng()) if self.dropout else tx
+
+    def with_dropout_keys(self, batch: dict[str, Any], opt_state: Any) -> dict[str, Any]:
+        """``batch`` with this step's dropout keys (``DROPOUT_KEYS``) under adapter dropout."""
+        if not self.dropout:
+            return batch
+        (rng,) = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_rng) if _is_rng(x)]
+        return {**batch, DROPOUT_KEYS: dropout_keys(rng, batch["inputs"].shape[0])}
 
     def merge(self, trained: Any, frozen: Any) -> Any:
         return trained if frozen is None else nnx.merge_state(trained, frozen)
@@ -102,16 +178,6 @@ def refusal(spec: Any) -> str | None:
             ad.base != "compute" and spec.parallel.shards_params,
             f"--quantize-base {ad.base} with --mesh {spec.parallel.mesh_text()}: packed "
             "base weights are not sharded yet; use dp or zero1, or drop --quantize-base",
-        ),
-        (
-            ad.dropout > 0,
-            f"--lora-dropout {ad.dropout:g}: adapter dropout is not trainable "
-            "yet; drop --lora-dropout (0)",
-        ),
-        (
-            spec.parallel.tensor_parallel,
-            f"--mesh {spec.parallel.mesh_text()}: tensor parallelism does not lay out adapters "
-            "yet; use dp, zero1 or fsdp without tp",
         ),
         (
             opt.stream,

@@ -23,6 +23,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxmem.config import AccumConfig, ConfigError, OptimizerConfig
 from jaxmem.memory.remat import accumulates_in_place, accumulating_layers_fn
 from jaxmem.model import STACK_PATH
+from jaxmem.model.decoder import DROPOUT_KEYS
 from jaxmem.model.loss import chunked_lm_loss, cross_entropy_sum
 from jaxmem.policy import MemoryPolicy
 from jaxmem.precision import PRECISIONS, Precision
@@ -135,7 +136,8 @@ def lm_loss_fn(
 ) -> Callable[..., tuple]:
     """``loss(params, batch) -> (mean_loss, (loss_sum, n_tokens))`` for next-token prediction.
 
-    ``batch`` is ``{"inputs": [B, S] ids, "targets": [B, S] ids, "mask": [B, S] (optional)}``.
+    ``batch`` is ``{"inputs": [B, S] ids, "targets": [B, S] ids, "mask": [B, S] (optional)}``,
+    and the adapters' dropout keys where the training step adds them (``DROPOUT_KEYS``).
     ``loss_chunks`` (``LossPolicy.chunks``): 0 computes the whole logits and keeps them
     for the backward; N runs the head and loss over N sequence chunks with each chunk's gradients
     formed in the forward (``chunked_lm_loss``).
@@ -143,14 +145,15 @@ def lm_loss_fn(
 
     def loss(params: nnx.State, batch: dict[str, jax.Array]):
         model = nnx.merge(graphdef, params)
+        kw = {**model_kwargs, "dropout_keys": batch.get(DROPOUT_KEYS)}
         if loss_chunks:
             head, head_params = model.head()
-            x = model.features(batch["inputs"], **model_kwargs)
+            x = model.features(batch["inputs"], **kw)
             loss_sum, n_tokens = chunked_lm_loss(
                 head, head_params, x, batch["targets"], batch.get("mask"), chunks=loss_chunks
             )
         else:
-            logits = model(batch["inputs"], **model_kwargs)
+            logits = model(batch["inputs"], **kw)
             loss_sum, n_tokens = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
         return loss_sum / n_tokens, (loss_sum, n_tokens)
 
@@ -316,6 +319,8 @@ def make_train_step(
         # forward, so each microbatch's summed loss is weighted by scale / n_total (fp16
         # overflow then happens at the same scales as in PyTorch).
         factor = None if loss_scale is None else loss_scale.scale / valid_tokens(batch)
+        if trainable is not None:  # the adapters' dropout keys of this step, one per row
+            batch = trainable.with_dropout_keys(batch, opt_state)
         params, frozen, of = (
             (params, None, loss_fn) if trainable is None else trainable.bind(loss_fn, params)
         )

@@ -39,7 +39,7 @@ from jaxmem.sharding import (
 )
 from jaxmem.step import stream
 from jaxmem.step.build import build_step
-from jaxmem.step.frozen import counts_line
+from jaxmem.step.frozen import counts_line, with_dropout_seed
 from jaxmem.step.scaling import init_loss_scale
 from jaxmem.step.spec import StepSpec
 from jaxmem.step.train_step import (
@@ -282,6 +282,7 @@ class JaxTrainer:
         t0 = time.perf_counter()
         try:
             params, opt_state = self.built.state(params)
+            opt_state = with_dropout_seed(opt_state, self.job.run.seed)  # adapter dropout's
             if self.job.accum.mode == "multisteps":
                 self._step, self.lowered = _multisteps(self.built, params, opt_state, first)
             else:
