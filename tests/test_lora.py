@@ -326,9 +326,7 @@ BAD_OPTIONS = {
         ["--lora-rank", "4", "--quantize-base", "int8", "--mesh", "fsdp=2"],
         "packed base weights are not sharded yet",
     ),
-    "dropout": (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout 0.1"),
     "stream": (["--lora-rank", "4", "--stream"], "--stream"),
-    "tensor-parallel": (["--lora-rank", "4", "--mesh", "tp=2"], "tensor parallelism"),
     "host-state": (["--lora-rank", "4", "--state-memory", "pinned_host"], "--state-memory"),
     "multisteps": (["--lora-rank", "4", "--accum", "2", "--accum-mode", "multisteps"], "scan"),
 }
