@@ -27,7 +27,7 @@ from jaxmem.sharding import tensor_dim
 from jaxmem.step.frozen import DropoutRng, Trainable, dropout_keys
 from jaxmem.step.train_step import lm_loss_fn
 from tests.test_cli_contract import run_cli
-from tests.test_lora import RUN_FLAGS, _batch, _losses, _with_random_b
+from tests.test_lora import RUN_FLAGS, _batch, _losses, _refused, _with_random_b
 
 LLAMA = PRESETS["tiny-llama"]
 DROPPED = AdapterConfig(rank=4, alpha=16.0, targets=TARGETS, dropout=0.25)
@@ -88,8 +88,8 @@ def test_dropout_zero_and_no_keys_compute_the_model_without_dropout_exactly(fp64
 
 
 @pytest.mark.slow
-def test_every_memory_policy_draws_the_no_remat_masks_and_gradients_in_float64(fp64_model):
-    """The masks come from keys passed in, so a block's recompute (every policy, mixed,
+def test_recomputed_blocks_draw_the_no_remat_masks_and_gradients_in_float64(fp64_model):
+    """The masks come from keys passed in, so a block's recompute (scanned, nested, mixed,
     unrolled) draws the masks its forward drew: the gradients equal no remat's."""
     graphdef, params = fp64_model
     with jax.enable_x64(True):
@@ -104,7 +104,11 @@ def test_every_memory_policy_draws_the_no_remat_masks_and_gradients_in_float64(f
 
         base_loss, base = grads(POLICIES["none"])
         tol = tolerance("float64", "remat_vs_none").kwargs()
-        cases = {**POLICIES, "none:1+selective": mixed_policy("none", 1, "selective")}
+        # one policy per way the stack runs (tests/test_lora.py runs every policy without
+        # dropout): a scanned checkpoint, nested segments, several parts under one custom VJP,
+        # unrolled blocks
+        cases = {name: POLICIES[name] for name in ("selective", "nested")}
+        cases["none:1+full"] = mixed_policy("none", 1, "full")
         cases["full, unrolled"] = POLICIES["full"].replace(unroll=True)
         for name, policy in cases.items():
             loss, g = grads(policy)
@@ -176,3 +180,31 @@ def test_a_tensor_parallel_adapter_run_with_dropout_logs_the_one_device_losses(d
         _losses(dropout_runs / "straight"),
         **tolerance("float32", "data_parallel_loss").kwargs(),
     )
+
+
+# ---------------------------------------------------------------- what stays refused, and where
+STILL_REFUSED = {
+    "stream": (["--stream"], "--stream: a streamed stack with adapters is not built yet"),
+    "host-state": (["--state-memory", "pinned_host"], "--state-memory pinned_host: adapters"),
+    "host-params": (
+        ["--set", "optimizer.params_memory=pinned_host"],
+        "optimizer.params_memory='pinned_host': adapters keep the parameters on the device",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", ["train", "memory", "peak"])
+def test_what_adapters_do_not_compose_with_is_one_line_exit_2_in_every_step_command(
+    command, capsys, tmp_path
+):
+    """Refused before anything compiles (``jaxmem peak`` before its child process starts),
+    naming the value and the flag to drop; nothing written."""
+    for case, (args, message) in STILL_REFUSED.items():
+        if command == "memory" and case == "stream":
+            continue  # memory measures no streamed step at all (its own one-line refusal)
+        out = ["--out", str(tmp_path / case)] if command == "train" else []
+        line = _refused(
+            capsys, [command, "--preset", "tiny-llama", "--lora-rank", "4", *args, *out]
+        )
+        assert line.startswith(f"jaxmem {command}: error: ") and message in line, (case, line)
+    assert not list(tmp_path.iterdir())

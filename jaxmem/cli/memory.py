@@ -94,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
     step_flags = [n for n in NAMES if n != "replay_embedding"]
     job = job_from_args(args, step_flags, DEFAULTS, seq_len_default=seq_default)
     not_streamed(job, "memory")
+    if job.adapters.enabled:  # what an adapter step refuses, before anything is measured
+        from jaxmem.step.frozen import check_composes
+        from jaxmem.step.spec import StepSpec
+
+        with usage_errors():
+            check_composes(StepSpec.of_job(job, target))
     setup = _setup(args, job, target)
     check_writable(args.json)
     if "jax" in setup.frameworks:

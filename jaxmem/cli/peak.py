@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxmem.memory.targets import get_target
     from jaxmem.planner.peak import explain_peak
+    from jaxmem.step.frozen import check_composes
     from jaxmem.step.spec import StepSpec
 
     if args.fn is not None:
@@ -65,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
         with usage_errors():
             require_one_device(job.parallel)
+    with usage_errors():  # what an adapter step refuses, before the child compiles anything
+        check_composes(StepSpec.of_job(job, target))
     check_writable(args.json)
     if target.is_gpu:
         need_gpu_plan(target)
