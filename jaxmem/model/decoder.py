@@ -12,7 +12,9 @@ attention: G = H / Hkv query heads share each), K head_dim, F d_ff, V vocab, L l
 Architecture is data (``ModelConfig``): LayerNorm or RMSNorm, learned positions or RoPE, a
 standard or gated MLP, grouped-query attention, biases per part; GPT-2 and Llama are presets.
 Low-rank adapters (``AdapterConfig``) add ``nnx.LoRA`` parameters beside the projections they
-target (see ``lora_delta``); which parameters train is the step's business, not the model's.
+target (see ``lora_delta``), and in training their inputs dropped out by masks drawn from keys
+the step passes in (``AdapterDropout``); which parameters train is the step's business, not the
+model's.
 """
 
 from __future__ import annotations
