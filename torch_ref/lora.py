@@ -20,6 +20,13 @@ dropout). So the fused matmul is a parameterless module (``torch_ref.model.Fused
 ``scale * B_p(A_p(dropout(x)))`` to each targeted part ``p`` of its output: the arithmetic of
 PEFT's ``lora.Linear`` on that part's rows.
 
+A packed base (``torch_ref.quant.quantize_base``, applied before ``add_adapters``): each
+packed ``QuantizedLinear`` gets PEFT's stock ``lora.Linear`` (registered with
+``_register_custom_module``, as PEFT dispatches only ``nn.Linear`` itself), the packed q/k/v
+(``PackedProjection``, a ``FusedProjection``) ``FusedQKVLora``; the base's state dict then holds
+each projection's packed buffers (``packed``, ``absmax``, ...) where its weight was, and
+``merged_state_dict`` merges onto their dequantized values.
+
 State-dict keys (per block ``blocks.layers.{i}.``; A ``[r, in]``, B ``[out, r]`` as
 ``nn.Linear`` weights, adapter name ``default``):
 

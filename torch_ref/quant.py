@@ -7,11 +7,23 @@ multiplies in fp32, cast once at the end).
 
 ``QuantizedLinear`` holds them as buffers; its autograd function (``QuantizedMatmul``) saves
 only those buffers and dequantizes again for the input's gradient, never keeping the full-size
-weight, as bitsandbytes' ``MatMul4Bit`` does. Written by hand rather than wrapping
-bitsandbytes' ``Linear4bit``/``matmul_4bit`` (which runs forward and backward on CPU from the
-same packed nf4 arrays: ``tests/test_quant.py`` checks it gives the same output and gradient):
-bitsandbytes is not a dependency of torch_ref, has no int8 layer that re-dequantizes in the
-backward, and keeps its code tables in every layer's state. torchao's ``NF4Tensor``
+weight, as bitsandbytes' ``MatMul4Bit`` does. ``quantize_base`` packs a ``Decoder``'s block
+projections into them (the fused q/k/v as ``PackedProjection``, three parts), from the same
+float32 values ``jaxmem.model.qbase`` packs, so both frameworks train on the same bytes;
+PEFT's stock ``lora.Linear`` wraps each ``QuantizedLinear`` (``torch_ref.lora``).
+
+An extension, labelled as such. Stock tried first (bitsandbytes 0.50.2, PEFT 0.21.2, CPU):
+``bnb.nn.Linear4bit`` (nf4, packed to uint8) and ``bnb.nn.Linear8bitLt`` (int8) both run
+forward and backward with PEFT's LoRA on top (``inject_adapter_in_model`` wraps them in PEFT's
+plain ``lora.Linear``; its ``lora.bnb`` layers are dispatched only for a model transformers
+loaded in 4 or 8 bits), and ``matmul_4bit`` gives this module's output and gradient from the
+same packed nf4 arrays (``tests/test_quant.py``). Not used because torch_ref's q/k/v is one
+fused projection (``FusedProjection``, one PEFT adapter per part) that no bitsandbytes layer
+holds, so its parts need this module's layer anyway, and one layer for every projection keeps
+one dequantization; loading jaxmem's arrays into ``Params4bit`` means rebuilding its
+``QuantState``; bitsandbytes is not a dependency of torch_ref, has no int8 layer that
+re-dequantizes in the backward, and keeps its code tables in every layer's state. torchao's
+``NF4Tensor``
 (``torchao.quantization.NF4Tensor`` in torchao 0.18) stores a different format: the same 16
 NF4 values and nibble order, but its second level is a linear int8 code of the absmax values,
 not bitsandbytes' dynamic 8-bit code, so it cannot read these arrays.
