@@ -233,6 +233,17 @@ def test_what_torch_ref_cannot_train_with_adapters_is_refused_in_one_line(sectio
     assert message in str(e.value) and "\n" not in str(e.value), e.value
 
 
+def test_torch_memory_rows_of_a_packed_base_are_refused_in_one_line(capsys):
+    """``jaxmem memory`` builds torch_ref's step on fake tensors, which cannot be packed: asked
+    for torch rows of a ``--quantize-base`` job it says so in one line (before anything runs)."""
+    from tests.test_lora import _refused
+
+    args = ["memory", "--preset", "tiny-llama", "--lora-rank", "4", "--quantize-base", "int8"]
+    line = _refused(capsys, [*args, "--frameworks", "jax,torch"])
+    assert "--quantize-base int8: torch_ref's memory rows hold a compute base" in line
+    assert "--frameworks jax" in line
+
+
 def test_the_memory_record_counts_gradients_and_optimizer_state_for_the_adapters_only():
     """``jaxmem memory --frameworks torch`` with adapters: parameters whole, the trainable part
     apart, gradients and AdamW's two moments (and a step count each) for the adapters only;
@@ -328,9 +339,17 @@ def test_a_torch_qlora_run_resumes_2_plus_2_as_4_bit_for_bit(lora_runs):
     assert not any(k.endswith("in_proj_weight") for k in state["model"])
 
 
-def test_adapters_cross_between_the_frameworks_through_the_weight_map():
+@pytest.mark.parametrize(
+    "preset, adapters",
+    [
+        ("tiny-llama", ADAPTERS),
+        ("tiny", AdapterConfig(rank=4, targets=("q", "v", "o", "up", "down"))),
+    ],
+)
+def test_adapters_cross_between_the_frameworks_through_the_weight_map(preset, adapters):
     """jaxmem's ``lora_a`` ``[L, in, r]`` / ``lora_b`` ``[L, r, out]`` land on torch_ref's PEFT
-    keys transposed, and come back the same; the map covers every adapter of both."""
+    keys transposed, and come back the same; the map covers every adapter of both (a gated MLP's
+    ``ffn.{gate,up,down}``, a standard one's ``ffn.0``/``ffn.2``)."""
     from jaxmem.compare.weights import (
         WeightMapError,
         load_torch_adapter_state_dict,
@@ -339,17 +358,17 @@ def test_adapters_cross_between_the_frameworks_through_the_weight_map():
     from jaxmem.config import PRESETS
     from jaxmem.model import make_model
 
-    cfg = PRESETS["tiny-llama"]
-    ours = make_model(cfg, seed=1, adapters=ADAPTERS)
+    cfg = PRESETS[preset]
+    ours = make_model(cfg, seed=1, adapters=adapters)
     state = to_torch_adapter_state_dict(ours)
-    theirs = adapter_state_dict(add_adapters(torch_ref.Decoder(cfg), ADAPTERS))
+    theirs = adapter_state_dict(add_adapters(torch_ref.Decoder(cfg), adapters))
     assert {k: v.shape for k, v in state.items()} == {k: tuple(v.shape) for k, v in
                                                        theirs.items()}  # fmt: skip
-    a = np.asarray(ours.blocks.layers.self_attn.lora_k.lora_a[...])  # [L, D, r]
+    a = np.asarray(ours.blocks.layers.self_attn.lora_v.lora_a[...])  # [L, D, r]
     np.testing.assert_array_equal(
-        state["blocks.layers.1.self_attn.in_proj.lora_A.default.k.weight"], a[1].T
+        state["blocks.layers.1.self_attn.in_proj.lora_A.default.v.weight"], a[1].T
     )
-    other = make_model(cfg, seed=2, adapters=ADAPTERS)
+    other = make_model(cfg, seed=2, adapters=adapters)
     load_torch_adapter_state_dict(other, state)
     assert to_torch_adapter_state_dict(other).keys() == state.keys()
     assert all(np.array_equal(v, state[k]) for k, v in to_torch_adapter_state_dict(other).items())
