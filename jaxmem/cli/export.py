@@ -78,10 +78,15 @@ def run(args: argparse.Namespace) -> int:
         return _export_adapters(args, run_dir, step, job)
     params = _params(run_dir, step, job, dense=True)
     if job.adapters.enabled and job.run.framework == "jax":  # torch's come merged
+        import numpy as np
+
         from jaxmem.hf.adapters import merged_params
 
-        params = merged_params(_flat(params), job.model, job.adapters)
-        params = _as_base_dtype(params, job)
+        arrays = _flat(params)
+        dtype = arrays[("wte", "embedding")].dtype  # the base's (packed kernels: float32)
+        params = merged_params(arrays, job.model, job.adapters, dtype)
+        # a packed base's untargeted kernels: float32 dequantized values, rounded once
+        params = {p: np.asarray(v).astype(dtype, copy=False) for p, v in params.items()}
     from jaxmem.model.hf import export_hf
     from jaxmem.train.prepare import model_dir
 
@@ -194,16 +199,6 @@ def _flat(params) -> dict:
     from jaxmem.model.hf import all_arrays
 
     return params if isinstance(params, dict) else all_arrays(params)
-
-
-def _as_base_dtype(arrays: dict, job) -> dict:
-    """The dequantized kernels (float32) of a packed-base run in the run's parameter dtype."""
-    import numpy as np
-
-    if job.adapters.base == "compute":
-        return arrays
-    dtype = arrays[("wte", "embedding")].dtype
-    return {p: np.asarray(v).astype(dtype) for p, v in arrays.items()}
 
 
 def _params(run_dir: str, step: int, job, *, dense: bool = False):
