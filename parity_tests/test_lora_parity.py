@@ -233,6 +233,43 @@ def test_what_torch_ref_cannot_train_with_adapters_is_refused_in_one_line(sectio
     assert message in str(e.value) and "\n" not in str(e.value), e.value
 
 
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_torch_qlora_step_saves_the_packed_base_never_a_dequantized_weight(kind):
+    """torch_ref's decoder packed (``torch_ref.quant.quantize_base``) under PEFT's adapters: the
+    tensors autograd saves for the backward hold each projection's packed bytes and no
+    float tensor of a projection weight's shape; the adapters, and only they, get gradients."""
+    from jaxmem.config import PRESETS
+    from torch_ref.quant import QuantizedLinear, quantize_base
+
+    cfg = PRESETS["tiny-llama"]
+    model = quantize_base(torch_ref.Decoder(cfg), kind)
+    add_adapters(model, AdapterConfig(rank=4, targets=TARGETS, base=kind))
+    tokens = torch.randint(0, cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # 24 rows: no activation has a weight's shape
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _loss(model(inputs), targets).backward()
+    d, kv, f = cfg.d_model, cfg.kv_dim, cfg.d_ff
+    weights = {(d, d), (kv, d), (f, d), (d, f)}
+    weights |= {(i, o) for o, i in weights}
+    full = [t.shape for t in saved if t.is_floating_point() and tuple(t.shape) in weights]
+    assert not full, full
+    packed = {t.data_ptr() for t in saved if t.dtype in (torch.uint8, torch.int8)}
+    buffers = {
+        getattr(m, n).data_ptr(): n
+        for m in model.modules()
+        if isinstance(m, QuantizedLinear)
+        for n in m.names
+        if not getattr(m, n).is_floating_point()
+    }
+    # every projection but the first block's q, k, v (their input, the frozen embedding's
+    # output, needs no gradient) saves its integer arrays, the packed bytes among them
+    assert packed <= set(buffers)
+    assert sum(buffers[p] == "packed" for p in packed) == 7 * cfg.n_layers - 3
+    grads = {k for k, p in model.named_parameters() if p.grad is not None}
+    assert grads == set(adapter_state_dict(model))
+
+
 def test_torch_memory_rows_of_a_packed_base_are_refused_in_one_line(capsys):
     """``jaxmem memory`` builds torch_ref's step on fake tensors, which cannot be packed: asked
     for torch rows of a ``--quantize-base`` job it says so in one line (before anything runs)."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -103,7 +104,9 @@ def add_adapters(model: Decoder, adapters: AdapterConfig) -> Decoder:
     if parts:
         custom[FusedProjection] = fused_qkv_lora(parts)
     config._register_custom_module(custom)
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    with warnings.catch_warnings():  # PEFT's note on every registered custom layer type
+        warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) or _unfrozen(name, adapters))
     return model
