@@ -399,8 +399,8 @@ def test_adapters_cross_between_the_frameworks_through_the_weight_map(preset, ad
     ours = make_model(cfg, seed=1, adapters=adapters)
     state = to_torch_adapter_state_dict(ours)
     theirs = adapter_state_dict(add_adapters(torch_ref.Decoder(cfg), adapters))
-    assert {k: v.shape for k, v in state.items()} == {k: tuple(v.shape) for k, v in
-                                                       theirs.items()}  # fmt: skip
+    shapes = {k: tuple(v.shape) for k, v in theirs.items()}
+    assert {k: v.shape for k, v in state.items()} == shapes
     a = np.asarray(ours.blocks.layers.self_attn.lora_v.lora_a[...])  # [L, D, r]
     np.testing.assert_array_equal(
         state["blocks.layers.1.self_attn.in_proj.lora_A.default.v.weight"], a[1].T

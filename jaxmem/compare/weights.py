@@ -171,6 +171,9 @@ class AdapterEntry:
     shape: tuple[int, ...]
 
 
+LORA_LEAVES = ("lora_a", "lora_b")  # nnx.LoRA's matrices: [in, r] and [r, out]
+
+
 def _torch_module(target: str, cfg: ModelConfig) -> str:
     """The torch_ref module PEFT's LoRA layer wraps for ``target`` (q, k, v: a part suffix)."""
     if target in ("q", "k", "v"):
@@ -190,9 +193,7 @@ def adapter_key_map(module: nnx.Module, *, cfg: ModelConfig | None = None) -> li
     for path, var in _all_params(module).items():
         if not _is_adapter(path):
             continue
-        if path[:2] != ("blocks", "layers") or len(path) != 5 or path[-1] not in (
-            "lora_a", "lora_b"
-        ):  # fmt: skip
+        if path[:2] != ("blocks", "layers") or len(path) != 5 or path[-1] not in LORA_LEAVES:
             raise WeightMapError(f"{'.'.join(map(str, path))} is not an adapter of the map")
         target = str(path[3]).removeprefix("lora_")
         module_name = _torch_module(target, cfg)
@@ -226,8 +227,8 @@ def load_torch_adapter_state_dict(
     entries = adapter_key_map(module, cfg=cfg)
     expected = {e.key for e in entries}
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
-    bad = [e.key for e in entries if e.key in state_dict and tuple(state_dict[e.key].shape)
-           != e.shape]  # fmt: skip
+    given = {k: tuple(v.shape) for k, v in state_dict.items()}
+    bad = [e.key for e in entries if given.get(e.key, e.shape) != e.shape]
     if missing or unexpected or bad:
         raise WeightMapError(
             f"adapters do not match the model's: missing {missing[:3]}, unexpected "
