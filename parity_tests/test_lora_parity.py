@@ -212,7 +212,10 @@ def _check_merged_restore(run_dir, state: dict, cfg) -> None:
 @pytest.mark.parametrize(
     "sections, message",
     [
-        ({"adapters": {"base": "int8"}}, "adapters.base='int8' with --framework torch: "),
+        (
+            {"adapters": {"base": "int8"}, "parallel": {"devices": 2}},
+            "--quantize-base int8 with --framework torch and --mesh dp=2: ",
+        ),
         ({"parallel": {"devices": 2, "tp": 2}}, "not split the q/k/v adapters over a tensor"),
     ],
 )
@@ -228,6 +231,54 @@ def test_what_torch_ref_cannot_train_with_adapters_is_refused_in_one_line(sectio
     with pytest.raises(ConfigError) as e:
         check_torch_backend(JobConfig.from_dict(raw))
     assert message in str(e.value) and "\n" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_torch_qlora_step_saves_the_packed_base_never_a_dequantized_weight(kind):
+    """torch_ref's decoder packed (``torch_ref.quant.quantize_base``) under PEFT's adapters: the
+    tensors autograd saves for the backward hold each projection's packed bytes and no
+    float tensor of a projection weight's shape; the adapters, and only they, get gradients."""
+    from jaxmem.config import PRESETS
+    from torch_ref.quant import QuantizedLinear, quantize_base
+
+    cfg = PRESETS["tiny-llama"]
+    model = quantize_base(torch_ref.Decoder(cfg), kind)
+    add_adapters(model, AdapterConfig(rank=4, targets=TARGETS, base=kind))
+    tokens = torch.randint(0, cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # 24 rows: no activation has a weight's shape
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _loss(model(inputs), targets).backward()
+    d, kv, f = cfg.d_model, cfg.kv_dim, cfg.d_ff
+    weights = {(d, d), (kv, d), (f, d), (d, f)}
+    weights |= {(i, o) for o, i in weights}
+    full = [t.shape for t in saved if t.is_floating_point() and tuple(t.shape) in weights]
+    assert not full, full
+    packed = {t.data_ptr() for t in saved if t.dtype in (torch.uint8, torch.int8)}
+    buffers = {
+        getattr(m, n).data_ptr(): n
+        for m in model.modules()
+        if isinstance(m, QuantizedLinear)
+        for n in m.names
+        if not getattr(m, n).is_floating_point()
+    }
+    # every projection but the first block's q, k, v (their input, the frozen embedding's
+    # output, needs no gradient) saves its integer arrays, the packed bytes among them
+    assert packed <= set(buffers)
+    assert sum(buffers[p] == "packed" for p in packed) == 7 * cfg.n_layers - 3
+    grads = {k for k, p in model.named_parameters() if p.grad is not None}
+    assert grads == set(adapter_state_dict(model))
+
+
+def test_torch_memory_rows_of_a_packed_base_are_refused_in_one_line(capsys):
+    """``jaxmem memory`` builds torch_ref's step on fake tensors, which cannot be packed: asked
+    for torch rows of a ``--quantize-base`` job it says so in one line (before anything runs)."""
+    from tests.test_lora import _refused
+
+    args = ["memory", "--preset", "tiny-llama", "--lora-rank", "4", "--quantize-base", "int8"]
+    line = _refused(capsys, [*args, "--frameworks", "jax,torch"])
+    assert "--quantize-base int8: torch_ref's memory rows hold a compute base" in line
+    assert "--frameworks jax" in line
 
 
 def test_the_memory_record_counts_gradients_and_optimizer_state_for_the_adapters_only():
@@ -258,3 +309,105 @@ def test_the_memory_record_counts_gradients_and_optimizer_state_for_the_adapters
     peak = step_peak(model, torch.zeros(2, 16, dtype=torch.long))  # the module-level API
     assert (peak.parameter_bytes, peak.trainable_parameter_bytes) == (every, lora_bytes)
     assert peak.gradient_bytes == lora_bytes
+
+
+# ------------------------------------- jaxmem vs torch_ref from a Hugging Face directory (CLI)
+# tiny dims that nf4's blocks of 64 divide (hidden 64, MLP 128); every projection adapted
+LORA_FROM_DIR = ("--lora-rank", "4", "--lora-targets", ",".join(TARGETS))
+LORA_FROM_DIR += ("--batch-size", "2", "--seq-len", "16", "--sample-tokens", "0")
+LORA_FROM_DIR += ("--eval-every", "100", "--checkpoint-every", "2")
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """``runs(framework, base, steps=4, resume=False)``: the run directory of ``jaxmem train
+    --init-from DIR`` with LoRA on the base ``base`` (``compute`` or ``nf4``, through
+    ``--quantize-base``), made once per module; DIR a random tiny Hugging Face Llama."""
+    from jaxmem import cli
+    from tests.test_hub import TINY_LLAMA, write_model_dir
+    from tests.test_lora_export import _scaled
+
+    root = tmp_path_factory.mktemp("lora-runs")
+    model = write_model_dir(root / "model", TINY_LLAMA | {"intermediate_size": 128}, edit=_scaled)
+    made: dict[tuple, object] = {}
+
+    def runs(framework: str, base: str, steps: int = 4, resume: bool = False):
+        key = (framework, base, steps, resume)
+        if key not in made:
+            out = root / "-".join(map(str, key))
+            args = ["train", "--init-from", model, "--framework", framework, *LORA_FROM_DIR]
+            args += ["--quantize-base", base] if base != "compute" else []
+            if resume:  # the 2-step run, resumed to `steps`
+                assert cli.main([*args, "--steps", "2", "--out", str(out)]) == 0
+                args.append("--resume")
+            assert cli.main([*args, "--steps", str(steps), "--out", str(out)]) == 0
+            made[key] = out
+        return made[key]
+
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["compute", "nf4"])
+def test_lora_from_a_hf_directory_logs_jaxmems_losses_in_torch_ref(lora_runs, base):
+    """The same HF Llama, the same adapters (jaxmem's draw, mapped by
+    ``jaxmem.compare.weights``), on the same packed bytes for nf4: the same 4 losses."""
+    from tests.test_train import metrics
+
+    losses = {fw: [r["loss"] for r in metrics(lora_runs(fw, base))] for fw in ("jax", "torch")}
+    assert len(losses["jax"]) == 4 and np.isfinite(losses["jax"]).all()
+    tol = tolerance("float32", "adamw_loss")
+    np.testing.assert_allclose(losses["torch"], losses["jax"], rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.slow
+def test_a_torch_qlora_run_resumes_2_plus_2_as_4_bit_for_bit(lora_runs):
+    """The checkpoint holds the packed base (buffers) and the adapters apart; a resume
+    reloads both and continues exactly."""
+    from tests.test_train import metrics
+
+    keys = ("step", "loss", "grad_norm")
+    whole = [[r[k] for k in keys] for r in metrics(lora_runs("torch", "nf4"))]
+    resumed_dir = lora_runs("torch", "nf4", resume=True)
+    assert [[r[k] for k in keys] for r in metrics(resumed_dir)] == whole
+    state = torch.load(resumed_dir / "checkpoints" / "4" / "state.pt", weights_only=True)
+    packed = [k for k in state["model"] if k.endswith(".packed")]
+    assert packed and all(state["model"][k].dtype == torch.uint8 for k in packed)
+    assert not any(k.endswith("in_proj_weight") for k in state["model"])
+
+
+@pytest.mark.parametrize(
+    "preset, adapters",
+    [
+        ("tiny-llama", ADAPTERS),
+        ("tiny", AdapterConfig(rank=4, targets=("q", "v", "o", "up", "down"))),
+    ],
+)
+def test_adapters_cross_between_the_frameworks_through_the_weight_map(preset, adapters):
+    """jaxmem's ``lora_a`` ``[L, in, r]`` / ``lora_b`` ``[L, r, out]`` land on torch_ref's PEFT
+    keys transposed, and come back the same; the map covers every adapter of both (a gated MLP's
+    ``ffn.{gate,up,down}``, a standard one's ``ffn.0``/``ffn.2``)."""
+    from jaxmem.compare.weights import (
+        WeightMapError,
+        load_torch_adapter_state_dict,
+        to_torch_adapter_state_dict,
+    )
+    from jaxmem.config import PRESETS
+    from jaxmem.model import make_model
+
+    cfg = PRESETS[preset]
+    ours = make_model(cfg, seed=1, adapters=adapters)
+    state = to_torch_adapter_state_dict(ours)
+    theirs = adapter_state_dict(add_adapters(torch_ref.Decoder(cfg), adapters))
+    shapes = {k: tuple(v.shape) for k, v in theirs.items()}
+    assert {k: v.shape for k, v in state.items()} == shapes
+    a = np.asarray(ours.blocks.layers.self_attn.lora_v.lora_a[...])  # [L, D, r]
+    np.testing.assert_array_equal(
+        state["blocks.layers.1.self_attn.in_proj.lora_A.default.v.weight"], a[1].T
+    )
+    other = make_model(cfg, seed=2, adapters=adapters)
+    load_torch_adapter_state_dict(other, state)
+    assert to_torch_adapter_state_dict(other).keys() == state.keys()
+    assert all(np.array_equal(v, state[k]) for k, v in to_torch_adapter_state_dict(other).items())
+    with pytest.raises(WeightMapError, match="missing"):
+        load_torch_adapter_state_dict(other, dict(list(state.items())[1:]))

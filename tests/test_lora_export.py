@@ -6,6 +6,7 @@ refused for an adapter directory in one line, and a torch run exports merged onl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -89,12 +90,17 @@ def test_peft_loads_the_adapter_directory_and_computes_jaxmems_logits(run):
 
 @pytest.mark.slow
 def test_the_merged_export_adds_scale_b_a_to_each_targeted_projection_only(run):
+    root, model, cfg, params = run
+    _check_merged(root / "merged", cfg, all_arrays(params), read_hf_weights(model, cfg, "float32"))
+
+
+def _check_merged(merged_dir, cfg, arrays: dict, start: dict) -> None:
+    """The model directory ``merged_dir`` holds ``start``'s kernels plus scale·A·B of the
+    adapters in ``arrays`` (a delta of rank <= 4 per layer and part), exactly as float64 sums
+    rounded once; every other tensor is ``arrays``' (norms trained) or ``start``'s."""
     from jaxmem.hf.files import read_params
 
-    root, model, cfg, params = run
-    arrays = all_arrays(params)
-    merged = read_params(str(root / "merged"), cfg, np.float32)
-    start = read_hf_weights(model, cfg, "float32")
+    merged = read_params(str(merged_dir), cfg, np.float32)
     kernels = {"o": ("self_attn", "out_proj"), "gate": ("ffn", "gate"), "up": ("ffn", "up")}
     kernels |= {"down": ("ffn", "down")}
     d, kv = cfg.d_model, cfg.kv_dim
@@ -192,3 +198,97 @@ def test_a_torch_adapter_run_exports_merged_only(run, tmp_path, capsys):
     assert changed == {in_proj}  # the default targets, q and v
     k = slice(cfg.d_model, cfg.d_model + cfg.kv_dim)  # k's columns: untargeted
     assert np.array_equal(merged[in_proj][..., k], start[in_proj][..., k])
+
+
+# ------------------------------------------------- a run on a packed (--quantize-base nf4) base
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory):
+    """The ``run`` fixture's job on an nf4 base (MLP 128: blocks of 64 divide it), exported as
+    an adapter directory and merged, and the checkpoint's parameters (the packed base's
+    arrays among them)."""
+    from jaxmem.cli import main
+    from jaxmem.model.qbase import quantize_base
+
+    root = tmp_path_factory.mktemp("qlora-export")
+    model = write_model_dir(root / "model", TINY_LLAMA | {"intermediate_size": 128}, edit=_scaled)
+    args = ["train", "--init-from", model, *FLAGS, "--quantize-base", "nf4"]
+    assert main([*args, "--out", str(root / "run")]) == 0
+    assert main(["export", str(root / "run"), "--out", str(root / "adapter")]) == 0
+    assert main(["export", str(root / "run"), "--merge", "--out", str(root / "merged")]) == 0
+    cfg = model_config_from_dir(model)
+    like = nnx.split(quantize_base(make_model(cfg, adapters=QADAPTERS), "nf4"), nnx.Param)[1]
+    params = restore_params(root / "run" / "checkpoints", 2, like)
+    return root, model, cfg, params
+
+
+QADAPTERS = dataclasses.replace(ADAPTERS, base="nf4")
+
+
+def _dequantized_start(model: str, cfg, arrays: dict) -> dict:
+    """``model``'s weights with every block kernel replaced by the nf4 base's dequantized
+    values (``jaxmem.model.quant.dequantize`` of the checkpoint's packed arrays, layer by
+    layer, q, k and v side by side): the base the run trained on."""
+    from jaxmem.model.qbase import FIELDS
+    from jaxmem.model.quant import as_jax, dequantize
+    from jaxmem.quant import QuantizedWeight
+
+    d, kv, f = cfg.d_model, cfg.kv_dim, cfg.d_ff
+    parts = {("self_attn", "in_proj"): {"q": (d, d), "k": (kv, d), "v": (kv, d)}}
+    parts |= {("self_attn", "out_proj"): {"w": (d, d)}, ("ffn", "down"): {"w": (d, f)}}
+    parts |= {("ffn", "gate"): {"w": (f, d)}, ("ffn", "up"): {"w": (f, d)}}
+    start = read_hf_weights(model, cfg, "float32")
+    for where, shapes in parts.items():
+        columns = []
+        for part, shape in shapes.items():
+            prefix = ("blocks", "layers", *where, part)
+            fields = {n: arrays[(*prefix, n)] for n in FIELDS if (*prefix, n) in arrays}
+            layers = [
+                QuantizedWeight("nf4", shape, **{n: a[i] for n, a in fields.items()})
+                for i in range(cfg.n_layers)
+            ]
+            columns.append(np.stack([np.asarray(dequantize(as_jax(q))).T for q in layers]))
+        start[("blocks", "layers", *where, "kernel")] = np.concatenate(columns, axis=-1)
+    return start
+
+
+@pytest.mark.slow
+def test_the_merged_export_of_an_nf4_run_adds_scale_b_a_to_the_dequantized_base(qlora_run):
+    root, model, cfg, params = qlora_run
+    arrays = all_arrays(params)
+    _check_merged(root / "merged", cfg, arrays, _dequantized_start(model, cfg, arrays))
+
+
+@pytest.mark.slow
+def test_peft_loads_an_nf4_runs_adapters_onto_the_dequantized_base_with_jaxmems_logits(
+    qlora_run,
+):
+    """The adapter directory names the --init-from directory as its base; on that base with
+    its projections set to the nf4 values the run trained on, PEFT computes jaxmem's logits."""
+    peft = pytest.importorskip(
+        "peft",
+        reason="peft: the adapters and dev extras (make test installs it)",
+    )
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from jaxmem.hf.keys import hf_tensors
+    from jaxmem.model.qbase import quantize_base
+
+    root, model, cfg, params = qlora_run
+    config = peft.PeftConfig.from_pretrained(str(root / "adapter"))
+    assert (config.r, config.base_model_name_or_path) == (4, model)
+    base = LlamaForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    dense = _dequantized_start(model, cfg, all_arrays(params))
+    state = {
+        k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in hf_tensors(dense, cfg).items()
+    }
+    assert not base.load_state_dict(state, strict=False).unexpected_keys
+    wrapped = peft.PeftModel.from_pretrained(base, str(root / "adapter"))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        logits = wrapped(torch.from_numpy(tokens)).logits.numpy()
+    ours = quantize_base(make_model(cfg, adapters=QADAPTERS), "nf4")
+    nnx.update(ours, params)
+    np.testing.assert_allclose(
+        logits, np.asarray(ours(tokens)), **tolerance("float32", "logits").kwargs()
+    )

@@ -118,9 +118,3 @@ def test_qlora_trains_from_a_directory_and_resumes_2_plus_2_as_4_bit_for_bit(tmp
     losses = _losses(tmp_path / "straight")
     assert len(losses) == 4 and np.isfinite(losses).all() and losses[-1] < losses[0]
     assert _losses(tmp_path / "resumed") == losses
-    # exporting a packed base is refused in one line, and writes nothing
-    export = run_cli("export", str(tmp_path / "straight"), "--out", str(tmp_path / "hf"))
-    assert export.returncode == 2
-    assert export.stderr.strip().count("\n") == 0, export.stderr
-    assert "on an nf4 base: exporting a run whose base is packed is not built yet" in export.stderr
-    assert not (tmp_path / "hf").exists()

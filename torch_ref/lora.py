@@ -20,6 +20,13 @@ dropout). So the fused matmul is a parameterless module (``torch_ref.model.Fused
 ``scale * B_p(A_p(dropout(x)))`` to each targeted part ``p`` of its output: the arithmetic of
 PEFT's ``lora.Linear`` on that part's rows.
 
+A packed base (``torch_ref.quant.quantize_base``, applied before ``add_adapters``): each
+packed ``QuantizedLinear`` gets PEFT's stock ``lora.Linear`` (registered with
+``_register_custom_module``, as PEFT dispatches only ``nn.Linear`` itself), the packed q/k/v
+(``PackedProjection``, a ``FusedProjection``) ``FusedQKVLora``; the base's state dict then holds
+each projection's packed buffers (``packed``, ``absmax``, ...) where its weight was, and
+``merged_state_dict`` merges onto their dequantized values.
+
 State-dict keys (per block ``blocks.layers.{i}.``; A ``[r, in]``, B ``[out, r]`` as
 ``nn.Linear`` weights, adapter name ``default``):
 
@@ -38,16 +45,19 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import Linear as PeftLinear
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from jaxmem.adapters import AdapterConfig
 from jaxmem.config import ModelConfig
 from torch_ref.model import Decoder, FusedProjection
+from torch_ref.quant import QuantizedLinear, dense_state_dict
 
 ADAPTER = "default"  # PEFT's default adapter name
 QKV = ("q", "k", "v")
@@ -88,9 +98,15 @@ def add_adapters(model: Decoder, adapters: AdapterConfig) -> Decoder:
     ``B`` starts at zero (PEFT's default init), so the model computes what it did."""
     config = lora_config(adapters, target_modules(adapters, model.cfg))
     parts = tuple(t for t in QKV if t in adapters.targets)
+    # a packed base (torch_ref.quant.quantize_base): PEFT's own lora.Linear on each packed
+    # projection, as on an nn.Linear
+    custom: dict[type, type] = {QuantizedLinear: PeftLinear}
     if parts:
-        config._register_custom_module({FusedProjection: fused_qkv_lora(parts)})
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        custom[FusedProjection] = fused_qkv_lora(parts)
+    config._register_custom_module(custom)
+    with warnings.catch_warnings():  # PEFT's note on every registered custom layer type
+        warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) or _unfrozen(name, adapters))
     return model
@@ -144,8 +160,11 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base's state dict with every adapter merged in: ``W + (B @ A) * scale`` per targeted
     weight (per part of ``in_proj_weight``), the arithmetic and order of PEFT's
-    ``merge_and_unload`` (``get_delta_weight``), so the two agree bit for bit."""
+    ``merge_and_unload`` (``get_delta_weight``), so the two agree bit for bit. A packed base
+    (``torch_ref.quant.quantize_base``) gives ``W`` dequantized: the merged weights differ from
+    the original unpacked ones by the quantization error."""
     state = {k: v.detach().clone() for k, v in base_state_dict(model).items()}
+    state = dense_state_dict(model, state)  # a packed base: its dequantized weights
     for name, module in model.named_modules():
         if isinstance(module, FusedQKVLora):
             weight = state[f"{name.rsplit('.', 1)[0]}.in_proj_weight"]

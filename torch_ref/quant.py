@@ -7,11 +7,23 @@ multiplies in fp32, cast once at the end).
 
 ``QuantizedLinear`` holds them as buffers; its autograd function (``QuantizedMatmul``) saves
 only those buffers and dequantizes again for the input's gradient, never keeping the full-size
-weight, as bitsandbytes' ``MatMul4Bit`` does. Written by hand rather than wrapping
-bitsandbytes' ``Linear4bit``/``matmul_4bit`` (which runs forward and backward on CPU from the
-same packed nf4 arrays: ``tests/test_quant.py`` checks it gives the same output and gradient):
-bitsandbytes is not a dependency of torch_ref, has no int8 layer that re-dequantizes in the
-backward, and keeps its code tables in every layer's state. torchao's ``NF4Tensor``
+weight, as bitsandbytes' ``MatMul4Bit`` does. ``quantize_base`` packs a ``Decoder``'s block
+projections into them (the fused q/k/v as ``PackedProjection``, three parts), from the same
+float32 values ``jaxmem.model.qbase`` packs, so both frameworks train on the same bytes;
+PEFT's stock ``lora.Linear`` wraps each ``QuantizedLinear`` (``torch_ref.lora``).
+
+An extension, labelled as such. Stock tried first (bitsandbytes 0.50.2, PEFT 0.21.2, CPU):
+``bnb.nn.Linear4bit`` (nf4, packed to uint8) and ``bnb.nn.Linear8bitLt`` (int8) both run
+forward and backward with PEFT's LoRA on top (``inject_adapter_in_model`` wraps them in PEFT's
+plain ``lora.Linear``; its ``lora.bnb`` layers are dispatched only for a model transformers
+loaded in 4 or 8 bits), and ``matmul_4bit`` gives this module's output and gradient from the
+same packed nf4 arrays (``tests/test_quant.py``). Not used because torch_ref's q/k/v is one
+fused projection (``FusedProjection``, one PEFT adapter per part) that no bitsandbytes layer
+holds, so its parts need this module's layer anyway, and one layer for every projection keeps
+one dequantization; loading jaxmem's arrays into ``Params4bit`` means rebuilding its
+``QuantState``; bitsandbytes is not a dependency of torch_ref, has no int8 layer that
+re-dequantizes in the backward, and keeps its code tables in every layer's state. torchao's
+``NF4Tensor``
 (``torchao.quantization.NF4Tensor`` in torchao 0.18) stores a different format: the same 16
 NF4 values and nibble order, but its second level is a linear int8 code of the absmax values,
 not bitsandbytes' dynamic 8-bit code, so it cannot read these arrays.
@@ -24,7 +36,8 @@ import torch
 from torch import nn
 
 from jaxmem.adapters import NF4_BLOCK, NF4_STATS_BLOCK
-from jaxmem.quant import INT8_RECIPROCAL, NF4_CODE, QuantizedWeight, dynamic_code
+from jaxmem.quant import INT8_RECIPROCAL, NF4_CODE, QuantizedWeight, dynamic_code, quantize
+from torch_ref.model import Decoder, FusedProjection
 
 _ARRAYS = ("packed", "absmax", "absmax_scale", "absmax_offset")
 
@@ -132,18 +145,116 @@ class QuantizedMatmul(torch.autograd.Function):
 
 class QuantizedLinear(nn.Module):
     """A frozen linear layer over a packed weight (``jaxmem.quant.QuantizedWeight``): buffers,
-    no parameters; ``forward(x) = x @ W^T`` in ``dtype`` through ``QuantizedMatmul``."""
+    and an optional ``bias`` parameter; ``forward(x) = x @ W^T (+ bias)`` in ``dtype`` through
+    ``QuantizedMatmul``. ``in_features``/``out_features`` and ``weight`` (an empty tensor in
+    ``dtype``, not the weight) are what PEFT's ``lora.Linear`` reads of a base layer to size and
+    place its adapters (``torch_ref.lora`` registers this class with it)."""
 
-    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        qw: QuantizedWeight,
+        dtype: torch.dtype = torch.float32,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.kind, self.shape, self.dtype = qw.kind, qw.shape, dtype
+        self.out_features, self.in_features = qw.shape
         self.names = tuple(tensors(qw))
         for name, t in tensors(qw).items():
             self.register_buffer(name, t)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.register_buffer("placement", torch.empty(0, dtype=dtype), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Not the weight (it is packed): an empty tensor on the layer's device in ``dtype``."""
+        return self.placement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         arrays = [getattr(self, n) for n in self.names]
-        return QuantizedMatmul.apply(x, self.kind, self.shape, self.dtype, self.names, *arrays)
+        y = QuantizedMatmul.apply(x, self.kind, self.shape, self.dtype, self.names, *arrays)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The ``[out, in]`` weight in ``dtype`` (for merging and export, never the step)."""
+        return dequantize_arrays(
+            self.kind, self.shape, {n: getattr(self, n) for n in self.names}, self.dtype
+        )
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, out={self.shape[0]}, in={self.shape[1]}, dtype={self.dtype}"
+
+
+class PackedProjection(FusedProjection):
+    """torch_ref's fused q/k/v projection over a packed base: q, k and v each a
+    ``QuantizedLinear`` (packed separately, as bitsandbytes packs a Llama's ``q_proj``,
+    ``k_proj``, ``v_proj`` and ``jaxmem.model.qbase`` packs the fused kernel's parts), their
+    outputs side by side, plus the parent's ``in_proj_bias``. A ``FusedProjection``, so
+    ``torch_ref.lora.FusedQKVLora`` puts its per-part adapters on it unchanged."""
+
+    def __init__(self, parts: dict[str, QuantizedLinear], dtype: torch.dtype):
+        first = next(iter(parts.values()))
+        super().__init__(first.in_features, {n: p.out_features for n, p in parts.items()})
+        for name, part in parts.items():
+            self.add_module(name, part)
+        self.placement = torch.empty(0, dtype=dtype, device=first.packed.device)
+
+    def forward(self, x: torch.Tensor, attention: nn.Module) -> torch.Tensor:
+        y = torch.cat([getattr(self, n)(x) for n in self.parts], dim=-1)  # [B, S, D + 2 Hkv K]
+        bias = attention.in_proj_bias
+        return y if bias is None else y + bias.to(y.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fused ``[D + 2 Hkv K, D]`` weight (``in_proj_weight``) in the base's dtype."""
+        return torch.cat([getattr(self, n).dequantized() for n in self.parts])
+
+
+def _packed(weight: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> QuantizedLinear:
+    """``weight`` ``[out, in]`` packed as ``kind`` from its float32 values (what
+    ``jaxmem.model.qbase`` packs of the same weights), on its device, computing in its dtype."""
+    qw = quantize(weight.detach().float().cpu().numpy(), kind)
+    return QuantizedLinear(qw, weight.dtype, bias).to(weight.device)
+
+
+def quantize_base(model: Decoder, kind: str) -> Decoder:
+    """``model``'s block projections packed as ``kind`` (``int8``, ``nf4``), in place, as
+    ``jaxmem.model.qbase.quantize_base`` packs jaxmem's: the fused q/k/v weight as three
+    ``QuantizedLinear`` (``PackedProjection``; ``in_proj_weight`` removed), ``out_proj`` and
+    the MLP's matrices one each; biases, embeddings, head and norms as they were. Call it
+    before ``torch_ref.lora.add_adapters``. Returned for convenience."""
+    for block in model.blocks.layers:
+        attn, ffn = block.self_attn, block.ffn
+        if isinstance(attn.in_proj, PackedProjection):
+            continue  # already packed
+        w = attn.in_proj_weight
+        rows = w.split(list(attn.in_proj.parts.values()))
+        parts = {n: _packed(r, kind) for n, r in zip(attn.in_proj.parts, rows, strict=True)}
+        attn.in_proj = PackedProjection(parts, w.dtype)
+        del attn.in_proj_weight
+        attn.register_parameter("in_proj_weight", None)
+        attn.out_proj = _packed(attn.out_proj.weight, kind, attn.out_proj.bias)
+        names = ("gate", "up", "down") if hasattr(ffn, "gate") else ("0", "2")
+        for name in names:
+            linear = getattr(ffn, name)
+            setattr(ffn, name, _packed(linear.weight, kind, linear.bias))
+    return model
+
+
+def dense_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a base state dict of ``model`` under torch_ref's own names, PEFT's
+    ``base_layer`` dropped) with every packed projection's buffers replaced by its dequantized
+    weight under the unpacked model's key (``in_proj_weight``, ``out_proj.weight``, ...): the
+    state dict of ``torch_ref.Decoder`` whose weights are the packed base's values."""
+    out = dict(state)
+    fused: set[str] = set()
+    for name, module in model.named_modules():
+        name = name.replace(".base_layer", "")
+        if isinstance(module, PackedProjection):
+            fused.add(name)
+            out[f"{name.rsplit('.', 1)[0]}.in_proj_weight"] = module.dequantized()
+        elif isinstance(module, QuantizedLinear):
+            for buffer in module.names:
+                del out[f"{name}.{buffer}"]
+            if name.rsplit(".", 1)[0] not in fused:  # q, k, v: their projection's rows
+                out[f"{name}.weight"] = module.dequantized()
+    return out

@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
         "encode). --out must be new or empty, its missing parents are made; it is written whole "
         "or not at all. A run that trained LoRA adapters (--lora-rank) gives a PEFT adapter "
         "directory instead (adapter_config.json, adapter_model.safetensors), or with --merge "
-        "its merged weights (W + scale·B·A) as a model directory. Bad input exits with code 2 "
+        "its merged weights (W + scale·B·A) as a model directory; a run on a packed base "
+        "(--quantize-base) merges onto the dequantized base. Bad input exits with code 2 "
         "and writes nothing.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (jaxmem train --out)")
@@ -73,19 +74,19 @@ def run(args: argparse.Namespace) -> int:
             f"--merge: {run_dir} trained no adapters (full fine-tuning): there is nothing to "
             "merge, its export is the full weights; drop --merge"
         )
-    if job.adapters.base != "compute":
-        raise UsageError(
-            f"{run_dir} trained adapters on an {job.adapters.base} base: exporting a run whose "
-            "base is packed is not built yet (its checkpoint holds the packed base)"
-        )
     if job.adapters.enabled and not args.merge:
         return _export_adapters(args, run_dir, step, job)
-    params = _params(run_dir, step, job)
+    params = _params(run_dir, step, job, dense=True)
     if job.adapters.enabled and job.run.framework == "jax":  # torch's come merged
-        from jaxmem.hf.adapters import merged_params
-        from jaxmem.model.hf import all_arrays
+        import numpy as np
 
-        params = merged_params(all_arrays(params), job.model, job.adapters)
+        from jaxmem.hf.adapters import merged_params
+
+        arrays = _flat(params)
+        dtype = arrays[("wte", "embedding")].dtype  # the base's (packed kernels: float32)
+        params = merged_params(arrays, job.model, job.adapters, dtype)
+        # a packed base's untargeted kernels: float32 dequantized values, rounded once
+        params = {p: np.asarray(v).astype(dtype, copy=False) for p, v in params.items()}
     from jaxmem.model.hf import export_hf
     from jaxmem.train.prepare import model_dir
 
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     skipped_text = f" (skipped newer: {', '.join(str(s) for s, _ in skipped)})" if skipped else ""
     print(
         f"wrote {args.out}/: {', '.join(written)} ({model_type}, step {step} of {run_dir}"
-        f"{skipped_text}, {job.run.framework} run{note}); load it with "
+        f"{skipped_text}, {job.run.framework} run{note}{_packed_note(job)}); load it with "
         f"transformers.AutoModelForCausalLM.from_pretrained({args.out!r})"
     )
     if not note and not has_tokenizer(source):
@@ -117,7 +118,6 @@ def _export_adapters(args: argparse.Namespace, run_dir: str, step: int, job) -> 
         peft_tensors,
     )
     from jaxmem.hf.files import save_model_dir
-    from jaxmem.model.hf import all_arrays
     from jaxmem.train.prepare import model_dir
 
     with usage_errors():
@@ -127,7 +127,7 @@ def _export_adapters(args: argparse.Namespace, run_dir: str, step: int, job) -> 
             f"{run_dir} is a --framework torch adapter run: its adapters export merged only "
             "(jaxmem export --merge); a PEFT adapter directory comes from a jax run"
         )
-    arrays = all_arrays(_params(run_dir, step, job))
+    arrays = _flat(_params(run_dir, step, job))
     dtype = arrays[("wte", "embedding")].dtype  # the base's
     tensors = {k: v.astype(dtype) for k, v in peft_tensors(arrays, job.model, job.adapters).items()}
     base = model_dir(job)
@@ -140,6 +140,12 @@ def _export_adapters(args: argparse.Namespace, run_dir: str, step: int, job) -> 
         f"{dtype.name}, step {step} of {run_dir}); load it with peft.PeftModel.from_pretrained("
         f"transformers.AutoModelForCausalLM.from_pretrained({base_text}), {args.out!r})"
     )
+    if job.adapters.base != "compute":
+        print(
+            f"trained on the {job.adapters.base}-packed base: on the unpacked base the logits "
+            "differ by the quantization error; load the base quantized as bitsandbytes packs "
+            f"{job.adapters.base} ({_BNB[job.adapters.base]}) to compute as trained"
+        )
     return 0
 
 
@@ -171,8 +177,34 @@ def no_tokenizer_note(out: str, job, source: str | None) -> str:
     return f"no tokenizer copied to {out}/ ({why}, so there was none to copy); {how}"
 
 
-def _params(run_dir: str, step: int, job):
-    """The checkpoint's parameters as an ``nnx.State`` of the run's model."""
+_BNB = {
+    "nf4": "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+    "bnb_4bit_use_double_quant=True)",
+    "int8": "BitsAndBytesConfig(load_in_8bit=True)",
+}
+
+
+def _packed_note(job) -> str:
+    """What the merged export of a packed-base run is (empty for any other export)."""
+    if not job.adapters.enabled or job.adapters.base == "compute":
+        return ""
+    return (
+        f"; merged onto the dequantized {job.adapters.base} base, W + scale·B·A with W the "
+        "packed weights' values: they differ from the original base by the quantization error"
+    )
+
+
+def _flat(params) -> dict:
+    """``path -> numpy array`` of ``_params``'s answer (an ``nnx.State`` or that already)."""
+    from jaxmem.model.hf import all_arrays
+
+    return params if isinstance(params, dict) else all_arrays(params)
+
+
+def _params(run_dir: str, step: int, job, *, dense: bool = False):
+    """The checkpoint's parameters as an ``nnx.State`` of the run's model; a jax run's packed
+    base (``--quantize-base``) stays packed, or with ``dense`` comes as ``path -> array`` with
+    each packed projection's dequantized kernel (``jaxmem.model.qbase.dense_arrays``)."""
     from jaxmem.config import ConfigError
     from jaxmem.run_layout import CheckpointError
 
@@ -188,8 +220,20 @@ def _params(run_dir: str, step: int, job):
     from jaxmem.run_layout import CHECKPOINT_DIR
     from jaxmem.train.checkpoint import restore_params
 
-    like = nnx.split(make_model(job.model, job.precision, adapters=job.adapters), nnx.Param)[1]
+    packed = job.adapters.base != "compute"
+    if packed:  # the checkpoint holds the packed arrays: their shapes, nothing quantized
+        from jaxmem.model.qbase import dense_arrays, quantize_base
+
+        model = nnx.eval_shape(lambda: make_model(job.model, job.precision, adapters=job.adapters))
+        quantize_base(model, job.adapters.base)
+    else:
+        model = make_model(job.model, job.precision, adapters=job.adapters)
+    like = nnx.split(model, nnx.Param)[1]
     try:
-        return restore_params(os.path.join(run_dir, CHECKPOINT_DIR), step, like)
+        params = restore_params(os.path.join(run_dir, CHECKPOINT_DIR), step, like)
     except (CheckpointError, ConfigError) as e:
         raise UsageError(str(e)) from None
+    if not (packed and dense):
+        return params
+    nnx.update(model, params)
+    return dense_arrays(model)

@@ -222,6 +222,13 @@ def _frameworks(args: argparse.Namespace, job, notes: list[str]) -> list[str]:
                 f"--state-memory {job.optimizer.state_memory} is jaxmem's optimizer-state "
                 "offload, which torch_ref does not implement: use --frameworks jax"
             )
+    if job.adapters.base != "compute" and frameworks != ["jax"]:
+        # torch_ref's records build its step on fake tensors, which cannot be packed
+        why = f"--quantize-base {job.adapters.base}: torch_ref's memory rows hold a compute base"
+        if args.frameworks is None:
+            notes.append(f"{why}: JAX only")
+            return ["jax"]
+        raise UsageError(f"{why}; use --frameworks jax (jaxmem train --framework torch trains it)")
     if any(f.startswith("torch") for f in frameworks):
         need_torch("jaxmem memory --frameworks torch")
     return frameworks

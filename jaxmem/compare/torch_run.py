@@ -72,8 +72,8 @@ def check_torch_backend(job: JobConfig) -> None:
 
 def torch_adapter_refusal(job: JobConfig) -> str | None:
     """Why torch_ref cannot train ``job``'s adapters (None: it can, or there are none):
-    ``torch_ref.lora`` needs PEFT, holds its base in the compute dtype, and does not split its
-    per-part q/k/v adapters over a tensor axis."""
+    ``torch_ref.lora`` needs PEFT, holds a packed base (``torch_ref.quant``) on one device and
+    unstreamed, and does not split its per-part q/k/v adapters over a tensor axis."""
     adapters = job.adapters
     if not adapters.enabled:
         return None
@@ -84,10 +84,12 @@ def torch_adapter_refusal(job: JobConfig) -> str | None:
             f"adapters.rank={adapters.rank} with --framework torch needs Hugging Face PEFT, "
             "which is not installed: pip install peft (or --framework jax)"
         )
-    if adapters.base != "compute":
+    if adapters.base != "compute" and (job.parallel.devices > 1 or job.optimizer.stream):
+        where = "--stream" if job.optimizer.stream else f"--mesh {job.parallel.mesh_text()}"
         return (
-            f"adapters.base={adapters.base!r} with --framework torch: torch_ref trains adapters "
-            "on a base in the compute dtype; use adapters.base compute or --framework jax"
+            f"--quantize-base {adapters.base} with --framework torch and {where}: torch_ref "
+            f"holds a packed base on one device, unstreamed; drop {where.split()[0]} or use "
+            "--framework jax"
         )
     if job.parallel.tensor_parallel:
         return (
@@ -126,6 +128,24 @@ def prepare(
     )
 
 
+def _add_adapters(model: Any, initial: Any, job: JobConfig) -> None:
+    """PEFT's LoRA layers on ``model`` (``torch_ref.lora``; the base frozen, packed first as
+    ``adapters.base`` says: ``torch_ref.quant``, the same bytes jaxmem packs from the same
+    weights), holding ``initial``'s adapters (jaxmem's draw, through
+    ``jaxmem.compare.weights``), so both frameworks start from the same adapters."""
+    from jaxmem.compare.weights import to_torch_adapter_state_dict
+    from torch_ref.lora import adapter_state_dict, add_adapters
+    from torch_ref.quant import quantize_base
+
+    if job.adapters.base != "compute":
+        quantize_base(model, job.adapters.base)
+    add_adapters(model, job.adapters)
+    ours = adapter_state_dict(model)
+    with torch.no_grad():
+        for key, value in to_torch_adapter_state_dict(initial).items():
+            ours[key].copy_(torch.from_numpy(value))
+
+
 class TorchTrainer:
     """torch_ref's side of ``jaxmem.train.loop.run_job``: an eager step, no host sync."""
 
@@ -151,15 +171,14 @@ class TorchTrainer:
 
             # read (every tensor checked finite) before the random init compiles anything
             weights = read_hf_weights(r.init_from, cfg, "float32")  # make_model's default
-        initial = make_model(cfg, seed=r.seed)  # jaxmem's initial weights, or a checkpoint's
+        # jaxmem's initial weights (adapters too), or a checkpoint's
+        initial = make_model(cfg, seed=r.seed, adapters=job.adapters)
         if weights is not None:
             load_hf_weights(initial, r.init_from, weights)
         model = torch_model_from(initial)
         model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
-        if job.adapters.enabled:  # PEFT's LoRA layers; the base frozen (torch_ref.lora)
-            from torch_ref.lora import add_adapters
-
-            add_adapters(model, job.adapters)
+        if job.adapters.enabled:
+            _add_adapters(model, initial, job)
         self.runner = apply_memory_policy(model.blocks, job.memory)
         apply_loss_policy(model, job.memory)
         # FSDP2 manages the model (sharded, or streamed through host memory on one process too)
@@ -383,10 +402,22 @@ class TorchTrainer:
         params = list(self.model.parameters())
         trained = [p for p in params if p.requires_grad]
         frozen = [p for p in params if not p.requires_grad]
-        return [
+        out = [
             Figure(f"  trainable ({self.job.adapters.label()})", nbytes(trained), source),
             Figure("  frozen (no gradient, no optimizer state)", nbytes(frozen), source),
         ]
+        if self.job.adapters.base != "compute":  # buffers, not parameters
+            from torch_ref.quant import QuantizedLinear
+
+            packed = [
+                getattr(m, n)
+                for m in self.model.modules()
+                if isinstance(m, QuantizedLinear)
+                for n in m.names
+            ]
+            label = f"  packed {self.job.adapters.base} base (frozen buffers)"
+            out.append(Figure(label, nbytes(packed), source))
+        return out
 
     def any_process(self, flag: bool) -> bool:
         import torch.distributed as dist
@@ -502,7 +533,12 @@ def _merged(job: JobConfig, base: dict, adapters: dict) -> dict:
     import torch_ref
     from torch_ref.lora import add_adapters, join_state, merged_state_dict
 
-    dtype = next(iter(base.values())).dtype
-    decoder = add_adapters(torch_ref.Decoder(job.model).to(dtype), job.adapters)
+    dtype = next(v.dtype for v in base.values() if v.is_floating_point())
+    decoder = torch_ref.Decoder(job.model).to(dtype)
+    if job.adapters.base != "compute":  # the checkpoint holds the packed base
+        from torch_ref.quant import quantize_base
+
+        quantize_base(decoder, job.adapters.base)
+    decoder = add_adapters(decoder, job.adapters)
     decoder.load_state_dict(join_state(decoder, base, adapters), strict=True)
     return merged_state_dict(decoder)

@@ -8,8 +8,15 @@ every key on both sides is mapped exactly once and that every shape matches, so 
 missing or mis-shaped tensor is impossible. Files are safetensors (never pickle) with PyTorch key
 names, so ``torch_ref`` (or any PyTorch code) loads them with ``safetensors.torch.load_file``.
 
-Public API: ``to_torch_state_dict``, ``load_torch_state_dict``, ``save_safetensors``,
-``load_safetensors``.
+LoRA adapters cross through their own map (``adapter_key_map``): jaxmem's
+``blocks.layers.{self_attn,ffn}.lora_{target}.lora_a`` ``[L, in, r]`` and ``lora_b``
+``[L, r, out]`` against ``torch_ref.lora``'s PEFT names, ``blocks.layers.{i}.<module>.lora_A.
+default[.part].weight`` ``[r, in]`` and ``lora_B`` ``[out, r]`` (transposed, layer by layer;
+q, k and v are parts of the fused ``self_attn.in_proj``). The base's functions leave the
+adapters out; ``to_torch_adapter_state_dict`` and ``load_torch_adapter_state_dict`` carry them.
+
+Public API: ``to_torch_state_dict``, ``load_torch_state_dict``, ``to_torch_adapter_state_dict``,
+``load_torch_adapter_state_dict``, ``save_safetensors``, ``load_safetensors``.
 """
 
 from __future__ import annotations
@@ -58,7 +65,16 @@ def _config_of(module: nnx.Module, cfg: ModelConfig | None) -> ModelConfig:
 
 
 def _flat_params(module: nnx.Module) -> dict[Path, Any]:
+    """The base's parameters (the key map's side): every ``nnx.Param`` but the adapters'."""
+    return {p: v for p, v in _all_params(module).items() if not _is_adapter(p)}
+
+
+def _all_params(module: nnx.Module) -> dict[Path, Any]:
     return {tuple(path): var for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+
+
+def _is_adapter(path: Path) -> bool:
+    return any(str(s).startswith("lora_") for s in path)
 
 
 def _check_jax_coverage(entries: list[KeyMapEntry], flat: Mapping[Path, Any]) -> None:
@@ -142,6 +158,88 @@ def load_torch_state_dict(
             target[e.layer] = value.astype(target.dtype)
     for path, var in flat.items():
         var[...] = jnp.asarray(new_values[path], dtype=var[...].dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterEntry:
+    """One layer's adapter matrix: jaxmem's ``path`` (stacked, ``[L, ...]``) at ``layer``, and
+    torch_ref's ``key`` holding it transposed, of shape ``shape``."""
+
+    path: Path
+    layer: int
+    key: str
+    shape: tuple[int, ...]
+
+
+LORA_LEAVES = ("lora_a", "lora_b")  # nnx.LoRA's matrices: [in, r] and [r, out]
+
+
+def _torch_module(target: str, cfg: ModelConfig) -> str:
+    """The torch_ref module PEFT's LoRA layer wraps for ``target`` (q, k, v: a part suffix)."""
+    if target in ("q", "k", "v"):
+        return "self_attn.in_proj"
+    if target == "o":
+        return "self_attn.out_proj"
+    if cfg.mlp == "gated":
+        return f"ffn.{target}"
+    return {"up": "ffn.0", "down": "ffn.2"}[target]  # the standard MLP's nn.Sequential
+
+
+def adapter_key_map(module: nnx.Module, *, cfg: ModelConfig | None = None) -> list[AdapterEntry]:
+    """Every adapter matrix of ``module`` (a jaxmem ``Decoder`` with adapters) and its
+    torch_ref key; raises ``WeightMapError`` for an adapter path outside the map."""
+    cfg = _config_of(module, cfg)
+    out = []
+    for path, var in _all_params(module).items():
+        if not _is_adapter(path):
+            continue
+        if path[:2] != ("blocks", "layers") or len(path) != 5 or path[-1] not in LORA_LEAVES:
+            raise WeightMapError(f"{'.'.join(map(str, path))} is not an adapter of the map")
+        target = str(path[3]).removeprefix("lora_")
+        module_name = _torch_module(target, cfg)
+        part = f".{target}" if module_name == "self_attn.in_proj" else ""
+        kind = "A" if path[-1] == "lora_a" else "B"
+        shape = tuple(reversed(var[...].shape[1:]))  # [in, r] -> [r, in]; [r, out] -> [out, r]
+        for i in range(var[...].shape[0]):
+            key = f"blocks.layers.{i}.{module_name}.lora_{kind}.default{part}.weight"
+            out.append(AdapterEntry(path, i, key, shape))
+    return out
+
+
+def to_torch_adapter_state_dict(
+    module: nnx.Module, *, cfg: ModelConfig | None = None
+) -> dict[str, np.ndarray]:
+    """The adapters of a jaxmem ``Decoder`` under torch_ref's keys (``torch_ref.lora``'s
+    ``adapter_state_dict``), each layer's matrix transposed."""
+    flat = _all_params(module)
+    return {
+        e.key: np.ascontiguousarray(np.asarray(flat[e.path][...][e.layer]).T)
+        for e in adapter_key_map(module, cfg=cfg)
+    }
+
+
+def load_torch_adapter_state_dict(
+    module: nnx.Module, state_dict: Mapping[str, Any], *, cfg: ModelConfig | None = None
+) -> None:
+    """Copy torch_ref's adapters (``adapter_state_dict``: numpy arrays or tensors) into a
+    jaxmem ``Decoder`` with the same adapters, in place; ``WeightMapError`` naming every
+    missing, unexpected or mis-shaped key, nothing written unless everything matches."""
+    entries = adapter_key_map(module, cfg=cfg)
+    expected = {e.key for e in entries}
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    given = {k: tuple(v.shape) for k, v in state_dict.items()}
+    bad = [e.key for e in entries if given.get(e.key, e.shape) != e.shape]
+    if missing or unexpected or bad:
+        raise WeightMapError(
+            f"adapters do not match the model's: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}, wrong shapes {bad[:3]}"
+        )
+    flat = _all_params(module)
+    values = {path: np.array(flat[path][...]) for path in {e.path for e in entries}}
+    for e in entries:
+        values[e.path][e.layer] = _to_numpy(state_dict[e.key]).T.astype(values[e.path].dtype)
+    for path, value in values.items():
+        flat[path][...] = jnp.asarray(value)
 
 
 def save_safetensors(

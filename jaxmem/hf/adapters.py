@@ -129,11 +129,15 @@ def peft_tensors(
 
 
 def merged_params(
-    params: Mapping[Path, np.ndarray], cfg: ModelConfig, adapters: AdapterConfig
+    params: Mapping[Path, np.ndarray],
+    cfg: ModelConfig,
+    adapters: AdapterConfig,
+    dtype: Any = None,
 ) -> dict[Path, np.ndarray]:
     """The base parameters (every path but the adapters') with each adapter merged into its
-    kernel: ``W + scale · A B`` per layer, computed in float64 and rounded once to ``W``'s
-    dtype; every other parameter as it is."""
+    kernel: ``W + scale · A B`` per layer, computed in float64 and rounded once to ``dtype``
+    (default ``W``'s own: a packed base's dequantized float32 ``W`` goes to the run's
+    parameter dtype in one rounding); every other parameter as it is."""
     out = {p: v for p, v in params.items() if not any(s.startswith("lora_") for s in p)}
     d, kv = cfg.d_model, cfg.kv_dim
     columns = {"q": (0, d), "k": (d, d + kv), "v": (d + kv, d + 2 * kv)}
@@ -148,5 +152,5 @@ def merged_params(
         lo, hi = columns.get(t, (0, wide[path].shape[-1]))
         wide[path][..., lo:hi] += adapters.scale * np.matmul(a, b)
     for path, value in wide.items():
-        out[path] = value.astype(np.asarray(params[path]).dtype)
+        out[path] = value.astype(dtype or np.asarray(params[path]).dtype)
     return out

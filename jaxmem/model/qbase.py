@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmem.model.quant import quantized_matmul
+from jaxmem.model.quant import dequantize, quantized_matmul
 from jaxmem.quant import QuantizedWeight, quantize
 
 Array = jax.Array
@@ -127,3 +127,28 @@ def packed_param_bytes(params: Any) -> int:
     """The bytes the ``PackedBase`` arrays of ``params`` (an ``nnx.State``) hold."""
     leaves = jax.tree_util.tree_leaves(params.filter(PackedBase))
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
+def dense_arrays(model: Any) -> dict[tuple[str, ...], np.ndarray]:
+    """Every parameter of ``model`` (a ``Decoder`` whose base ``quantize_base`` packed) as
+    ``path -> numpy array``, each packed projection replaced by its dequantized kernel under
+    ``nnx.Linear``'s path (``blocks.layers.self_attn.in_proj.kernel`` ``[L, in, out]``, the
+    parts side by side) in float32: the weights the packed base computes with (what ``jaxmem
+    export --merge`` adds the adapters to). Adapters and every other parameter as they are."""
+    state = nnx.state(model, nnx.Param)
+    flat = {tuple(str(k) for k in p): v for p, v in nnx.to_flat_state(state)}
+    out = {p: np.asarray(v[...]) for p, v in flat.items() if not isinstance(v, PackedBase)}
+    layers = model.blocks.layers
+    linears = {("self_attn", n): getattr(layers.self_attn, n) for n in ("in_proj", "out_proj")}
+    linears |= {("ffn", n): getattr(layers.ffn, n, None) for n in ("gate", "up", "down")}
+    for where, linear in linears.items():
+        if not isinstance(linear, QuantizedLinear):
+            continue
+        columns = []
+        for name in linear.names:
+            qw = getattr(linear, name).weight()  # arrays stacked on a leading L axis
+            n_layers = qw.packed.shape[0]
+            one = [dequantize(jax.tree.map(lambda a, i=i: a[i], qw)).T for i in range(n_layers)]
+            columns.append(jnp.stack(one))  # [L, in, part]
+        out[("blocks", "layers", *where, "kernel")] = np.asarray(jnp.concatenate(columns, -1))
+    return out
