@@ -85,11 +85,10 @@ def frozen_base_gradient(
     from jaxmem.planner.records import lm_step_batch
     from jaxmem.step.frozen import Trainable
 
-    def build() -> Any:
-        model = make_model(cfg, precision, platform=platform, adapters=adapters)
-        return quantize_base(model, adapters.base) if adapters.base != "compute" else model
-
-    graphdef, params = nnx.split(nnx.eval_shape(build), nnx.Param)
+    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=platform, adapters=adapters))
+    if adapters.base != "compute":  # packed from shapes (outside the trace: nothing packs)
+        quantize_base(model, adapters.base)
+    graphdef, params = nnx.split(model, nnx.Param)
     micro = lm_step_batch(cfg, rows, seq, abstract=True)
     loss = lm_loss_fn(
         graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss.chunks

@@ -318,14 +318,12 @@ def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bo
 
 
 def adapter_choice(adapters: AdapterConfig, tp: int, strategy: str | None, place: str) -> bool:
-    """Whether an adapter step composes with these choices (``jaxmem.step.frozen.refusal``
-    refuses the rest in one line; the lattice never lists them): the state on the device (the
-    trained parameters' state is small; nothing streams), no tensor parallelism, and a packed
-    base unsharded (no fsdp). Always True without adapters."""
-    if not adapters.enabled:
-        return True
+    """Whether an adapter step composes with these choices (the lattice lists no other; the
+    step refuses them, ``jaxmem.step.frozen.refusal``): its state on the device, no tensor
+    parallelism, a packed base unsharded (no fsdp). Always True without adapters."""
     packed = adapters.base != "compute"
-    return place == "device" and tp == 1 and not (packed and strategy == "fsdp")
+    ok = place == "device" and tp == 1 and not (packed and strategy == "fsdp")
+    return ok or not adapters.enabled
 
 
 def _choices(
