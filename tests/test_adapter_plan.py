@@ -254,3 +254,16 @@ def test_an_adapter_plan_that_cannot_be_met_is_refused_in_one_line_before_tracin
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert re.search(message, line), line
     assert not (tmp_path / "run").exists()
+
+
+def test_when_nothing_fits_an_adapter_plan_suggests_only_what_the_job_can_use():
+    from argparse import Namespace
+
+    from jaxmem.cli.plan import _what_else
+
+    packed = _what_else(Namespace(loss_chunks_search=False), _problem(INT8))
+    assert packed == "allow more (--accum, --precisions, --loss-chunks-search)"
+    plain = _what_else(Namespace(loss_chunks_search=True), _problem(ADAPTERS))
+    assert plain == "add devices (--mesh fsdp=N) or allow more (--accum, --precisions)"
+    full = _what_else(Namespace(loss_chunks_search=True), _problem(AdapterConfig()))
+    assert full.endswith("(--accum, --precisions, --state-offload)")

@@ -326,9 +326,21 @@ def _nothing_fits(args, result, where: str) -> None:
     reached = sum(o.status != "not reached" for o in result.outcomes)
     raise UsageError(
         f"no configuration of the {reached} tried fits {mib(budget)} MiB per device on "
-        f"{where}: {found}; raise --budget, add devices (--mesh fsdp=N) or allow more "
-        "(--accum, --precisions, --state-offload)"
+        f"{where}: {found}; raise --budget, {_what_else(args, result.problem)}"
     )
+
+
+def _what_else(args, problem) -> str:
+    """What else may fit: more devices, or more of the lattice (only what the job can use: an
+    adapter job keeps its state on the device, and a packed base is not sharded)."""
+    adapters = problem.adapters
+    more = ["--accum", "--precisions"]
+    if not adapters.enabled:
+        more.append("--state-offload")
+    if not args.loss_chunks_search:
+        more.append("--loss-chunks-search")
+    devices = "" if adapters.base != "compute" else "add devices (--mesh fsdp=N) or "
+    return f"{devices}allow more ({', '.join(more)})"
 
 
 def _commands(job, result) -> dict[str, str | None]:
