@@ -425,14 +425,16 @@ class JobConfig:
 
     @property
     def step_text(self) -> str:
-        """The step in words: preset, batch, precision, policy, optimizer (report headers)."""
+        """The step in words: preset (and adapters), batch, precision, policy, optimizer (report
+        headers)."""
         micro = f" in {self.accum.steps} microbatches" if self.accum.steps > 1 else ""
         stack = self.memory.name + (" (unrolled)" if self.memory.unroll else "")
         if self.memory.loss.chunks:
             stack += f", loss in {self.memory.loss.chunks} chunks"
         mesh = f", {self.parallel.mesh_text()}" if self.parallel.sharded else ""
+        lora = f", {self.adapters.label()}" if self.adapters.enabled else ""
         return (
-            f"{self.preset}, batch {self.run.batch_size} x {self.run.seq_len}{micro}, "
+            f"{self.preset}{lora}, batch {self.run.batch_size} x {self.run.seq_len}{micro}, "
             f"{self.precision.name}, {stack}, {self.optimizer.name}{mesh}"
         )
 

@@ -122,16 +122,31 @@ class QuantizedWeight:
         return sum(int(a.nbytes) for a in arrays if a is not None)
 
 
-def packed_bytes(kind: str, out: int, in_: int) -> int:
-    """The bytes a ``[out, in_]`` weight takes packed as ``kind``, from its shape alone: the
-    arrays of ``QuantizedWeight`` (the code tables are constants, shared by every weight)."""
+def packed_shapes(kind: str, out: int, in_: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The arrays of ``QuantizedWeight`` a ``[out, in_]`` weight packs to as ``kind``, from its
+    shape alone: ``{field: (shape, dtype name)}`` (``absmax_scale`` and ``absmax_offset``:
+    nf4 only)."""
     if kind == "int8":
-        return out * in_ + 4 * out
+        return {"packed": ((out, in_), "int8"), "absmax": ((out,), "float32")}
     if kind != "nf4":
         raise ValueError(f"kind={kind!r} is not one of {KINDS}")
     n = out * in_
     blocks = math.ceil(n / NF4_BLOCK)
-    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NF4_STATS_BLOCK) + 4
+    return {
+        "packed": ((math.ceil(n / 2),), "uint8"),
+        "absmax": ((blocks,), "uint8"),
+        "absmax_scale": ((math.ceil(blocks / NF4_STATS_BLOCK),), "float32"),
+        "absmax_offset": ((), "float32"),
+    }
+
+
+def packed_bytes(kind: str, out: int, in_: int) -> int:
+    """The bytes a ``[out, in_]`` weight takes packed as ``kind``, from its shape alone: the
+    arrays of ``QuantizedWeight`` (the code tables are constants, shared by every weight)."""
+    return sum(
+        math.prod(shape) * np.dtype(dtype).itemsize
+        for shape, dtype in packed_shapes(kind, out, in_).values()
+    )
 
 
 def quantize(weight: np.ndarray, kind: str) -> QuantizedWeight:

@@ -135,7 +135,8 @@ def _adapter_state(job) -> dict | None:
 
 
 def _trainable_note(console, records: list[dict]) -> None:
-    """With adapters, torch_ref's parameters split into trainable and frozen (counted)."""
+    """With adapters, each framework's step split into frozen and trainable parameters, its
+    gradients, optimizer state and saved activations, each counted from its own arrays."""
     split = [
         r
         for r in records
@@ -143,14 +144,19 @@ def _trainable_note(console, records: list[dict]) -> None:
     ]
     if split:
         console.print(
-            f"{split[0]['adapters']}, torch: frozen base (no gradient or optimizer state), "
-            "counted from the tensors:"
+            f"{split[0]['adapters']}: frozen base (no gradient or optimizer state), counted from "
+            "each step's arrays (jax: the compiled step's parameter, gradient and state trees; "
+            "torch: its tensors); saved activations as the table above obtained them:"
         )
     for r in split:
+        frozen = r["params_bytes"] - r["trainable_params_bytes"]
+        saved = r["saved_activation_bytes_device"] + r["saved_activation_bytes_host"]
         console.print(
-            f"  {r['framework']} {r['policy']}: parameters {format_bytes(r['params_bytes'])}, "
-            f"trainable {format_bytes(r['trainable_params_bytes'])}; grads "
-            f"{format_bytes(r['grads_bytes'])}; opt state {format_bytes(r['opt_state_bytes'])}"
+            f"  {r['framework']} {r['policy']}: parameters {format_bytes(r['params_bytes'])} "
+            f"(frozen {format_bytes(frozen)}, trainable "
+            f"{format_bytes(r['trainable_params_bytes'])}); grads "
+            f"{format_bytes(r['grads_bytes'])}; opt state {format_bytes(r['opt_state_bytes'])}; "
+            f"saved activations {format_bytes(saved)}"
         )
 
 

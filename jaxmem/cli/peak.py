@@ -112,6 +112,7 @@ def _json(job, target, report) -> dict:
         "unroll": job.memory.unroll,
         "precision": job.precision.name,
         "optimizer": job.optimizer.name,
+        "adapters": job.to_dict()["adapters"] if job.adapters.enabled else None,
         "batch": job.run.batch_size,
         "seq_len": job.run.seq_len,
         "accum": job.accum.steps,

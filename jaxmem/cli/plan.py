@@ -4,6 +4,7 @@ for the target; prints the ``jaxmem train`` commands that run it, complete."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 
 import jaxmem.cli.presets as presets
@@ -168,11 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
     job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
     not_streamed(job, "plan")
-    if job.adapters.enabled:
-        raise UsageError(
-            f"jaxmem plan does not search adapter jobs ({job.adapters.label()}) yet; "
-            "jaxmem memory and jaxmem peak measure one (they take the same --lora-* flags)"
-        )
+    _check_adapters(job)
     with usage_errors():
         target = get_target(args.target or "cpu")
         if args.budget is not None:
@@ -191,11 +188,29 @@ def run(args: argparse.Namespace) -> int:
         job.optimizer,
         job.parallel.devices,
         slack=args.slack,
+        adapters=job.adapters,
     )
     elsewhere = "plan for a GPU's memory with --target (h100, ..., or a captured .txtpb)"
     check_budget(problem, space, args.budget, "--budget", LEAVE, elsewhere)
     _start_backend(job, target)
     return _search_and_report(args, job, problem, space, budget_source)
+
+
+def _check_adapters(job) -> None:
+    """An adapter job's options the search cannot vary away, refused in one line before any
+    trace (``jaxmem.step.frozen.refusal``: dropout, an accumulation mode; the mesh's strategy is
+    searched, so only what the mesh itself fixes is checked here)."""
+    if not job.adapters.enabled:
+        return
+    from jaxmem.step.frozen import refusal
+    from jaxmem.step.spec import StepSpec
+
+    spec = StepSpec.of_job(job)
+    if spec.parallel.sharded:  # the strategy is searched (--strategies): judge the mesh by dp
+        spec = spec.replace(parallel=dataclasses.replace(spec.parallel, strategy="dp"))
+    line = refusal(spec)
+    if line is not None:
+        raise UsageError(f"jaxmem plan: {line}")
 
 
 def _space(args: argparse.Namespace, job):
@@ -257,8 +272,9 @@ def _search_and_report(args, job, problem, space, budget_source: str) -> int:
     where = (
         f"{problem.devices} x {problem.target.name}" if problem.devices > 1 else problem.target.name
     )
+    lora = f", {job.adapters.label()}" if job.adapters.enabled else ""
     out.print(
-        f"planning {job.preset}, batch {job.run.batch_size} x seq {job.run.seq_len}, "
+        f"planning {job.preset}{lora}, batch {job.run.batch_size} x seq {job.run.seq_len}, "
         f"{job.optimizer.name}, on {where}: budget {mib(problem.budget_bytes)} MiB per device "
         f"({budget_source})",
         style="dim",
@@ -270,10 +286,16 @@ def _search_and_report(args, job, problem, space, budget_source: str) -> int:
         **({} if args.confirm is None else {"confirm": args.confirm}),
         progress=search_progress(out),
     )
+    if job.adapters.enabled and args.state_offload:
+        out.print(
+            "--state-offload: an adapter job keeps its (small) optimizer state on the device; "
+            "host placements and streaming are not searched for it",
+            style="dim",
+        )
     if result.chosen is None:
         _nothing_fits(args, result, where)
     title = (
-        f"jaxmem plan: {job.preset}, batch {job.run.batch_size} x {job.run.seq_len} on "
+        f"jaxmem plan: {job.preset}{lora}, batch {job.run.batch_size} x {job.run.seq_len} on "
         f"{where}, budget {mib(problem.budget_bytes)} MiB per device"
     )
     render.plan_table(out, result, title, args.top, args.wide)
@@ -304,9 +326,21 @@ def _nothing_fits(args, result, where: str) -> None:
     reached = sum(o.status != "not reached" for o in result.outcomes)
     raise UsageError(
         f"no configuration of the {reached} tried fits {mib(budget)} MiB per device on "
-        f"{where}: {found}; raise --budget, add devices (--mesh fsdp=N) or allow more "
-        "(--accum, --precisions, --state-offload)"
+        f"{where}: {found}; raise --budget, {_what_else(args, result.problem)}"
     )
+
+
+def _what_else(args, problem) -> str:
+    """What else may fit: more devices, or more of the lattice (only what the job can use: an
+    adapter job keeps its state on the device, and a packed base is not sharded)."""
+    adapters = problem.adapters
+    more = ["--accum", "--precisions"]
+    if not adapters.enabled:
+        more.append("--state-offload")
+    if not args.loss_chunks_search:
+        more.append("--loss-chunks-search")
+    devices = "" if adapters.base != "compute" else "add devices (--mesh fsdp=N) or "
+    return f"{devices}allow more ({', '.join(more)})"
 
 
 def _commands(job, result) -> dict[str, str | None]:
@@ -317,6 +351,10 @@ def _commands(job, result) -> dict[str, str | None]:
     argv = job_argv(chosen)
     jax_cmd = shlex.join(["jaxmem", "train", *argv])
     refusal = torch_host_memory_refusal(chosen)
+    if refusal is None and chosen.adapters.enabled:
+        from jaxmem.compare.torch_run import torch_adapter_refusal
+
+        refusal = torch_adapter_refusal(chosen)
     if refusal is not None:
         return {"jax": jax_cmd, "torch": None, "torch_note": refusal}
     torch = ["jaxmem", "train", "--framework", "torch", *argv]
@@ -438,6 +476,7 @@ def _json(job, problem, result, budget_source: str, commands: dict) -> dict:
         "preset": job.preset,
         "batch": job.run.batch_size,
         "seq_len": job.run.seq_len,
+        "adapters": job.to_dict()["adapters"] if job.adapters.enabled else None,
         "target": problem.target.name,
         "devices": problem.devices,
         "budget_bytes": problem.budget_bytes,

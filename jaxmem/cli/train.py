@@ -321,6 +321,9 @@ def _auto_policy(job, budget_text: str):
         raise UsageError("--policy auto plans jaxmem's step: use --framework jax")
     if job.accum.mode != "scan":
         raise UsageError("--policy auto plans the scanned accumulation: drop --accum-mode")
+    refusal = _adapters_refusal(job)  # before any trace: the plan compiles this job's adapters
+    if refusal is not None:
+        raise UsageError(refusal)
     need_jax_backend()
     import jaxmem.cli.render as render
     from jaxmem.memory.targets import LOCAL
@@ -339,8 +342,9 @@ def _auto_policy(job, budget_text: str):
         precisions=(job.precision.name,),
     )
     problem = Problem(
-        job.model, job.run.batch_size, job.run.seq_len, LOCAL, budget, job.optimizer, n
-    )
+        job.model, job.run.batch_size, job.run.seq_len, LOCAL, budget, job.optimizer, n,
+        adapters=job.adapters,
+    )  # fmt: skip
     check_budget(problem, space, budget_text, "--memory-budget", "--mesh fsdp=N")
     console = render.console()
     console.print(f"--policy auto: planning on this backend under {budget_text} ...", style="dim")

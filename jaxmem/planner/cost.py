@@ -37,6 +37,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import ModelConfig, OptimizerConfig
 from jaxmem.memory import analytic
 from jaxmem.memory import step_time as st
@@ -44,9 +45,12 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.targets import Rates
 from jaxmem.memory.work import Traced, Work, at_rows, combine, trace_jaxpr
 from jaxmem.model import make_model
+from jaxmem.model.qbase import quantize_base
 from jaxmem.policy import POLICIES, EmbeddingReplay, LossPolicy, MemoryPolicy, preset_named
 from jaxmem.precision import Precision
 from jaxmem.step.train_step import lm_loss_fn
+
+NO_ADAPTERS = AdapterConfig()  # full fine-tuning: every parameter trains
 
 
 def _part_key(policy: MemoryPolicy) -> Any:
@@ -69,35 +73,54 @@ def priced_runs(policy: MemoryPolicy, n_layers: int) -> list[tuple[int, MemoryPo
     return [(n, MemoryPolicy.of(b, **switches)) for n, b in policy.runs(n_layers)]
 
 
-@functools.lru_cache(maxsize=512)
-def _trace(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int,
-           rows: int) -> Traced:  # fmt: skip
-    """The work of one microbatch of ``rows`` rows through the gradient under ``policy``
-    (kept: each search, and each budget of a benchmark, prices the same parts)."""
+def frozen_base_gradient(
+    cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int, rows: int,
+    adapters: AdapterConfig = NO_ADAPTERS, platform: str | None = None,
+) -> tuple[Any, tuple]:  # fmt: skip
+    """The loss whose gradient one microbatch of ``rows`` rows takes under ``policy``, from
+    shapes, and its arguments: ``(loss, (trained, batch, frozen))``, ``loss(trained, batch,
+    frozen)``. With ``adapters`` the decoder carries them (its base packed as ``adapters.base``)
+    and only the trained subtree is differentiated, as the step does (``jaxmem.step.frozen``):
+    a frozen base has no weight-gradient matmuls. Without, every parameter is trained."""
     from jaxmem.planner.records import lm_step_batch
+    from jaxmem.step.frozen import Trainable
 
-    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform="gpu"))
+    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=platform, adapters=adapters))
+    if adapters.base != "compute":  # packed from shapes (outside the trace: nothing packs)
+        quantize_base(model, adapters.base)
     graphdef, params = nnx.split(model, nnx.Param)
     micro = lm_step_batch(cfg, rows, seq, abstract=True)
     loss = lm_loss_fn(
         graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss.chunks
     )
-    return trace_jaxpr(jax.make_jaxpr(jax.grad(lambda p, b: loss(p, b)[0]))(params, micro))
+    trainable = Trainable(adapters)
+    trained, frozen = trainable.split(params)
+    return (lambda t, b, f: loss(trainable.merge(t, f), b)[0]), (trained, micro, frozen)
+
+
+@functools.lru_cache(maxsize=512)
+def _trace(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int,
+           rows: int, adapters: AdapterConfig = NO_ADAPTERS) -> Traced:  # fmt: skip
+    """The work of one microbatch of ``rows`` rows through the gradient under ``policy``
+    (kept: each search, and each budget of a benchmark, prices the same parts)."""
+    loss, args = frozen_base_gradient(cfg, policy, precision, seq, rows, adapters, "gpu")
+    return trace_jaxpr(jax.make_jaxpr(jax.grad(loss))(*args))
 
 
 class WorkModel:
     """The gradient's work of one microbatch for any stack (module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, seq_len: int):
-        self.cfg, self.seq_len = cfg, seq_len
+    def __init__(self, cfg: ModelConfig, seq_len: int, adapters: AdapterConfig = NO_ADAPTERS):
+        self.cfg, self.seq_len, self.adapters = cfg, seq_len, adapters
         self._parts: dict[tuple, tuple[Traced, Traced, Traced, Traced]] = {}
 
     def _part(self, policy: MemoryPolicy, precision: Precision) -> tuple[Traced, ...]:
         key = (_part_key(policy), precision.name)
         if key not in self._parts:
             part = policy.replace(embedding=EmbeddingReplay())
+            cfg, seq, adapters = self.cfg, self.seq_len, self.adapters
             self._parts[key] = tuple(
-                _trace(self.cfg.replace(n_layers=d), part, precision, self.seq_len, r)
+                _trace(cfg.replace(n_layers=d), part, precision, seq, r, adapters)
                 for d in (1, 2)
                 for r in (1, 2)
             )
@@ -106,7 +129,7 @@ class WorkModel:
     def micro(self, policy: MemoryPolicy, precision: Precision, rows: int) -> tuple[Work, Work]:
         """(the work outside the blocks, the blocks') of one microbatch of ``rows`` rows."""
         if policy.nested:
-            whole = _nested(self.cfg, policy, precision, self.seq_len, rows)
+            whole = _nested(self.cfg, policy, precision, self.seq_len, rows, self.adapters)
             return whole.work(), Work()
         outside: Work | None = None
         blocks: list[tuple[Work, int]] = []
@@ -123,26 +146,39 @@ class WorkModel:
 
 @functools.lru_cache(maxsize=32)
 def _nested(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int,
-            rows: int) -> Traced:  # fmt: skip
-    return _trace(cfg, policy, precision, seq, rows)
+            rows: int, adapters: AdapterConfig) -> Traced:  # fmt: skip
+    return _trace.__wrapped__(cfg, policy, precision, seq, rows, adapters)
 
 
 # ------------------------------------------------------------------------------ the terms
 def update_bytes(
     cfg: ModelConfig, opt_cfg: OptimizerConfig, precision: Precision, *, param_shards: int = 1,
-    state_shards: int = 1,
+    state_shards: int = 1, adapters: AdapterConfig = NO_ADAPTERS,
 ) -> int:  # fmt: skip
     """Bytes the optimizer's update reads and writes on one device, from shapes: parameters and
-    state read and written, the gradient read twice (its norm, then the update)."""
-    params = analytic.param_bytes(cfg, precision) // param_shards
-    state = analytic.opt_state_bytes(cfg, opt_cfg, precision) // state_shards
-    return 2 * params + 2 * params + 2 * state
+    state read and written, the gradient read twice (its norm, then the update); with
+    ``adapters``, of the trained parameters only (``analytic.adapter_state``)."""
+    if adapters.enabled:
+        held = analytic.adapter_state(cfg, adapters, opt_cfg, precision)
+        params, state = held.trainable_bytes, held.opt_state_bytes
+    else:
+        params = analytic.param_bytes(cfg, precision)
+        state = analytic.opt_state_bytes(cfg, opt_cfg, precision)
+    return 4 * (params // param_shards) + 2 * (state // state_shards)
 
 
-def accumulation_bytes(cfg: ModelConfig, precision: Precision, accum: int, shards: int = 1) -> int:
+def accumulation_bytes(
+    cfg: ModelConfig, precision: Precision, accum: int, shards: int = 1,
+    adapters: AdapterConfig = NO_ADAPTERS,
+) -> int:  # fmt: skip
     """Bytes the running gradient sum moves: each microbatch after the first adds its gradient
-    (the sum read and written, the gradient read)."""
-    return max(0, accum - 1) * 3 * analytic.param_bytes(cfg, precision) // shards
+    (the sum read and written, the gradient read); with ``adapters``, the trained parameters'."""
+    grads = (
+        analytic.adapter_state(cfg, adapters, OptimizerConfig(), precision).grads_bytes
+        if adapters.enabled
+        else analytic.param_bytes(cfg, precision)
+    )
+    return max(0, accum - 1) * 3 * grads // shards
 
 
 def step_estimate(
@@ -360,8 +396,9 @@ def gpu_step_time(
     param_shards = (data if strategy == "fsdp" else 1) * tp  # what each device holds
     state_shards = (data if strategy in ("zero1", "fsdp") else 1) * tp  # and updates
     memory = update_bytes(
-        cfg, opt_cfg, precision, param_shards=state_shards, state_shards=state_shards
-    ) + accumulation_bytes(cfg, precision, accum, param_shards)
+        cfg, opt_cfg, precision, param_shards=state_shards, state_shards=state_shards,
+        adapters=work.adapters,
+    ) + accumulation_bytes(cfg, precision, accum, param_shards, work.adapters)  # fmt: skip
     if update == "host":  # the stack's update runs in host memory: only the rest's here
         one, two = (
             update_bytes(cfg.replace(n_layers=n), opt_cfg, precision,

@@ -12,33 +12,27 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from flax import nnx
-
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import ModelConfig
 from jaxmem.figures import format_bytes
 from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
-from jaxmem.memory.remat import layers_fn
-from jaxmem.model import make_model
 from jaxmem.planner import tags
-from jaxmem.planner.cost import priced_runs
-from jaxmem.planner.records import lm_step_batch
+from jaxmem.planner.cost import NO_ADAPTERS, frozen_base_gradient, priced_runs
 from jaxmem.planner.space import Candidate, PlanSpace, Problem, candidate_spec, part_key
 from jaxmem.policy import POLICIES, EmbeddingReplay, MemoryPolicy, can_replay_embedding
 from jaxmem.precision import PRECISIONS, Precision
-from jaxmem.step.train_step import lm_loss_fn
 
 
 # ---------------------------------------------------------------------------------- FLOPs
-def _flops_per_row(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int) -> int:
-    """Matmul FLOPs of one row's gradient (forward, recompute, backward) under ``policy``."""
-    model = nnx.eval_shape(lambda: make_model(cfg, precision))
-    graphdef, params = nnx.split(model, nnx.Param)
-    micro = lm_step_batch(cfg, 1, seq, abstract=True)
-    loss = lm_loss_fn(
-        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss.chunks
-    )
-    return grad_matmul_flops(lambda p, b: loss(p, b)[0], params, micro)
+def _flops_per_row(
+    cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int,
+    adapters: AdapterConfig = NO_ADAPTERS,
+) -> int:  # fmt: skip
+    """Matmul FLOPs of one row's gradient (forward, recompute, backward) under ``policy``; with
+    ``adapters``, of the trained parameters only (a frozen base: no weight-gradient matmuls)."""
+    loss, args = frozen_base_gradient(cfg, policy, precision, seq, 1, adapters)
+    return grad_matmul_flops(loss, *args)
 
 
 class FlopModel:
@@ -47,8 +41,8 @@ class FlopModel:
     affine in the number of blocks under each policy; nested, √L segments, is traced at its
     real depth)."""
 
-    def __init__(self, cfg: ModelConfig, seq_len: int):
-        self.cfg, self.seq_len = cfg, seq_len
+    def __init__(self, cfg: ModelConfig, seq_len: int, adapters: AdapterConfig = NO_ADAPTERS):
+        self.cfg, self.seq_len, self.adapters = cfg, seq_len, adapters
         self._fit: dict[tuple, tuple[int, int]] = {}
         self._nested: dict[str, int] = {}
 
@@ -56,7 +50,9 @@ class FlopModel:
         key = (part_key(policy), precision.name)
         if key not in self._fit:
             f1, f2 = (
-                _flops_per_row(self.cfg.replace(n_layers=d), policy, precision, self.seq_len)
+                _flops_per_row(
+                    self.cfg.replace(n_layers=d), policy, precision, self.seq_len, self.adapters
+                )
                 for d in (1, 2)
             )
             self._fit[key] = (f1 - (f2 - f1), f2 - f1)
@@ -64,13 +60,13 @@ class FlopModel:
 
     def tag_frontier(self, precision: Precision) -> list[tags.TagPoint]:
         """The per-tag policies of one block on the bytes/FLOPs Pareto frontier."""
-        return _tag_frontier(self.cfg, precision, self.seq_len)
+        return _tag_frontier(self.cfg, precision, self.seq_len, self.adapters)
 
     def per_row(self, policy: MemoryPolicy, precision: Precision) -> int:
         if policy.nested:
             if precision.name not in self._nested:
                 self._nested[precision.name] = _flops_per_row(
-                    self.cfg, policy, precision, self.seq_len
+                    self.cfg, policy, precision, self.seq_len, self.adapters
                 )
             return self._nested[precision.name]
         total = None
@@ -81,11 +77,15 @@ class FlopModel:
 
 
 @functools.lru_cache(maxsize=16)
-def _tag_frontier(cfg: ModelConfig, precision: Precision, seq_len: int) -> list[tags.TagPoint]:
-    """``tags.frontier`` once per model, precision and sequence length in a process (its
-    2^units jaxpr traces are the same for every search of that model: ``--policy auto``,
+def _tag_frontier(
+    cfg: ModelConfig, precision: Precision, seq_len: int, adapters: AdapterConfig
+) -> list[tags.TagPoint]:
+    """``tags.frontier`` once per model, precision, sequence length and adapters in a process
+    (its 2^units jaxpr traces are the same for every search of that model: ``--policy auto``,
     repeated budgets)."""
-    return tags.frontier(cfg, precision, seq_len, _flops_per_row)
+    return tags.frontier(
+        cfg, precision, seq_len, functools.partial(_flops_per_row, adapters=adapters)
+    )
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -189,11 +189,28 @@ def state_host_bytes(problem: Problem, cand: Candidate) -> int:
     streamed candidate's plan is already its device's (``plans.stream_plan``)."""
     if cand.state_memory == "device" or cand.stream:
         return 0
-    precision = PRECISIONS[cand.precision]
-    total = analytic.opt_state_bytes(problem.cfg, problem.opt_cfg, precision)
+    total = state_bytes(problem, PRECISIONS[cand.precision])
     data = problem.devices // cand.tp
     shards = (data if cand.strategy in ("zero1", "fsdp") else 1) * cand.tp
     return total // shards
+
+
+def state_bytes(problem: Problem, precision: Precision) -> int:
+    """The optimizer state's bytes from shapes: every parameter's, or with adapters the trained
+    parameters' alone (``analytic.adapter_state``: a frozen base has none)."""
+    cfg, opt_cfg, adapters = problem.cfg, problem.opt_cfg, problem.adapters
+    if adapters.enabled:
+        return analytic.adapter_state(cfg, adapters, opt_cfg, precision).opt_state_bytes
+    return analytic.opt_state_bytes(cfg, opt_cfg, precision)
+
+
+def parameter_bytes(problem: Problem, precision: Precision) -> int:
+    """The parameters' bytes from shapes: with adapters, the frozen base as it is stored
+    (packed for an int8 or nf4 base) plus the adapters (``analytic.adapter_state``)."""
+    cfg, adapters = problem.cfg, problem.adapters
+    if adapters.enabled:
+        return analytic.adapter_state(cfg, adapters, problem.opt_cfg, precision).params_bytes
+    return analytic.param_bytes(cfg, precision)
 
 
 def chunk_savings_bound(problem: Problem, cand: Candidate) -> int:
@@ -213,21 +230,24 @@ def argument_floor(problem: Problem, space: PlanSpace) -> tuple[int, str]:
     leanest choice ``space`` allows places them (split over every device where a strategy or
     tensor parallelism can split them; the state, or the stack's parameters, in host memory
     where the space may put them there), at its narrowest precision. A budget under it fits
-    nothing, whatever the policy; the text says how it was obtained."""
-    cfg, n = problem.cfg, problem.devices
-    host = problem.target.is_gpu
+    nothing, whatever the policy; the text says how it was obtained. With adapters: the
+    frozen base as stored and the trained parameters' state (``parameter_bytes``,
+    ``state_bytes``), all on the device (adapter jobs keep them there; a packed base whole)."""
+    cfg, n, adapters = problem.cfg, problem.devices, problem.adapters
+    host = problem.target.is_gpu and not adapters.enabled
     state_out = host and any(m != "device" for m in space.state_memory)
     stack_out = host and any(m.startswith("stream") for m in space.state_memory)
-    split = n > 1 and ("fsdp" in space.strategies or max(space.tensor) > 1)
+    fsdp = "fsdp" in space.strategies and adapters.base == "compute"
+    split = n > 1 and (fsdp or (max(space.tensor) > 1 and not adapters.enabled))
     state_split = split or (n > 1 and "zero1" in space.strategies)
     block = cfg.replace(n_layers=2).n_params - cfg.replace(n_layers=1).n_params
     floor, said = None, ""
     for name in space.precisions:
         precision = PRECISIONS[name]
-        params = analytic.param_bytes(cfg, precision)
+        params = parameter_bytes(problem, precision)
         if stack_out:
             params -= cfg.n_layers * block * precision.param_bytes  # streamed from host
-        state = 0 if state_out else analytic.opt_state_bytes(cfg, problem.opt_cfg, precision)
+        state = 0 if state_out else state_bytes(problem, precision)
         params, state = params // (n if split else 1), state // (n if state_split else 1)
         tokens = 2 * 4 * problem.seq_len * max(1, problem.batch // (n * max(space.accum)))
         if floor is None or params + state + tokens < floor:
@@ -235,6 +255,7 @@ def argument_floor(problem: Problem, space: PlanSpace) -> tuple[int, str]:
             said = (
                 f"parameters {format_bytes(params)}"
                 + (" (the stack's streamed from host memory)" if stack_out else "")
+                + (f" ({adapters.label()})" if adapters.enabled else "")
                 + f" + {problem.opt_cfg.name} state {format_bytes(state)}"
                 + (" (in host memory)" if state_out else "")
                 + f" + one microbatch of tokens {format_bytes(tokens)}, from shapes, {name}"

@@ -306,6 +306,9 @@ def jax_record(spec: StepSpec, *, abstract: bool = False) -> dict[str, Any]:
         "accum": spec.accum.steps,
         "planned_from_shapes": abstract,
         "params_bytes": sizes["params"],
+        # a frozen base: the gradients are the trained subtree's, shaped as its parameters
+        "trainable_params_bytes": sizes["grads"] if spec.adapters.enabled else sizes["params"],
+        "adapters": spec.adapters.label(),
         "grads_bytes": sizes["grads"],
         "opt_state_bytes": sizes["opt"],
         "mesh": spec.parallel.mesh_text() if sharded else None,

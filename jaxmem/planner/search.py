@@ -278,7 +278,7 @@ def search(
     fitting plan's compiled one, and one that fits replaces it when its compiled estimate is
     lower by more than ``TIE``."""
     compiles = _Compiles(problem, compile_peak or _compiler(problem), progress)
-    flops = FlopModel(problem.cfg, problem.seq_len)
+    flops = FlopModel(problem.cfg, problem.seq_len, problem.adapters)
     budget = problem.budget_bytes
     memory = MemoryModel(problem, compiles.fit)
     outcomes = _lattice(problem, space, flops, progress)

@@ -29,6 +29,7 @@ import itertools
 from collections.abc import Iterator
 from typing import Protocol
 
+from jaxmem.adapters import AdapterConfig
 from jaxmem.config import AccumConfig, ConfigError, ModelConfig, OptimizerConfig, require
 from jaxmem.job import JobConfig
 from jaxmem.memory import step_time as st
@@ -195,6 +196,9 @@ class Problem:
     # skip a candidate predicted over the budget by more than this fraction: the memory model's
     # measured error on mixed stacks (compare.tolerances "mixed_stack_prediction")
     slack: float = 0.20
+    # LoRA adapters on a frozen base (rank 0: full fine-tuning): the lattice keeps to what
+    # an adapter step composes with (``adapter_choice``), and every compile carries them
+    adapters: AdapterConfig = AdapterConfig()
 
     @property
     def compiled_whole(self) -> bool:
@@ -285,8 +289,8 @@ def tensor_sizes(problem: Problem, space: PlanSpace) -> list[int]:
     and split the model's heads, MLP and sequence (``ParallelConfig.check_model``)."""
     out = []
     for tp in space.tensor:
-        if tp < 1 or problem.devices % tp:
-            continue
+        if tp < 1 or problem.devices % tp or (tp > 1 and problem.adapters.enabled):
+            continue  # adapters: no tensor-parallel layout (``adapter_choice``)
         try:
             ParallelConfig(devices=problem.devices, tp=tp).check_model(problem.cfg, problem.seq_len)
         except ConfigError:
@@ -313,6 +317,15 @@ def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bo
     )
 
 
+def adapter_choice(adapters: AdapterConfig, tp: int, strategy: str | None, place: str) -> bool:
+    """Whether an adapter step composes with these choices (the lattice lists no other; the
+    step refuses them, ``jaxmem.step.frozen.refusal``): its state on the device, no tensor
+    parallelism, a packed base unsharded (no fsdp). Always True without adapters."""
+    packed = adapters.base != "compute"
+    ok = place == "device" and tp == 1 and not (packed and strategy == "fsdp")
+    return ok or not adapters.enabled
+
+
 def _choices(
     problem: Problem, space: PlanSpace, policy: MemoryPolicy, sizes: list[int]
 ) -> Iterator[tuple[int, int, str | None, str]]:
@@ -333,6 +346,8 @@ def _choices(
                 for place in space.state_memory if host else ("device",):
                     update = STREAM_UPDATE.get(place)
                     if update and (tp > 1 or not _streams(problem, policy, strategy)):
+                        continue
+                    if not adapter_choice(problem.adapters, tp, strategy, place):
                         continue
                     yield tp, accum, strategy, place
 
@@ -398,7 +413,7 @@ def enumerate_candidates(
     """Every candidate of the lattice with its cost, cheapest first (``candidate_order``). A GPU
     target's cost is the estimated step time (``jaxmem.planner.cost``, ``work``'s traces); the
     local backend's the nominal order."""
-    work = work or cost.WorkModel(problem.cfg, problem.seq_len)
+    work = work or cost.WorkModel(problem.cfg, problem.seq_len, problem.adapters)
     sizes = tensor_sizes(problem, space)
     out = []
     for precision_name in space.precisions:
@@ -457,6 +472,7 @@ def candidate_spec(
         accum=AccumConfig(steps=cand.accum),
         parallel=cand.parallel(problem.devices),
         target=problem.target,
+        adapters=problem.adapters,
     )
 
 
