@@ -267,3 +267,19 @@ def test_when_nothing_fits_an_adapter_plan_suggests_only_what_the_job_can_use():
     assert plain == "add devices (--mesh fsdp=N) or allow more (--accum, --precisions)"
     full = _what_else(Namespace(loss_chunks_search=True), _problem(AdapterConfig()))
     assert full.endswith("(--accum, --precisions, --state-offload)")
+
+
+@pytest.mark.parametrize("targets", ["q,v", "q,k,v,o,gate,up,down"])
+def test_an_adapter_steps_model_flops_are_what_its_no_remat_gradient_computes(targets):
+    """MFU's model FLOPs of a LoRA step (``analytic.model_flops`` with the adapters) equal the
+    matmul FLOPs of its gradient without remat, exactly: full training's less the frozen
+    weight gradients, plus the adapters' own (a frozen base's MFU never exceeds its HFU)."""
+    from jaxmem.memory.flops import grad_matmul_flops
+
+    cfg = PRESETS["tiny-llama"]
+    adapters = AdapterConfig(rank=4, targets=tuple(targets.split(",")))
+    fp32, none = PRECISIONS["fp32"], POLICIES["none"]
+    loss, args = cost.frozen_base_gradient(cfg, none, fp32, 32, 2, adapters, "cpu")
+    counted = analytic.model_flops(cfg, 2, 32, adapters)
+    assert grad_matmul_flops(loss, *args) == counted
+    assert counted < analytic.model_flops(cfg, 2, 32)

@@ -425,13 +425,29 @@ def head_flops(cfg: ModelConfig, rows: int, seq_len: int) -> int:
     return 6 * rows * seq_len * cfg.d_model * cfg.vocab_size
 
 
-def model_flops(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+def frozen_base_flops(cfg: ModelConfig, adapters: AdapterConfig, batch: int, seq_len: int) -> int:
+    """What a LoRA step computes less than full training, in matmul FLOPs (negative: more):
+    a frozen base forms no weight gradients, 2·tokens·(L·projections + D·V) (the block
+    projections and the LM head or tied table), and every adapter ``[a, b]`` adds its forward
+    and both backward matmuls, 6·tokens·a·b. 0 without adapters."""
+    if not adapters.enabled:
+        return 0
+    t = batch * seq_len
+    projections = sum(i * o for i, o in projection_shapes(cfg).values())
+    weight_grads = 2 * t * (cfg.n_layers * projections + cfg.d_model * cfg.vocab_size)
+    return weight_grads - 6 * t * sum(map(math.prod, lora_shapes(cfg, adapters)))
+
+
+def model_flops(
+    cfg: ModelConfig, batch: int, seq_len: int, adapters: AdapterConfig | None = None
+) -> int:
     """Matmul FLOPs of one training step without remat (forward + backward = 3 × forward):
     projections 2·tokens·(D·(D + 2·D_kv) + D² + m·D·F) per layer (D_kv = kv_heads·head_dim:
     grouped-query attention shrinks k and v; m = 2 matrices in a standard MLP, 3 in a gated
     one), attention 2·2·B·S²·D per layer (every query head scores every key), LM head
     2·tokens·D·V; fused attention adds the q·kᵀ its backward recomputes, 2·B·S²·D per layer
-    (masked blocks counted, as both frameworks' counters do)."""
+    (masked blocks counted, as both frameworks' counters do). With ``adapters``, less what a
+    frozen base does not compute (``frozen_base_flops``)."""
     t = batch * seq_len
     d, f = cfg.d_model, cfg.d_ff
     mats = 3 if cfg.mlp == "gated" else 2
@@ -439,13 +455,16 @@ def model_flops(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     per_layer = 2 * t * projections + 4 * batch * seq_len * seq_len * d
     forward = cfg.n_layers * per_layer + 2 * t * d * cfg.vocab_size
     recomputed = 2 * batch * seq_len * seq_len * d if cfg.attention == "fused" else 0
-    return 3 * forward + cfg.n_layers * recomputed
+    frozen = frozen_base_flops(cfg, adapters, batch, seq_len) if adapters else 0
+    return 3 * forward + cfg.n_layers * recomputed - frozen
 
 
-def mfu_flops(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+def mfu_flops(
+    cfg: ModelConfig, batch: int, seq_len: int, adapters: AdapterConfig | None = None
+) -> int:
     """The model FLOPs MFU counts: one training step's matmuls without any recompute, 3 x the
     forward (PaLM's definition; torchtitan's 6·N + 12·L·H·Q·T per token and Megatron's formula
     count the same, full S² attention included): ``model_flops`` less fused attention's
     recomputed q·kᵀ."""
     recomputed = 2 * batch * seq_len * seq_len * cfg.d_model if cfg.attention == "fused" else 0
-    return model_flops(cfg, batch, seq_len) - cfg.n_layers * recomputed
+    return model_flops(cfg, batch, seq_len, adapters) - cfg.n_layers * recomputed

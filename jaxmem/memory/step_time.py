@@ -323,6 +323,7 @@ def of_plan(
     state_link_bytes: int = 0,
     host_update_bytes: int = 0,
     program_host_copies: bool = True,
+    adapters: Any = None,
 ) -> dict[str, Any] | None:
     """The estimated step time of a program compiled for a GPU ``target`` whose kernels are
     ``work`` (``work_of_hlo`` of it; None, or the local backend: None), per device, with the MFU
@@ -331,8 +332,8 @@ def of_plan(
     over the host link (optimizer state in host memory, a streamed stack;
     ``program_host_copies=False`` where those shapes replace the program's own copies and host
     computations) and ``host_update_bytes`` of host memory an update on the host reads and
-    writes. A dict
-    (``StepTime.as_dict`` and its ``line``)."""
+    writes. ``adapters`` (a LoRA job's ``AdapterConfig``): the MFU counts what a frozen base
+    computes. A dict (``StepTime.as_dict`` and its ``line``)."""
     from jaxmem.memory import analytic
 
     device = Device.of(target)
@@ -346,7 +347,7 @@ def of_plan(
     est = estimate(
         work,
         device,
-        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len) // tp,
+        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len, adapters) // tp,
         transfers=Transfers(
             state=state_link_bytes,
             data_parallel=dp_bytes,

@@ -413,7 +413,7 @@ def gpu_step_time(
         accum=accum,
         tp=tp,
         memory_bytes=max(0, memory),
-        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len) // tp,
+        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len, work.adapters) // tp,
         transfers=transfers,
         compute_dtype=precision.compute_dtype,
     )

@@ -73,8 +73,9 @@ def spec_step_time(spec: StepSpec, plan: Any, **kwargs: Any) -> dict[str, Any] |
     """``step_time`` of ``spec``'s plan (per device over its mesh)."""
     parallel = spec.parallel if spec.sharded else None
     return step_time(
-        plan, spec.target, spec.model, spec.precision, spec.batch, spec.seq_len, parallel, **kwargs
-    )
+        plan, spec.target, spec.model, spec.precision, spec.batch, spec.seq_len, parallel,
+        adapters=spec.adapters, **kwargs,
+    )  # fmt: skip
 
 
 def planned(spec: StepSpec) -> StepSpec:

@@ -163,7 +163,7 @@ def _flops(spec: StepSpec, built: BuiltStep, kernel: str, params: Any, micro: An
     flops = accum * grad_matmul_flops(
         lambda t, b, f: loss(built.trainable.merge(t, f), b)[0], trained, micro, frozen
     )
-    model_flops = analytic.model_flops(cfg, spec.batch // n_dev, spec.seq_len)
+    model_flops = analytic.model_flops(cfg, spec.batch // n_dev, spec.seq_len, spec.adapters)
     if spec.sharded and spec.parallel.tensor_parallel:
         # every block matmul splits over the tensor devices (heads, columns, rows); the LM head
         # (forward and its two backward matmuls) runs whole on each

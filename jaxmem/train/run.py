@@ -191,7 +191,9 @@ def target_plan_figures(
     # plan / memory --target); here only one device's ordinary step is priced
     if not job.optimizer.stream and not job.parallel.sharded:
         work = work_of_hlo(compiled.as_text(), f"per-kernel count of the {target.name} plan")
-        estimate = of_plan(work, target, job.model, job.precision, r.batch_size, r.seq_len)
+        estimate = of_plan(
+            work, target, job.model, job.precision, r.batch_size, r.seq_len, adapters=job.adapters
+        )
     return [
         Figure(f"{target.name} plan: temporaries", plan["temp_bytes"], source),
         Figure(f"{target.name} plan: host memory (offloaded)", plan["host_temp_bytes"], source),
