@@ -289,8 +289,8 @@ def tensor_sizes(problem: Problem, space: PlanSpace) -> list[int]:
     and split the model's heads, MLP and sequence (``ParallelConfig.check_model``)."""
     out = []
     for tp in space.tensor:
-        if tp < 1 or problem.devices % tp or (tp > 1 and problem.adapters.enabled):
-            continue  # adapters: no tensor-parallel layout (``adapter_choice``)
+        if tp < 1 or problem.devices % tp:
+            continue
         try:
             ParallelConfig(devices=problem.devices, tp=tp).check_model(problem.cfg, problem.seq_len)
         except ConfigError:
@@ -319,10 +319,11 @@ def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bo
 
 def adapter_choice(adapters: AdapterConfig, tp: int, strategy: str | None, place: str) -> bool:
     """Whether an adapter step composes with these choices (the lattice lists no other; the
-    step refuses them, ``jaxmem.step.frozen.refusal``): its state on the device, no tensor
-    parallelism, a packed base unsharded (no fsdp). Always True without adapters."""
+    step refuses them, ``jaxmem.step.frozen.refusal``): its state on the device, a packed base
+    unsharded (no fsdp; over a tensor axis the adapters split as their kernels and a packed
+    base is replicated). Always True without adapters."""
     packed = adapters.base != "compute"
-    ok = place == "device" and tp == 1 and not (packed and strategy == "fsdp")
+    ok = place == "device" and not (packed and strategy == "fsdp")
     return ok or not adapters.enabled
 
 
