@@ -30,10 +30,18 @@ from jaxmem.step.train_step import lm_loss_fn
 
 
 # ---------------------------------------------------------------------------------- FLOPs
+@functools.lru_cache(maxsize=64)
+def _abstract_model(cfg: ModelConfig, precision: Precision) -> tuple:
+    """``cfg``'s model as shapes, ``(graphdef, params)``, built once per model and precision in
+    a process: a search traces the same one- and two-block models once per stack (the tag
+    frontier's 2^units subsets, each preset's fit), and building it was a third of each trace.
+    Read only: each trace merges its own module from it."""
+    return nnx.split(nnx.eval_shape(lambda: make_model(cfg, precision)), nnx.Param)
+
+
 def _flops_per_row(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int) -> int:
     """Matmul FLOPs of one row's gradient (forward, recompute, backward) under ``policy``."""
-    model = nnx.eval_shape(lambda: make_model(cfg, precision))
-    graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params = _abstract_model(cfg, precision)
     micro = lm_step_batch(cfg, 1, seq, abstract=True)
     loss = lm_loss_fn(
         graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss.chunks
