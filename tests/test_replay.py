@@ -107,7 +107,7 @@ def test_replay_in_every_step_form_is_plain_autodiff_in_float64():
                 lf = accumulating_layers_fn(policy, cfg.n_layers, a)
                 return lm_loss_fn(graphdef, layers_fn=lf)(params, data)[0]
 
-            d_acc = jax.grad(summed)(acc)
+            d_acc = jax.jit(jax.grad(summed))(acc)
             for a, b in zip(jax.tree.leaves(d_acc), jax.tree.leaves(stack), strict=True):
                 np.testing.assert_allclose(
                     np.asarray(a) - 1.0,

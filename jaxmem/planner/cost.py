@@ -73,6 +73,20 @@ def priced_runs(policy: MemoryPolicy, n_layers: int) -> list[tuple[int, MemoryPo
     return [(n, MemoryPolicy.of(b, **switches)) for n, b in policy.runs(n_layers)]
 
 
+@functools.lru_cache(maxsize=64)
+def _abstract_model(
+    cfg: ModelConfig, precision: Precision, adapters: AdapterConfig, platform: str | None
+) -> tuple:
+    """``cfg``'s model as shapes, ``(graphdef, params)``, built once per model, precision,
+    adapters and platform in a process: a search traces the same one- and two-block models once
+    per stack (the tag frontier's 2^units subsets, each preset's fit), and building it was a
+    third of each trace. Read only: each trace merges its own module from it."""
+    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=platform, adapters=adapters))
+    if adapters.base != "compute":  # packed from shapes (outside the trace: nothing packs)
+        quantize_base(model, adapters.base)
+    return nnx.split(model, nnx.Param)
+
+
 def frozen_base_gradient(
     cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int, rows: int,
     adapters: AdapterConfig = NO_ADAPTERS, platform: str | None = None,
@@ -85,10 +99,7 @@ def frozen_base_gradient(
     from jaxmem.planner.records import lm_step_batch
     from jaxmem.step.frozen import Trainable
 
-    model = nnx.eval_shape(lambda: make_model(cfg, precision, platform=platform, adapters=adapters))
-    if adapters.base != "compute":  # packed from shapes (outside the trace: nothing packs)
-        quantize_base(model, adapters.base)
-    graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params = _abstract_model(cfg, precision, adapters, platform)
     micro = lm_step_batch(cfg, rows, seq, abstract=True)
     loss = lm_loss_fn(
         graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss.chunks
