@@ -310,11 +310,21 @@ def run_row(bench: Bench, key: tuple, parts: tuple[str, ...]) -> None:
             return
 
 
-def search_order(key: tuple) -> tuple[int, int, int]:
-    """The searches' order: the goals' model first (Llama-3.1-8B), then the 70B, the 1B and
-    Llama-3-8B (Llama-3.1-8B's shapes without its RoPE scaling); QLoRA, LoRA, then full."""
-    models = ("llama-3.1-8b", "llama-3-70b", "llama-3.2-1b", "llama-3-8b")
-    return models.index(key[0]), ("qlora", "lora", "full").index(key[1]), TARGETS.index(key[2])
+# the searches' order: the goals' model first, then the 70B, Llama-3-8B's longest sequence
+# (capped at its max_seq_len 8,192: one plan), the 1B, and Llama-3-8B's batches (Llama-3.1-8B's
+# shapes without its RoPE scaling)
+SEARCH_PHASES = (
+    ("llama-3.1-8b", ("longest_seq_b1", "largest_batch_2048", "largest_batch_8192")),
+    ("llama-3-70b", ("longest_seq_b1", "largest_batch_2048", "largest_batch_8192")),
+    ("llama-3-8b", ("longest_seq_b1",)),
+    ("llama-3.2-1b", ("longest_seq_b1", "largest_batch_2048", "largest_batch_8192")),
+    ("llama-3-8b", ("largest_batch_2048", "largest_batch_8192")),
+)
+
+
+def search_order(key: tuple) -> tuple[int, int]:
+    """Within a model: QLoRA, LoRA, then full; targets from the smallest."""
+    return ("qlora", "lora", "full").index(key[1]), TARGETS.index(key[2])
 
 
 def all_keys() -> list[tuple]:
@@ -356,8 +366,10 @@ def main() -> None:
         by_size = sorted(all_keys(), key=lambda k: get_preset(k[0]).n_params)
         for key in by_size:  # one plan per row: bytes by kind
             run_row(bench, key, ("1x2048",))
-        for key in sorted(all_keys(), key=search_order):
-            run_row(bench, key, ("longest_seq_b1", "largest_batch_2048", "largest_batch_8192"))
+        for model, parts in SEARCH_PHASES:
+            for key in sorted(all_keys(), key=search_order):
+                if key[0] == model:
+                    run_row(bench, key, parts)
         bench.meta["seconds_last_run"] = round(time.perf_counter() - started)
         bench.save()
     write_atomic(os.path.join(args.out, "adapters.md"), to_markdown(bench.data))
