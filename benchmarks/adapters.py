@@ -436,7 +436,9 @@ def _plan_table(data: dict) -> list[str]:
         "estimated step time (`jaxmem.memory.step_time`). Searches: N (planned peak GiB at N / "
         "at the next step; est. step time at N): N fits and the next step (batch + 1, sequence "
         "+ 1,024) does not, both compiled; 'cap': the preset's max_seq_len, not searched "
-        "beyond; 0: not even the smallest step.",
+        "beyond; 0: not even the smallest step. 'not measured (time)': the run's compile "
+        "budget (`--budget-s`, one shared 2-core machine) ended before that search; a rerun "
+        "resumes from the JSON's plans.",
         "",
         "| model | method | target | temp | peak | est. s | batch @ 2,048 | batch @ 8,192 | "
         "longest seq, batch 1 |",
@@ -477,8 +479,17 @@ def _holds(r: dict) -> str:
     kinds = ", ".join(
         f"{k} {v / GIB:.2f}" for k, v in sorted(e["by_kind_bytes"].items(), key=lambda x: -x[1])
     )
+    cfg, seq = get_preset(r["preset"]), e["seq_len"]
+
+    def what(v: dict) -> str:  # the buffer in words, where its shape says what it is
+        if v["shape"].startswith(f"bf16[{cfg.n_layers},1,{seq},{cfg.d_model}]"):
+            return "the block inputs `full` checkpoints, every layer's, "
+        if f"{seq},{cfg.d_ff}]" in v["shape"]:
+            return "an MLP intermediate of one block's recompute / backward, "
+        return ""
+
     big = "; ".join(
-        f"{v['shape']} {v['bytes'] / GIB:.2f} GiB ({v['kind']}, {v['op'][:60]})"
+        f"{v['shape']} {v['bytes'] / GIB:.2f} GiB ({what(v)}{v['kind']}, {v['op'][:60]})"
         for v in e["largest"][:4]
     )
     return (
@@ -504,7 +515,9 @@ def _goals(data: dict) -> list[str]:
             f"{p['step_time_s']:.2f} s per step"
         )
     lines.append(
-        f"- Llama-3-70B QLoRA on one 48 GB target (l40s-48gb; QLoRA paper: 65B on 48 GB): {state}."
+        f"- Llama-3-70B QLoRA on one 48 GB target (l40s-48gb; QLoRA paper: 65B on 48 GB): {state}"
+        f"; largest batch at 2,048: {_found(data, GOAL_70B, 'largest_batch_2048')}; longest "
+        f"sequence at batch 1: {_found(data, GOAL_70B, 'longest_seq_b1')}."
     )
     for key, tokens in GOALS.items():
         r = rows["|".join(key)]
