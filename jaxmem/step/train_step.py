@@ -292,9 +292,8 @@ def make_train_step(
     for fp16 precision and None otherwise; an fp16 step with non-finite gradients leaves params
     and optimizer state unchanged and halves the scale. ``metrics`` stay on device.
 
-    With ``opt_cfg.state_memory == "pinned_host"`` the optimizer state enters and leaves the step
-    in host memory and is brought to the device only for the update (likewise the parameters
-    with ``params_memory``).
+    With ``opt_cfg.state_memory == "pinned_host"`` the optimizer state enters and leaves the step in
+    host memory, brought to the device only for the update (likewise ``params_memory``).
 
     ``shardings`` (``jaxmem.sharding.StepShardings``): the step runs over its mesh, inputs and
     outputs placed by it (the updated parameters and state leave sharded as they came in).
