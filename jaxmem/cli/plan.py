@@ -198,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_adapters(job) -> None:
     """An adapter job's options the search cannot vary away, refused in one line before any
-    trace (``jaxmem.step.frozen.refusal``: dropout, an accumulation mode; the mesh's strategy is
-    searched, so only what the mesh itself fixes is checked here)."""
+    trace (``jaxmem.step.frozen.refusal``: streaming, an accumulation mode; the mesh's strategy
+    is searched, so only what the mesh itself fixes is checked here)."""
     if not job.adapters.enabled:
         return
     from jaxmem.step.frozen import refusal

@@ -104,9 +104,8 @@ def frozen_base_gradient(
     loss = lm_loss_fn(
         graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss.chunks
     )
-    trainable = Trainable(adapters)
-    trained, frozen = trainable.split(params)
-    return (lambda t, b, f: loss(trainable.merge(t, f), b)[0]), (trained, micro, frozen)
+    of, (trained, frozen) = Trainable(adapters).frozen_loss(lambda p, b: loss(p, b)[0], params)
+    return of, (trained, micro, frozen)
 
 
 @functools.lru_cache(maxsize=512)

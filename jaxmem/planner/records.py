@@ -158,11 +158,8 @@ def _flops(spec: StepSpec, built: BuiltStep, kernel: str, params: Any, micro: An
             loss_chunks=spec.policy.loss.chunks,
         )
     # the step's own gradient: of the trained subtree only under a frozen base
-    # (the frozen part is an argument, not a closure: the parameters here may be shapes)
-    trained, frozen = built.trainable.split(params)
-    flops = accum * grad_matmul_flops(
-        lambda t, b, f: loss(built.trainable.merge(t, f), b)[0], trained, micro, frozen
-    )
+    of, (trained, frozen) = built.trainable.frozen_loss(lambda p, b: loss(p, b)[0], params)
+    flops = accum * grad_matmul_flops(of, trained, micro, frozen)
     model_flops = analytic.model_flops(cfg, spec.batch // n_dev, spec.seq_len, spec.adapters)
     if spec.sharded and spec.parallel.tensor_parallel:
         # every block matmul splits over the tensor devices (heads, columns, rows); the LM head

@@ -138,11 +138,19 @@ class Trainable:
 
     def bind(self, loss_fn: Any, params: Any) -> tuple[Any, Any, Any]:
         """``(trained, frozen, loss)``: ``loss(trained, batch)`` is ``loss_fn`` of the whole
-        parameters with the frozen ones held (``(params, None, loss_fn)`` without adapters)."""
+        parameters with the frozen ones held (``(params, None, loss_fn)`` without adapters).
+        Inside a trace only (the frozen part is closed over); from shapes, ``frozen_loss``."""
         trained, frozen = self.split(params)
         if frozen is None:
             return params, None, loss_fn
         return trained, frozen, lambda t, b: loss_fn(self.merge(t, frozen), b)
+
+    def frozen_loss(self, loss_fn: Any, params: Any) -> tuple[Any, tuple]:
+        """``(loss, (trained, frozen))``: ``loss(trained, batch, frozen)`` is ``loss_fn`` of the
+        whole parameters, the frozen part an argument rather than a closure, so ``params`` may
+        be shapes (``jax.make_jaxpr`` of its gradient: the FLOP counts)."""
+        trained, frozen = self.split(params)
+        return (lambda t, b, f: loss_fn(self.merge(t, f), b)), (trained, frozen)
 
     def counts(self, params: Any) -> tuple[int, int]:
         """``(trainable, frozen)`` parameter counts of ``params`` (arrays or shapes)."""
