@@ -30,8 +30,15 @@ Presets (``POLICIES``):
   seq > 2·d_model, at O(seq²) bytes).
 - ``offload``: ``selective`` with the projections it keeps sent to host memory (``pinned_host``)
   and the block input on the device: device memory close to ``full``'s at ``selective``'s FLOPs.
+- ``full-host``: ``full`` with each block's input in host memory (``pinned_host``), brought
+  back for the block's recompute: no activation of the stack stays on the device between the
+  forward and the backward, for 2 × the block inputs' bytes over the host link per step
+  (``offloaded_input_bytes``). ``BlockPolicy(save=..., offload=("block_input",))`` does the same
+  for a per-tag block (``selective``'s projections on device, its input on host).
 - ``nested``: about √L segments: checkpoint every ``nested_segment_size(L)`` blocks and fully
   recompute inside.
+- ``nested-host``: ``nested`` with each segment's input in host memory: a segment's blocks'
+  inputs, remade by its recompute, stay on the device only while its backward runs.
 - ``HEAD:K+REST`` (``parse_policy``, e.g. ``none:2+selective``): the first K blocks under one
   preset, the others under another (``mixed_policy``: two ``StackPart``s; what ``jaxmem plan``
   searches); a part may be a per-tag block policy, named ``keep(...)`` by what it keeps.
@@ -93,6 +100,7 @@ WEIGHT_TAGS: tuple[str, ...] = (BASE_WEIGHT,)
 Choice = Literal["device", "offload", "recompute"]
 CHOICES: tuple[str, ...] = ("device", "offload", "recompute")
 HOST_MEMORY_KIND = "pinned_host"
+BLOCK_INPUT = "block_input"  # the tag of what a rematerialised block keeps at least
 
 # Tags only some architectures produce (``ModelConfig``): naive attention builds the [B, H, S, S]
 # scores and probabilities, the fused op keeps the row log-sum-exp in their place; RoPE adds the
@@ -260,6 +268,7 @@ BLOCKS: dict[str, BlockPolicy] = {
     "selective": BlockPolicy(save=PROJECTIONS),
     "mlp": BlockPolicy(save=tuple(n for n in CHECKPOINT_NAMES if n not in MLP_SIDE)),
     "offload": BlockPolicy(save=("block_input",), offload=PROJECTIONS),
+    "full-host": BlockPolicy(offload=(BLOCK_INPUT,)),
 }
 
 
@@ -402,8 +411,9 @@ class MemoryPolicy:
             "remat=False keeps everything: it takes no save/offload/save_dots/nested",
         )
         require(
-            not block.is_named,
-            "nested recomputes whole segments: it takes no save/offload names",
+            not block.is_named or block == BLOCKS["full-host"],
+            "nested recomputes whole segments: it takes no save/offload names (but "
+            "offload=('block_input',): its segments' inputs in host memory, nested-host)",
         )
         require(len(self.parts) == 1, "nested applies to the whole stack: it takes no rest policy")
         require(
@@ -516,6 +526,7 @@ def can_replay_embedding(policy: MemoryPolicy) -> bool:
 POLICIES: dict[str, MemoryPolicy] = {
     **{name: MemoryPolicy.of(block, name=name) for name, block in BLOCKS.items()},
     "nested": MemoryPolicy(name="nested", nested=True),
+    "nested-host": MemoryPolicy.of(BLOCKS["full-host"], name="nested-host", nested=True),
 }
 
 

@@ -71,7 +71,9 @@ def needed_names(setup):
 
 
 def test_presets_exist_and_unknown_names_are_listed():
-    assert set(POLICIES) == {"none", "full", "selective", "mlp", "offload", "nested"}
+    assert set(POLICIES) == {
+        *("none", "full", "selective", "mlp", "offload", "nested", "full-host", "nested-host")
+    }
     with pytest.raises(ConfigError, match="unknown memory policy 'most'; choose one of: none"):
         get_policy("most")
 

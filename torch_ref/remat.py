@@ -46,6 +46,7 @@ parameters whatever the input requires (as FairScale's ``checkpoint_wrapper(offl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -63,6 +64,7 @@ from torch.utils.checkpoint import (
 
 from jaxmem.config import ConfigError, ModelConfig
 from jaxmem.policy import (
+    BLOCK_INPUT,
     CHECKPOINT_NAMES,
     QKV,
     BlockPolicy,
@@ -393,11 +395,27 @@ def resolve_translation(policy: MemoryPolicy, translation: str) -> Translation:
 
 
 def _block_translation(policy: MemoryPolicy, block: BlockPolicy, translation: str) -> Translation:
-    if block.offload:
+    if set(block.offload) - {BLOCK_INPUT}:
         return "lean"
-    if not (block.remat and (block.is_named or policy.nested)):
+    if not (block.remat and (_stores_tags(block) or policy.nested)):
         return "stock"
     return translation  # type: ignore[return-value]
+
+
+def _stores_tags(block: BlockPolicy) -> bool:
+    """The block keeps tensors of its own by name (its input aside: ``_offloading_input``)."""
+    return block.save_dots or bool(block.save) or bool(set(block.offload) - {BLOCK_INPUT})
+
+
+def _offloading_input(block: BlockPolicy):
+    """Stock PyTorch's offload of the block input (``block_input`` offloaded): the checkpoint's
+    saved inputs (a non-reentrant checkpoint saves them through ``_NoopSaveInputs``, a reentrant
+    one through ``save_for_backward``: outside the checkpoint's own hooks either way) go to
+    host memory under ``torch.autograd.graph.save_on_cpu``, pinned when CUDA is present; the
+    block's recompute brings them back. A null context for any other block."""
+    if BLOCK_INPUT not in block.offload:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
 
 def describe(policy: MemoryPolicy, translation: str) -> str:
@@ -411,14 +429,23 @@ def describe(policy: MemoryPolicy, translation: str) -> str:
 
 
 def _describe_block(policy: MemoryPolicy, block: BlockPolicy, translation: str) -> str:
+    how = _describe_kept(policy, block, translation)
+    if block.remat and BLOCK_INPUT in block.offload:
+        return f"{how}, inside torch.autograd.graph.save_on_cpu (stock: its input in host memory)"
+    return how
+
+
+def _describe_kept(policy: MemoryPolicy, block: BlockPolicy, translation: str) -> str:
     used = _block_translation(policy, block, translation)
     mode = f"use_reentrant={policy.use_reentrant}"
     if not block.remat:
         return "stock: plain loop (autograd keeps what each op saves)"
+    if policy.nested and BLOCK_INPUT in block.offload:  # segments' inputs to host: all checkpointed
+        return "stock: checkpoint(use_reentrant=False) per segment of about √L blocks and per block"
     if used == "stock":
         if policy.nested:
             return f"stock: checkpoint_sequential({mode}; its last segment is not checkpointed)"
-        if block.is_named:
+        if _stores_tags(block):
             return (
                 "stock: checkpoint(use_reentrant=False, context_fn=create_selective_checkpoint_"
                 "contexts: MUST_SAVE for the stored tags)"
@@ -450,7 +477,7 @@ def validate_for_torch(
         )
     for block in policy.blocks:
         two_level = policy.nested and _block_translation(policy, block, translation) == "lean"
-        if policy.use_reentrant and (block.is_named or two_level):
+        if policy.use_reentrant and (_stores_tags(block) or two_level):
             raise ConfigError(
                 f"policy {policy.name!r} needs use_reentrant=False: reentrant checkpoint "
                 "supports neither selective context_fn nor nesting"
@@ -469,11 +496,6 @@ def _validate_block(block: BlockPolicy, cfg: ModelConfig | None) -> None:
         raise ConfigError(
             "fused attention returns attn_context and attn_lse from one op "
             f"(F.scaled_dot_product_attention): give them the same choice (got {sorted(core)})"
-        )
-    if "block_input" in block.offload:
-        raise ConfigError(
-            "offloading block_input is not expressible in torch_ref (checkpoint keeps its input "
-            "itself); use OffloadCheckpoint for that"
         )
 
 
@@ -522,13 +544,29 @@ class PolicyLayers:
         block, phase = self.blocks[i], None
         if not block.remat:
             return layer(materialize(x), mask, rope)
-        if isinstance(x, EmbeddingLookup):  # the first block replays the lookup
+        if isinstance(x, EmbeddingLookup):  # the first block replays the lookup: no input kept
             phase = _Phase()
             layer, x = _LookupThenBlock(layer, x.embed, phase), x.tokens
+        elif BLOCK_INPUT in block.offload:
+            # only the block input is the checkpoint's argument (mask and RoPE's tables are
+            # shared by every block: not copied per block); on a CPU-only machine save_on_cpu
+            # keeps the tensor itself, counted as host memory (``host_storages``)
+            layer, mask, rope = functools.partial(layer, mask_ss=mask, rope=rope), None, None
+            with _offloading_input(block):
+                x = self._checkpoint_block(i, block, phase, layer, x)
+            return x
+        return self._checkpoint_block(i, block, phase, layer, x, mask, rope)
+
+    def _checkpoint_block(
+        self, i: int, block: BlockPolicy, phase: _Phase | None, layer: Any, x: Any, *rest: Any
+    ) -> torch.Tensor:
+        """``checkpoint(layer, x, *rest)`` as ``block`` says (whole, or keeping tags)."""
+        if BLOCK_INPUT in block.offload and isinstance(x, torch.Tensor) and x.device.type == "cpu":
+            self.kept.append(_kept(i, (BLOCK_INPUT,), "host", x))
         if self.policy.use_reentrant:
-            return checkpoint(layer, _grad_input(x), mask, rope, use_reentrant=True)
-        if not block.is_named:
-            return checkpoint(layer, x, mask, rope, use_reentrant=False)
+            return checkpoint(layer, _grad_input(x), *rest, use_reentrant=True)
+        if not _stores_tags(block):
+            return checkpoint(layer, x, *rest, use_reentrant=False)
         if self.translations[block] == "stock":
             context_fn = functools.partial(_stock_contexts, block, self.cfg, self.kept, i, phase)
         else:
@@ -537,7 +575,7 @@ class PolicyLayers:
                 decide, storage = _Decider(block, self.cfg, phase), []
                 return _KeepMode(decide, storage, self.kept, i), _ReplayMode(decide, storage)
 
-        return checkpoint(layer, x, mask, rope, use_reentrant=False, context_fn=context_fn)
+        return checkpoint(layer, x, *rest, use_reentrant=False, context_fn=context_fn)
 
     def host_storages(self) -> set[int]:
         """Storages of the copies the last forward moved to host memory (for accounting)."""
@@ -557,7 +595,7 @@ class PolicyLayers:
         if not any(b.remat for b in self.blocks):
             return run_layers(layers, x, mask, rope)
         if self.policy.nested:
-            if self.translation == "stock":
+            if self.translation == "stock" and BLOCK_INPUT not in self.policy.head.offload:
                 return self._sequential(layers, x, mask, rope)
             return self._two_level(layers, x, mask, rope)
         for i, layer in enumerate(layers):
@@ -585,7 +623,8 @@ class PolicyLayers:
             return x
 
         for start in range(0, len(layers), k):
-            x = checkpoint(segment, x, start, use_reentrant=False)
+            with _offloading_input(self.policy.head):  # nested-host: the segment's input
+                x = self._checkpoint_block(start, self.policy.head, None, segment, x, start)
         return x
 
 

@@ -64,7 +64,9 @@ from jaxmem.adapters import AdapterConfig
 from jaxmem.config import ModelConfig, OptimizerConfig
 from jaxmem.parallel import ParallelConfig, shard_elements, tensor_share
 from jaxmem.policy import (
+    BLOCK_INPUT,
     CHECKPOINT_NAMES,
+    BlockPolicy,
     MemoryPolicy,
     backward_reads,
     kept_tags,
@@ -139,14 +141,16 @@ def saved_activation_bytes(
     """What the blocks keep for the backward pass at the end of the forward, by policy.
 
     - no remat: every tag the backward reads;
-    - remat: the block input plus the tags the policy saves (device) or offloads (host) that the
+    - remat: the block input (in host memory when the policy offloads ``block_input``:
+      ``full-host``) plus the tags the policy saves (device) or offloads (host) that the
       backward reads or recomputes a read tag from (``kept_tags``; stored probabilities are the
       fp32 softmax output only, see ``_remat_kept_bytes``): ``selective`` stores the six
       projections (q/k/v, attn_out, mlp_up, mlp_down) and keeps q, k, v, mlp_up and attn_out
       (the source of attn_residual);
     - ``save_dots`` (custom policies: every matmul without batch dimensions): q, k, v and
       mlp_up;
-    - nested: one input per segment (``nested_segment_size``: about √L blocks);
+    - nested: one input per segment (``nested_segment_size``: about √L blocks; in host memory
+      under ``nested-host``);
     - several parts (``MemoryPolicy.parts``): each part's blocks under its own block policy;
     - ``EmbeddingReplay``: the first block without its input (the lookup is replayed).
     Embeddings, the LM head and the loss are outside this model. With tensor parallelism
@@ -162,7 +166,10 @@ def saved_activation_bytes(
         k = nested_segment_size(cfg.n_layers)
         n_seg = math.ceil(cfg.n_layers / k)
         per_layer = [sizes["block_input"] if i % k == 0 else 0 for i in range(cfg.n_layers)]
-        return ActivationEstimate(n_seg * sizes["block_input"], 0, tuple(per_layer))
+        inputs = n_seg * sizes["block_input"]
+        if BLOCK_INPUT in policy.head.offload:  # the segments' inputs in host memory
+            return ActivationEstimate(0, inputs, tuple(per_layer))
+        return ActivationEstimate(inputs, 0, tuple(per_layer))
     blocks = policy.layer_blocks(cfg.n_layers)
     device = host = 0
     per_layer = []
@@ -177,17 +184,42 @@ def saved_activation_bytes(
             kept = dots & (reads | (sources & set(ROPE_SOURCES)))
             on_device, on_host = kept | {"block_input"}, set()
         else:
-            kept = kept_tags(cfg, block)
-            on_device = ({"block_input"} | set(block.save)) & (kept | {"block_input"})
-            on_host = set(block.offload) & kept - on_device
-        if i == 0 and policy.embedding.replay:
-            on_device = on_device - {"block_input"}
+            kept = kept_tags(cfg, block) | {BLOCK_INPUT}
+            on_host = set(block.offload) & kept
+            on_device = kept - on_host
+        if i == 0 and policy.embedding.replay:  # neither copy: the lookup is replayed
+            on_device, on_host = on_device - {BLOCK_INPUT}, on_host - {BLOCK_INPUT}
         d = sum(_remat_kept_bytes(n, sizes) for n in on_device)
         h = sum(_remat_kept_bytes(n, sizes) for n in on_host)
         device += d
         host += h
         per_layer.append(d + h)
     return ActivationEstimate(device, host, tuple(per_layer))
+
+
+def offloaded_input_bytes(
+    cfg: ModelConfig,
+    policy: MemoryPolicy,
+    batch: int,
+    seq_len: int,
+    precision: Precision,
+    parallel: ParallelConfig | None = None,
+) -> int:
+    """Host bytes of the block inputs ``policy`` keeps in host memory (``full-host``,
+    ``nested-host``, a per-tag block offloading ``block_input``), from shapes: what a host-memory
+    check compares with the host's memory. Each crosses the host link twice per step (out in the
+    forward, back for its block's recompute). Other offloaded tags are in
+    ``saved_activation_bytes(...).host_bytes``."""
+    parts = tuple(dataclasses.replace(p, block=_inputs_only(p.block)) for p in policy.parts)
+    inputs_only = policy.replace(parts=parts)  # the same stack, storing only its inputs
+    return saved_activation_bytes(cfg, inputs_only, batch, seq_len, precision, parallel).host_bytes
+
+
+def _inputs_only(block: BlockPolicy) -> BlockPolicy:
+    """``block`` storing nothing but its input, where ``block`` puts it."""
+    if not block.remat:
+        return block
+    return BlockPolicy(offload=tuple(n for n in block.offload if n == BLOCK_INPUT))
 
 
 def _remat_kept_bytes(name: str, sizes: dict[str, int]) -> int:

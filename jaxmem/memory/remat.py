@@ -37,11 +37,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config import ConfigError
 from jaxmem.model import LayerFn, LayersFn, scan_layers
 from jaxmem.model.decoder import EmbeddingLookup, materialize
 from jaxmem.policy import (
+    BLOCK_INPUT,
     HOST_MEMORY_KIND,
     BlockPolicy,
     MemoryPolicy,
@@ -52,6 +54,7 @@ from jaxmem.policy import (
 # re-measure rows of an older revision). 2: nested's segment replay stops before its last block.
 REMAT_REVISION = 2
 PEEL_FROM = 3  # nested segments of at least this many blocks replay all but their last
+SEGMENT_INPUT = "segment_input"  # nested-host's name for a segment's input (not a block tag)
 
 
 def backend_memory_kinds(device: jax.Device | None = None) -> tuple[str, ...]:
@@ -136,11 +139,18 @@ def _keep_all_but_parameter_copies(prim: Any, *_: Any, **__: Any) -> bool:
 def _nested_segment(layer_fn: LayerFn, block: BlockPolicy) -> LayerFn:
     """``nested``'s segment: ``(x, state of n blocks) -> x``, checkpointed, each block inside
     checkpointed again: the one ``jax.checkpoint`` of the nested stacks (``_nested_stack``,
-    ``_units``)."""
-    ckpt_policy = block_checkpoint_policy(block)
-    inner = jax.checkpoint(layer_fn, policy=ckpt_policy, prevent_cse=False)
+    ``_units``). Under ``nested-host`` (``block`` offloads ``block_input``) the segment's input,
+    named ``SEGMENT_INPUT`` here, goes to host memory; its blocks' inputs, remade by the
+    segment's recompute, stay on the device for that segment's backward only. (Offloading
+    ``block_input`` itself from the segment's checkpoint would reach into the blocks' own
+    checkpoints and send every block's input to host: ``full-host``'s program, at nested's
+    FLOPs saved.)"""
+    inner = jax.checkpoint(layer_fn, policy=names_policy(()), prevent_cse=False)
+    offload = BLOCK_INPUT in block.offload
+    outer = names_policy((), (SEGMENT_INPUT,)) if offload else block_checkpoint_policy(block)
 
     def segment(x: jax.Array, seg_state: Any) -> jax.Array:
+        x = checkpoint_name(x, SEGMENT_INPUT) if offload else x
         # From 3 blocks on, the last block runs outside the inner scan: replaying the
         # segment for its blocks' inputs then stops before it (partial evaluation drops
         # an output nothing the backward needs reads), as a non-reentrant PyTorch
@@ -156,7 +166,7 @@ def _nested_segment(layer_fn: LayerFn, block: BlockPolicy) -> LayerFn:
         head = jax.tree_util.tree_map(lambda a: a[: n - 1], seg_state)
         return inner(scan_layers(inner, x, head), _layer(seg_state, n - 1))
 
-    return jax.checkpoint(segment, policy=ckpt_policy, prevent_cse=False)
+    return jax.checkpoint(segment, policy=outer, prevent_cse=False)
 
 
 def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
@@ -240,6 +250,8 @@ def _unrolled_stack(policy: MemoryPolicy, n_layers: int) -> LayersFn:
         replay = policy.embedding.replay and isinstance(x, EmbeddingLookup)
         x = x if replay else materialize(x)
         for i, block in enumerate(blocks):
+            block = _replaying_block(block) if replay and i == 0 else block
+
             # Slice inside the checkpoint: the layer's parameters stay views, not saved copies
             # (a layer without remat keeps everything else). Under replay the first layer's
             # checkpoint runs (and replays) the lookup.
@@ -324,9 +336,17 @@ def _replayed(units: list[_Unit], layer_fn: LayerFn, policy: MemoryPolicy) -> li
     def body(e: Any, w: Any) -> jax.Array:
         return layer_fn(materialize(e), w)
 
-    replay = _Unit(_checkpointed(policy.head, body, in_scan=False), 0, 1, replay=True)
+    replay = _Unit(
+        _checkpointed(_replaying_block(policy.head), body, in_scan=False), 0, 1, replay=True
+    )
     after = [dataclasses.replace(first, start=1, count=first.count - 1)] if first.count > 1 else []
     return [replay, *after, *rest]
+
+
+def _replaying_block(block: BlockPolicy) -> BlockPolicy:
+    """``block`` for the first block when it replays the embedding lookup: it keeps no input,
+    on the device or (``full-host``) in host memory."""
+    return dataclasses.replace(block, offload=tuple(n for n in block.offload if n != BLOCK_INPUT))
 
 
 def _units(policy: MemoryPolicy, n_layers: int, layer_fn: LayerFn) -> list[_Unit]:
