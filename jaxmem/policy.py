@@ -33,8 +33,9 @@ Presets (``POLICIES``):
 - ``full-host``: ``full`` with each block's input in host memory (``pinned_host``), brought
   back for the block's recompute: no activation of the stack stays on the device between the
   forward and the backward, for 2 × the block inputs' bytes over the host link per step
-  (``offloaded_input_bytes``). ``BlockPolicy(save=..., offload=("block_input",))`` does the same
-  for a per-tag block (``selective``'s projections on device, its input on host).
+  (``jaxmem.memory.analytic``'s ``input_host_bytes``). ``BlockPolicy(save=...,
+  offload=("block_input",))`` does the same for a per-tag block (``selective``'s projections
+  on the device, its input in host memory).
 - ``nested``: about √L segments: checkpoint every ``nested_segment_size(L)`` blocks and fully
   recompute inside.
 - ``nested-host``: ``nested`` with each segment's input in host memory: a segment's blocks'

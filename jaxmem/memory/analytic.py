@@ -66,7 +66,6 @@ from jaxmem.parallel import ParallelConfig, shard_elements, tensor_share
 from jaxmem.policy import (
     BLOCK_INPUT,
     CHECKPOINT_NAMES,
-    BlockPolicy,
     MemoryPolicy,
     backward_reads,
     kept_tags,
@@ -128,6 +127,11 @@ class ActivationEstimate:
     device_bytes: int
     host_bytes: int
     per_layer: tuple[int, ...]  # device + host bytes of each layer
+    # of host_bytes, the block (or nested segment) inputs in host memory (``full-host``,
+    # ``nested-host``, a per-tag block offloading ``block_input``): what a host-memory check
+    # needs of a policy; each crosses the host link twice per step (out in the forward, back
+    # for its block's recompute)
+    input_host_bytes: int = 0
 
 
 def saved_activation_bytes(
@@ -168,10 +172,10 @@ def saved_activation_bytes(
         per_layer = [sizes["block_input"] if i % k == 0 else 0 for i in range(cfg.n_layers)]
         inputs = n_seg * sizes["block_input"]
         if BLOCK_INPUT in policy.head.offload:  # the segments' inputs in host memory
-            return ActivationEstimate(0, inputs, tuple(per_layer))
+            return ActivationEstimate(0, inputs, tuple(per_layer), inputs)
         return ActivationEstimate(inputs, 0, tuple(per_layer))
     blocks = policy.layer_blocks(cfg.n_layers)
-    device = host = 0
+    device = host = inputs = 0
     per_layer = []
     for i, block in enumerate(blocks):
         if not block.remat:
@@ -193,33 +197,9 @@ def saved_activation_bytes(
         h = sum(_remat_kept_bytes(n, sizes) for n in on_host)
         device += d
         host += h
+        inputs += sizes[BLOCK_INPUT] if BLOCK_INPUT in on_host else 0
         per_layer.append(d + h)
-    return ActivationEstimate(device, host, tuple(per_layer))
-
-
-def offloaded_input_bytes(
-    cfg: ModelConfig,
-    policy: MemoryPolicy,
-    batch: int,
-    seq_len: int,
-    precision: Precision,
-    parallel: ParallelConfig | None = None,
-) -> int:
-    """Host bytes of the block inputs ``policy`` keeps in host memory (``full-host``,
-    ``nested-host``, a per-tag block offloading ``block_input``), from shapes: what a host-memory
-    check compares with the host's memory. Each crosses the host link twice per step (out in the
-    forward, back for its block's recompute). Other offloaded tags are in
-    ``saved_activation_bytes(...).host_bytes``."""
-    parts = tuple(dataclasses.replace(p, block=_inputs_only(p.block)) for p in policy.parts)
-    inputs_only = policy.replace(parts=parts)  # the same stack, storing only its inputs
-    return saved_activation_bytes(cfg, inputs_only, batch, seq_len, precision, parallel).host_bytes
-
-
-def _inputs_only(block: BlockPolicy) -> BlockPolicy:
-    """``block`` storing nothing but its input, where ``block`` puts it."""
-    if not block.remat:
-        return block
-    return BlockPolicy(offload=tuple(n for n in block.offload if n == BLOCK_INPUT))
+    return ActivationEstimate(device, host, tuple(per_layer), inputs)
 
 
 def _remat_kept_bytes(name: str, sizes: dict[str, int]) -> int:
