@@ -741,9 +741,11 @@ def _describe_blocks(cfg: ModelConfig, policy: MemoryPolicy) -> str:
     if not block.remat:
         return "keeps every activation (no remat)"
     if policy.nested:
-        return "keeps one block input per segment of about √L blocks and recomputes the rest"
-    needed = kept_tags(cfg, block) | {"block_input"}
-    on_device = ["block_input"] + [n for n in block.save if n in needed - {"block_input"}]
+        host = " in host memory" if BLOCK_INPUT in block.offload else ""
+        return f"keeps one block input per segment of about √L blocks{host} and recomputes the rest"
+    needed = kept_tags(cfg, block) | {BLOCK_INPUT}
+    stored = dict.fromkeys((BLOCK_INPUT, *block.save))
+    on_device = [n for n in stored if n in needed and n not in block.offload]
     on_host = [n for n in block.offload if n in needed]
     return (
         f"keeps on device {on_device}, offloads {on_host or '-'}"
