@@ -9,6 +9,7 @@ each framework; ``jaxmem train`` runs them in both."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -105,8 +106,7 @@ def jax_case():
 
 def host_and_device(jax_case, policy: MemoryPolicy):
     graphdef, params, data = jax_case
-    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, CFG.n_layers))
-    residuals = saved_residuals(lambda p: loss(p, data)[0], params)
+    residuals = saved_residuals(scalar_loss(graphdef, data, policy), params)
     return residuals, summarize_residuals(residuals)
 
 
@@ -141,24 +141,22 @@ def test_jax_keeps_the_offloaded_inputs_in_host_memory_only(jax_case, policy, in
 def test_float64_gradients_equal_the_device_inputs_bitwise_in_jax():
     """XLA:CPU erases the host memory space, so the program must be the same math: every
     gradient leaf of full-host is full's, nested-host's nested's, bit for bit."""
-    cfg = dataclasses.replace(PRESETS["tiny"], n_layers=4)
     with jax.enable_x64(True):
-        graphdef, params = nnx.split(make_model(cfg, FP64, seed=0), nnx.Param)
-        data = lm_step_batch(cfg, 2, 16, abstract=False)
-
-        def grads(policy):
-            loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers))
-            return jax.jit(jax.value_and_grad(lambda p: loss(p, data)[0]))(params)
-
-        pairs = [
-            (POLICIES["full-host"], POLICIES["full"]),
-            (POLICIES["nested-host"], POLICIES["nested"]),
-        ]
-        for host, device in pairs:
-            (la, ga), (lb, gb) = grads(host), grads(device)
-            assert float(la) == float(lb), host.name
+        graphdef, params = nnx.split(make_model(CFG, FP64, seed=0), nnx.Param)
+        data = lm_step_batch(CFG, B, 16, abstract=False)
+        for host, device in (("full-host", "full"), ("nested-host", "nested")):
+            (la, ga), (lb, gb) = (
+                jax.jit(jax.value_and_grad(scalar_loss(graphdef, data, POLICIES[n])))(params)
+                for n in (host, device)
+            )
+            assert float(la) == float(lb), host
             for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def scalar_loss(graphdef, data, policy: MemoryPolicy):
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, CFG.n_layers))
+    return lambda p: loss(p, data)[0]
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +256,24 @@ def test_train_runs_full_host_to_fulls_losses(tmp_path, framework):
         runs[policy] = [r["loss"] for r in metrics(out)]
         assert policy in (out / "config.yaml").read_text()
     assert runs["full-host"] == runs["full"] and len(runs["full"]) == 2
+
+
+@pytest.mark.slow
+def test_the_h100_plan_streams_the_inputs_to_host_and_keeps_no_device_copy(jax_case):
+    """XLA:CUDA's deviceless plan of full-host's gradient (tiny, 4 blocks): its host temp is the
+    analytic input bytes, and the stacked block inputs exist only in the host memory space S(5):
+    the forward writes each block's input there (an async dynamic-update-slice) and the
+    backward reads it back (an async dynamic-slice); no device buffer of that shape exists
+    (``full``'s plan keeps exactly that buffer on the device: docs/policies.md)."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="deviceless GPU plans need gpu-plan")
+    from jaxmem.memory.gpu_plan import compile_for
+    from jaxmem.memory.targets import get_target
+
+    graphdef, params, data = jax_case
+    step = jax.jit(jax.grad(scalar_loss(graphdef, data, POLICIES["full-host"])))
+    plan = compile_for(step, (params,), get_target("h100"))
+    assert plan.memory_analysis().host_temp_size_in_bytes == input_bytes(POLICIES["full-host"])
+    text = plan.as_text()
+    stacked = re.escape(f"f32[{CFG.n_layers},{B},{S},{CFG.d_model}]")
+    assert set(re.findall(stacked + r"\{([^}]*)\}", text)) == {"3,2,1,0:S(5)"}
+    assert "dynamic-update-slice-start" in text and "dynamic-slice-start" in text
