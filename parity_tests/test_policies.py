@@ -54,11 +54,13 @@ from jaxmem.step.train_step import lm_loss_fn
 from torch_ref.forward_memory import forward_live_bytes
 from torch_ref.loss import cross_entropy_sum
 from torch_ref.remat import (
+    TRANSLATIONS,
     OffloadCheckpoint,
     apply_memory_policy,
     block_ops,
     offload_checkpoint_layers_fn,
     op_kept_tags,
+    resolve_translation,
     save_on_cpu_layers_fn,
     unread_by_backward,
     validate_for_torch,
@@ -66,6 +68,7 @@ from torch_ref.remat import (
 from torch_ref.train import TORCH_DTYPES
 
 F64, F32 = "float64", "float32"
+HOST_INPUTS = ("full-host", "nested-host")  # the presets with their block inputs in host memory
 NAMED = ("selective", "mlp", "offload")
 CONFIGS = {
     "pre_causal": PRESETS["tiny"].replace(n_layers=4),
@@ -188,13 +191,20 @@ def assert_loss(actual, expected, dtype, quantity):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_policy_numerics_in_both_frameworks_and_both_translations(case64, name):
+    if name in HOST_INPUTS and case64.cfg not in (CONFIGS["pre_causal"], CONFIGS["llama_gqa"]):
+        pytest.skip(
+            "full-host and nested-host run full's and nested's math with the block inputs in "
+            "host memory (bitwise: tests/test_offloaded_inputs.py): checked on a GPT-2 and a "
+            "Llama configuration"
+        )
     policy = POLICIES[name]
     base_j, base_grads_j, _ = case64.jax(POLICIES["none"])
     loss_j, grads_j, _ = case64.jax(policy)
     assert_loss(loss_j, base_j, F64, "remat_vs_none")
     assert_grads(grads_j, base_grads_j, F64, "remat_vs_none")
     base_t, base_grads_t, *_ = case64.torch(POLICIES["none"])
-    for translation in ("stock", "lean"):
+    # where the extension runs what stock runs (full-host: stock's save_on_cpu), once
+    for translation in dict.fromkeys(resolve_translation(policy, t) for t in TRANSLATIONS):
         loss_t, grads_t, *_ = case64.torch(policy, translation)
         assert_loss(loss_t, base_t, F64, "remat_vs_none")
         assert_grads(grads_t, base_grads_t, F64, "remat_vs_none")
@@ -207,8 +217,9 @@ def test_policy_numerics_in_both_frameworks_and_both_translations(case64, name):
 def random_custom_policy(seed: int, cfg=CONFIGS["pre_causal"]) -> MemoryPolicy:
     """A custom policy with a random choice per tag; odd seeds never offload (so that stock
     selective checkpointing can run them). q/k/v share one choice (torch_ref computes them with
-    one fused matmul) and the block input is never offloaded (a checkpoint keeps its input
-    itself): everything else is free."""
+    one fused matmul) and the block input is never offloaded (stock ``save_on_cpu`` moves it,
+    outside the lean extension's dispatch modes: the full-host and nested-host presets cover
+    it): everything else is free."""
     rng = random.Random(seed)
     options = CHOICES if seed % 2 == 0 else ("device", "recompute")
     choices = {n: rng.choice(options) for n in model_tags(cfg) if n not in QKV}
@@ -649,8 +660,7 @@ def test_torch_translation_rejects_what_it_cannot_express():
     with pytest.raises(ConfigError, match="needs use_reentrant=False"):
         validate_for_torch(POLICIES["nested"].replace(use_reentrant=True), "lean")
     validate_for_torch(POLICIES["nested"].replace(use_reentrant=True))  # stock: sequential
-    with pytest.raises(ConfigError, match="block_input"):
-        validate_for_torch(MemoryPolicy.custom({"block_input": "offload"}))
+    validate_for_torch(MemoryPolicy.custom({"block_input": "offload"}))  # save_on_cpu, stock
     with pytest.raises(ConfigError, match="translation='fast' is not one of"):
         validate_for_torch(POLICIES["full"], "fast")
 

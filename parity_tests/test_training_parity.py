@@ -106,6 +106,10 @@ ACCUMULATED = {
     "gpt2": ("none", "full", "selective", "offload", "nested"),
     "llama": ("selective",),
 }
+# The presets with their block inputs in host memory run full's and nested's program (the
+# host memory space aside: tests/test_offloaded_inputs.py proves the gradients bitwise equal):
+# one row each, on GPT-2 blocks in bf16.
+HOST_INPUTS = ("full-host", "nested-host")
 MATRIX = [
     (cfg, policy, precision, accum)
     for cfg in sorted(MATRIX_CONFIGS)
@@ -113,6 +117,7 @@ MATRIX = [
     for precision in ("fp32", "bf16")
     for accum in (1, 2)
     if accum == 1 or policy in ACCUMULATED[cfg]
+    if policy not in HOST_INPUTS or (cfg, precision, accum) == ("gpt2", "bf16", 1)
 ]
 
 
