@@ -22,7 +22,7 @@ from jaxmem.compare.bench import memory_point
 from jaxmem.compare.parity import torch_model_from
 from jaxmem.config import PRESETS, ConfigError
 from jaxmem.memory import analytic
-from jaxmem.memory.remat import layers_fn
+from jaxmem.memory.remat import check_backend, layers_fn
 from jaxmem.memory.residuals import saved_residuals, summarize_residuals
 from jaxmem.model import make_model
 from jaxmem.planner.records import lm_step_batch
@@ -277,3 +277,15 @@ def test_the_h100_plan_streams_the_inputs_to_host_and_keeps_no_device_copy(jax_c
     stacked = re.escape(f"f32[{CFG.n_layers},{B},{S},{CFG.d_model}]")
     assert set(re.findall(stacked + r"\{([^}]*)\}", text)) == {"3,2,1,0:S(5)"}
     assert "dynamic-update-slice-start" in text and "dynamic-slice-start" in text
+
+
+@pytest.mark.parametrize("name,instead", [("full-host", "full"), ("nested-host", "nested")])
+def test_a_backend_without_pinned_host_refuses_in_one_line_naming_the_fix(name, instead):
+    class NoHostDevice:
+        def addressable_memories(self):
+            return [type("Memory", (), {"kind": "device"})()]
+
+    with pytest.raises(
+        ConfigError, match=rf"only has memory kinds \['device'\].*e\.g\. {instead}\)"
+    ):
+        check_backend(POLICIES[name], NoHostDevice())

@@ -68,10 +68,13 @@ def check_backend(policy: MemoryPolicy, device: jax.Device | None = None) -> Non
     if offloaded:
         kinds = backend_memory_kinds(device)
         if HOST_MEMORY_KIND not in kinds:
+            # the same program with its inputs on the device, or selective's FLOPs
+            inputs_only = set(offloaded) == {BLOCK_INPUT}
+            instead = ("nested" if policy.nested else "full") if inputs_only else "selective"
             raise ConfigError(
                 f"policy {policy.name!r} offloads {list(offloaded)} to {HOST_MEMORY_KIND}, "
                 f"but this backend only has memory kinds {list(kinds)}; use a policy without "
-                "offload (e.g. selective)"
+                f"offload (e.g. {instead})"
             )
 
 
