@@ -96,6 +96,8 @@ def test_the_host_presets_are_written_and_read_wherever_a_preset_is():
     with pytest.raises(ConfigError, match="nested recomputes whole segments"):
         MemoryPolicy(nested=True, parts=(StackPart(block=BlockPolicy(offload=("mlp_up",))),))
     validate_for_torch(SELECTIVE_HOST, cfg=CFG)  # torch_ref expresses it (stock save_on_cpu)
+    with pytest.raises(ConfigError, match="needs use_reentrant=False"):
+        validate_for_torch(nested_host.replace(use_reentrant=True))  # two-level checkpoints
 
 
 @pytest.fixture(scope="module")

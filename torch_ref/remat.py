@@ -476,7 +476,9 @@ def validate_for_torch(
             "block would take the token ids, which need no gradient, and give the parameters none"
         )
     for block in policy.blocks:
-        two_level = policy.nested and _block_translation(policy, block, translation) == "lean"
+        two_level = policy.nested and (
+            _block_translation(policy, block, translation) == "lean" or BLOCK_INPUT in block.offload
+        )
         if policy.use_reentrant and (_stores_tags(block) or two_level):
             raise ConfigError(
                 f"policy {policy.name!r} needs use_reentrant=False: reentrant checkpoint "
