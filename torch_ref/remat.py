@@ -16,7 +16,10 @@ model and its state dict do not change. Two translations, reported side by side:
   whose output the policy stores (by tag) and ``PREFER_RECOMPUTE`` for the rest
   (``save_dots``: ``MUST_SAVE`` for every ``mm``/``addmm``). Selective checkpointing caches every
   output it is told to save, read by the backward or not.
-- offloaded names: stock PyTorch has no API for them. ``CheckpointPolicy.MUST_CPU_OFFLOAD``
+- the block input offloaded (``full-host``, ``nested-host``'s segments, a per-tag block naming
+  ``block_input``): the checkpoint inside ``torch.autograd.graph.save_on_cpu``, which sees the
+  checkpoint's saved input and nothing else (``_offloading_input``).
+- other offloaded names: stock PyTorch has no API for them. ``CheckpointPolicy.MUST_CPU_OFFLOAD``
   exists but is honoured only under ``torch.compile``; in eager mode it recomputes. Such policies
   use the ``lean`` extension below, and say so (``PolicyLayers.translation``).
 

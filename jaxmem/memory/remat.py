@@ -12,7 +12,10 @@ How each policy runs in JAX:
   JAX's partial evaluation then keeps only what the backward reads of what the policy stores;
 - ``nested``: an outer scan over segments of about √L blocks (``nested_segment_size``), each
   checkpointed, each block inside
-  checkpointed again (every segment, the last included);
+  checkpointed again (every segment, the last included); ``nested-host`` offloads each
+  segment's input, named ``SEGMENT_INPUT`` inside the segment's checkpoint;
+- ``full-host`` (``block_input`` offloaded): the block's input reaches the checkpoint's
+  residuals only through its tag, so the scan stacks the host copy alone;
 - a layer subset: the stack unrolled, remat only on the selected layers;
 - ``unroll``: every block unrolled (``none`` included), each slicing its parameters out of the
   stack inside its own ``jax.checkpoint`` (see ``layers_fn``);
