@@ -447,6 +447,10 @@ class JobConfig:
         stack = self.memory.name + (" (unrolled)" if self.memory.unroll else "")
         if self.memory.loss.chunks:
             stack += f", loss in {self.memory.loss.chunks} chunks"
+        if self.memory.loss.tile_tokens:
+            stack += f", loss in tiles of {self.memory.loss.tile_tokens} tokens"
+        if self.memory.mlp_tile_tokens:
+            stack += f", MLP in tiles of {self.memory.mlp_tile_tokens} tokens"
         mesh = f", {self.parallel.mesh_text()}" if self.parallel.sharded else ""
         lora = f", {self.adapters.label()}" if self.adapters.enabled else ""
         return (

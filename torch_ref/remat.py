@@ -626,12 +626,14 @@ class TiledMLP:
     Under a block policy that recomputes everything (``full``; nested), each tile runs in a
     checkpoint of its own (in the policy's ``use_reentrant`` mode), nested in the block's: the
     block's recompute and backward build one tile's ``[B, T, d_ff]`` intermediates at a time.
-    Unlike JAX, the block's recompute also runs each tile's forward (its output, which no
-    backward reads, is computed before PyTorch's checkpoint can stop early), so the MLP's forward
-    runs once more per block than untiled. Under a named policy (``selective``) the tiles run
-    inside the block's selective checkpoint without one of their own: it caches the tagged
-    projections of every tile (the op table counts the MLP's ops once per tile); under ``none``
-    they keep everything, as untiled."""
+    Unlike JAX, the block's recompute also runs each tile's forward but the last's (their
+    outputs, which no backward reads, are computed before the next tile's input is saved, where
+    PyTorch's checkpoint stops early): with n tiles, (n - 1) / n of one more MLP forward per
+    block than untiled (``FlopCounterMode``, parity_tests/test_tiling_parity.py). Under a
+    named policy (``selective``) the tiles run inside the block's selective checkpoint without
+    one of their own: it caches the tagged projections of every tile (the op table counts the
+    MLP's ops once per tile), at the untiled FLOPs; under ``none`` they keep everything, as
+    untiled."""
 
     def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], policy, block):
         self.forward, self.tokens = forward, policy.mlp_tile_tokens
