@@ -759,17 +759,9 @@ def describe_kept(cfg: ModelConfig, policy: MemoryPolicy) -> str:
     """One line for ``config.yaml`` and reports: what the JAX translation keeps and where (in
     the first part's blocks)."""
     loss = f"; {policy.loss.label} (no logits kept)" if policy.loss.label else ""
-    return _describe_blocks(cfg, policy) + tiling_text(policy) + loss
-
-
-def tiling_text(policy: MemoryPolicy) -> str:
-    """The MLP's sequence tiling in words, for labels ('' untiled)."""
-    tokens = policy.mlp_tile_tokens
-    return (
-        f"; the MLP in tiles of {tokens} tokens (one tile's intermediates at a time)"
-        if tokens
-        else ""
-    )
+    tiles = policy.mlp_tile_tokens
+    mlp = f"; the MLP in sequence tiles of {tiles} tokens" if tiles else ""
+    return _describe_blocks(cfg, policy) + mlp + loss
 
 
 def _describe_blocks(cfg: ModelConfig, policy: MemoryPolicy) -> str:
