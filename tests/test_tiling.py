@@ -8,6 +8,8 @@ falls with tiles. Bad input: one line, exit 2, before anything compiles."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +27,8 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.memory.residuals import saved_residuals
 from jaxmem.model import make_model
 from jaxmem.model.decoder import DROPOUT_KEYS
-from jaxmem.policy import POLICIES, BlockPolicy, LossPolicy, MemoryPolicy
-from jaxmem.policy_config import policy_from_dict, policy_to_dict
+from jaxmem.policy import POLICIES, BlockPolicy, EmbeddingReplay, LossPolicy, MemoryPolicy
+from jaxmem.policy_config import parse_policy, policy_from_dict, policy_to_dict
 from jaxmem.precision import PRECISIONS
 from jaxmem.step.train_step import lm_loss_fn
 from tests.test_cli_contract import run_cli
@@ -47,6 +49,7 @@ def _perturbed_adapters(params: nnx.State) -> nnx.State:
     return jax.tree_util.tree_map_with_path(perturb, params)
 
 
+@functools.cache
 def _step(preset: str):
     """(scalar loss of (params, batch) under a policy, params, batch) for ``preset`` in float64
     with LoRA on up and down and their dropout keys in the batch."""
@@ -94,8 +97,33 @@ def test_a_tiled_mlp_step_equals_the_untiled_one_in_float64_at_the_same_flops(pr
             # none with dropout keeps a little less tiled (measured 43 KB of 797 KB, tiny-llama)
             assert flops1 == flops0 and kept1 <= kept0, name
             assert kept1 == kept0 or name == "none", name
-    lora_grads = [g for p, g in jax.tree_util.tree_leaves_with_path(grads0) if "lora" in str(p)]
-    assert lora_grads and all(float(jnp.abs(g).max()) > 1e-8 for g in lora_grads)
+            lora = [g for p, g in jax.tree_util.tree_leaves_with_path(grads0) if "lora" in str(p)]
+        assert lora and all(float(jnp.abs(g).max()) > 1e-8 for g in lora)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy",
+    [
+        parse_policy("none:1+full"),
+        POLICIES["nested"],
+        POLICIES["full"].replace(unroll=True),
+        POLICIES["selective"].replace(embedding=EmbeddingReplay(True)),
+    ],
+    ids=["mixed", "nested", "unrolled", "replayed"],
+)
+def test_every_kind_of_stack_tiles_its_mlp_to_the_untiled_gradients(policy):
+    """A mixed stack (one custom VJP over the parts), nested segments, an unrolled stack and a
+    replayed embedding each apply the tiles where they checkpoint their blocks."""
+    grad_tol = tolerance("float64", "grads")
+    with dtype_context("float64"):
+        scalar, params, batch = _step("tiny-llama")
+        grads = [
+            jax.jit(jax.grad(scalar(policy.replace(mlp_tile_tokens=t))))(params, batch)
+            for t in (0, TILE)
+        ]
+        for a, b in zip(*map(jax.tree.leaves, grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=grad_tol.rtol, atol=grad_tol.atol)
 
 
 def test_a_policy_keeping_mlp_up_keeps_every_tiles_values():
