@@ -115,3 +115,34 @@ def test_lora_on_up_and_down_under_tiles_in_torch_ref_gives_the_untiled_gradient
     grads = runs[("none", 0)][1]
     assert grads and all("lora" in k for k in grads)
     assert all(np.abs(g).max() > 1e-8 for g in grads.values())
+
+
+@pytest.mark.parametrize(
+    "policy, translation",
+    [
+        (POLICIES["full"].replace(use_reentrant=True), "stock"),
+        (POLICIES["selective"], "lean"),
+        (POLICIES["mlp"], "lean"),
+    ],
+    ids=["full-reentrant", "selective-lean", "mlp-lean"],
+)
+def test_torch_ref_tiles_under_reentrant_checkpoints_and_the_lean_extension(policy, translation):
+    """Reentrant tiles inside a reentrant block; the lean extension's dispatch modes naming the
+    ops of every tile: the untiled gradients and the same kept bytes."""
+    cfg = PRESETS["tiny-llama"].replace(n_layers=2)
+    batch = masked_batch(cfg, BATCH, SEQ, seed=5)
+    with dtype_context("float64"):
+        torch_model = torch_model_from(model_in(Decoder(cfg, rngs=nnx.Rngs(0)), "float64"))
+    b, runs, kept = torch_batch(batch), {}, {}
+    for tile in (0, TILE):
+        runner = apply_memory_policy(
+            torch_model.blocks, policy.replace(mlp_tile_tokens=tile), translation
+        )
+        torch_model.zero_grad(set_to_none=True)
+        loss_sum, n = torch_model(b["inputs"], b["targets"], b["mask"].double())
+        (loss_sum / n).backward()
+        grads = {k: p.grad.numpy().copy() for k, p in torch_model.named_parameters()}
+        runs[tile] = (float((loss_sum / n).detach()), grads)
+        kept[tile] = sum(k.nbytes for k in runner.kept)
+    _assert_same(runs, 0)
+    assert kept[TILE] == kept[0]

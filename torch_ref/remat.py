@@ -38,6 +38,10 @@ Tags a model does not produce name no op, so the presets that list them (``mlp``
 rotated q and k, ``selective`` the gate) ignore them; a custom policy naming one is refused
 (``jaxmem.policy.check_policy``).
 
+A policy's ``mlp_tile_tokens`` runs each block's MLP over sequence tiles (``TiledMLP``: stock
+``torch.utils.checkpoint`` per tile, set as the ``ffn`` module's forward; the model's math and
+state dict unchanged).
+
 Also here, for PyTorch users: ``save_on_cpu_layers_fn`` (PyTorch's built-in saved-tensor-hook
 offload of every saved tensor) and ``OffloadCheckpoint``, the seeds' ``OffloadFunction`` made
 correct: the input kept in host memory, the real block recomputed in backward, gradients for the
@@ -647,7 +651,8 @@ class TiledMLP:
         outs = []
         for start in range(0, seq, self.tokens):
             x_btd = x_bsd[:, start : start + self.tokens]  # [B, T, D]
-            if self.checkpointed:
+            # a reentrant block's forward runs without grad: nothing to checkpoint there
+            if self.checkpointed and torch.is_grad_enabled():
                 y = checkpoint(self.forward, x_btd, use_reentrant=self.reentrant)
             else:
                 y = self.forward(x_btd)
