@@ -392,6 +392,11 @@ class JobConfig:
                 f"--mesh {self.parallel.mesh_text()} (tensor parallelism) runs a scanned stack "
                 "with its state on the device: drop --stream, --unroll or the nested policy",
             )
+            require(
+                not self.memory.mlp_tile_tokens,
+                f"--mesh {self.parallel.mesh_text()} (tensor parallelism) lays out each block's "
+                "tagged activations, not those inside sequence tiles: drop --mlp-tile-tokens",
+            )
         if self.parallel.sharded:
             require(
                 self.accum.mode == "scan",
