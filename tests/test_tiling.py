@@ -232,3 +232,17 @@ def test_the_h100_plan_peak_falls_with_mlp_tiles():
         analytic.mlp_working_bytes(cfg, POLICIES["full"].replace(mlp_tile_tokens=64), 1, 512, bf16)
     )
     assert peaks[0] - peaks[64] >= saved // 3, (peaks, saved)
+
+
+def test_mlp_tiles_with_a_tensor_axis_are_refused():
+    """A tensor axis lays out each block's tagged activations, not those inside the tiles."""
+    from jaxmem.job import JobConfig
+
+    raw = {
+        "preset": "tiny",
+        "memory": {"policy": "full", "mlp_tile_tokens": 8},
+        "parallel": {"devices": 2, "tp": 2},
+        "run": {"seq_len": 32},
+    }
+    with pytest.raises(ConfigError, match="tensor parallelism.*drop --mlp-tile-tokens"):
+        JobConfig.from_dict(raw)
