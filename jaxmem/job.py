@@ -229,8 +229,18 @@ def check_stream(
 
 
 def check_loss_chunks(policy: MemoryPolicy, precision: Precision, seq_len: int) -> None:
-    """``ConfigError`` when ``policy.loss``'s chunks cannot split this step's loss."""
-    chunks = policy.loss.chunks
+    """``ConfigError`` when ``policy.loss``'s chunks or the MLP's tiles cannot split this
+    step's sequences."""
+    for key, tokens in (
+        ("mlp_tile_tokens", policy.mlp_tile_tokens),
+        ("loss_tile_tokens", policy.loss.tile_tokens),
+    ):
+        require(
+            not tokens or seq_len % tokens == 0,
+            f"{key}={tokens} does not divide seq_len={seq_len}: use one of "
+            f"{', '.join(map(str, divisors(seq_len)))}",
+        )
+    chunks = policy.loss.chunks_for(seq_len)
     if not chunks:
         return
     require(
@@ -243,6 +253,12 @@ def check_loss_chunks(policy: MemoryPolicy, precision: Precision, seq_len: int) 
         f"loss scale multiplies them (what underflowed unscaled stays lost); precision "
         f"{precision.name!r}: use bf16, or loss_chunks=0",
     )
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
@@ -376,6 +392,11 @@ class JobConfig:
                 f"--mesh {self.parallel.mesh_text()} (tensor parallelism) runs a scanned stack "
                 "with its state on the device: drop --stream, --unroll or the nested policy",
             )
+            require(
+                not self.memory.mlp_tile_tokens,
+                f"--mesh {self.parallel.mesh_text()} (tensor parallelism) lays out each block's "
+                "tagged activations, not those inside sequence tiles: drop --mlp-tile-tokens",
+            )
         if self.parallel.sharded:
             require(
                 self.accum.mode == "scan",
@@ -431,6 +452,10 @@ class JobConfig:
         stack = self.memory.name + (" (unrolled)" if self.memory.unroll else "")
         if self.memory.loss.chunks:
             stack += f", loss in {self.memory.loss.chunks} chunks"
+        if self.memory.loss.tile_tokens:
+            stack += f", loss in tiles of {self.memory.loss.tile_tokens} tokens"
+        if self.memory.mlp_tile_tokens:
+            stack += f", MLP in tiles of {self.memory.mlp_tile_tokens} tokens"
         mesh = f", {self.parallel.mesh_text()}" if self.parallel.sharded else ""
         lora = f", {self.adapters.label()}" if self.adapters.enabled else ""
         return (

@@ -296,9 +296,12 @@ class LossPolicy:
     fused linear cross-entropy), so no logits are kept and one chunk's exist at a time, at no
     recomputed FLOP: the backward keeps the stack output's gradient and the head's instead
     (``jaxmem.model.loss.chunked_lm_loss``, ``torch_ref.loss.ChunkedLMLoss``). N must divide
-    the sequence length (``jaxmem.job.check_loss_chunks``)."""
+    the sequence length (``jaxmem.job.check_loss_chunks``). ``tile_tokens`` T says the same by
+    token count, whatever the sequence length: chunks of T tokens (``S / T`` chunks,
+    ``chunks_for``); T must divide the sequence length. At most one of the two is set."""
 
     chunks: int = 0
+    tile_tokens: int = 0
 
     def __post_init__(self) -> None:
         require(
@@ -306,6 +309,31 @@ class LossPolicy:
             f"loss_chunks={self.chunks!r} must be 0 (the whole logits, kept for the "
             "backward) or a number of sequence chunks >= 1",
         )
+        require(
+            _count(self.tile_tokens),
+            f"loss_tile_tokens={self.tile_tokens!r} must be 0 (untiled) or a number of tokens "
+            "per chunk >= 1",
+        )
+        require(
+            not (self.chunks and self.tile_tokens),
+            f"loss_chunks={self.chunks} and loss_tile_tokens={self.tile_tokens} both size the "
+            "loss's chunks: set one",
+        )
+
+    def chunks_for(self, seq_len: int) -> int:
+        """The number of sequence chunks for sequences of ``seq_len`` tokens (0: untiled)."""
+        return seq_len // self.tile_tokens if self.tile_tokens else self.chunks
+
+    @property
+    def label(self) -> str:
+        """The loss's chunking in words ('' untiled)."""
+        if self.tile_tokens:
+            return f"the LM head and loss in tiles of {self.tile_tokens} tokens"
+        return f"the LM head and loss in {self.chunks} chunks" if self.chunks else ""
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +379,11 @@ class MemoryPolicy:
         its blocks one by one, so torch_ref ignores it.
       loss: the LM head and loss (``LossPolicy``).
       embedding: the embedding lookup's replay (``EmbeddingReplay``).
+      mlp_tile_tokens: 0 (default): each block's MLP runs over the whole sequence. T: it runs
+        over sequence tiles of T tokens of each row (T divides the sequence length), each tile
+        in a checkpoint of its own under the block's policy, so one tile's ``[B, T, d_ff]``
+        intermediates exist at a time in the forward and in the block's recompute and backward
+        (ALST's TiledMLP), at the same FLOPs (``jaxmem.memory.remat``, ``torch_ref.remat``).
 
     Why two switches that only one framework reads (``use_reentrant``, ``unroll``) live here
     rather than in each framework's translation: a run's ``[memory]`` section records the whole
@@ -369,8 +402,14 @@ class MemoryPolicy:
     unroll: bool = False
     loss: LossPolicy = LossPolicy()
     embedding: EmbeddingReplay = EmbeddingReplay()
+    mlp_tile_tokens: int = 0
 
     def __post_init__(self) -> None:
+        require(
+            _count(self.mlp_tile_tokens),
+            f"mlp_tile_tokens={self.mlp_tile_tokens!r} must be 0 (the MLP over the whole "
+            "sequence) or a number of tokens per tile >= 1",
+        )
         require(
             isinstance(self.parts, tuple)
             and bool(self.parts)
@@ -731,9 +770,10 @@ def policy_label(policy: MemoryPolicy) -> str:
 def describe_kept(cfg: ModelConfig, policy: MemoryPolicy) -> str:
     """One line for ``config.yaml`` and reports: what the JAX translation keeps and where (in
     the first part's blocks)."""
-    chunks = policy.loss.chunks
-    loss = f"; the LM head and loss in {chunks} chunks (no logits kept)" if chunks else ""
-    return _describe_blocks(cfg, policy) + loss
+    loss = f"; {policy.loss.label} (no logits kept)" if policy.loss.label else ""
+    tiles = policy.mlp_tile_tokens
+    mlp = f"; the MLP in sequence tiles of {tiles} tokens" if tiles else ""
+    return _describe_blocks(cfg, policy) + mlp + loss
 
 
 def _describe_blocks(cfg: ModelConfig, policy: MemoryPolicy) -> str:

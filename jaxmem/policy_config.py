@@ -71,6 +71,10 @@ def policy_to_dict(policy: MemoryPolicy) -> dict[str, Any]:
         modes["replay_embedding"] = True
     if policy.loss.chunks:
         modes["loss_chunks"] = policy.loss.chunks
+    if policy.loss.tile_tokens:
+        modes["loss_tile_tokens"] = policy.loss.tile_tokens
+    if policy.mlp_tile_tokens:
+        modes["mlp_tile_tokens"] = policy.mlp_tile_tokens
     if is_preset(policy):
         return {"policy": base_preset_name(policy), **layers, **modes}
     return {"policy": "custom", **_tags_to_dict(policy, head.block, ""), **layers, **modes}
@@ -102,6 +106,8 @@ MEMORY_KEYS = (
     "rest_offload",
     "replay_embedding",
     "loss_chunks",
+    "loss_tile_tokens",
+    "mlp_tile_tokens",
     *LAYER_FIELDS,
 )
 
@@ -131,8 +137,9 @@ def policy_from_dict(section: Mapping[str, Any]) -> MemoryPolicy:
     fields = {
         "use_reentrant": section.get("use_reentrant", False),
         "unroll": section.get("unroll", False),
-        "loss": LossPolicy(section.get("loss_chunks", 0)),
+        "loss": LossPolicy(section.get("loss_chunks", 0), section.get("loss_tile_tokens", 0)),
         "embedding": EmbeddingReplay(section.get("replay_embedding", False)),
+        "mlp_tile_tokens": section.get("mlp_tile_tokens", 0),
     }
     if ":" in name:  # HEAD:K+REST, as the command line writes it
         require(

@@ -240,9 +240,9 @@ def gather_at_use(layers: Any, m: Mesh) -> Any:
     axis as the block starts (wrapping the block function: the model is unchanged)."""
 
     def run(layer_fn: Any, x: jax.Array, stacked: Any) -> jax.Array:
-        def gathered_layer(x: jax.Array, layer_params: Any) -> jax.Array:
+        def gathered_layer(x: jax.Array, layer_params: Any, **mlp: Any) -> jax.Array:
             specs = _layer_specs(layer_params, m)
-            return layer_fn(x, jax.lax.with_sharding_constraint(layer_params, specs))
+            return layer_fn(x, jax.lax.with_sharding_constraint(layer_params, specs), **mlp)
 
         return layers(gathered_layer, x, stacked)
 

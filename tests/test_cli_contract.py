@@ -84,8 +84,14 @@ def test_every_step_flag_names_a_setting_of_the_job():
         "rest": "custom",
         "rest_save": ["attn_out"],
         "replay_embedding": True,
+        "mlp_tile_tokens": 2,
     }
     settings = JobConfig.from_dict({"preset": "tiny", "memory": custom}).to_dict()
+    # the loss's chunks by count or by token count: one is written at a time
+    by_tokens = {**custom, "loss_chunks": 0, "loss_tile_tokens": 4}
+    settings["memory"] |= JobConfig.from_dict({"preset": "tiny", "memory": by_tokens}).to_dict()[
+        "memory"
+    ]
     for name, flag in cli_flags.FLAGS.items():
         if flag.path is None:
             continue

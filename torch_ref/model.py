@@ -381,10 +381,11 @@ class Decoder(nn.Module):
         self.lm_head = (
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
-        # LossPolicy.chunks, set by torch_ref.remat.apply_loss_policy: 0 computes the whole
-        # logits (autograd keeps them for the loss's backward); N runs the head and loss over N
-        # sequence chunks (torch_ref.loss.chunked_lm_loss, an extension)
+        # LossPolicy.chunks and .tile_tokens, set by torch_ref.remat.apply_loss_policy: 0 computes
+        # the whole logits (autograd keeps them for the loss's backward); N runs the head and
+        # loss over N sequence chunks, or chunks of N tokens (torch_ref.loss.chunked_lm_loss)
         self.loss_chunks = 0
+        self.loss_tile_tokens = 0
         init_weights(self, cfg)
 
     def forward(
@@ -400,7 +401,9 @@ class Decoder(nn.Module):
         x = self.features(tokens_bs)
         if targets_bs is None:
             return self.head_logits(x)
-        if self.loss_chunks:
+        tiles = self.loss_tile_tokens
+        chunks = tokens_bs.shape[1] // tiles if tiles else self.loss_chunks
+        if chunks:
             # the head runs once per chunk: its norm's forward called directly, without the
             # module hooks that expect one call per step (MemTracker refuses a second)
             return chunked_lm_loss(
@@ -409,7 +412,7 @@ class Decoder(nn.Module):
                 x,
                 targets_bs,
                 mask_bs,
-                chunks=self.loss_chunks,
+                chunks=chunks,
             )
         return cross_entropy_sum(self.head_logits(x), targets_bs, mask_bs)
 

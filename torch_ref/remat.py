@@ -41,6 +41,10 @@ Tags a model does not produce name no op, so the presets that list them (``mlp``
 rotated q and k, ``selective`` the gate) ignore them; a custom policy naming one is refused
 (``jaxmem.policy.check_policy``).
 
+A policy's ``mlp_tile_tokens`` runs each block's MLP over sequence tiles (``TiledMLP``: stock
+``torch.utils.checkpoint`` per tile, set as the ``ffn`` module's forward; the model's math and
+state dict unchanged).
+
 Also here, for PyTorch users: ``save_on_cpu_layers_fn`` (PyTorch's built-in saved-tensor-hook
 offload of every saved tensor) and ``OffloadCheckpoint``, the seeds' ``OffloadFunction`` made
 correct: the input kept in host memory, the real block recomputed in backward, gradients for the
@@ -155,17 +159,18 @@ def _mlp_ops(cfg: ModelConfig) -> OpSeq:
     return [("linear", ("mlp_up",)), (act, ("mlp_act",)), ("linear", ("mlp_down",))]
 
 
-def block_ops(cfg: ModelConfig) -> dict[tuple[str, int], tuple[str, ...]]:
+def block_ops(cfg: ModelConfig, tiles: int = 1) -> dict[tuple[str, int], tuple[str, ...]]:
     """``(op kind, occurrence within one block) -> tag names`` for ``torch_ref.model.Block``.
 
     Built from the block's op sequence in the order ``Block.forward`` runs it (pre- or
     post-norm), untagged ops of the counted kinds included, so each tag's occurrence is counted
     rather than written by hand. q, k and v come out of one fused matmul, so they share one
-    entry; so do fused attention's output and log-sum-exp.
+    entry; so do fused attention's output and log-sum-exp. With the MLP in ``tiles`` sequence
+    tiles (``TiledMLP``) its ops run once per tile.
     """
     norm1, norm2 = _norm_ops(cfg, "norm1_out"), _norm_ops(cfg, "norm2_out")
     attn = _attention_ops(cfg) + [("add", ("attn_residual",))]
-    mlp = _mlp_ops(cfg) + [("add", ("mlp_residual",))]
+    mlp = _mlp_ops(cfg) * tiles + [("add", ("mlp_residual",))]
     sequence = norm1 + attn + norm2 + mlp if cfg.norm == "pre" else attn + norm1 + mlp + norm2
     table: dict[tuple[str, int], tuple[str, ...]] = {}
     counts: dict[str, int] = {}
@@ -180,8 +185,8 @@ def block_ops(cfg: ModelConfig) -> dict[tuple[str, int], tuple[str, ...]]:
 class _OpNamer:
     """Names the ops of one block by (kind, occurrence) as they come; one per pass."""
 
-    def __init__(self, cfg: ModelConfig):
-        self.ops = block_ops(cfg)
+    def __init__(self, cfg: ModelConfig, tiles: int = 1):
+        self.ops = block_ops(cfg, tiles)
         self.counts: dict[str, int] = {}
         self.last: tuple[str, int] = ("", -1)  # (kind, occurrence) of the op just named
 
@@ -271,10 +276,15 @@ class _Phase:
 
 
 def _stock_contexts(
-    block: BlockPolicy, cfg: ModelConfig, kept: list, layer: int, phase: _Phase | None = None
+    block: BlockPolicy,
+    cfg: ModelConfig,
+    kept: list,
+    layer: int,
+    phase: _Phase | None = None,
+    tiles: int = 1,
 ):
     """``create_selective_checkpoint_contexts`` with a policy function over jaxmem's tags."""
-    name_op = _OpNamer(cfg)
+    name_op = _OpNamer(cfg, tiles)
 
     def decide(op, *args, **kwargs):
         if phase is not None and phase.embedding:
@@ -303,7 +313,9 @@ def _stock_contexts(
 class _Decider:
     """Lean translation: counts ops per kind within one block, returns the policy's choice."""
 
-    def __init__(self, block: BlockPolicy, cfg: ModelConfig, phase: _Phase | None = None):
+    def __init__(
+        self, block: BlockPolicy, cfg: ModelConfig, phase: _Phase | None = None, tiles: int = 1
+    ):
         self.block, self.phase = block, phase
         self.unread = unread_by_backward(cfg, block)
         self.skip = skippable_in_recompute(cfg, block)
@@ -312,7 +324,7 @@ class _Decider:
         # its replay runs every op it does not cache)
         kept = kept_tags(cfg, block)
         self.skip_qk = cfg.attention == "naive" and bool({"attn_scores", "attn_probs"} & kept)
-        self.namers = {False: _OpNamer(cfg), True: _OpNamer(cfg)}
+        self.namers = {False: _OpNamer(cfg, tiles), True: _OpNamer(cfg, tiles)}
 
     def __call__(self, func: Any, recompute: bool) -> tuple[str, tuple[str, ...]]:
         if self.phase is not None and self.phase.embedding:
@@ -572,12 +584,16 @@ class PolicyLayers:
             return checkpoint(layer, _grad_input(x), *rest, use_reentrant=True)
         if not _stores_tags(block):
             return checkpoint(layer, x, *rest, use_reentrant=False)
+        tokens = self.policy.mlp_tile_tokens
+        tiles = x.shape[1] // tokens if tokens else 1  # x: [B, S, D], or the lookup's [B, S]
         if self.translations[block] == "stock":
-            context_fn = functools.partial(_stock_contexts, block, self.cfg, self.kept, i, phase)
+            context_fn = functools.partial(
+                _stock_contexts, block, self.cfg, self.kept, i, phase, tiles
+            )
         else:
 
             def context_fn():
-                decide, storage = _Decider(block, self.cfg, phase), []
+                decide, storage = _Decider(block, self.cfg, phase, tiles), []
                 return _KeepMode(decide, storage, self.kept, i), _ReplayMode(decide, storage)
 
         return checkpoint(layer, x, *rest, use_reentrant=False, context_fn=context_fn)
@@ -636,18 +652,64 @@ class PolicyLayers:
 def apply_memory_policy(
     stack: BlockStack, policy: MemoryPolicy, translation: str = "stock"
 ) -> PolicyLayers:
-    """Run ``stack`` (a ``torch_ref.BlockStack``, e.g. ``decoder.blocks``) under ``policy``."""
+    """Run ``stack`` (a ``torch_ref.BlockStack``, e.g. ``decoder.blocks``) under ``policy``
+    (its MLPs in sequence tiles when the policy says so: ``TiledMLP``)."""
     runner = PolicyLayers(policy, stack.cfg, translation)
     stack.layers_fn = runner
+    blocks = policy.layer_blocks(stack.cfg.n_layers)
+    for layer, block in zip(stack.layers, blocks, strict=True):
+        ffn = layer.ffn
+        ffn.__dict__.pop("forward", None)  # a previous policy's tiling
+        if policy.mlp_tile_tokens:
+            ffn.forward = TiledMLP(ffn.forward, policy, block)
     return runner
+
+
+class TiledMLP:
+    """A block's MLP run over sequence tiles of ``policy.mlp_tile_tokens`` tokens (ALST's
+    TiledMLP; stock ``torch.utils.checkpoint`` per tile), set as the ``forward`` of the block's
+    own ``ffn`` module, so its parameters and state dict do not change and its math is the
+    model's: each tile calls the module's own forward.
+
+    Under a block policy that recomputes everything (``full``; nested), each tile runs in a
+    checkpoint of its own (in the policy's ``use_reentrant`` mode), nested in the block's: the
+    block's recompute and backward build one tile's ``[B, T, d_ff]`` intermediates at a time.
+    Unlike JAX, the block's recompute also runs each tile's forward but the last's (their
+    outputs, which no backward reads, are computed before the next tile's input is saved, where
+    PyTorch's checkpoint stops early): with n tiles, (n - 1) / n of one more MLP forward per
+    block than untiled (``FlopCounterMode``, parity_tests/test_tiling_parity.py). Under a
+    named policy (``selective``) the tiles run inside the block's selective checkpoint without
+    one of their own: it caches the tagged projections of every tile (the op table counts the
+    MLP's ops once per tile), at the untiled FLOPs; under ``none`` they keep everything, as
+    untiled."""
+
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], policy, block):
+        self.forward, self.tokens = forward, policy.mlp_tile_tokens
+        self.reentrant = policy.use_reentrant
+        self.checkpointed = (block.remat and not _stores_tags(block)) or policy.nested
+
+    def __call__(self, x_bsd: torch.Tensor) -> torch.Tensor:
+        seq = x_bsd.shape[1]
+        if seq % self.tokens:
+            raise ValueError(f"mlp_tile_tokens={self.tokens} does not divide seq_len={seq}")
+        outs = []
+        for start in range(0, seq, self.tokens):
+            x_btd = x_bsd[:, start : start + self.tokens]  # [B, T, D]
+            # a reentrant block's forward runs without grad: nothing to checkpoint there
+            if self.checkpointed and torch.is_grad_enabled():
+                y = checkpoint(self.forward, x_btd, use_reentrant=self.reentrant)
+            else:
+                y = self.forward(x_btd)
+            outs.append(y)
+        return torch.cat(outs, dim=1)  # [B, S, D]
 
 
 def describe_loss(policy: MemoryPolicy) -> str:
     """What runs the head and loss, for reports ('' for the whole loss, stock)."""
-    if not policy.loss.chunks:
+    if not policy.loss.label:
         return ""
     return (
-        f"; the LM head and loss in {policy.loss.chunks} chunks: torch_ref.loss.chunked_lm_loss "
+        f"; {policy.loss.label}: torch_ref.loss.chunked_lm_loss "
         "(torch_ref extension; no stock fused loss in PyTorch)"
     )
 
@@ -655,8 +717,10 @@ def describe_loss(policy: MemoryPolicy) -> str:
 def apply_loss_policy(decoder: nn.Module, policy: MemoryPolicy) -> None:
     """Run ``decoder``'s head and loss (``torch_ref.Decoder.forward`` given targets) as
     ``policy.loss`` says: the whole logits (0), or over N sequence chunks with each chunk's
-    gradients formed in the forward (``torch_ref.loss.chunked_lm_loss``, an extension)."""
+    gradients formed in the forward (``torch_ref.loss.chunked_lm_loss``, an extension); N
+    resolved from the sequence length when the policy gives tokens per chunk."""
     decoder.loss_chunks = policy.loss.chunks
+    decoder.loss_tile_tokens = policy.loss.tile_tokens
 
 
 def save_on_cpu_layers_fn(selection: LayerSelection, n_layers: int) -> Callable[..., Any]:

@@ -225,7 +225,8 @@ def lm_loss_sum(
     wrapped by DDP/FSDP), the forward under autocast for mixed precision. With the decoder's
     ``loss_chunks`` set (``torch_ref.remat.apply_loss_policy``) the head and loss run inside its
     forward, in chunks; otherwise the logits come out and the loss is taken outside autocast."""
-    chunked = bool(getattr(unwrap(model), "loss_chunks", 0))
+    decoder = unwrap(model)
+    chunked = bool(getattr(decoder, "loss_chunks", 0) or getattr(decoder, "loss_tile_tokens", 0))
     device = batch["inputs"].device.type
     with torch.autocast(
         device, dtype=TORCH_DTYPES[precision.compute_dtype], enabled=precision.is_mixed

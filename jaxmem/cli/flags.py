@@ -108,6 +108,23 @@ FLAGS: dict[str, Flag] = {
             int,
             metavar="N",
         ),
+        Flag(
+            "--loss-tile-tokens",
+            "memory.loss_tile_tokens",
+            "--loss-chunks by token count: the LM head and loss over chunks of T tokens "
+            "(seq_len / T chunks; T divides --seq-len)",
+            int,
+            metavar="T",
+        ),
+        Flag(
+            "--mlp-tile-tokens",
+            "memory.mlp_tile_tokens",
+            "run each block's MLP over sequence tiles of T tokens, each in its own checkpoint: "
+            "one tile's [B, T, d_ff] intermediates at a time, same FLOPs (T divides --seq-len; "
+            "0: untiled, default)",
+            int,
+            metavar="T",
+        ),
         Flag("--precision", "precision", f"one of {', '.join(PRECISIONS)}"),
         Flag("--optimizer", "optimizer.name", f"one of {', '.join(OPTIMIZERS)}"),
         Flag("--lr", "optimizer.lr", "learning rate", positive_float),
@@ -410,6 +427,10 @@ def job_argv(job) -> list[str]:
             argv += ["--set", f"memory.rest_offload={_yaml(memory['rest_offload'])}"]
     chunks = job.memory.loss.chunks
     argv += ["--loss-chunks", str(chunks)] if chunks else []
+    tiles = job.memory.loss.tile_tokens
+    argv += ["--loss-tile-tokens", str(tiles)] if tiles else []
+    tiles = job.memory.mlp_tile_tokens
+    argv += ["--mlp-tile-tokens", str(tiles)] if tiles else []
     if job.memory.use_reentrant:
         argv += ["--set", "memory.use_reentrant=true"]
     argv += ["--precision", job.precision.name, "--optimizer", job.optimizer.name]

@@ -31,7 +31,16 @@ from jaxmem.policy import EmbeddingReplay, can_replay_embedding
 from jaxmem.policy_config import parse_policy
 
 FRAMEWORKS = ("jax", "torch", "torch-lean")
-NAMES = (*STEP_FLAGS, "accum", "unroll", "loss_chunks", "replay_embedding", "mesh")
+NAMES = (
+    *STEP_FLAGS,
+    "accum",
+    "unroll",
+    "loss_chunks",
+    "loss_tile_tokens",
+    "mlp_tile_tokens",
+    "replay_embedding",
+    "mesh",
+)
 DEFAULTS = {"preset": "tiny", "run": {"batch_size": 8}}
 DEFAULT_POLICIES = "none,full,selective,offload"
 
@@ -180,8 +189,10 @@ def _policies(args: argparse.Namespace, job) -> list:
         )
     if unroll:
         policies = [p.replace(unroll=True) for p in policies]
-    if job.memory.loss.chunks:
+    if job.memory.loss.chunks or job.memory.loss.tile_tokens:
         policies = [p.replace(loss=job.memory.loss) for p in policies]
+    if job.memory.mlp_tile_tokens:
+        policies = [p.replace(mlp_tile_tokens=job.memory.mlp_tile_tokens) for p in policies]
     if getattr(args, "replay_embedding", None):
         # to every policy that rematerialises its first block (none and nested keep its input)
         replays = [can_replay_embedding(p) for p in policies]

@@ -21,7 +21,17 @@ from jaxmem.cli.common import (
 from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, max_seq_len
 from jaxmem.files import write_json_atomic
 
-NAMES = (*STEP_FLAGS, "policy", "unroll", "loss_chunks", "replay_embedding", "accum", "mesh")
+NAMES = (
+    *STEP_FLAGS,
+    "policy",
+    "unroll",
+    "loss_chunks",
+    "loss_tile_tokens",
+    "mlp_tile_tokens",
+    "replay_embedding",
+    "accum",
+    "mesh",
+)
 DEFAULTS = {"preset": "small", "run": {"batch_size": 8}, "memory": {"policy": "none"}}
 
 

@@ -44,6 +44,8 @@ NAMES = (
     "offload",
     "unroll",
     "loss_chunks",
+    "loss_tile_tokens",
+    "mlp_tile_tokens",
     "replay_embedding",
     "lr",
     "weight_decay",

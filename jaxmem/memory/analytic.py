@@ -202,6 +202,21 @@ def saved_activation_bytes(
     return ActivationEstimate(device, host, tuple(per_layer), inputs)
 
 
+def mlp_working_bytes(
+    cfg: ModelConfig, policy: MemoryPolicy, batch: int, seq_len: int, precision: Precision
+) -> int:
+    """The MLP's ``[B, tokens, d_ff]`` intermediates one block holds at once while it runs its
+    MLP (forward, a rematerialising block's recompute, the backward's working set), the gate,
+    up and activation of a gated MLP (up and activation otherwise), in the compute dtype:
+    ``tokens`` is the whole sequence, or one tile's ``MemoryPolicy.mlp_tile_tokens`` under
+    sequence tiling (``jaxmem.memory.remat.tiled_mlp``). A transient, not a kept residual
+    (``saved_activation_bytes``): what tiling takes off a step's peak, at most, when an MLP
+    application holds it (the H100 plans show it; ``docs/policies.md``)."""
+    tokens = policy.mlp_tile_tokens or seq_len
+    tensors = 3 if cfg.mlp == "gated" else 2
+    return tensors * batch * tokens * cfg.d_ff * precision.compute_bytes
+
+
 def _remat_kept_bytes(name: str, sizes: dict[str, int]) -> int:
     """Bytes a rematerialised block keeps for a stored tag. ``attn_probs`` is tagged on softmax's
     fp32 (or wider) output, before the cast to the compute dtype (``ops.softmax``): a policy that

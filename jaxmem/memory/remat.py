@@ -22,6 +22,8 @@ How each policy runs in JAX:
 - several parts (``MemoryPolicy.parts``: the first k blocks under one block policy, the others
   under another): consecutive scans under one custom VJP that writes every part's gradients
   into one buffer (``_custom_stack``);
+- ``mlp_tile_tokens``: each block's MLP over sequence tiles, each tile checkpointed under the
+  block's policy (``tiled_mlp``, bound to the block function by ``_tiling``);
 - ``EmbeddingReplay``: the stack's input arrives as the unevaluated embedding lookup
   (``EmbeddingLookup``); the first block runs outside the scan, in a checkpoint that takes the
   lookup, so its backward replays it instead of keeping the block input (``_replayed``; every
@@ -35,16 +37,18 @@ the unrolled stack in ``_unrolled_stack``, nested in ``_nested_segment``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config import ConfigError
 from jaxmem.model import LayerFn, LayersFn, scan_layers
-from jaxmem.model.decoder import EmbeddingLookup, materialize
+from jaxmem.model.decoder import EmbeddingLookup, MlpFn, materialize
 from jaxmem.policy import (
     BLOCK_INPUT,
     HOST_MEMORY_KIND,
@@ -86,10 +90,11 @@ def block_checkpoint_policy(block: BlockPolicy) -> Any:
     return names_policy(block.save, block.offload, save_dots=block.save_dots)
 
 
-def _checkpointed(block: BlockPolicy, fn: Any, *, in_scan: bool) -> Any:
+def _checkpointed(block: BlockPolicy, fn: Any, *, in_scan: bool, tile: int = 0) -> Any:
     """``fn`` (one block, or the replayed first block) checkpointed as ``block`` says, or as it
     is when ``block`` keeps everything: the one ``jax.checkpoint`` of the scanned stacks
-    (``_scanned_stack``, ``_units``)."""
+    (``_scanned_stack``, ``_units``); its MLP in tiles of ``tile`` tokens (``_tiling``)."""
+    fn = _tiling(block, fn, tile)
     if not block.remat:
         return fn
     # prevent_cse=False is safe (and faster) inside scan, which cannot CSE across iterations.
@@ -126,6 +131,61 @@ def names_policy(
     return cp.nothing_saveable
 
 
+# ------------------------------------------------------------------ the MLP in sequence tiles
+def _tiling(block: BlockPolicy, layer_fn: LayerFn, tokens: int) -> LayerFn:
+    """``layer_fn`` with its block's MLP run in sequence tiles of ``tokens`` tokens
+    (``tiled_mlp``; 0: as it is): the one place tiling is applied, by every kind of stack."""
+    if not tokens:
+        return layer_fn
+    return functools.partial(layer_fn, mlp=tiled_mlp(block, tokens))
+
+
+def tiled_mlp(block: BlockPolicy, tokens: int) -> MlpFn:
+    """An ``MlpFn`` running a block's ``FeedForward`` over sequence tiles of ``tokens`` tokens
+    of each row: a ``lax.map`` over the tiles of one MLP application checkpointed under
+    ``block``'s own policy (ALST's TiledMLP).
+
+    How it reaches the MLP: the block takes an ``mlp`` argument (an ``MlpFn``, as it takes the
+    adapters' ``dropout``) that ``BlockStack``'s layer function passes on, and ``_tiling`` binds
+    it where each stack applies its block policy. Rewriting the module instead (swapping each
+    block's ``ffn`` for a tiling wrapper, NNX surgery) would change the parameter tree the
+    optimizer, checkpoints and weight maps read; a context variable read by the model would make
+    it impure. The MLP's math stays the model's: each tile calls ``FeedForward`` itself.
+
+    Why a checkpoint per tile under the block's policy: under a rematerialising block the
+    tile's checkpoint keeps only what the block policy names (under ``full``, the tile's input,
+    a slice of ``norm2_out``), so the block's recompute builds one tile's ``[B, T, d_ff]``
+    intermediates at a time and the backward rebuilds each tile's in its turn; a policy keeping
+    ``mlp_up`` keeps every tile's (the map stacks them: the untiled bytes). The MLP's output is
+    read by no backward (a residual addition), so the recompute's forward over the tiles is
+    dead and dropped: the FLOPs equal the untiled step's. Under a block that keeps everything
+    (``none``) the tiles are not checkpointed: every tile's intermediates are kept, as untiled.
+    Dropout masks are the whole row's at the tile's positions (``AdapterDropout.window``).
+    """
+    ckpt_policy = block_checkpoint_policy(block) if block.remat else None
+
+    def mlp(ffn: Any, x_bsd: jax.Array, dropout: Any) -> jax.Array:
+        b, s, d = x_bsd.shape
+        if s % tokens:
+            raise ValueError(f"mlp_tile_tokens={tokens} does not divide seq_len={s}")
+        graphdef, state = nnx.split(ffn)
+
+        def one_tile(state: Any, x_btd: jax.Array, start: jax.Array) -> jax.Array:
+            drop = None if dropout is None else dropout.window(start, s)
+            return nnx.merge(graphdef, state)(x_btd, drop)
+
+        if ckpt_policy is not None:
+            # inside the map's scan: no CSE across iterations to prevent
+            one_tile = jax.checkpoint(one_tile, policy=ckpt_policy, prevent_cse=False)
+        n = s // tokens
+        x_nbtd = jnp.moveaxis(x_bsd.reshape(b, n, tokens, d), 1, 0)  # [n, B, T, D]
+        starts = jnp.arange(n, dtype=jnp.int32) * tokens
+        y_nbtd = jax.lax.map(lambda tile: one_tile(state, *tile), (x_nbtd, starts))
+        return jnp.moveaxis(y_nbtd, 0, 1).reshape(b, s, y_nbtd.shape[-1])
+
+    return mlp
+
+
 def _layer(stacked: Any, i: int) -> Any:
     return jax.tree_util.tree_map(lambda a: a[i], stacked)
 
@@ -142,7 +202,7 @@ def _keep_all_but_parameter_copies(prim: Any, *_: Any, **__: Any) -> bool:
     return prim.name not in _PARAMETER_COPY_PRIMITIVES
 
 
-def _nested_segment(layer_fn: LayerFn, block: BlockPolicy) -> LayerFn:
+def _nested_segment(layer_fn: LayerFn, block: BlockPolicy, tile: int = 0) -> LayerFn:
     """``nested``'s segment: ``(x, state of n blocks) -> x``, checkpointed, each block inside
     checkpointed again: the one ``jax.checkpoint`` of the nested stacks (``_nested_stack``,
     ``_units``). Under ``nested-host`` (``block`` offloads ``block_input``) the segment's input,
@@ -151,7 +211,9 @@ def _nested_segment(layer_fn: LayerFn, block: BlockPolicy) -> LayerFn:
     ``block_input`` itself from the segment's checkpoint would reach into the blocks' own
     checkpoints and send every block's input to host: ``full-host``'s program, at nested's
     FLOPs saved.)"""
-    inner = jax.checkpoint(layer_fn, policy=names_policy(()), prevent_cse=False)
+    inner = jax.checkpoint(
+        _tiling(block, layer_fn, tile), policy=names_policy(()), prevent_cse=False
+    )
     offload = BLOCK_INPUT in block.offload
     outer = names_policy((), (SEGMENT_INPUT,)) if offload else block_checkpoint_policy(block)
 
@@ -194,13 +256,13 @@ def layers_fn(policy: MemoryPolicy, n_layers: int) -> LayersFn:
     """
     check_backend(policy)
     if policy.nested:
-        run = _nested_stack(policy.head, n_layers)
+        run = _nested_stack(policy.head, n_layers, policy.mlp_tile_tokens)
     elif _unrolled(policy, n_layers):
         run = _unrolled_stack(policy, n_layers)
     elif len(policy.parts) > 1 or policy.embedding.replay:
         run = _custom_stack(policy, n_layers, None)
     else:
-        run = _scanned_stack(policy.head)
+        run = _scanned_stack(policy.head, policy.mlp_tile_tokens)
     return _replaying(policy, run)
 
 
@@ -218,19 +280,20 @@ def _unrolled(policy: MemoryPolicy, n_layers: int) -> bool:
     return policy.unroll or (leaves_out and part.block.remat)
 
 
-def _scanned_stack(block: BlockPolicy) -> LayersFn:
+def _scanned_stack(block: BlockPolicy, tile: int) -> LayersFn:
     def run_scanned(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
-        return scan_layers(_checkpointed(block, layer_fn, in_scan=True), materialize(x), stacked)
+        body = _checkpointed(block, layer_fn, in_scan=True, tile=tile)
+        return scan_layers(body, materialize(x), stacked)
 
     return run_scanned
 
 
-def _nested_stack(block: BlockPolicy, n_layers: int) -> LayersFn:
+def _nested_stack(block: BlockPolicy, n_layers: int, tile: int) -> LayersFn:
     k = nested_segment_size(n_layers)
 
     def run_nested(layer_fn: LayerFn, x: Any, stacked: Any) -> jax.Array:
         x = materialize(x)
-        segment = _nested_segment(layer_fn, block)
+        segment = _nested_segment(layer_fn, block, tile)
         n_full = n_layers // k
         if n_full:
             # [L, ...] -> [L/k, k, ...] is a reshape (no copy) of the resident parameters; the
@@ -261,8 +324,9 @@ def _unrolled_stack(policy: MemoryPolicy, n_layers: int) -> LayersFn:
             # Slice inside the checkpoint: the layer's parameters stay views, not saved copies
             # (a layer without remat keeps everything else). Under replay the first layer's
             # checkpoint runs (and replays) the lookup.
-            def one_layer(x, stacked, i=i):
-                return layer_fn(materialize(x), _layer(stacked, i))
+            def one_layer(x, stacked, i=i, block=block):
+                fn = _tiling(block, layer_fn, policy.mlp_tile_tokens)
+                return fn(materialize(x), _layer(stacked, i))
 
             keep = block_checkpoint_policy(block) if block.remat else _keep_all_but_parameter_copies
             x = jax.checkpoint(one_layer, policy=keep)(x, stacked)
@@ -339,12 +403,13 @@ def _replayed(units: list[_Unit], layer_fn: LayerFn, policy: MemoryPolicy) -> li
     rather than keeping its output (``EmbeddingReplay``)."""
     first, *rest = units
 
-    def body(e: Any, w: Any) -> jax.Array:
-        return layer_fn(materialize(e), w)
+    def body(e: Any, w: Any, **mlp: Any) -> jax.Array:
+        return layer_fn(materialize(e), w, **mlp)
 
-    replay = _Unit(
-        _checkpointed(_replaying_block(policy.head), body, in_scan=False), 0, 1, replay=True
+    fn = _checkpointed(
+        _replaying_block(policy.head), body, in_scan=False, tile=policy.mlp_tile_tokens
     )
+    replay = _Unit(fn, 0, 1, replay=True)
     after = [dataclasses.replace(first, start=1, count=first.count - 1)] if first.count > 1 else []
     return [replay, *after, *rest]
 
@@ -361,12 +426,12 @@ def _units(policy: MemoryPolicy, n_layers: int, layer_fn: LayerFn) -> list[_Unit
     if not policy.nested:
         units, start = [], 0
         for n, block in policy.runs(n_layers):
-            body = _checkpointed(block, layer_fn, in_scan=True)
+            body = _checkpointed(block, layer_fn, in_scan=True, tile=policy.mlp_tile_tokens)
             units.append(_Unit(body, start, n, recomputes=block.remat))
             start += n
         return units
     k = nested_segment_size(n_layers)
-    segment = _nested_segment(layer_fn, policy.head)
+    segment = _nested_segment(layer_fn, policy.head, policy.mlp_tile_tokens)
     n_full, rest = divmod(n_layers, k)
     units = [_Unit(segment, 0, n_full, k, grouped=True)] if n_full else []
     if rest:

@@ -43,7 +43,11 @@ Array = jax.Array
 # ``layers_fn`` receives as ``stacked_state`` (gradient accumulation adds into this subtree).
 STACK_PATH: tuple[str, ...] = ("blocks", "layers")
 
-LayerFn = Callable[[Array, Any], Array]
+# ``layer_fn(x, layer_state, mlp=None)``: one block; ``mlp`` (an ``MlpFn``) runs its MLP
+LayerFn = Callable[..., Array]
+# ``mlp(ffn, x_bsd, dropout)``: how a block applies its ``FeedForward`` (default: ``ffn(x,
+# dropout)``); a memory policy's sequence tiling passes its own (``jaxmem.memory.remat``)
+MlpFn = Callable[["FeedForward", Array, "AdapterDropout | None"], Array]
 RopeTables = tuple[Array, Array] | None  # RoPE's cos, sin: [S, K] each
 # ``layers_fn(layer_fn, x, stacked_state)``; ``x`` is the first block's input or, for a
 # ``layers_fn`` whose ``replays_embedding`` attribute is true, the embedding lookup that makes it,
@@ -194,6 +198,15 @@ class AdapterDropout:
 
     rate: float
     keys: Array
+    # A window of the sequence (``window``): the masks of positions [start, start + x's length)
+    # of a ``seq_len``-token row, so a sequence tile draws its slice of the whole row's masks.
+    seq_len: int | None = None
+    start: Array | int = 0
+
+    def window(self, start: Array | int, seq_len: int) -> AdapterDropout:
+        """This dropout for a tile of the sequence starting at ``start`` of a ``seq_len``-token
+        row: the tile's elements get the whole row's masks at their positions."""
+        return dataclasses.replace(self, seq_len=seq_len, start=start)
 
     def __call__(self, x: Array, target: str) -> Array:
         keep = 1.0 - self.rate
@@ -201,7 +214,12 @@ class AdapterDropout:
 
         def row_mask(key_data: Array, row: Array) -> Array:
             key = jax.random.fold_in(jax.random.wrap_key_data(key_data), part)
-            return jax.random.bernoulli(key, keep, row.shape)
+            if self.seq_len is None:
+                return jax.random.bernoulli(key, keep, row.shape)
+            # the whole row's mask, then this window's rows of it (drawn whole: a mask's bits
+            # depend on its shape); a transient [S, in] boolean per projection
+            whole = jax.random.bernoulli(key, keep, (self.seq_len, *row.shape[1:]))
+            return jax.lax.dynamic_slice_in_dim(whole, self.start, row.shape[0])
 
         mask = jax.vmap(row_mask)(self.keys, x)
         return jnp.where(mask, x * jnp.asarray(1.0 / keep, x.dtype), jnp.zeros((), x.dtype))
@@ -474,17 +492,21 @@ class Block(nnx.Module):
         mask_ss: Array | None,
         rope: RopeTables = None,
         dropout: AdapterDropout | None = None,
+        mlp: MlpFn | None = None,
     ) -> Array:
+        """The block on ``x_bsd``; ``mlp`` (an ``MlpFn``) says how its MLP runs (default: at
+        once over the whole sequence)."""
+        ffn = self.ffn if mlp is None else functools.partial(mlp, self.ffn)
         x = checkpoint_name(x_bsd.astype(self.dtype), "block_input")
         if self.pre_norm:  # GPT-2, Llama: x + f(norm(x))
             h = checkpoint_name(self.norm1(x), "norm1_out")
             x = checkpoint_name(x + self.self_attn(h, mask_ss, rope, dropout), "attn_residual")
             h = checkpoint_name(self.norm2(x), "norm2_out")
-            return checkpoint_name(x + self.ffn(h, dropout), "mlp_residual")
+            return checkpoint_name(x + ffn(h, dropout), "mlp_residual")
         # Post-norm (the seeds' DecoderLayer): norm(x + f(x)).
         x = checkpoint_name(x + self.self_attn(x, mask_ss, rope, dropout), "attn_residual")
         x = checkpoint_name(self.norm1(x), "norm1_out")
-        x = checkpoint_name(x + self.ffn(x, dropout), "mlp_residual")
+        x = checkpoint_name(x + ffn(x, dropout), "mlp_residual")
         return checkpoint_name(self.norm2(x), "norm2_out")
 
 
@@ -569,15 +591,15 @@ class BlockStack(nnx.Module):
         run = layers_fn or scan_layers
         if dropout_keys is None or not self.dropout:
 
-            def layer_fn(x, layer_state):
-                return nnx.merge(graphdef, layer_state)(x, mask_ss, rope)
+            def layer_fn(x, layer_state, mlp=None):
+                return nnx.merge(graphdef, layer_state)(x, mask_ss, rope, mlp=mlp)
 
             return run(layer_fn, x_bsd, stacked_state)
 
-        def dropped_layer_fn(x, layer):
+        def dropped_layer_fn(x, layer, mlp=None):
             layer_state, index = layer
             drop = AdapterDropout(self.dropout, layer_dropout_keys(dropout_keys, index))
-            return nnx.merge(graphdef, layer_state)(x, mask_ss, rope, drop)
+            return nnx.merge(graphdef, layer_state)(x, mask_ss, rope, drop, mlp=mlp)
 
         index = jnp.arange(self.cfg.n_layers, dtype=jnp.float32)
         return run(dropped_layer_fn, x_bsd, (stacked_state, index))

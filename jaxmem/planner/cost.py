@@ -101,9 +101,8 @@ def frozen_base_gradient(
 
     graphdef, params = _abstract_model(cfg, precision, adapters, platform)
     micro = lm_step_batch(cfg, rows, seq, abstract=True)
-    loss = lm_loss_fn(
-        graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=policy.loss.chunks
-    )
+    chunks = policy.loss.chunks_for(seq)
+    loss = lm_loss_fn(graphdef, layers_fn=layers_fn(policy, cfg.n_layers), loss_chunks=chunks)
     of, (trained, frozen) = Trainable(adapters).frozen_loss(lambda p, b: loss(p, b)[0], params)
     return of, (trained, micro, frozen)
 

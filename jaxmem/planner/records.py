@@ -155,7 +155,7 @@ def _flops(spec: StepSpec, built: BuiltStep, kernel: str, params: Any, micro: An
         loss = lm_loss_fn(
             nnx.split(blockwise, nnx.Param)[0],
             layers_fn=built.layers,
-            loss_chunks=spec.policy.loss.chunks,
+            loss_chunks=spec.policy.loss.chunks_for(spec.seq_len),
         )
     # the step's own gradient: of the trained subtree only under a frozen base
     of, (trained, frozen) = built.trainable.frozen_loss(lambda p, b: loss(p, b)[0], params)
@@ -176,11 +176,7 @@ def _translation(policy: MemoryPolicy) -> str:
         "jaxmem.memory.remat (jax.checkpoint per block, stack unrolled)"
         if policy.unroll or not policy.parts[0].layers.is_all
         else "jaxmem.memory.remat (jax.checkpoint under lax.scan)"
-    ) + (
-        f"; the LM head and loss in {policy.loss.chunks} chunks (jaxmem.model.loss.chunked_lm_loss)"
-        if policy.loss.chunks
-        else ""
-    )
+    ) + (f"; {policy.loss.label} (jaxmem.model.loss.chunked_lm_loss)" if policy.loss.label else "")
 
 
 def _sources(spec: StepSpec, kernel: str) -> dict[str, str]:

@@ -234,7 +234,8 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
     layers = layers_fn(policy, cfg.n_layers)
 
     def plain(lf: Any) -> Loss:
-        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=policy.loss.chunks)
+        chunks = policy.loss.chunks_for(spec.seq_len)
+        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=chunks)
 
     shardings = _mesh_shardings(spec, tx, params, trainable)
     make_loss = plain

@@ -86,7 +86,7 @@ def streamed_layers_fn(layers_fn: LayersFn) -> LayersFn:
     (so a remat policy that replays the block fetches them again for its backward)."""
 
     def run(layer_fn: Callable, x: jax.Array, stacked: Any) -> jax.Array:
-        return layers_fn(lambda h, layer_state: layer_fn(h, fetch(layer_state)), x, stacked)
+        return layers_fn(lambda h, state, **mlp: layer_fn(h, fetch(state), **mlp), x, stacked)
 
     return run
 
