@@ -146,3 +146,23 @@ def test_torch_ref_tiles_under_reentrant_checkpoints_and_the_lean_extension(poli
         kept[tile] = sum(k.nbytes for k in runner.kept)
     _assert_same(runs, 0)
     assert kept[TILE] == kept[0]
+
+
+def test_the_host_presets_tile_as_their_device_forms_do_in_both_frameworks():
+    """The long-sequence composition: block (or segment) inputs in host memory, the MLP and the
+    loss in tiles. Float64 gradients equal the untiled device form's in both frameworks, and
+    torch_ref's tiles are checkpointed under ``full-host`` exactly as under ``full`` (the same
+    FLOPs)."""
+    cfg = PRESETS["tiny-llama"].replace(n_layers=4)
+    batch = masked_batch(cfg, BATCH, SEQ, seed=6)
+    with dtype_context("float64"):
+        model = model_in(Decoder(cfg, rngs=nnx.Rngs(0)), "float64")
+        runs = {
+            ("jax", n): _jax(model, batch, _tiled(n, TILE)) for n in ("full-host", "nested-host")
+        }
+    torch_model = torch_model_from(model)
+    names = ("full", "full-host", "nested", "nested-host")
+    runs |= {("torch", n): _torch(torch_model, batch, _tiled(n, TILE)) for n in names}
+    runs[("torch", "untiled")] = _torch(torch_model, batch, _tiled("full", 0))
+    _assert_same(runs, ("torch", "untiled"))
+    assert runs[("torch", "full-host")][2] == runs[("torch", "full")][2]
