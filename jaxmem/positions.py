@@ -35,3 +35,16 @@ def rope_angles(cfg: ModelConfig, seq_len: int) -> tuple[np.ndarray, np.ndarray]
     freqs = np.outer(np.arange(seq_len, dtype=np.float64), inverse_frequencies(cfg))
     angles = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(angles), np.sin(angles)
+
+
+def split_angles(cfg: ModelConfig, seq_len: int, step: int) -> tuple[np.ndarray, ...]:
+    """RoPE's angles factored for long sequences: position ``p = hi * step + lo`` turns by
+    ``hi * step`` then by ``lo``. Returns ``cos``, ``sin`` of the coarse angles (``[ceil(S /
+    step), K]``) and of the fine ones (``[step, K]``), float64, in ``rope_angles``' layout; the
+    angle-addition formulas rebuild any position's ``cos``/``sin`` from one row of each. At a
+    million positions the whole ``[S, K]`` tables are gigabytes; these are kilobytes."""
+    inv = inverse_frequencies(cfg)
+    coarse = np.outer(np.arange(0, seq_len, step, dtype=np.float64), inv)
+    fine = np.outer(np.arange(step, dtype=np.float64), inv)
+    coarse, fine = (np.concatenate([a, a], axis=-1) for a in (coarse, fine))
+    return np.cos(coarse), np.sin(coarse), np.cos(fine), np.sin(fine)

@@ -35,7 +35,7 @@ from jaxmem.adapters import TARGETS, AdapterConfig
 from jaxmem.config import ModelConfig
 from jaxmem.model.flash import cudnn_installed, fused_attention, fused_kernel
 from jaxmem.model.ops import wide
-from jaxmem.positions import rope_angles
+from jaxmem.positions import rope_angles, split_angles
 from jaxmem.precision import Precision
 
 Array = jax.Array
@@ -524,14 +524,35 @@ def scan_layers(layer_fn: LayerFn, x_bsd: Array, stacked_state: Any) -> Array:
     return x_bsd
 
 
+# Up to this many positions RoPE's tables are float64 values rounded once to the wide dtype and
+# embedded in the program as constants; beyond it (a long-context step), a constant [S, K] pair
+# would be gigabytes of program (XLA refuses to serialize a program over 2 GiB), so the step
+# builds the tables from two small factor tables (``jaxmem.positions.split_angles``): within a
+# rounding or two of the constants' values in the wide dtype.
+ROPE_CONSTANT_POSITIONS = 1 << 16
+ROPE_STEP = 1024  # the fine table's length when the tables are built in the step
+
+
 def rope_tables(cfg: ModelConfig, seq_len: int, dtype: Any) -> RopeTables:
     """RoPE's ``cos``, ``sin`` (``[S, K]``, in ``wide(dtype)``) for ``cfg``, or None without
     RoPE: computed once per forward, outside the blocks (constants to every remat policy)."""
     if cfg.positions != "rope":
         return None
-    cos, sin = rope_angles(cfg, seq_len)
     acc = wide(dtype)
+    if seq_len > ROPE_CONSTANT_POSITIONS:
+        return built_rope_tables(cfg, seq_len, acc)
+    cos, sin = rope_angles(cfg, seq_len)
     return jnp.asarray(cos, acc), jnp.asarray(sin, acc)
+
+
+def built_rope_tables(cfg: ModelConfig, seq_len: int, acc: Any) -> tuple[Array, Array]:
+    """RoPE's tables built in the step by angle addition from ``split_angles``' factors:
+    ``cos(a + b) = cos a cos b - sin a sin b``, ``sin(a + b) = sin a cos b + cos a sin b``."""
+    hc, hs, lc, ls = (jnp.asarray(t, acc) for t in split_angles(cfg, seq_len, ROPE_STEP))
+    pos = jnp.arange(seq_len)
+    hi, lo = pos // ROPE_STEP, pos % ROPE_STEP
+    hc, hs, lc, ls = hc[hi], hs[hi], lc[lo], ls[lo]
+    return hc * lc - hs * ls, hs * lc + hc * ls
 
 
 def causal_mask(cfg: ModelConfig, seq_len: int) -> Array | None:
