@@ -256,3 +256,13 @@ def test_a_child_killed_without_a_word_is_reported_with_its_signal(monkeypatch):
     monkeypatch.setattr(peak.subprocess, "run", killed)
     with pytest.raises(RuntimeError, match="ended with signal SIGKILL and printed nothing"):
         explain_peak(SPEC)
+
+
+@pytest.mark.slow
+def test_an_h100_peak_of_host_resident_optimizer_state_plans_it_on_the_device():
+    """A deviceless compile cannot place arguments in pinned_host: the plan holds the state on
+    the device (an upper bound, said in one line) instead of failing on mixed platforms."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu-plan extra plans H100s")
+    proc = run_cli("--preset", "tiny-llama", "--state-memory", "pinned_host", "--target", "h100")
+    assert proc.returncode == 0, proc.stderr
+    assert "holds the state on the device" in proc.stdout and "upper bound" in proc.stdout

@@ -83,8 +83,12 @@ def run(args: argparse.Namespace) -> int:
         need_gpu_plan(target)
     else:
         need_jax_backend()
-    try:
-        report = explain_peak(StepSpec.of_job(job, target))
+    from jaxmem.planner.records import record_spec
+
+    try:  # a GPU target's host-resident state is planned on the device (argument kinds drop)
+        with usage_errors():
+            spec = record_spec(StepSpec.of_job(job, target))
+        report = explain_peak(spec)
     except (RuntimeError, subprocess.TimeoutExpired) as e:  # the compile failed, or XLA's dump
         print(f"jaxmem peak: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
@@ -103,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
             "streamed (--stream): the planned peak is corrected from shapes (the stack's "
             "parameters and state live in host memory; donation); a deviceless compile sees them "
             "arrive in device memory, so the arena and the arguments below include them",
+            style="yellow",
+        )
+    if target.is_gpu and job.optimizer.state_memory == "pinned_host":
+        out.print(
+            "optimizer state in pinned_host: a deviceless compile drops argument memory kinds, "
+            "so this plan holds the state on the device (the whole state brought in for the "
+            "update: an upper bound; `jaxmem memory` gives the lower bound too)",
             style="yellow",
         )
     if report.step_time is not None:

@@ -115,7 +115,7 @@ def _state_offload(opt_state: Any, planned_peak: int, target: Target) -> dict[st
     }
 
 
-def _record_spec(spec: StepSpec) -> StepSpec:
+def record_spec(spec: StepSpec) -> StepSpec:
     """``spec`` as ``jax_record`` compiles it: a GPU target's optimizer state in host memory is
     planned on the device (a deviceless compile drops argument memory kinds; what offloading it
     moves is counted from shapes) and its parameters must stay on the device."""
@@ -262,7 +262,7 @@ def jax_record(spec: StepSpec, *, abstract: bool = False) -> dict[str, Any]:
     cfg, policy, target, sharded = spec.model, spec.policy, spec.target, spec.sharded
     abstract = abstract or target.is_gpu or sharded
     state_offload = target.is_gpu and spec.optimizer.state_memory == "pinned_host"
-    spec = _record_spec(planned(spec))
+    spec = record_spec(planned(spec))
     model = (
         model_shapes(spec) if abstract else make_model(cfg, spec.precision, adapters=spec.adapters)
     )
