@@ -150,9 +150,7 @@ class Bench:
 
         plan = self.data["plans"][f"{name}|{n}"]
         spec = longest.lean_spec(base, n, budget, offload=bool(plan["policy"].get("offload")))
-        if spec.optimizer.state_memory == "pinned_host":  # compiled as the probe compiles it
-            spec = spec.replace(optimizer=dataclasses.replace(spec.optimizer, state_memory="device"))
-        report = explain_peak(spec)
+        report = explain_peak(longest.compiled_as(spec))
         top = sorted(report.values, key=lambda v: -v.bytes)[:6]
         row["peak"] = {
             "seq_len": n,

@@ -175,6 +175,13 @@ FLAGS: dict[str, Flag] = {
         Flag("--target", None, f"plan the step for: {TARGETS_HELP}"),
         Flag("--wide", None, "every column (default: the essential ones)", action="store_true"),
         Flag("--json", None, "write the results as JSON", metavar="OUT.json"),
+        Flag(
+            "--host-memory",
+            None,
+            "host memory the step may use (offloaded activations, host-resident optimizer "
+            "state, a streamed stack), e.g. 512GiB (default: this machine's RAM, from the OS)",
+            metavar="SIZE",
+        ),
         # the run around the step (jaxmem train)
         Flag("--framework", "run.framework", "jax or torch (torch_ref, the PyTorch mirror)"),
         Flag(

@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
     )
     shown = {"seq_len": "64; max_seq_len for planning presets", "target": "cpu"}
     add_flags(p, NAMES, DEFAULTS, shown=shown)
-    add_flags(p, ("target", "wide", "json"), shown=shown, title="the report")
+    add_flags(p, ("target", "wide", "json", "host_memory"), shown=shown, title="the report")
     own_step.add_fn_flag(p, "--policies")
     p.set_defaults(func=run)
 
@@ -101,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
         with usage_errors():
             check_composes(StepSpec.of_job(job, target))
     setup = _setup(args, job, target)
+    from jaxmem.planner.host import check_job
+
+    with usage_errors():  # each policy's host bytes (analytic), before anything compiles
+        for policy in setup.policies:
+            check_job(dataclasses.replace(job, memory=policy), args.host_memory, target)
     check_writable(args.json)
     if "jax" in setup.frameworks:
         _check_jax(job, setup)

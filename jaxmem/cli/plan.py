@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
     )
     shown = {"seq_len": "the model's max_seq_len", "target": "cpu"}
     add_flags(p, NAMES, DEFAULTS, shown=shown)
-    add_flags(p, ("target", "wide", "json"), shown=shown, title="the plan")
+    add_flags(p, ("target", "wide", "json", "host_memory"), shown=shown, title="the plan")
     g = p.add_argument_group("the search")
     g.add_argument(
         "--budget",
@@ -97,6 +97,27 @@ def add_parser(sub) -> None:
         "0: the first fit)",
     )
     g.add_argument("--top", type=positive_int, default=15, help="rows shown (default 15)")
+    g = p.add_argument_group("the longest sequence")
+    g.add_argument(
+        "--longest",
+        action="store_true",
+        help="instead: the longest sequence the model trains at batch 1 (full remat, block "
+        "inputs offloaded to host memory on a GPU target within --host-memory, the loss in "
+        "tiles, the state in host memory with --state-offload), each answer shown by two "
+        "compiled plans (fits at N, over at N + --seq-step)",
+    )
+    g.add_argument(
+        "--seq-cap",
+        type=positive_int,
+        default=1 << 24,
+        help="with --longest: the longest sequence tried, in tokens (default 16,777,216)",
+    )
+    g.add_argument(
+        "--seq-step",
+        type=positive_int,
+        default=1024,
+        help="with --longest: the search's granularity in tokens (default 1024)",
+    )
     p.set_defaults(func=run)
 
 
@@ -164,6 +185,7 @@ def _lattice_flags(g) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxmem.memory.targets import get_target
+    from jaxmem.planner.host import host_limit
     from jaxmem.planner.search import default_budget
     from jaxmem.planner.space import Problem
 
@@ -177,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             budget, budget_source = default_budget(target)
         space = _space(args, job)
+        host_allowed, host_source = host_limit(args.host_memory)
     presets.check("plan", job.preset, job.model)
     check_writable(args.json)
     problem = Problem(
@@ -189,9 +212,14 @@ def run(args: argparse.Namespace) -> int:
         job.parallel.devices,
         slack=args.slack,
         adapters=job.adapters,
+        host_memory_bytes=host_allowed,
     )
     elsewhere = "plan for a GPU's memory with --target (h100, ..., or a captured .txtpb)"
     check_budget(problem, space, args.budget, "--budget", LEAVE, elsewhere)
+    if args.longest:
+        from jaxmem.cli.plan_longest import longest
+
+        return longest(args, job, problem, budget_source, host_source, _start_backend)
     _start_backend(job, target)
     return _search_and_report(args, job, problem, space, budget_source)
 

@@ -18,14 +18,18 @@ Written by hand: no library counts a JAX step's host-resident bytes.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from jaxmem.config import ConfigError, ModelConfig
 from jaxmem.memory import analytic
 from jaxmem.policy import MemoryPolicy
-from jaxmem.precision import Precision
+from jaxmem.precision import PRECISIONS, Precision
 from jaxmem.step.spec import StepSpec
 
 GIB = 2**30
+# ``full`` with each block's input kept in host memory instead of on the device (the leanest
+# stack where host memory exists: nothing of the stack's activations stays on the device)
+OFFLOADED_INPUTS = MemoryPolicy.custom({"block_input": "offload"})
 
 
 def machine_bytes() -> int:
@@ -77,14 +81,41 @@ def spec_host_bytes(spec: StepSpec) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
+def candidate_host_bytes(problem: Any, cand: Any) -> int:
+    """Host bytes per device of a planner candidate (analytic, from shapes): its offloaded
+    activations, its optimizer state in host memory, a streamed stack's parameters and state."""
+    from jaxmem.planner import predict
+
+    precision = PRECISIONS[cand.precision]
+    rows = problem.batch // (problem.devices // cand.tp) // cand.accum
+    total = offloaded_activation_bytes(
+        problem.cfg, cand.policy, rows, problem.seq_len, precision, cand.tp
+    )
+    if cand.stream:
+        return (
+            total
+            + predict.state_bytes(problem, precision)
+            + predict.parameter_bytes(problem, precision)
+        )
+    return total + predict.state_host_bytes(problem, cand)
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes in GiB, MiB or KiB, whichever shows it."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n / 2**10:,.2f} KiB"
+
+
 def refusal(need: int, parts: dict[str, int], limit: int, source: str, how: str) -> str | None:
     """One line when ``need`` host bytes (``how`` obtained, by ``parts``) exceed ``limit``."""
     if need <= limit:
         return None
-    what = " + ".join(f"{k} {v / GIB:,.2f}" for k, v in parts.items()) or "none"
+    what = " + ".join(f"{k} {size_text(v)}" for k, v in parts.items()) or "none"
     return (
-        f"the step needs {need / GIB:,.2f} GiB of host memory ({how}: {what} GiB) but "
-        f"{limit / GIB:,.2f} GiB is allowed ({source}): raise --host-memory if the host has "
+        f"the step needs {size_text(need)} of host memory ({how}: {what}) but "
+        f"{size_text(limit)} is allowed ({source}): raise --host-memory if the host has "
         "it, or keep less in host memory (a shorter --seq-len, fewer offloaded tags, the "
         "optimizer state on the device)"
     )
@@ -98,3 +129,11 @@ def check_spec(spec: StepSpec, text: str | None) -> None:
     line = refusal(sum(parts.values()), parts, limit, source, "analytic, from shapes")
     if line is not None:
         raise ConfigError(line)
+
+
+def check_job(job: Any, text: str | None, target: Any = None) -> None:
+    """``check_spec`` for a job that keeps anything in host memory (its optimizer state, a
+    streamed stack, offloaded tags); a job that keeps nothing there is not checked."""
+    opt = job.optimizer
+    if opt.state_memory == "pinned_host" or opt.stream or job.memory.offloads:
+        check_spec(StepSpec.of_job(job, *([target] if target else [])), text)

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxmem.planner import host
-from jaxmem.policy import POLICIES, LossPolicy, MemoryPolicy
+from jaxmem.planner.host import OFFLOADED_INPUTS
+from jaxmem.policy import POLICIES, LossPolicy
 from jaxmem.step.spec import StepSpec
 
 # tokens per loss tile searched at long sequences, largest first (a larger tile runs fewer,
@@ -35,7 +36,6 @@ TILE_TOKENS = (16384, 8192, 4096, 2048, 1024)
 # a tile's three fp32 [tokens, vocab] buffers (logits, softmax, gradient) kept under this share
 # of the budget
 LOGITS_SHARE = 32
-OFFLOADED_INPUTS = MemoryPolicy.custom({"block_input": "offload"})
 
 
 def loss_tiles(seq_len: int, vocab: int, budget: int) -> int:
@@ -87,6 +87,14 @@ class Probe:
         }
 
 
+def compiled_as(spec: StepSpec) -> StepSpec:
+    """``spec`` as its plan is compiled: optimizer state in host memory compiled on the device
+    (a deviceless compile drops argument memory kinds; its bytes are taken off from shapes)."""
+    if spec.optimizer.state_memory != "pinned_host" or spec.streamed:
+        return spec
+    return spec.replace(optimizer=dataclasses.replace(spec.optimizer, state_memory="device"))
+
+
 def probe(spec: StepSpec, budget: int, host_allowed: int) -> Probe:
     """``spec`` compiled for its target (``plans.plan_step``). Optimizer state in host memory is
     compiled on the device (a deviceless compile drops argument memory kinds) and taken off
@@ -94,11 +102,8 @@ def probe(spec: StepSpec, budget: int, host_allowed: int) -> Probe:
     bytes are the compiled plan's ``host_temp_bytes``."""
     from jaxmem.planner.plans import plan_step, spec_step_time
 
-    on_host = spec.optimizer.state_memory == "pinned_host" and not spec.streamed
-    compiled = spec
-    if on_host:
-        compiled = spec.replace(optimizer=dataclasses.replace(spec.optimizer, state_memory="device"))
-    plan = plan_step(compiled)
+    on_host = compiled_as(spec) is not spec
+    plan = plan_step(compiled_as(spec))
     analytic = host.spec_host_bytes(spec)
     state = analytic.get("optimizer state", 0)
     hosted = {k: v for k, v in analytic.items() if k != "offloaded activations"}

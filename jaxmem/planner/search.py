@@ -41,6 +41,7 @@ from typing import Any
 from jaxmem.config import ConfigError
 from jaxmem.memory.targets import Target, rates_for
 from jaxmem.planner.cost import priced_runs
+from jaxmem.planner.host import candidate_host_bytes
 from jaxmem.planner.plans import plan_step
 from jaxmem.planner.predict import FlopModel, MemoryModel, chunk_savings_bound, state_host_bytes
 from jaxmem.planner.space import (
@@ -108,6 +109,7 @@ class PlanResult:
     fit_compiles: int
     candidate_compiles: int
     stopped: bool = False  # the search hit max_compiles before a candidate fitted
+    host_skipped: int = 0  # candidates whose host bytes (analytic) exceed the host limit
 
     def smallest(self) -> Outcome | None:
         done = [o for o in self.outcomes if o.compiled is not None]
@@ -281,7 +283,7 @@ def search(
     flops = FlopModel(problem.cfg, problem.seq_len, problem.adapters)
     budget = problem.budget_bytes
     memory = MemoryModel(problem, compiles.fit)
-    outcomes = _lattice(problem, space, flops, progress)
+    outcomes, host_skipped = _lattice(problem, space, flops, progress)
     at_depth = compiles.at_depth
     compile_candidate, program = compiles.candidate, _program
 
@@ -360,18 +362,29 @@ def search(
         else:
             chosen = _faster(chosen, o)
     return PlanResult(
-        problem, outcomes, chosen, compiles.compiler, memory.compiles, len(at_depth), stopped
-    )
+        problem, outcomes, chosen, compiles.compiler, memory.compiles, len(at_depth), stopped,
+        host_skipped,
+    )  # fmt: skip
 
 
 def _lattice(
     problem: Problem, space: PlanSpace, flops: FlopModel, progress: Callable[[str], None]
-) -> list[Outcome]:
-    """The candidates in cost order, said before (the FLOP traces take a while) and after."""
+) -> tuple[list[Outcome], int]:
+    """The candidates in cost order, said before (the FLOP traces take a while) and after, less
+    those whose host bytes exceed ``problem.host_memory_bytes`` (said, and counted)."""
     progress("tracing each stack's FLOPs (jaxprs, no compiles)")
     outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
+    limit, skipped = problem.host_memory_bytes, 0
+    if limit is not None:
+        kept = [o for o in outcomes if candidate_host_bytes(problem, o.candidate) <= limit]
+        skipped, outcomes = len(outcomes) - len(kept), kept
+        if skipped:
+            progress(
+                f"{skipped} candidates skipped: their host bytes (analytic, from shapes) exceed "
+                f"the host-memory limit {_mib(limit)} MiB"
+            )
     progress(f"{len(outcomes)} candidates, in order of estimated cost; compiling until one fits")
-    return outcomes
+    return outcomes, skipped
 
 
 def _mib(n: float) -> str:
