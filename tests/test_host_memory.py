@@ -1,0 +1,65 @@
+"""``--host-memory``: what a step keeps in host memory must fit the limit (default: this
+machine's RAM); a step over it is refused in one line before anything compiles, and the planner
+skips candidates over it, saying so."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxmem.config import PRESETS, OptimizerConfig
+from jaxmem.planner.host import OFFLOADED_INPUTS, host_limit, machine_bytes
+from tests.test_cli_contract import run_cli
+
+
+def test_the_default_limit_is_this_machines_memory_and_a_size_needs_a_unit():
+    from jaxmem.config import ConfigError
+
+    assert host_limit(None)[0] == machine_bytes() > 0
+    assert "this machine's RAM" in host_limit(None)[1]
+    assert host_limit("512GiB") == (512 * 2**30, "--host-memory")
+    with pytest.raises(ConfigError, match="--host-memory 100: give a unit"):
+        host_limit("100")
+
+
+@pytest.mark.parametrize(
+    "argv, needs",
+    [
+        (["memory", "--preset", "tiny-llama", "--target", "h100", "--policies", "offload",
+          "--frameworks", "jax"], "offloaded activations"),
+        (["train", "--preset", "tiny", "--state-memory", "pinned_host", "--steps", "1"],
+         "optimizer state"),
+    ],
+)  # fmt: skip
+def test_a_step_over_the_host_limit_is_one_line_before_anything_compiles(argv, needs):
+    done = run_cli(*argv, "--host-memory", "1KiB")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and needs in lines[0], lines
+    assert "1.00 KiB is allowed (--host-memory)" in lines[0] and "raise --host-memory" in lines[0]
+
+
+def test_the_planner_searches_offloaded_inputs_and_skips_what_the_host_cannot_hold():
+    from jaxmem.memory.targets import get_target
+    from jaxmem.planner.predict import FlopModel
+    from jaxmem.planner.search import _lattice
+    from jaxmem.planner.space import PlanSpace, Problem
+
+    cfg = PRESETS["tiny-llama"]
+    space = PlanSpace(
+        policies=("full",), mix=(), accum=(1,), state_memory=("device",), tags=False,
+        unroll=False, loss_chunks=2, loss_tiles=(16, 64),
+    )  # fmt: skip
+    problem = Problem(cfg, 1, 64, get_target("h100"), 2**40, OptimizerConfig())
+    flops, said = FlopModel(cfg, 64), []
+    outcomes, skipped = _lattice(problem, space, flops, said.append)
+    policies = [o.candidate.policy for o in outcomes]
+    assert skipped == 0 and OFFLOADED_INPUTS in policies
+    # the loss whole, in at most 2 chunks, and in tiles of 16 tokens (a tile of 64 tokens is the
+    # whole sequence: coarser than 2 chunks, not searched)
+    assert sorted({p.loss.chunks for p in policies}) == [0, 2, 4]
+    limited = dataclasses.replace(problem, host_memory_bytes=1)
+    outcomes, skipped = _lattice(limited, space, flops, said.append)
+    assert skipped > 0 and all(not o.candidate.policy.offloads for o in outcomes)
+    assert any("skipped: their host bytes" in line for line in said)
