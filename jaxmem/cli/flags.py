@@ -436,6 +436,15 @@ def job_argv(job) -> list[str]:
 STREAM_COMMANDS = "jaxmem train --stream, and jaxmem peak --stream for its GPU plan"
 
 
+def host_memory(args: argparse.Namespace) -> int | None:
+    """``--host-memory``'s bytes (None: not given, this machine's RAM applies)."""
+    from jaxmem.cli.common import parse_bytes
+
+    given = getattr(args, "host_memory", None)
+    with usage_errors():
+        return None if given is None else parse_bytes(given, "--host-memory")
+
+
 def not_streamed(job: Any, command: str) -> None:
     """A usage error for a command that does not measure a streamed step yet."""
     from jaxmem.cli.common import UsageError

@@ -23,7 +23,7 @@ from jaxmem.cli.common import (
     usage_errors,
 )
 from jaxmem.cli.common import names as parse_names
-from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, not_streamed
+from jaxmem.cli.flags import STEP_FLAGS, add_flags, host_memory, job_from_args, not_streamed
 from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.figures import format_bytes
 from jaxmem.files import write_json_atomic
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
     with usage_errors():  # each policy's host bytes (analytic), before anything compiles
         for policy in setup.policies:
-            check_job(dataclasses.replace(job, memory=policy), args.host_memory, target)
+            check_job(dataclasses.replace(job, memory=policy), host_memory(args), target)
     check_writable(args.json)
     if "jax" in setup.frameworks:
         _check_jax(job, setup)

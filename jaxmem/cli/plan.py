@@ -29,6 +29,7 @@ from jaxmem.cli.flags import (
     ADAPTER_FLAGS,
     MODEL_FLAGS,
     add_flags,
+    host_memory,
     job_argv,
     job_from_args,
     max_seq_len,
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             budget, budget_source = default_budget(target)
         space = _space(args, job)
-        host_allowed, host_source = host_limit(args.host_memory)
+        host_allowed, host_source = host_limit(host_memory(args))
     presets.check("plan", job.preset, job.model)
     check_writable(args.json)
     problem = Problem(
@@ -219,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     if args.longest:
         from jaxmem.cli.plan_longest import longest
 
-        return longest(args, job, problem, budget_source, host_source, _start_backend)
+        sources = (budget_source, host_source)
+        return longest(args, job, problem, sources, _start_backend, shell_lines)
     _start_backend(job, target)
     return _search_and_report(args, job, problem, space, budget_source)
 

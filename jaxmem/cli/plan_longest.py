@@ -33,9 +33,11 @@ def _base(args, job, problem):
     return spec.replace(optimizer=optimizer, accum=AccumConfig(steps=1), batch=1)
 
 
-def longest(args, job, problem, budget_source: str, host_source: str, start_backend) -> int:
-    """Search, then print and (``--json``) write the answer; exit 2 when not even one step
-    fits."""
+def longest(args, job, problem, sources: tuple[str, str], start_backend, shell_lines) -> int:
+    """Search, then print (``shell_lines``: a command as shell lines) and (``--json``) write the
+    answer; exit 2 when not even one step fits. ``sources``: where the budget and the host
+    limit came from; ``start_backend``: ``jaxmem plan``'s, before the first compile."""
+    budget_source, host_source = sources
     from jaxmem.planner import host
     from jaxmem.planner.longest import lean_spec, plan_longest
 
@@ -46,7 +48,7 @@ def longest(args, job, problem, budget_source: str, host_source: str, start_back
     if cap < step:
         raise UsageError(f"--seq-cap {cap} is under --seq-step {step}: give a longer cap")
     with usage_errors():  # the state alone over the host limit: refused before any compile
-        host.check_spec(lean_spec(base, step, problem.budget_bytes, False), args.host_memory)
+        host.check_spec(lean_spec(base, step, problem.budget_bytes, False), limit)
     start_backend(job, problem.target)
     out = render.console()
     out.print(
@@ -68,7 +70,7 @@ def longest(args, job, problem, budget_source: str, host_source: str, start_back
         )
     peak = _peak(found.fits.spec)
     command = _command(job, found.fits.spec)
-    _print(out, found, command, peak, host_source)
+    _print(out, found, shell_lines(command), peak, host_source)
     if args.json:
         write_json_atomic(args.json, _json(job, problem, found, command, peak, host_source))
         out.print(f"wrote the answer to {args.json}")
@@ -99,8 +101,6 @@ def _largest(peak, n: int = 5) -> list:
 
 
 def _print(out, found, command: str, peak, host_source: str) -> None:
-    from jaxmem.cli.plan import shell_lines
-
     fits, over = found.fits, found.over
     whose = fits.compiler
     beyond = (
@@ -133,7 +133,7 @@ def _print(out, found, command: str, peak, host_source: str) -> None:
         f"{peak.at_peak}): {holds}"
     )
     out.print("run it:", style="bold")
-    out.print(shell_lines(command), soft_wrap=True, highlight=False, markup=False)
+    out.print(command, soft_wrap=True, highlight=False, markup=False)
 
 
 def _json(job, problem, found, command: str, peak, host_source: str) -> dict:

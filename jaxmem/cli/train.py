@@ -28,6 +28,7 @@ from jaxmem.cli.flags import (
     STEP_FLAGS,
     TARGETS_HELP,
     add_flags,
+    host_memory,
     job_from_args,
 )
 from jaxmem.config import ConfigError, OptimizerConfig
@@ -230,7 +231,7 @@ def _run_joined(args: argparse.Namespace, group, devices: int | None, watch=None
     from jaxmem.planner.host import check_job
 
     with usage_errors():  # the host bytes the step keeps (analytic), before anything compiles
-        check_job(job, args.host_memory)
+        check_job(job, host_memory(args))
     return _train(args, job, group, target, watch)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from jaxmem.config import ConfigError, ModelConfig
 from jaxmem.memory import analytic
 from jaxmem.policy import MemoryPolicy
-from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.precision import Precision
 from jaxmem.step.spec import StepSpec
 
 GIB = 2**30
@@ -37,14 +37,12 @@ def machine_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def host_limit(text: str | None) -> tuple[int, str]:
-    """The host-memory limit (``--host-memory SIZE``, else this machine's RAM) and where it came
-    from, said with every figure checked against it."""
-    if text is None:
+def host_limit(given: int | None) -> tuple[int, str]:
+    """The host-memory limit (``--host-memory``'s bytes, else this machine's RAM) and where it
+    came from, said with every figure checked against it."""
+    if given is None:
         return machine_bytes(), "this machine's RAM (os.sysconf; --host-memory overrides)"
-    from jaxmem.cli.common import parse_bytes
-
-    return parse_bytes(text, "--host-memory"), "--host-memory"
+    return given, "--host-memory"
 
 
 def offloaded_activation_bytes(
@@ -81,25 +79,6 @@ def spec_host_bytes(spec: StepSpec) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
-def candidate_host_bytes(problem: Any, cand: Any) -> int:
-    """Host bytes per device of a planner candidate (analytic, from shapes): its offloaded
-    activations, its optimizer state in host memory, a streamed stack's parameters and state."""
-    from jaxmem.planner import predict
-
-    precision = PRECISIONS[cand.precision]
-    rows = problem.batch // (problem.devices // cand.tp) // cand.accum
-    total = offloaded_activation_bytes(
-        problem.cfg, cand.policy, rows, problem.seq_len, precision, cand.tp
-    )
-    if cand.stream:
-        return (
-            total
-            + predict.state_bytes(problem, precision)
-            + predict.parameter_bytes(problem, precision)
-        )
-    return total + predict.state_host_bytes(problem, cand)
-
-
 def size_text(n: int) -> str:
     """``n`` bytes in GiB, MiB or KiB, whichever shows it."""
     for unit, size in (("GiB", GIB), ("MiB", 2**20)):
@@ -121,19 +100,19 @@ def refusal(need: int, parts: dict[str, int], limit: int, source: str, how: str)
     )
 
 
-def check_spec(spec: StepSpec, text: str | None) -> None:
+def check_spec(spec: StepSpec, given: int | None) -> None:
     """Refuse ``spec`` (``ConfigError``, one line) when its analytic host bytes exceed the
     limit; before anything compiles."""
-    limit, source = host_limit(text)
+    limit, source = host_limit(given)
     parts = spec_host_bytes(spec)
     line = refusal(sum(parts.values()), parts, limit, source, "analytic, from shapes")
     if line is not None:
         raise ConfigError(line)
 
 
-def check_job(job: Any, text: str | None, target: Any = None) -> None:
+def check_job(job: Any, given: int | None, target: Any = None) -> None:
     """``check_spec`` for a job that keeps anything in host memory (its optimizer state, a
     streamed stack, offloaded tags); a job that keeps nothing there is not checked."""
     opt = job.optimizer
     if opt.state_memory == "pinned_host" or opt.stream or job.memory.offloads:
-        check_spec(StepSpec.of_job(job, *([target] if target else [])), text)
+        check_spec(StepSpec.of_job(job, *([target] if target else [])), given)

@@ -41,9 +41,14 @@ from typing import Any
 from jaxmem.config import ConfigError
 from jaxmem.memory.targets import Target, rates_for
 from jaxmem.planner.cost import priced_runs
-from jaxmem.planner.host import candidate_host_bytes
 from jaxmem.planner.plans import plan_step
-from jaxmem.planner.predict import FlopModel, MemoryModel, chunk_savings_bound, state_host_bytes
+from jaxmem.planner.predict import (
+    FlopModel,
+    MemoryModel,
+    candidate_host_bytes,
+    chunk_savings_bound,
+    state_host_bytes,
+)
 from jaxmem.planner.space import (
     Candidate,
     PlanSpace,
