@@ -155,9 +155,9 @@ def _lattice_flags(g) -> None:
         "--loss-chunks-search",
         dest="loss_chunks_search",
         action="store_true",
-        help="also each stack with the LM head and loss in up to 8 chunks (--loss-chunks: the "
-        "same FLOPs, no logits kept; chosen where the whole loss does not fit). Default: the "
-        "whole loss only",
+        help="also each stack with the LM head and loss in up to 8 chunks and in tiles of "
+        "1,024-16,384 tokens that cut the sequence finer (--loss-chunks: the same FLOPs, no "
+        "logits kept; chosen where the whole loss does not fit). Default: the whole loss only",
     )
     g.add_argument(
         "--replay-embedding-search",
@@ -244,6 +244,7 @@ def _check_adapters(job) -> None:
 
 
 def _space(args: argparse.Namespace, job):
+    from jaxmem.planner.longest import TILE_TOKENS
     from jaxmem.planner.space import PlanSpace
 
     policies = tuple(parse_names(args.policies, list(POLICIES), "policies"))
@@ -257,6 +258,7 @@ def _space(args: argparse.Namespace, job):
         tag_mixes=args.mix,
         unroll=args.unroll_search,
         loss_chunks=8 if args.loss_chunks_search else 0,
+        loss_tiles=TILE_TOKENS if args.loss_chunks_search else (),
         replay_embedding=args.replay_embedding_search,
         state_memory=("device", "pinned_host", "stream", "stream-host")
         if args.state_offload
