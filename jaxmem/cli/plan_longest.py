@@ -45,8 +45,13 @@ def longest(args, job, problem, sources: tuple[str, str], start_backend, shell_l
     base = _base(args, job, problem)
     step, limit = args.seq_step, problem.host_memory_bytes
     cap = args.seq_cap
+    if job.model.learned_positions:  # a learned position table bounds the model's sequence
+        cap = min(cap, job.model.max_seq_len)
     if cap < step:
-        raise UsageError(f"--seq-cap {cap} is under --seq-step {step}: give a longer cap")
+        raise UsageError(
+            f"--seq-step {step} is over the longest sequence searched ({cap}: --seq-cap, or a "
+            "learned position table's max_seq_len): give a smaller step"
+        )
     with usage_errors():  # the state alone over the host limit: refused before any compile
         host.check_spec(lean_spec(base, step, problem.budget_bytes, False), limit)
     start_backend(job, problem.target)
@@ -107,7 +112,7 @@ def _print(out, found, command: str, peak, host_source: str) -> None:
         f"over at {over.seq_len:,} ({mib(over.device_bytes)} MiB device, "
         f"{mib(sum(over.host_bytes.values()))} MiB host)"
         if over is not None
-        else "the cap (--seq-cap) reached"
+        else "the cap reached (--seq-cap, or a learned position table's max_seq_len)"
     )
     out.print(
         f"longest: [bold]{fits.seq_len:,} tokens[/] at batch 1 (fits at {fits.seq_len:,}; "
