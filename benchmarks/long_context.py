@@ -79,7 +79,9 @@ ANCHORS = (
 NOTES = (
     "Not in this table yet: rows with the MLP tiled over the sequence and with a "
     "context-parallel mesh (8 H100s): the script keys each row by its space and devices, so "
-    "they are rows of their own, added beside these by a rerun. XLA:CUDA's rematerialization "
+    "they are rows of their own, added beside these by a rerun. Llama-3-8B and Llama-3.1-8B "
+    "have the same shapes (Llama 3.1's RoPE scaling changes no buffer): their plans agree byte "
+    "for byte. XLA:CUDA's rematerialization "
     "pass logs, at these lengths, that it cannot bring its own memory count under its limit "
     "(e.g. 206 GiB at 468K tokens, about the plan's device bytes plus the inputs held in host "
     "memory); the device figures here are the compiled plans' own."
