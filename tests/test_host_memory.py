@@ -61,3 +61,39 @@ def test_the_planner_searches_offloaded_inputs_and_skips_what_the_host_cannot_ho
     outcomes, skipped = _lattice(limited, space, flops, said.append)
     assert skipped > 0 and all(not o.candidate.policy.offloads for o in outcomes)
     assert any("skipped: their host bytes" in line for line in said)
+
+
+def test_the_planner_chooses_offloaded_inputs_where_only_they_fit_and_the_host_holds_them():
+    """A budget under ``full``'s plan but over the plan with the block inputs in host memory
+    gets the offloaded inputs, and its command offloads them; a host limit under those inputs
+    leaves nothing. Compiles are stood in for (1 MiB + the analytic device bytes, the offloaded
+    inputs taken off) so the search alone is tested."""
+    from jaxmem.cli.flags import job_argv
+    from jaxmem.job import JobConfig, RunConfig
+    from jaxmem.memory import analytic
+    from jaxmem.memory.targets import get_target
+    from jaxmem.planner.host import offloaded_activation_bytes
+    from jaxmem.planner.search import search
+    from jaxmem.planner.space import PlanSpace, Problem, candidate_job
+    from jaxmem.precision import PRECISIONS
+
+    cfg, seq, fp32 = PRESETS["tiny"].replace(n_layers=4), 64, PRECISIONS["fp32"]
+
+    def compile_peak(spec):
+        est = analytic.saved_activation_bytes(spec.model, spec.policy, 1, seq, fp32)
+        hosted = offloaded_activation_bytes(spec.model, spec.policy, 1, seq, fp32)
+        return 2**20 + est.device_bytes - hosted, "stand-in"
+
+    space = PlanSpace(
+        policies=("full",), mix=(), accum=(1,), state_memory=("device",), tags=False,
+        unroll=False,
+    )  # fmt: skip
+    problem = Problem(cfg, 1, seq, get_target("h100"), 2**20 + 1024, OptimizerConfig())
+    result = search(problem, space, compile_peak=compile_peak)
+    assert result.chosen.candidate.policy == OFFLOADED_INPUTS
+    job = JobConfig(preset="tiny", model=cfg, run=RunConfig(batch_size=1, seq_len=seq))
+    argv = job_argv(candidate_job(job, result.chosen.candidate, 1))
+    assert argv[argv.index("--offload") + 1] == "block_input"
+    limited = dataclasses.replace(problem, host_memory_bytes=1024)
+    result = search(limited, space, compile_peak=compile_peak)
+    assert result.chosen is None and result.host_skipped == 1

@@ -327,7 +327,10 @@ def search(
         else:
             family = (c.family, c.state_memory)
             probes = _floor_probes(c, lean, outs)
-            if not c.policy.nested and c.policy not in probes and floors.get(family, 0) > budget:
+            # nested, and a stack whose block inputs live in host memory, can keep less than
+            # the floor's stacks: no floor bounds them
+            bounded = not c.policy.nested and "block_input" not in c.policy.offloads
+            if bounded and c.policy not in probes and floors.get(family, 0) > budget:
                 o.status = "over (family floor compiled over)"  # known: no fit compiles needed
                 continue
             o.predicted = memory.predict(c)
@@ -335,7 +338,7 @@ def search(
             if o.predicted is not None and o.predicted > budget * (1 + slack):
                 o.status = "over (predicted)"
                 continue
-            if not c.policy.nested and probes and c.policy not in probes:
+            if bounded and probes and c.policy not in probes:
                 if family not in floors:
                     if not room(len(probes)):
                         if chosen is not None:  # confirming: skip it, a later one may need none
@@ -441,7 +444,8 @@ def _chunked_twin_status(
         if at_depth[key] - state_host_bytes(problem, whole) - bound > budget:
             return "over (whole loss compiled over by more than the logits)"
         return ""
-    if floors.get((whole.family, whole.state_memory), 0) - bound > budget:
+    floor = floors.get((whole.family, whole.state_memory), 0)
+    if "block_input" not in whole.policy.offloads and floor - bound > budget:  # it bounds them
         return "over (whole-loss floor over by more than the logits)"
     predicted = memory.predict(whole)
     if predicted is not None and predicted - bound > budget:
