@@ -47,7 +47,7 @@ def test_the_planner_searches_offloaded_inputs_and_skips_what_the_host_cannot_ho
     cfg = PRESETS["tiny-llama"]
     space = PlanSpace(
         policies=("full",), mix=(), accum=(1,), state_memory=("device",), tags=False,
-        unroll=False, loss_chunks=2, loss_tiles=(16, 64),
+        unroll=False, loss_chunks=2, loss_tiles=(16, 64), offload_inputs=True,
     )  # fmt: skip
     problem = Problem(cfg, 1, 64, get_target("h100"), 2**40, OptimizerConfig())
     flops, said = FlopModel(cfg, 64), []
@@ -86,7 +86,7 @@ def test_the_planner_chooses_offloaded_inputs_where_only_they_fit_and_the_host_h
 
     space = PlanSpace(
         policies=("full",), mix=(), accum=(1,), state_memory=("device",), tags=False,
-        unroll=False,
+        unroll=False, offload_inputs=True,
     )  # fmt: skip
     problem = Problem(cfg, 1, seq, get_target("h100"), 2**20 + 1024, OptimizerConfig())
     result = search(problem, space, compile_peak=compile_peak)

@@ -167,6 +167,13 @@ def _lattice_flags(g) -> None:
         "replayed in its backward (--replay-embedding: the same FLOPs, one block input fewer; "
         "GPU targets). Default: not searched (its twins compile fits of their own)",
     )
+    g.add_argument(
+        "--no-offload-inputs",
+        dest="offload_inputs",
+        action="store_false",
+        help="not full with every block's input in host memory (default on GPU targets: "
+        "searched where --host-memory holds the inputs)",
+    )
     g.add_argument("--accum", default="1,2,4,8", help="microbatch counts (default 1,2,4,8)")
     g.add_argument(
         "--state-offload",
@@ -260,6 +267,7 @@ def _space(args: argparse.Namespace, job):
         loss_chunks=8 if args.loss_chunks_search else 0,
         loss_tiles=TILE_TOKENS if args.loss_chunks_search else (),
         replay_embedding=args.replay_embedding_search,
+        offload_inputs=args.offload_inputs,
         state_memory=("device", "pinned_host", "stream", "stream-host")
         if args.state_offload
         else ("device",),

@@ -92,8 +92,8 @@ class PlanSpace:
     # ``tags``
     tag_mixes: bool = True
     # also ``full`` with the block inputs in host memory (``host.OFFLOADED_INPUTS``; GPU
-    # targets; skipped where the host limit, ``Problem.host_memory_bytes``, cannot hold them)
-    offload_inputs: bool = True
+    # targets; skipped where ``Problem.host_memory_bytes`` cannot hold them; jaxmem plan's on)
+    offload_inputs: bool = False
     # with ``loss_chunks``: also the loss in tiles of these token counts (each dividing the
     # sequence into more than ``loss_chunks`` chunks), e.g. 1024..16384 at long sequences
     loss_tiles: tuple[int, ...] = ()
