@@ -17,9 +17,11 @@ START_STEPS = 8  # the first length compiled, in --seq-step's
 
 
 def _base(args, job, problem):
-    """The job's step at batch 1, one microbatch, its state in host memory with
-    --state-offload on a GPU target (an adapter step keeps its small state on the device)."""
-    from jaxmem.config import AccumConfig
+    """The job's step at batch 1, one microbatch; with --state-offload on a GPU target the
+    stack streamed through host memory (its parameters, gradients and state: the leanest on the
+    device) where the optimizer streams (elementwise, no clipping), else its state in host
+    memory (an adapter step keeps its small state on the device)."""
+    from jaxmem.config import STREAM_OPTIMIZERS, AccumConfig
     from jaxmem.step.spec import StepSpec
 
     if job.parallel.sharded:
@@ -27,8 +29,10 @@ def _base(args, job, problem):
             f"--longest plans one device at batch 1: drop --mesh {job.parallel.mesh_text()}"
         )
     hosted = args.state_offload and problem.target.is_gpu and not job.adapters.enabled
-    place = "pinned_host" if hosted else "device"
-    optimizer = dataclasses.replace(job.optimizer, state_memory=place, stream=False)
+    opt = job.optimizer
+    streams = hosted and opt.name in STREAM_OPTIMIZERS and not opt.clips
+    place = "pinned_host" if hosted and not streams else "device"
+    optimizer = dataclasses.replace(opt, state_memory=place, stream=streams, stream_update=None)
     spec = StepSpec.of_job(job, problem.target)
     return spec.replace(optimizer=optimizer, accum=AccumConfig(steps=1), batch=1)
 
@@ -126,8 +130,8 @@ def _print(out, found, command: str, peak, host_source: str) -> None:
     out.print(f"  device: {mib(fits.device_bytes)} MiB per device (compiled plan{state_note})")
     parts = ", ".join(f"{k} {mib(v)} MiB" for k, v in fits.host_bytes.items()) or "none"
     out.print(
-        f"  host: {mib(sum(fits.host_bytes.values()))} MiB ({parts}; offloaded activations: the "
-        f"compiled plan's host bytes, state: analytic from shapes), within {host_source}"
+        f"  host: {mib(sum(fits.host_bytes.values()))} MiB ({parts}; {fits.host_source}), "
+        f"within {host_source}"
     )
     if fits.step_time:
         out.print(f"  step time: {fits.step_time['line']} (an estimate, not a measurement)")

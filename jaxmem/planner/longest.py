@@ -71,6 +71,7 @@ class Probe:
     step_time: dict[str, Any] | None
     compiler: str
     fits: bool
+    host_source: str = ""  # how the host bytes were obtained
 
     def as_dict(self) -> dict[str, Any]:
         from jaxmem.policy_config import policy_to_dict
@@ -81,6 +82,7 @@ class Probe:
             "state_memory": self.spec.optimizer.state_memory,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
+            "host_source": self.host_source,
             "step_time": self.step_time,
             "compiler": self.compiler,
             "fits": self.fits,
@@ -108,8 +110,13 @@ def probe(spec: StepSpec, budget: int, host_allowed: int) -> Probe:
     state = analytic.get("optimizer state", 0)
     hosted = {k: v for k, v in analytic.items() if k != "offloaded activations"}
     offloaded = plan["compiled_plan"]["host_temp_bytes"]
-    if spec.streamed:
-        hosted = {"streamed parameters and optimizer state": plan["stream"]["host_peak_bytes"]}
+    source = "offloaded activations: the compiled plan's host bytes; state: from shapes"
+    if spec.streamed:  # a streamed plan's host temporaries mix the stack's copies with them
+        hosted = {
+            "streamed parameters and optimizer state": plan["stream"]["host_resident_bytes"],
+            "offloaded activations": analytic.get("offloaded activations", 0),
+        }
+        source = "from shapes (a streamed plan's host bytes mix the stack's copies in)"
     elif offloaded:
         hosted["offloaded activations"] = offloaded
     timing = plan["step_time"]
@@ -117,7 +124,8 @@ def probe(spec: StepSpec, budget: int, host_allowed: int) -> Probe:
         timing = spec_step_time(spec, plan["compiled_plan"], state_link_bytes=2 * state)
     device = plan["planned_peak_bytes"] - state
     fits = device <= budget and sum(hosted.values()) <= host_allowed
-    return Probe(spec.seq_len, spec, device, hosted, timing, plan["compiler"], fits)
+    hosted = {k: v for k, v in hosted.items() if v}
+    return Probe(spec.seq_len, spec, device, hosted, timing, plan["compiler"], fits, source)
 
 
 def search_lengths(
