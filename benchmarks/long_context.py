@@ -232,6 +232,23 @@ def _plan_text(p: dict | None) -> str:
     return f"{p['device_bytes'] / GIB:.2f} GiB device, {host / GIB:.1f} GiB host{timing}"
 
 
+def _streamed_host(name: str, r: dict, plan: dict) -> str:
+    """A streamed row's host bytes: the compiled plan's host temporaries (they hold the stack's
+    in-step copies beside the offloaded inputs) and, from shapes, what lives there."""
+    spec = longest.lean_spec(
+        base_spec(r["preset"], r["method"], r["space"]), r["longest"], r["budget_bytes"], True
+    )
+    parts = host.spec_host_bytes(spec)
+    shapes = " + ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
+    compiled = sum(plan["host_bytes"].values())
+    return (
+        f"- {r['preset']} {r['method']}, stack streamed, at {r['longest']:,} tokens: host bytes "
+        f"{compiled / GIB:.1f} GiB in the table are the streamed plan's host temporaries "
+        f"(compiled plan; they hold the stack's in-step copies beside the offloaded inputs); "
+        f"from shapes, host memory holds {shapes} GiB = {sum(parts.values()) / GIB:.1f} GiB."
+    )
+
+
 def to_markdown(data: dict) -> str:
     m = data["meta"]
     lines = [
@@ -289,6 +306,9 @@ def to_markdown(data: dict) -> str:
                 "kind (GiB): "
                 f"{kinds}; its largest buffers: {big} ({pk['source']})."
             )
+    for name, r in data["rows"].items():
+        if r["space"] == STREAMED and r["longest"]:
+            notes.append(_streamed_host(name, r, data["plans"][f"{name}|{r['longest']}"]))
     lines += ["", "What holds the peak where a goal is not met (`jaxmem peak` of that plan):", ""]
     lines += notes or ["- not measured yet"]
     lines += ["", "Anchors (published, not measured here):", ""]

@@ -104,7 +104,8 @@ def add_parser(sub) -> None:
         action="store_true",
         help="instead: the longest sequence the model trains at batch 1 (full remat, block "
         "inputs offloaded to host memory on a GPU target within --host-memory, the loss in "
-        "tiles, the state in host memory with --state-offload), each answer shown by two "
+        "tiles, with --state-offload the stack streamed or the state in host memory), each "
+        "answer shown by two "
         "compiled plans (fits at N, over at N + --seq-step)",
     )
     g.add_argument(
