@@ -192,6 +192,13 @@ FLAGS: dict[str, Flag] = {
         Flag("--target", None, f"plan the step for: {TARGETS_HELP}"),
         Flag("--wide", None, "every column (default: the essential ones)", action="store_true"),
         Flag("--json", None, "write the results as JSON", metavar="OUT.json"),
+        Flag(
+            "--host-memory",
+            None,
+            "host memory the step may use (offloaded activations, host-resident optimizer "
+            "state, a streamed stack), e.g. 512GiB (default: this machine's RAM, from the OS)",
+            metavar="SIZE",
+        ),
         # the run around the step (jaxmem train)
         Flag("--framework", "run.framework", "jax or torch (torch_ref, the PyTorch mirror)"),
         Flag(
@@ -448,6 +455,15 @@ def job_argv(job) -> list[str]:
 
 
 STREAM_COMMANDS = "jaxmem train --stream, and jaxmem peak --stream for its GPU plan"
+
+
+def host_memory(args: argparse.Namespace) -> int | None:
+    """``--host-memory``'s bytes (None: not given, this machine's RAM applies)."""
+    from jaxmem.cli.common import parse_bytes
+
+    given = getattr(args, "host_memory", None)
+    with usage_errors():
+        return None if given is None else parse_bytes(given, "--host-memory")
 
 
 def not_streamed(job: Any, command: str) -> None:

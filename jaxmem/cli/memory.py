@@ -23,7 +23,7 @@ from jaxmem.cli.common import (
     usage_errors,
 )
 from jaxmem.cli.common import names as parse_names
-from jaxmem.cli.flags import STEP_FLAGS, add_flags, job_from_args, not_streamed
+from jaxmem.cli.flags import STEP_FLAGS, add_flags, host_memory, job_from_args, not_streamed
 from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.figures import format_bytes
 from jaxmem.files import write_json_atomic
@@ -71,7 +71,7 @@ def add_parser(sub) -> None:
     )
     shown = {"seq_len": "64; max_seq_len for planning presets", "target": "cpu"}
     add_flags(p, NAMES, DEFAULTS, shown=shown)
-    add_flags(p, ("target", "wide", "json"), shown=shown, title="the report")
+    add_flags(p, ("target", "wide", "json", "host_memory"), shown=shown, title="the report")
     own_step.add_fn_flag(p, "--policies")
     p.set_defaults(func=run)
 
@@ -110,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
         with usage_errors():
             check_composes(StepSpec.of_job(job, target))
     setup = _setup(args, job, target)
+    from jaxmem.planner.host import check_job
+
+    with usage_errors():  # each policy's host bytes (analytic), before anything compiles
+        for policy in setup.policies:
+            check_job(dataclasses.replace(job, memory=policy), host_memory(args), target)
     check_writable(args.json)
     if "jax" in setup.frameworks:
         _check_jax(job, setup)

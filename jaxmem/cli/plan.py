@@ -29,6 +29,7 @@ from jaxmem.cli.flags import (
     ADAPTER_FLAGS,
     MODEL_FLAGS,
     add_flags,
+    host_memory,
     job_argv,
     job_from_args,
     max_seq_len,
@@ -62,7 +63,7 @@ def add_parser(sub) -> None:
     )
     shown = {"seq_len": "the model's max_seq_len", "target": "cpu"}
     add_flags(p, NAMES, DEFAULTS, shown=shown)
-    add_flags(p, ("target", "wide", "json"), shown=shown, title="the plan")
+    add_flags(p, ("target", "wide", "json", "host_memory"), shown=shown, title="the plan")
     g = p.add_argument_group("the search")
     g.add_argument(
         "--budget",
@@ -97,6 +98,28 @@ def add_parser(sub) -> None:
         "0: the first fit)",
     )
     g.add_argument("--top", type=positive_int, default=15, help="rows shown (default 15)")
+    g = p.add_argument_group("the longest sequence")
+    g.add_argument(
+        "--longest",
+        action="store_true",
+        help="instead: the longest sequence the model trains at batch 1 (full remat, block "
+        "inputs offloaded to host memory on a GPU target within --host-memory, the loss in "
+        "tiles, with --state-offload the stack streamed or the state in host memory), each "
+        "answer shown by two "
+        "compiled plans (fits at N, over at N + --seq-step)",
+    )
+    g.add_argument(
+        "--seq-cap",
+        type=positive_int,
+        default=1 << 24,
+        help="with --longest: the longest sequence tried, in tokens (default 16,777,216)",
+    )
+    g.add_argument(
+        "--seq-step",
+        type=positive_int,
+        default=1024,
+        help="with --longest: the search's granularity in tokens (default 1024)",
+    )
     p.set_defaults(func=run)
 
 
@@ -133,9 +156,9 @@ def _lattice_flags(g) -> None:
         "--loss-chunks-search",
         dest="loss_chunks_search",
         action="store_true",
-        help="also each stack with the LM head and loss in up to 8 chunks (--loss-chunks: the "
-        "same FLOPs, no logits kept; chosen where the whole loss does not fit). Default: the "
-        "whole loss only",
+        help="also each stack with the LM head and loss in up to 8 chunks and in tiles of "
+        "1,024-16,384 tokens that cut the sequence finer (--loss-chunks: the same FLOPs, no "
+        "logits kept; chosen where the whole loss does not fit). Default: the whole loss only",
     )
     g.add_argument(
         "--replay-embedding-search",
@@ -144,6 +167,13 @@ def _lattice_flags(g) -> None:
         help="also each stack whose first block is rematerialised with the embedding lookup "
         "replayed in its backward (--replay-embedding: the same FLOPs, one block input fewer; "
         "GPU targets). Default: not searched (its twins compile fits of their own)",
+    )
+    g.add_argument(
+        "--no-offload-inputs",
+        dest="offload_inputs",
+        action="store_false",
+        help="not full with every block's input in host memory (default on GPU targets: "
+        "searched where --host-memory holds the inputs)",
     )
     g.add_argument("--accum", default="1,2,4,8", help="microbatch counts (default 1,2,4,8)")
     g.add_argument(
@@ -164,6 +194,7 @@ def _lattice_flags(g) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxmem.memory.targets import get_target
+    from jaxmem.planner.host import host_limit
     from jaxmem.planner.search import default_budget
     from jaxmem.planner.space import Problem
 
@@ -177,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             budget, budget_source = default_budget(target)
         space = _space(args, job)
+        host_allowed, host_source = host_limit(host_memory(args))
     presets.check("plan", job.preset, job.model)
     check_writable(args.json)
     problem = Problem(
@@ -189,9 +221,15 @@ def run(args: argparse.Namespace) -> int:
         job.parallel.devices,
         slack=args.slack,
         adapters=job.adapters,
+        host_memory_bytes=host_allowed,
     )
     elsewhere = "plan for a GPU's memory with --target (h100, ..., or a captured .txtpb)"
     check_budget(problem, space, args.budget, "--budget", LEAVE, elsewhere)
+    if args.longest:
+        from jaxmem.cli.plan_longest import longest
+
+        sources = (budget_source, host_source)
+        return longest(args, job, problem, sources, _start_backend, shell_lines)
     _start_backend(job, target)
     return _search_and_report(args, job, problem, space, budget_source)
 
@@ -214,6 +252,7 @@ def _check_adapters(job) -> None:
 
 
 def _space(args: argparse.Namespace, job):
+    from jaxmem.planner.longest import TILE_TOKENS
     from jaxmem.planner.space import PlanSpace
 
     policies = tuple(parse_names(args.policies, list(POLICIES), "policies"))
@@ -227,7 +266,9 @@ def _space(args: argparse.Namespace, job):
         tag_mixes=args.mix,
         unroll=args.unroll_search,
         loss_chunks=8 if args.loss_chunks_search else 0,
+        loss_tiles=TILE_TOKENS if args.loss_chunks_search else (),
         replay_embedding=args.replay_embedding_search,
+        offload_inputs=args.offload_inputs,
         state_memory=("device", "pinned_host", "stream", "stream-host")
         if args.state_offload
         else ("device",),

@@ -28,6 +28,7 @@ from jaxmem.cli.flags import (
     STEP_FLAGS,
     TARGETS_HELP,
     add_flags,
+    host_memory,
     job_from_args,
 )
 from jaxmem.config import ConfigError, OptimizerConfig
@@ -97,6 +98,7 @@ def add_parser(sub) -> None:
         "init_from": "none: the preset's random init from --seed",
     }
     add_flags(p, NAMES, DEFAULTS, shown=shown)
+    add_flags(p, ("host_memory",), title="host memory")
     g = p.add_argument_group("planning and processes")
     g.add_argument(
         "--memory-budget", default=None, help="with --policy auto: bytes per device, e.g. 2GiB"
@@ -228,6 +230,10 @@ def _run_joined(args: argparse.Namespace, group, devices: int | None, watch=None
     if auto:
         job = _auto_policy(job, args.memory_budget)
     target = _gpu_target(args, job)
+    from jaxmem.planner.host import check_job
+
+    with usage_errors():  # the host bytes the step keeps (analytic), before anything compiles
+        check_job(job, host_memory(args))
     return _train(args, job, group, target, watch)
 
 

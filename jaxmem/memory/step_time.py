@@ -45,7 +45,8 @@ class Overlap:
     data_parallel: float = 1.0
     # Megatron-SP's all-gathers and reduce-scatters sit between a block's matmuls: exposed
     tensor_parallel: float = 0.0
-    # offloaded activations: XLA issues each copy as soon as its value exists (copy-start) and
+    # offloaded activations (projections, or block inputs: each [B, S, D] out in the forward and
+    # back in the backward): XLA issues each copy as soon as its value exists (copy-start) and
     # waits only where the backward needs it back
     activation_offload: float = 1.0
     # optimizer state in host memory and the streamed stack's parameters, gradients and state:

@@ -321,20 +321,21 @@ def offloaded_bytes_per_row(cfg: ModelConfig, precision: Precision, seq: int) ->
     return analytic.saved_activation_bytes(one, POLICIES["offload"], 1, seq, precision).host_bytes
 
 
-def offloaded_blocks(policy: MemoryPolicy, n_layers: int) -> int:
-    """How many of the stack's ``n_layers`` blocks run a part that offloads."""
-    return sum(n for n, block in policy.runs(n_layers) if block.offload)
-
-
 def activation_offload_bytes(
     cfg: ModelConfig, precision: Precision, policy: MemoryPolicy, *, rows: int, seq_len: int,
     tp: int,
 ) -> int:  # fmt: skip
     """Bytes per device and step over the host link for offloaded activations, from shapes:
-    each offloading block's tensors out and back in (``offloaded_bytes_per_row``), for the
-    device's rows, split over tensor devices."""
-    per_row = offloaded_bytes_per_row(cfg, precision, seq_len)
-    return 2 * per_row * rows * offloaded_blocks(policy, cfg.n_layers) // tp
+    each offloading block's tensors out and back in (projections: ``offloaded_bytes_per_row``;
+    an offloaded block input: its ``[S, D]``), for the device's rows, split over tensor
+    devices."""
+    per_row = 0
+    for n, block in policy.runs(cfg.n_layers):
+        if set(block.offload) - {"block_input"}:
+            per_row += n * offloaded_bytes_per_row(cfg, precision, seq_len)
+        if "block_input" in block.offload:
+            per_row += n * analytic.tag_bytes(cfg, 1, seq_len, precision)["block_input"]
+    return 2 * per_row * rows // tp
 
 
 def state_transfer_bytes(

@@ -19,6 +19,7 @@ from jaxmem.memory import analytic
 from jaxmem.memory.flops import grad_matmul_flops
 from jaxmem.planner import tags
 from jaxmem.planner.cost import NO_ADAPTERS, frozen_base_gradient, priced_runs
+from jaxmem.planner.host import offloaded_activation_bytes
 from jaxmem.planner.space import Candidate, PlanSpace, Problem, candidate_spec, part_key
 from jaxmem.policy import POLICIES, EmbeddingReplay, MemoryPolicy, can_replay_embedding
 from jaxmem.precision import PRECISIONS, Precision
@@ -182,6 +183,19 @@ class MemoryModel:
         if self._pair(cand) not in self.corrections:
             return default
         return min(default, max(0.01, 2 * max(errors))) if errors else min(default, 0.02)
+
+
+def candidate_host_bytes(problem: Problem, cand: Candidate) -> int:
+    """Host bytes per device of a planner candidate (analytic, from shapes): its offloaded
+    activations, its optimizer state in host memory, a streamed stack's parameters and state."""
+    precision = PRECISIONS[cand.precision]
+    rows = problem.batch // (problem.devices // cand.tp) // cand.accum
+    total = offloaded_activation_bytes(
+        problem.cfg, cand.policy, rows, problem.seq_len, precision, cand.tp
+    )
+    if cand.stream:
+        return total + state_bytes(problem, precision) + parameter_bytes(problem, precision)
+    return total + state_host_bytes(problem, cand)
 
 
 def state_host_bytes(problem: Problem, cand: Candidate) -> int:

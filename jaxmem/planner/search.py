@@ -42,7 +42,13 @@ from jaxmem.config import ConfigError
 from jaxmem.memory.targets import Target, rates_for
 from jaxmem.planner.cost import priced_runs
 from jaxmem.planner.plans import plan_step
-from jaxmem.planner.predict import FlopModel, MemoryModel, chunk_savings_bound, state_host_bytes
+from jaxmem.planner.predict import (
+    FlopModel,
+    MemoryModel,
+    candidate_host_bytes,
+    chunk_savings_bound,
+    state_host_bytes,
+)
 from jaxmem.planner.space import (
     Candidate,
     PlanSpace,
@@ -108,6 +114,7 @@ class PlanResult:
     fit_compiles: int
     candidate_compiles: int
     stopped: bool = False  # the search hit max_compiles before a candidate fitted
+    host_skipped: int = 0  # candidates whose host bytes (analytic) exceed the host limit
 
     def smallest(self) -> Outcome | None:
         done = [o for o in self.outcomes if o.compiled is not None]
@@ -281,7 +288,7 @@ def search(
     flops = FlopModel(problem.cfg, problem.seq_len, problem.adapters)
     budget = problem.budget_bytes
     memory = MemoryModel(problem, compiles.fit)
-    outcomes = _lattice(problem, space, flops, progress)
+    outcomes, host_skipped = _lattice(problem, space, flops, progress)
     at_depth = compiles.at_depth
     compile_candidate, program = compiles.candidate, _program
 
@@ -320,7 +327,10 @@ def search(
         else:
             family = (c.family, c.state_memory)
             probes = _floor_probes(c, lean, outs)
-            if not c.policy.nested and c.policy not in probes and floors.get(family, 0) > budget:
+            # nested, and a stack whose block inputs live in host memory, can keep less than
+            # the floor's stacks: no floor bounds them
+            bounded = not c.policy.nested and "block_input" not in c.policy.offloads
+            if bounded and c.policy not in probes and floors.get(family, 0) > budget:
                 o.status = "over (family floor compiled over)"  # known: no fit compiles needed
                 continue
             o.predicted = memory.predict(c)
@@ -328,7 +338,7 @@ def search(
             if o.predicted is not None and o.predicted > budget * (1 + slack):
                 o.status = "over (predicted)"
                 continue
-            if not c.policy.nested and probes and c.policy not in probes:
+            if bounded and probes and c.policy not in probes:
                 if family not in floors:
                     if not room(len(probes)):
                         if chosen is not None:  # confirming: skip it, a later one may need none
@@ -360,18 +370,29 @@ def search(
         else:
             chosen = _faster(chosen, o)
     return PlanResult(
-        problem, outcomes, chosen, compiles.compiler, memory.compiles, len(at_depth), stopped
-    )
+        problem, outcomes, chosen, compiles.compiler, memory.compiles, len(at_depth), stopped,
+        host_skipped,
+    )  # fmt: skip
 
 
 def _lattice(
     problem: Problem, space: PlanSpace, flops: FlopModel, progress: Callable[[str], None]
-) -> list[Outcome]:
-    """The candidates in cost order, said before (the FLOP traces take a while) and after."""
+) -> tuple[list[Outcome], int]:
+    """The candidates in cost order, said before (the FLOP traces take a while) and after, less
+    those whose host bytes exceed ``problem.host_memory_bytes`` (said, and counted)."""
     progress("tracing each stack's FLOPs (jaxprs, no compiles)")
     outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
+    limit, skipped = problem.host_memory_bytes, 0
+    if limit is not None:
+        kept = [o for o in outcomes if candidate_host_bytes(problem, o.candidate) <= limit]
+        skipped, outcomes = len(outcomes) - len(kept), kept
+        if skipped:
+            progress(
+                f"{skipped} candidates skipped: their host bytes (analytic, from shapes) exceed "
+                f"the host-memory limit {_mib(limit)} MiB"
+            )
     progress(f"{len(outcomes)} candidates, in order of estimated cost; compiling until one fits")
-    return outcomes
+    return outcomes, skipped
 
 
 def _mib(n: float) -> str:
@@ -423,7 +444,8 @@ def _chunked_twin_status(
         if at_depth[key] - state_host_bytes(problem, whole) - bound > budget:
             return "over (whole loss compiled over by more than the logits)"
         return ""
-    if floors.get((whole.family, whole.state_memory), 0) - bound > budget:
+    floor = floors.get((whole.family, whole.state_memory), 0)
+    if "block_input" not in whole.policy.offloads and floor - bound > budget:  # it bounds them
         return "over (whole-loss floor over by more than the logits)"
     predicted = memory.predict(whole)
     if predicted is not None and predicted - bound > budget:

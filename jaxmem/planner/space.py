@@ -18,9 +18,8 @@ kernel: matmuls at a shape-dependent share of the target's peak, memory-bound wo
 bandwidth, host-link and collective bytes with the overlap ``jaxmem.memory.step_time`` states);
 on the local backend a nominal order (matmul FLOPs at a nominal rate plus bytes), not a time.
 
-The FLOP model is taken as ``FlopCounts`` (what the lattice asks of ``predict.FlopModel``), so
-that this module sits below the predictors, which read its ``Problem`` and ``Candidate``.
-"""
+The FLOP model is taken as ``FlopCounts`` (``predict.FlopModel``'s protocol): this module sits
+below the predictors."""
 
 from __future__ import annotations
 
@@ -37,6 +36,7 @@ from jaxmem.memory.step_time import Device, StepTime
 from jaxmem.memory.targets import Target, rates_for
 from jaxmem.parallel import ParallelConfig
 from jaxmem.planner import cost, tags
+from jaxmem.planner.host import OFFLOADED_INPUTS
 from jaxmem.policy import (
     POLICIES,
     EmbeddingReplay,
@@ -78,23 +78,25 @@ class PlanSpace:
     # also each stack unrolled (``MemoryPolicy.unroll``: the same FLOPs, another plan; GPU
     # targets only: XLA:CPU reflects remat only under scan)
     unroll: bool = True
-    # also each stack with the head and loss in chunks (``LossPolicy``: the same
-    # FLOPs, no logits kept): at most this many, the largest count dividing the sequence
-    # (``chunk_count``); 0 (default): the whole loss only. Off by default: where the logits are a
-    # small part of the step the twins' compiles crowd out the rest of a search (gpt2-1.5b on an
-    # H100 at 24 GiB: the twins of selective:k+full, each within chunk_savings_bound of the
-    # budget, used the compile cap before the state-offload plan that fits was reached)
+    # also each stack with the head and loss in chunks (``LossPolicy``: the same FLOPs, no
+    # logits kept): at most this many, the largest count dividing the sequence (``chunk_count``);
+    # 0 (default): the whole loss only (the twins' compiles crowd out the rest of a search where
+    # the logits are small: gpt2-1.5b on an H100 at 24 GiB used the compile cap on them)
     loss_chunks: int = 0
-    # also each stack whose first block is rematerialised with the embedding lookup replayed in
-    # its backward (``EmbeddingReplay``: the same FLOPs, one block input fewer kept;
-    # GPU targets only: XLA:CPU keeps the activations of a block outside a loop). Its twins
-    # compile memory-model fits of their own, so it is off by default: it matters where one
-    # block input is a real part of the budget (a shallow model)
+    # also each stack whose first block is rematerialised with the embedding lookup replayed
+    # (``EmbeddingReplay``: one block input fewer; GPU targets only: XLA:CPU keeps a block's
+    # activations outside a loop); off by default: its twins compile fits of their own
     replay_embedding: bool = False
     # also mixes of two per-tag policies (adjacent points of the lower convex hull of the
     # frontier, ``tags.hull``): the first k blocks under one, the rest under the other; with
     # ``tags``
     tag_mixes: bool = True
+    # also ``full`` with the block inputs in host memory (``host.OFFLOADED_INPUTS``; GPU
+    # targets; skipped where ``Problem.host_memory_bytes`` cannot hold them; jaxmem plan's on)
+    offload_inputs: bool = False
+    # with ``loss_chunks``: also the loss in tiles of these token counts (each dividing the
+    # sequence into more than ``loss_chunks`` chunks), e.g. 1024..16384 at long sequences
+    loss_tiles: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("policies", "mix"):
@@ -199,20 +201,19 @@ class Problem:
     # LoRA adapters on a frozen base (rank 0: full fine-tuning): the lattice keeps to what
     # an adapter step composes with (``adapter_choice``), and every compile carries them
     adapters: AdapterConfig = AdapterConfig()
+    # host bytes a candidate may keep (``host.candidate_host_bytes``); None: no limit
+    host_memory_bytes: int | None = None
 
     @property
     def compiled_whole(self) -> bool:
-        """A model under ``FIT_MIN_LAYERS`` blocks has no two depths to fit the memory model at
-        (``fit_depths``): each candidate is compiled whole at its own depth, none predicted."""
+        """Under ``FIT_MIN_LAYERS`` blocks each candidate is compiled whole (``fit_depths``)."""
         return self.cfg.n_layers < FIT_MIN_LAYERS
 
     @property
     def fit_depths(self) -> tuple[int, int]:
         """The two depths each family is compiled at: half the model and the model, up to 16
-        blocks (XLA plans a 2-block stack unlike a deep one: gpt2-1.5b bf16 8 x 1024, 8
-        microbatches, H100 plan, `none` grows 0.808 GiB a block from 2 to 4 blocks and 0.7106
-        from 4 to 8 and from 8 to 12; fitted at 2 and 4 it erred by 11.6 % at 48 blocks,
-        at 8 and 16 by 0.3 %)."""
+        blocks (XLA plans a 2-block stack unlike a deep one: gpt2-1.5b's `none` on an H100,
+        fitted at 2 and 4 blocks, erred by 11.6 % at 48 blocks, at 8 and 16 by 0.3 %)."""
         d2 = min(self.cfg.n_layers, 16)
         return min(max(2, d2 // 2), d2), d2
 
@@ -251,7 +252,7 @@ def _stacks(
     """The stacks searched at ``precision``: the presets, the per-tag policies of the frontier
     that keep what no preset keeps, the presets mixed in pairs and the hull's neighbours mixed,
     each at every split; then (GPU targets) each with the embedding replayed and each unrolled,
-    and each with the loss in chunks, where ``space`` asks for them."""
+    ``full`` with its inputs on host, and each with the loss in chunks or tiles, as asked."""
     n_layers = problem.cfg.n_layers
     host = problem.target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
     frontier = flops.tag_frontier(precision) if space.tags else []
@@ -278,9 +279,14 @@ def _stacks(
         stacks += [p.replace(embedding=replay) for p in stacks if can_replay_embedding(p)]
     if host and space.unroll:  # a GPU target: each stack unrolled too (nested scans)
         stacks += [p.replace(unroll=True) for p in stacks if not p.nested]
-    chunks = chunk_count(space.loss_chunks, problem.seq_len)
-    if chunks and precision.loss_scale != "dynamic":  # jaxmem.job.check_loss_chunks
-        stacks += [p.replace(loss=LossPolicy(chunks)) for p in stacks]
+    if host and space.offload_inputs:
+        stacks.append(OFFLOADED_INPUTS)
+    chunks = {chunk_count(space.loss_chunks, problem.seq_len)} - {0}
+    if chunks:  # and tiles of a token count, where they cut the sequence finer
+        seq = problem.seq_len
+        chunks |= {seq // t for t in space.loss_tiles if seq % t == 0 and seq // t > max(chunks)}
+    if precision.loss_scale != "dynamic":  # jaxmem.job.check_loss_chunks
+        stacks += [p.replace(loss=LossPolicy(k)) for k in sorted(chunks) for p in stacks]
     return stacks
 
 
@@ -301,8 +307,7 @@ def tensor_sizes(problem: Problem, space: PlanSpace) -> list[int]:
 
 def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bool:
     """A streamed step applies (``jaxmem.job.check_stream``): one device or a data-parallel
-    mesh (dp, zero1, fsdp), a preset over the whole scanned stack, an elementwise optimizer
-    without gradient clipping (any microbatch count: it sums them in its own scan; fp16 too)."""
+    mesh, a preset over the whole scanned stack, an elementwise optimizer without clipping."""
     from jaxmem.config import STREAM_OPTIMIZERS
 
     return (
@@ -318,10 +323,8 @@ def _streams(problem: Problem, policy: MemoryPolicy, strategy: str | None) -> bo
 
 
 def adapter_choice(adapters: AdapterConfig, tp: int, strategy: str | None, place: str) -> bool:
-    """Whether an adapter step composes with these choices (the lattice lists no other; the
-    step refuses them, ``jaxmem.step.frozen.refusal``): its state on the device, a packed base
-    unsharded (no fsdp; over a tensor axis the adapters split as their kernels and a packed
-    base is replicated). Always True without adapters."""
+    """Whether an adapter step composes with these choices (else ``jaxmem.step.frozen.refusal``
+    refuses it): its state on the device, a packed base not under fsdp. True without adapters."""
     packed = adapters.base != "compute"
     ok = place == "device" and not (packed and strategy == "fsdp")
     return ok or not adapters.enabled
@@ -357,9 +360,8 @@ def _priced(
     problem: Problem, work: cost.WorkModel, policy: MemoryPolicy, precision_name: str,
     per_row: int, choice: tuple[int, int, str | None, str],
 ) -> Candidate:  # fmt: skip
-    """``policy`` under ``choice`` (``_choices``) with its cost, each term ``jaxmem.planner.cost``'s
-    for one device: a GPU target's the estimated step time, the local backend's the nominal
-    order (``cost.nominal_seconds``)."""
+    """``policy`` under ``choice`` (``_choices``) with its cost for one device
+    (``jaxmem.planner.cost``): the estimated step time, or the local backend's nominal order."""
     tp, accum, strategy, place = choice
     cfg, opt_cfg, seq_len = problem.cfg, problem.opt_cfg, problem.seq_len
     precision = PRECISIONS[precision_name]
@@ -411,9 +413,8 @@ def _priced(
 def enumerate_candidates(
     problem: Problem, space: PlanSpace, flops: FlopCounts, work: cost.WorkModel | None = None
 ) -> list[Candidate]:
-    """Every candidate of the lattice with its cost, cheapest first (``candidate_order``). A GPU
-    target's cost is the estimated step time (``jaxmem.planner.cost``, ``work``'s traces); the
-    local backend's the nominal order."""
+    """Every candidate of the lattice with its cost (``_priced``; ``work``: the traces), cheapest
+    first (``candidate_order``)."""
     work = work or cost.WorkModel(problem.cfg, problem.seq_len, problem.adapters)
     sizes = tensor_sizes(problem, space)
     out = []
@@ -431,15 +432,15 @@ _PLACES = ("device", "pinned_host", STREAMED, STREAMED_HOST)
 
 
 def candidate_order(c: Candidate) -> tuple:
-    """The lattice's order: the cheapest first; among equal costs, fewer microbatches, the whole
-    loss (chunks only where it does not fit: they run the head, not the whole step, as a loop of
+    """The lattice's order: the cheapest first; among equal costs, fewer microbatches, fewer loss
+    chunks (chunks only where it does not fit: they run the head, not the whole step, as a loop of
     smaller matmuls), the state on the device, the scanned stack, then a preset before a per-tag
     policy (the cost counts matmuls only: a per-tag policy with none's FLOPs still recomputes
     the norms and activations), then the stack's name."""
     return (
         c.seconds,
         c.accum,
-        c.policy.loss.chunks > 0,
+        c.policy.loss.chunks,
         c.policy.embedding.replay,
         _PLACES.index(c.state_memory),
         c.policy.unroll,
