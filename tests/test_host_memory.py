@@ -93,7 +93,7 @@ def test_the_planner_chooses_offloaded_inputs_where_only_they_fit_and_the_host_h
     assert result.chosen.candidate.policy == OFFLOADED_INPUTS
     job = JobConfig(preset="tiny", model=cfg, run=RunConfig(batch_size=1, seq_len=seq))
     argv = job_argv(candidate_job(job, result.chosen.candidate, 1))
-    assert argv[argv.index("--offload") + 1] == "block_input"
+    assert argv[argv.index("--policy") + 1] == "full-host"
     limited = dataclasses.replace(problem, host_memory_bytes=1024)
     result = search(limited, space, compile_peak=compile_peak)
     assert result.chosen is None and result.host_skipped == 1

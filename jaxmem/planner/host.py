@@ -1,8 +1,8 @@
 """Host memory a training step needs, and the limit it must fit (``--host-memory``).
 
 A step keeps bytes in host memory for three reasons: activations its policy offloads
-(``BlockPolicy.offload``: the block inputs under ``MemoryPolicy.custom({"block_input":
-"offload"})``, or the projections under ``offload``), optimizer state kept there
+(``BlockPolicy.offload``: the block inputs under ``full-host``, the segments' under
+``nested-host``, the projections under ``offload``), optimizer state kept there
 (``--state-memory pinned_host``), and a streamed stack's parameters and state (``--stream``).
 This module counts them from shapes (analytic, before any compile) and refuses, in one line, a
 step whose count exceeds the limit; ``jaxmem plan`` skips such candidates, ``jaxmem memory`` and
@@ -22,14 +22,14 @@ from typing import Any
 
 from jaxmem.config import ConfigError, ModelConfig
 from jaxmem.memory import analytic
-from jaxmem.policy import MemoryPolicy
+from jaxmem.policy import POLICIES, MemoryPolicy
 from jaxmem.precision import Precision
 from jaxmem.step.spec import StepSpec
 
 GIB = 2**30
 # ``full`` with each block's input kept in host memory instead of on the device (the leanest
 # stack where host memory exists: nothing of the stack's activations stays on the device)
-OFFLOADED_INPUTS = MemoryPolicy.custom({"block_input": "offload"})
+OFFLOADED_INPUTS = POLICIES["full-host"]
 
 
 def machine_bytes() -> int:
@@ -49,15 +49,10 @@ def offloaded_activation_bytes(
     cfg: ModelConfig, policy: MemoryPolicy, rows: int, seq_len: int, precision: Precision,
     tp: int = 1,
 ) -> int:  # fmt: skip
-    """Bytes per device the policy's offloaded tags keep in host memory at the end of the
-    forward (analytic, from shapes): each offloading block's offloaded tags, ``rows`` x
-    ``seq_len``, one tensor device's share. The block input is counted here (the analytic
-    residual model counts only the tags it saves beside the input)."""
-    sizes = analytic.tag_bytes(cfg, rows, seq_len, precision)
-    total = 0
-    for n, block in policy.runs(cfg.n_layers):
-        total += n * sum(sizes[t] for t in block.offload)
-    return total // tp
+    """Bytes per device the policy keeps in host memory at the end of the forward (analytic,
+    from shapes: ``analytic.saved_activation_bytes``' host bytes, the offloaded block or segment
+    inputs included), ``rows`` x ``seq_len``, one tensor device's share."""
+    return analytic.saved_activation_bytes(cfg, policy, rows, seq_len, precision).host_bytes // tp
 
 
 def spec_host_bytes(spec: StepSpec) -> dict[str, int]:

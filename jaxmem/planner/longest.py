@@ -3,17 +3,17 @@
 At each length the step compiled is the leanest point of the planner's space for long
 sequences (``lean_spec``): every block rematerialised (``full``: only its input kept), the
 block inputs offloaded to host memory where the target has host memory and the limit
-(``--host-memory``) holds them (``MemoryPolicy.custom({"block_input": "offload"})``), the LM
-head and loss in tiles of a token count (``loss_tiles``), the optimizer state in host memory
+(``--host-memory``) holds them (``full-host``), the MLP in sequence tiles (``mlp_tiles``: one
+tile's ``[T, d_ff]`` intermediates at a time), the LM head and loss in tiles of a token count
+(``loss_tiles``), the optimizer state in host memory
 where allowed (``--state-offload``), the attention the job names (``--attention fused`` keeps
 it O(S)). Each length is one compiled plan for the target (``probe``); the lengths tried are
 found by doubling, then by affine interpolation of the compiled peaks alternating with
 bisection (``search_lengths``), to a step of ``--seq-step`` tokens, and the answer is shown by
 two compiled plans: it fits at N, and does not at N + step (or N is the cap).
 
-The later dimensions of the long-sequence space enter ``lean_spec`` (one policy field each:
-MLP tiles over the sequence) and ``Longest.devices`` (a context-parallel mesh splits the
-sequence: the search then runs over the sequence per device times the axis).
+A context-parallel mesh enters through ``Longest.devices`` (the sequence split over the axis:
+the search runs over the whole sequence, in steps the axis divides).
 
 Written by hand: a bracketing search over one integer with a compile per point; no library
 plans a JAX step's memory by sequence length.
@@ -49,11 +49,23 @@ def loss_tiles(seq_len: int, vocab: int, budget: int) -> int:
     return seq_len // (small[0] if small else tiles[-1])
 
 
+def mlp_tiles(seq_len: int, d_ff: int, budget: int) -> int:
+    """Tokens per MLP tile for ``seq_len``: the largest of ``TILE_TOKENS`` that divides the
+    sequence and whose three ``[T, d_ff]`` intermediates stay under ``budget / LOGITS_SHARE``
+    (else the smallest that divides); 0 (untiled) where none divides or one tile is the whole."""
+    tiles = [t for t in TILE_TOKENS if seq_len % t == 0 and t < seq_len]
+    small = [t for t in tiles if 3 * t * d_ff * 4 <= budget // LOGITS_SHARE]
+    return (small or tiles[-1:] or [0])[0]
+
+
 def lean_spec(base: StepSpec, seq_len: int, budget: int, offload: bool) -> StepSpec:
     """``base`` at batch 1 x ``seq_len`` under the leanest long-sequence policy: ``full`` with
-    the block inputs offloaded (``offload``) or kept, and the loss in tiles."""
+    the block inputs offloaded (``offload``) or kept, the MLP and the loss in tiles."""
     policy = OFFLOADED_INPUTS if offload else POLICIES["full"]
-    policy = policy.replace(loss=LossPolicy(loss_tiles(seq_len, base.model.vocab_size, budget)))
+    policy = policy.replace(
+        loss=LossPolicy(loss_tiles(seq_len, base.model.vocab_size, budget)),
+        mlp_tile_tokens=mlp_tiles(seq_len, base.model.d_ff, budget),
+    )
     model = base.model
     if seq_len > model.max_seq_len:  # positions only bound a learned table; RoPE's is computed
         model = model.replace(max_seq_len=seq_len)
