@@ -48,7 +48,7 @@ from jaxmem.config import (
     require,
 )
 from jaxmem.hf.config import resolve_preset
-from jaxmem.parallel import ParallelConfig
+from jaxmem.parallel import ParallelConfig, context_refusal
 from jaxmem.policy import POLICIES, MemoryPolicy, check_policy, describe_kept
 from jaxmem.policy_config import policy_from_dict, policy_to_dict
 from jaxmem.precision import PRECISIONS, Precision, get_precision
@@ -376,6 +376,12 @@ class JobConfig:
                 f"--mesh {self.parallel.mesh_text()} (tensor parallelism) runs a scanned stack "
                 "with its state on the device: drop --stream, --unroll or the nested policy",
             )
+        cp_line = context_refusal(
+            self.parallel,
+            stream=self.optimizer.stream,
+            adapter_dropout=self.adapters.dropout if self.adapters.enabled else 0.0,
+        )
+        require(cp_line is None, cp_line or "")
         if self.parallel.sharded:
             require(
                 self.accum.mode == "scan",

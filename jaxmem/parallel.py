@@ -172,6 +172,25 @@ class ParallelConfig:
         )
 
 
+def context_refusal(
+    parallel: ParallelConfig, *, stream: bool, adapter_dropout: float
+) -> str | None:
+    """The one line saying why a context axis cannot run with what the job asks (None: it
+    can). Every flag named is the one to drop."""
+    if not parallel.context_parallel:
+        return None
+    mesh = f"--mesh {parallel.mesh_text()}"
+    if stream:
+        return f"{mesh} (context parallelism) with --stream: not built yet; drop --stream"
+    if adapter_dropout:
+        return (
+            f"{mesh} (context parallelism) with adapter dropout {adapter_dropout}: the masks "
+            "are drawn per row in position order, not in the split order; set the adapters' "
+            "dropout to 0"
+        )
+    return None
+
+
 # Megatron's layout of a block's tagged activations over ``tp`` devices, by tag (the same layout
 # ``jaxmem.sharding.tag_spec`` constrains the step to, here as the share of each tensor one
 # device holds): heads and MLP columns split; the residual stream and what the row-parallel

@@ -323,6 +323,7 @@ def flag_settings(args: argparse.Namespace, names: Sequence[str]) -> dict[str, A
         if name == "mesh":
             parallel = parse_mesh(value)
             value = {"strategy": parallel.strategy, "devices": parallel.devices, "tp": parallel.tp}
+            value |= {"cp": parallel.cp} if parallel.cp > 1 else {}
         section, _, key = flag.path.partition(".")
         if key:
             out.setdefault(section, {})[key] = value
