@@ -262,6 +262,11 @@ def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
 def torch_mesh_refusal(parallel: ParallelConfig, model: ModelConfig) -> str | None:
     """Why torch_ref cannot split ``model`` over ``parallel``'s tensor axis (None: it can:
     ``torch_ref.distributed.parallelize``, then FSDP2 over the data axis)."""
+    if parallel.context_parallel:
+        return (
+            f"--mesh {parallel.mesh_text()}: torch_ref has no context parallelism yet (torch's "
+            "context_parallel is not run here); use --framework jax"
+        )
     if not parallel.tensor_parallel:
         return None
     mesh = f"--mesh {parallel.mesh_text()}"

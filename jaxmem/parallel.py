@@ -172,6 +172,15 @@ class ParallelConfig:
         )
 
 
+def balanced_order(seq_len: int, cp: int) -> list[int]:
+    """The positions in the order a context axis of ``cp`` devices holds them, device ``i``
+    the ``i``-th ``S / cp`` of it: chunks ``i`` and ``2 cp - 1 - i`` of ``2 cp`` equal chunks
+    (every device as many early as late queries: the same causal work on each)."""
+    n = seq_len // (2 * cp)
+    chunks = [list(range(c * n, (c + 1) * n)) for c in range(2 * cp)]
+    return [p for i in range(cp) for p in chunks[i] + chunks[2 * cp - 1 - i]]
+
+
 def context_refusal(
     parallel: ParallelConfig, *, stream: bool, adapter_dropout: float
 ) -> str | None:

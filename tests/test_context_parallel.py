@@ -138,7 +138,9 @@ def test_a_context_parallel_run_resumes_bit_identically(tmp_path):
         cmd = [sys.executable, "-m", "jaxmem.cli", "train", "--out", str(out), *more]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().split()]
+        return [
+            json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+        ]
 
     whole = train(tmp_path / "whole", *args, "--steps", "4")
     train(tmp_path / "halves", *args, "--steps", "2")

@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxmem import parallel
 from jaxmem.model.decoder import SequenceLayout, naive_attention
 from jaxmem.model.flash import flash_attention_at
 from jaxmem.sharding import AXIS, CONTEXT
@@ -53,10 +54,8 @@ TOKEN_FIELDS = ("inputs", "targets", "mask")
 
 
 def balanced_order(seq_len: int, cp: int) -> np.ndarray:
-    """``[S]``: the positions in the order the context devices hold them, device ``i`` the
-    ``i``-th ``S / cp`` of it: chunks ``i`` and ``2 cp - 1 - i`` of ``2 cp`` equal chunks."""
-    chunks = np.arange(seq_len).reshape(2 * cp, seq_len // (2 * cp))
-    return np.concatenate([np.concatenate([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
+    """``jaxmem.parallel.balanced_order`` as an array: ``[S]`` positions in held order."""
+    return np.asarray(parallel.balanced_order(seq_len, cp))
 
 
 def attend_fn(m: Mesh, attention: str, block: int, seq_len: int):
