@@ -168,9 +168,10 @@ FLAGS: dict[str, Flag] = {
         Flag(
             "--mesh",
             "parallel",
-            "devices, STRATEGY=N[,tp=M]: dp=4 (replicated), zero1=4 (optimizer state sharded), "
-            "fsdp=4 (parameters, gradients and state sharded), and tp=M Megatron tensor "
-            "parallelism on a second axis (fsdp=2,tp=2: 4 devices; tp=2 alone)",
+            "devices, STRATEGY=N[,tp=M|cp=M]: dp=4 (replicated), zero1=4 (optimizer state "
+            "sharded), fsdp=4 (parameters, gradients and state sharded), and tp=M Megatron tensor "
+            "parallelism on a second axis (fsdp=2,tp=2: 4 devices; tp=2 alone) or cp=M context "
+            "parallelism (each sequence split over M devices; fsdp=2,cp=2, cp=2 alone)",
         ),
         Flag("--target", None, f"plan the step for: {TARGETS_HELP}"),
         Flag("--wide", None, "every column (default: the essential ones)", action="store_true"),
