@@ -269,8 +269,9 @@ def parse_mesh(text: str) -> ParallelConfig:
     data-parallel axis, one ``tp`` and one ``cp``."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     usage = (
-        f"--mesh {text!r} must be STRATEGY=N, tp=N, cp=N, or a strategy with one of them (e.g. "
-        f"fsdp=4, tp=2, fsdp=2,tp=2, fsdp=2,cp=2; strategies: {', '.join(STRATEGIES)})"
+        f"--mesh {text!r} must be STRATEGY=N, tp=N, or both, with cp=N in place of tp=N for "
+        f"context parallelism (e.g. fsdp=4, tp=2, fsdp=2,tp=2, fsdp=2,cp=2; strategies: "
+        f"{', '.join(STRATEGIES)})"
     )
     if not parts or len(parts) > 3 or any("=" not in p for p in parts):
         raise ConfigError(usage)
