@@ -81,6 +81,40 @@ def test_the_balanced_layout_gives_every_device_the_same_causal_work():
     assert len(set(work.tolist())) == 1
 
 
+@pytest.mark.parametrize("kv_heads", [2])
+def test_fused_attention_by_position_equals_the_naive_core_on_a_devices_share(kv_heads):
+    """One context device's queries (positions in the balanced order) against every key: the
+    blockwise kernel causal by position equals the naive core with the positions' mask, output
+    and gradients, in float64 (grouped-query keys too)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmem.model.decoder import naive_attention
+    from jaxmem.model.flash import flash_attention_at
+    from jaxmem.step.context import balanced_order
+
+    with jax.enable_x64(True):
+        keys = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(keys[0], (2, 8, 4, 8), jnp.float64)  # device 1 of cp=2
+        k, v = (jax.random.normal(x, (2, 16, kv_heads, 8), jnp.float64) for x in keys[1:])
+        q_pos, k_pos = jnp.asarray(balanced_order(16, 2)[8:]), jnp.arange(16)
+        grouped = q.reshape(2, 8, kv_heads, 4 // kv_heads, 8) if kv_heads < 4 else q
+
+        def fused(q, k, v):
+            return jnp.sum(jnp.sin(flash_attention_at(q, k, v, q_pos, k_pos, 4)))
+
+        def naive(q, k, v):
+            g = q.reshape(grouped.shape)
+            return jnp.sum(jnp.sin(naive_attention(g, k, v, q_pos[:, None] >= k_pos[None])))
+
+        tol = tolerance("float64", "fused_vs_naive").kwargs()
+        for a, b in zip(
+            jax.grad(fused, (0, 1, 2))(q, k, v), jax.grad(naive, (0, 1, 2))(q, k, v), strict=True
+        ):
+            np.testing.assert_allclose(a, b, **tol)
+        np.testing.assert_allclose(fused(q, k, v), naive(q, k, v), **tol)
+
+
 def test_a_mesh_with_a_context_axis_reads_and_prints_back():
     assert parse_mesh("cp=2") == ParallelConfig(devices=2, cp=2)
     assert parse_mesh("fsdp=2,cp=2") == ParallelConfig(strategy="fsdp", devices=4, cp=2)
