@@ -2,7 +2,8 @@
 ``context_parallel`` does not run on CPU, see its docstring) under torchrun, 2 gloo ranks: each
 rank holds chunks i and 3 - i of a row's 4, keys and values all-gathered, FSDP2 over both ranks.
 Trains as one device does for a GPT block (naive attention, learned positions) and a Llama block
-(RoPE at the permuted positions, grouped-query keys, SDPA with a positional mask).
+(RoPE at the permuted positions, grouped-query keys, SDPA with a positional mask); ``jaxmem train
+--framework torch --mesh cp=2`` logs JAX's losses and resumes bit for bit.
 
 And JAX's ``--mesh cp=2`` from the same initial weights on the same batches logs the same
 losses (bound ``adamw_loss``, as the sharded parity suite compares the frameworks).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -66,6 +68,33 @@ def test_torch_context_parallelism_logs_jax_context_parallel_losses(runs, jax_ru
     tol = tolerance("float32", "adamw_loss")
     for name, row in runs.items():
         np.testing.assert_allclose(row["cp"], jax_runs[name], **tol.kwargs())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path):
+    """``jaxmem train --framework torch --mesh cp=2`` (2 torchrun ranks) logs the losses of
+    ``jaxmem train --mesh cp=2`` over 10 steps (``adamw_loss``); cut back to its step-5
+    checkpoint and resumed, it logs the uninterrupted run's losses and gradient norms."""
+    from parity_tests.test_sharded_parity import (
+        _jaxmem,
+        _metrics,
+        _torch_logs_jax_losses,
+        torchrun,
+    )
+
+    common = ["--preset", "tiny-llama", "--mesh", "cp=2", "--batch-size", "4", "--seq-len", "32"]
+    common += ["--policy", "full", "--steps", "10", "--checkpoint-every", "5"]
+    common += ["--eval-every", "5", "--sample-tokens", "8"]
+    out, t = _torch_logs_jax_losses(tmp_path, common)
+    assert "each sequence split over cp=2 ranks" in out.stdout
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "torch", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "10")
+    torchrun("--no-python", *_jaxmem("train", "--out", str(resumed), "--resume"))
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(resumed)] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in t
+    ]
 
 
 def _config(name: str):

@@ -22,8 +22,10 @@ data-parallel wrapper's gradient reduction (FSDP2 over every rank), as over rows
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -96,3 +98,20 @@ def apply_context_parallel(
     )
     for layer in model.blocks.layers:
         layer.self_attn.core = core
+
+
+@contextlib.contextmanager
+def whole_sequence(model: nn.Module) -> Iterator[None]:
+    """``model`` (under ``apply_context_parallel``, or not) runs whole sequences in order on
+    this rank while the block is open (validation, sampling: every rank computes the same)."""
+    blocks = model.blocks
+    saved = blocks.positions, [layer.self_attn.core for layer in blocks.layers]
+    blocks.positions = None
+    for layer in blocks.layers:
+        layer.self_attn.core = None
+    try:
+        yield
+    finally:
+        blocks.positions = saved[0]
+        for layer, core in zip(blocks.layers, saved[1], strict=True):
+            layer.self_attn.core = core

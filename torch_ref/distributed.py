@@ -74,6 +74,12 @@ DESCRIPTION = {
 
 def describe(parallel: ParallelConfig) -> str:
     """What runs ``parallel``'s mesh, in words (records, the run's console)."""
+    if parallel.context_parallel:
+        return (
+            f"{DESCRIPTION[parallel.strategy]} over every rank, each sequence split over "
+            f"cp={parallel.cp} ranks (keys and values all-gathered: torch_ref.context, an "
+            "extension)"
+        )
     if not parallel.tensor_parallel:
         return DESCRIPTION[parallel.strategy]
     sp = " + SequenceParallel norms" if parallel.sequence_parallel else ""
@@ -205,6 +211,20 @@ def shard(
 
 
 MESH_AXES = ("data", "tensor")
+
+
+def context_group(parallel: ParallelConfig, launch: Launch) -> dist.ProcessGroup | None:
+    """The ranks of this rank's context axis (ranks laid out ``data x context``; None: every
+    rank, when there is no data axis beside it)."""
+    if parallel.data == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (parallel.data, parallel.cp)
+    device = launch.device.split(":")[0]
+    return init_device_mesh(device, shape, mesh_dim_names=("data", "context"))[
+        "context"
+    ].get_group()
 
 
 @functools.cache
