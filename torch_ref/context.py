@@ -2,8 +2,8 @@
 all-gathered for attention, in the layout jaxmem's JAX side runs (``jaxmem.step.context``).
 
 An extension, labelled as such: PyTorch's own API, ``torch.distributed.tensor.experimental.
-context_parallel`` (a ring over SDPA), is the stock path where CUDA is present, but in the
-installed PyTorch (2.13, CPU build) it does not run on CPU: under it, ``F.scaled_dot_product_
+context_parallel`` (a ring over SDPA), would be the stock path on CUDA (not wired in here: no GPU
+to test it), but in the installed PyTorch (2.13, CPU build) it does not run on CPU: under it, ``F.scaled_dot_product_
 attention`` on two gloo ranks fails with ``NotImplementedError: Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
 registered`` (checked with torchrun, 2 ranks, float64 q/k/v [1, 2, 16, 8], causal). So the CPU
