@@ -158,11 +158,20 @@ def test_train_refuses_what_context_parallelism_cannot_run_in_one_line(tmp_path,
     assert "compiling" not in proc.stdout and not out.exists()
 
 
-def test_plan_refuses_a_context_axis_it_does_not_search_in_one_line():
-    proc = run_cli("plan", "--preset", "tiny", "--mesh", "cp=2", "--budget", "1GiB", timeout=120)
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["plan", "--budget", "1GiB"], "does not search a context axis (--mesh cp=2)"),
+        (["memory", "--frameworks", "jax,torch"], "per-rank memory records do not run context"),
+    ],
+)
+def test_commands_refuse_a_context_axis_they_do_not_run_in_one_line(args, fragment):
+    """Before anything compiles: one line, exit 2."""
+    proc = run_cli(*args, "--preset", "tiny", "--seq-len", "32", "--mesh", "cp=2", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "does not search a context axis (--mesh cp=2)" in lines[0]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr[-2000:]
+    assert "measuring" not in proc.stdout and "compile" not in proc.stdout
 
 
 CP_RUN = ["--preset", "tiny-llama", "--batch-size", "2", "--seq-len", "32", "--policy", "full"]
