@@ -3,8 +3,8 @@ all-gathered for attention, in the layout jaxmem's JAX side runs (``jaxmem.step.
 
 An extension, labelled as such: PyTorch's own API, ``torch.distributed.tensor.experimental.
 context_parallel`` (a ring over SDPA), would be the stock path on CUDA (not wired in here: no GPU
-to test it), but in the installed PyTorch (2.13, CPU build) it does not run on CPU: under it, ``F.scaled_dot_product_
-attention`` on two gloo ranks fails with ``NotImplementedError: Operator
+to test it), but in the installed PyTorch (2.13, CPU build) it does not run on CPU: under it,
+``F.scaled_dot_product_attention`` on two gloo ranks fails with ``NotImplementedError: Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
 registered`` (checked with torchrun, 2 ranks, float64 q/k/v [1, 2, 16, 8], causal). So the CPU
 tests run this module: Llama 3's all-gather of keys and values, which works with any attention
@@ -17,7 +17,9 @@ and position embeddings follow them), and each ``SelfAttention.core`` gathers ke
 with ``torch.distributed.nn.functional.all_gather`` (differentiable: its backward sums the
 keys' and values' gradients back to their ranks), puts them in position order and attends
 causally by position. The loss is a sum over tokens: each rank's share, summed by the
-data-parallel wrapper's gradient reduction (FSDP2 over every rank), as over rows.
+data-parallel wrapper's gradient reduction (DDP or FSDP2 over every rank), as over rows. The
+context axis spans every rank (``jaxmem.job.torch_mesh_refusal`` refuses a data axis beside it:
+tried once, ``fsdp=2,cp=2`` on 4 gloo ranks hung in its first step).
 """
 
 from __future__ import annotations

@@ -213,20 +213,6 @@ def shard(
 MESH_AXES = ("data", "tensor")
 
 
-def context_group(parallel: ParallelConfig, launch: Launch) -> dist.ProcessGroup | None:
-    """The ranks of this rank's context axis (ranks laid out ``data x context``; None: every
-    rank, when there is no data axis beside it)."""
-    if parallel.data == 1:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = (parallel.data, parallel.cp)
-    device = launch.device.split(":")[0]
-    return init_device_mesh(device, shape, mesh_dim_names=("data", "context"))[
-        "context"
-    ].get_group()
-
-
 @functools.cache
 def _mesh(device_type: str, data: int, tp: int) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh

@@ -181,10 +181,9 @@ class TorchTrainer:
         model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
         if job.adapters.enabled:
             _add_adapters(model, initial, job)
-        if self.parallel.context_parallel:  # each rank its columns, keys gathered
-            group = tdist.context_group(self.parallel, self.launch)
+        if self.parallel.context_parallel:  # each rank its columns, keys gathered over all
             cp, rank = self.parallel.cp, self.launch.rank % self.parallel.cp
-            apply_context_parallel(model, seq_len=r.seq_len, cp=cp, rank=rank, group=group)
+            apply_context_parallel(model, seq_len=r.seq_len, cp=cp, rank=rank)
         self.runner = apply_memory_policy(model.blocks, job.memory)
         apply_loss_policy(model, job.memory)
         # FSDP2 manages the model (sharded, or streamed through host memory on one process too)
