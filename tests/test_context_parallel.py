@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxmem.compare.tolerances import tolerance
-from jaxmem.config import ConfigError
+from jaxmem.config import PRESETS, ConfigError
 from jaxmem.parallel import ParallelConfig, parse_mesh
 from tests.test_cli_contract import run_cli
 
@@ -172,6 +172,17 @@ def test_commands_refuse_a_context_axis_they_do_not_run_in_one_line(args, fragme
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and fragment in lines[0], proc.stderr[-2000:]
     assert "measuring" not in proc.stdout and "compile" not in proc.stdout
+
+
+def test_torch_refuses_a_data_axis_beside_the_context_axis_and_runs_it_alone():
+    from jaxmem.job import torch_mesh_refusal
+
+    cfg = PRESETS["tiny-llama"]
+    line = torch_mesh_refusal(parse_mesh("fsdp=2,cp=2"), cfg, training=True)
+    assert line is not None and "use --mesh fsdp=1,cp=4 or --framework jax" in line
+    for mesh in ("cp=2", "fsdp=1,cp=2"):
+        assert torch_mesh_refusal(parse_mesh(mesh), cfg, training=True) is None
+        assert "per-rank memory records" in torch_mesh_refusal(parse_mesh(mesh), cfg)
 
 
 CP_RUN = ["--preset", "tiny-llama", "--batch-size", "2", "--seq-len", "32", "--policy", "full"]
