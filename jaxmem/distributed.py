@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 import sys
+from typing import Any
 
 from jaxmem.config import ConfigError, require
 
@@ -364,3 +365,12 @@ def lost_process(reason: str, process_id: int) -> int | None:
     if process_id != 0 and ("coordination service" in reason or "leader" in reason):
         return 0
     return None
+
+
+def process_rows(batch_sharding: Any, batch_size: int) -> slice:
+    """The rows of a ``batch_size``-row global batch this process feeds its devices under
+    ``batch_sharding`` (rows split over the data axis only: processes along a context or tensor
+    axis feed the same rows)."""
+    index = batch_sharding.addressable_devices_indices_map((batch_size,))
+    rows = [i[0].indices(batch_size) for i in index.values()]
+    return slice(min(r[0] for r in rows), max(r[1] for r in rows))

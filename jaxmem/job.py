@@ -48,7 +48,7 @@ from jaxmem.config import (
     require,
 )
 from jaxmem.hf.config import resolve_preset
-from jaxmem.parallel import ParallelConfig
+from jaxmem.parallel import ParallelConfig, context_refusal
 from jaxmem.policy import POLICIES, MemoryPolicy, check_policy, describe_kept
 from jaxmem.policy_config import policy_from_dict, policy_to_dict
 from jaxmem.precision import PRECISIONS, Precision, get_precision
@@ -272,12 +272,26 @@ def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
             f"axis (--mesh fsdp=2,tp={parallel.tp}: FSDP2 makes every gradient a DTensor), or "
             "--framework jax"
         )
-    return torch_mesh_refusal(parallel, job.model)
+    return torch_mesh_refusal(parallel, job.model, training=True)
 
 
-def torch_mesh_refusal(parallel: ParallelConfig, model: ModelConfig) -> str | None:
+def torch_mesh_refusal(
+    parallel: ParallelConfig, model: ModelConfig, *, training: bool = False
+) -> str | None:
     """Why torch_ref cannot split ``model`` over ``parallel``'s tensor axis (None: it can:
-    ``torch_ref.distributed.parallelize``, then FSDP2 over the data axis)."""
+    ``torch_ref.distributed.parallelize``, then FSDP2 over the data axis), or (not
+    ``training``: its per-rank memory records) over a context axis."""
+    if parallel.context_parallel and not training:
+        return (
+            f"--mesh {parallel.mesh_text()}: torch_ref's per-rank memory records do not run "
+            "context parallelism yet (jaxmem train --framework torch does); use --frameworks jax"
+        )
+    if parallel.context_parallel and parallel.data > 1:
+        return (
+            f"--mesh {parallel.mesh_text()}: torch_ref runs a context axis over all its ranks, "
+            f"not beside a data axis yet; use --mesh fsdp=1,cp={parallel.devices} or "
+            "--framework jax"
+        )
     if not parallel.tensor_parallel:
         return None
     mesh = f"--mesh {parallel.mesh_text()}"
@@ -397,6 +411,12 @@ class JobConfig:
                 f"--mesh {self.parallel.mesh_text()} (tensor parallelism) lays out each block's "
                 "tagged activations, not those inside sequence tiles: drop --mlp-tile-tokens",
             )
+        cp_line = context_refusal(
+            self.parallel,
+            stream=self.optimizer.stream,
+            adapter_dropout=self.adapters.dropout if self.adapters.enabled else 0.0,
+        )
+        require(cp_line is None, cp_line or "")
         if self.parallel.sharded:
             require(
                 self.accum.mode == "scan",

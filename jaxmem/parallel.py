@@ -11,7 +11,9 @@ changes).
   ``fully_shard``): each scanned block's weights are all-gathered for its forward and backward
   and its gradients reduce-scattered.
 
-On the command line a strategy and its device count are one mesh axis: ``--mesh fsdp=4``.
+On the command line a strategy and its device count are one mesh axis: ``--mesh fsdp=4``; a
+tensor axis (``tp=N``) and a context axis (``cp=N``: the sequence split over devices,
+``jaxmem.step.context``) are further axes: ``--mesh fsdp=2,cp=2``.
 """
 
 from __future__ import annotations
@@ -42,28 +44,39 @@ class ParallelConfig:
       sequence_parallel: with ``tp > 1``, the residual stream, norms and the blocks' inputs and
         outputs are split by sequence over the ``tp`` devices between the attention and MLP
         regions (Korthikanti et al., 2022) instead of replicated on each.
+      cp: the context-parallel axis: each row's sequence split over ``cp`` devices in ``2 cp``
+        chunks (device i holds chunks i and 2 cp - 1 - i: the same causal work on each), keys
+        and values all-gathered over it for attention (``jaxmem.step.context``); 1: none. The
+        data-parallel strategy's shards span the data and context devices together (FSDP over
+        both, as torchtitan does), the batch's rows only the data devices.
     """
 
     strategy: str = "dp"
     devices: int = 1
     tp: int = 1
     sequence_parallel: bool = True
+    cp: int = 1
 
     def __post_init__(self) -> None:
         require(
             self.strategy in STRATEGIES,
             f"parallel strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}",
         )
-        for name in ("devices", "tp"):
+        for name in ("devices", "tp", "cp"):
             value = getattr(self, name)
             require(
                 isinstance(value, int) and not isinstance(value, bool) and value > 0,
                 f"parallel {name}={value!r} must be a positive integer",
             )
         require(
-            self.devices % self.tp == 0,
-            f"parallel devices={self.devices} is not a multiple of tp={self.tp}: the mesh is "
-            "data x tensor devices",
+            self.devices % (self.tp * self.cp) == 0,
+            f"parallel devices={self.devices} is not a multiple of tp={self.tp} x cp={self.cp}: "
+            "the mesh is data x tensor x context devices",
+        )
+        require(
+            self.tp == 1 or self.cp == 1,
+            f"--mesh {self.mesh_text()}: a tensor axis and a context axis together are not "
+            "built yet; use tp or cp (each composes with fsdp)",
         )
         require(
             isinstance(self.sequence_parallel, bool),
@@ -73,7 +86,17 @@ class ParallelConfig:
     @property
     def data(self) -> int:
         """Devices on the data-parallel axis (the batch splits over these)."""
-        return self.devices // self.tp
+        return self.devices // (self.tp * self.cp)
+
+    @property
+    def context_parallel(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def state_shards(self) -> int:
+        """Devices the strategy shards parameters or optimizer state over: the data and the
+        context axis together (each context device holds the same parameters)."""
+        return self.data * self.cp
 
     @property
     def sharded(self) -> bool:
@@ -86,15 +109,18 @@ class ParallelConfig:
 
     @property
     def shards_params(self) -> bool:
-        return self.data > 1 and self.strategy == "fsdp"
+        return self.state_shards > 1 and self.strategy == "fsdp"
 
     @property
     def shards_opt_state(self) -> bool:
-        return self.data > 1 and self.strategy in ("zero1", "fsdp")
+        return self.state_shards > 1 and self.strategy in ("zero1", "fsdp")
 
     def mesh_text(self) -> str:
-        if self.tp == 1:
+        if self.tp == 1 and self.cp == 1:
             return f"{self.strategy}={self.devices}"
+        if self.cp > 1:  # fsdp=1,cp=8: the state sharded over the context devices alone
+            named = self.data > 1 or self.strategy != "dp"
+            return (f"{self.strategy}={self.data}," if named else "") + f"cp={self.cp}"
         data = f"{self.strategy}={self.data}," if self.data > 1 else ""
         return f"{data}tp={self.tp}"
 
@@ -112,10 +138,15 @@ class ParallelConfig:
         """Tensor parallelism splits whole attention heads (in the layout the attention runs:
         under grouped-query attention either the key/value heads or each one's group of query
         heads), the MLP's columns and, with sequence parallelism, the sequence evenly over
-        ``tp`` devices."""
+        ``tp`` devices; context parallelism cuts the sequence into ``2 cp`` equal chunks."""
+        mesh = f"--mesh {self.mesh_text()}"
+        require(
+            seq_len % (2 * self.cp) == 0,
+            f"{mesh}: context parallelism cuts the {seq_len} positions into 2 x cp = "
+            f"{2 * self.cp} equal chunks; use a --seq-len that is a multiple of {2 * self.cp}",
+        )
         if self.tp == 1:
             return
-        mesh = f"--mesh {self.mesh_text()}"
         require(
             cfg.n_heads % self.tp == 0,
             f"{mesh}: the model's {cfg.n_heads} query heads do not split over tp={self.tp}; use "
@@ -139,6 +170,34 @@ class ParallelConfig:
             f"use a --seq-len that is a multiple of {self.tp} or set "
             "parallel.sequence_parallel=false",
         )
+
+
+def balanced_order(seq_len: int, cp: int) -> list[int]:
+    """The positions in the order a context axis of ``cp`` devices holds them, device ``i``
+    the ``i``-th ``S / cp`` of it: chunks ``i`` and ``2 cp - 1 - i`` of ``2 cp`` equal chunks
+    (every device as many early as late queries: the same causal work on each)."""
+    n = seq_len // (2 * cp)
+    chunks = [list(range(c * n, (c + 1) * n)) for c in range(2 * cp)]
+    return [p for i in range(cp) for p in chunks[i] + chunks[2 * cp - 1 - i]]
+
+
+def context_refusal(
+    parallel: ParallelConfig, *, stream: bool, adapter_dropout: float
+) -> str | None:
+    """The one line saying why a context axis cannot run with what the job asks (None: it
+    can). Every flag named is the one to drop."""
+    if not parallel.context_parallel:
+        return None
+    mesh = f"--mesh {parallel.mesh_text()}"
+    if stream:
+        return f"{mesh} (context parallelism) with --stream: not built yet; drop --stream"
+    if adapter_dropout:
+        return (
+            f"{mesh} (context parallelism) with adapter dropout {adapter_dropout}: the masks "
+            "are drawn per row in position order, not in the split order; set the adapters' "
+            "dropout to 0"
+        )
+    return None
 
 
 # Megatron's layout of a block's tagged activations over ``tp`` devices, by tag (the same layout
@@ -206,15 +265,18 @@ def check_cpu_mesh(devices: int, what: str = "CPU devices") -> None:
 def parse_mesh(text: str) -> ParallelConfig:
     """``"fsdp=4"`` -> ``ParallelConfig(strategy="fsdp", devices=4)``; ``"fsdp=2,tp=2"`` ->
     ``ParallelConfig(strategy="fsdp", devices=4, tp=2)`` (a 2 x 2 mesh); ``"tp=2"``: tensor
-    parallelism alone. At most one data-parallel axis and one ``tp``."""
+    parallelism alone; ``"cp=2"``, ``"fsdp=2,cp=2"``: context parallelism. At most one
+    data-parallel axis, one ``tp`` and one ``cp``."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     usage = (
-        f"--mesh {text!r} must be STRATEGY=N, tp=N, or both (e.g. fsdp=4, tp=2, fsdp=2,tp=2; "
-        f"strategies: {', '.join(STRATEGIES)})"
+        f"--mesh {text!r} must be STRATEGY=N, tp=N, or both, with cp=N in place of tp=N for "
+        f"context parallelism (e.g. fsdp=4, tp=2, fsdp=2,tp=2, fsdp=2,cp=2; strategies: "
+        f"{', '.join(STRATEGIES)})"
     )
-    if not parts or len(parts) > 2 or any("=" not in p for p in parts):
+    if not parts or len(parts) > 3 or any("=" not in p for p in parts):
         raise ConfigError(usage)
     axes: dict[str, int] = {}
+    extra = ("tp", "cp")
     for part in parts:
         name, _, count = part.partition("=")
         name = name.strip()
@@ -222,15 +284,15 @@ def parse_mesh(text: str) -> ParallelConfig:
             value = int(count)
         except ValueError:
             raise ConfigError(f"--mesh {text!r}: {count!r} is not a device count") from None
-        if name in axes or (name != "tp" and any(a != "tp" for a in axes)):
+        if name in axes or (name not in extra and any(a not in extra for a in axes)):
             raise ConfigError(usage)
         axes[name] = value
-    tp = axes.pop("tp", 1)
+    tp, cp = axes.pop("tp", 1), axes.pop("cp", 1)
     strategy, data = next(iter(axes.items()), ("dp", 1))
-    for name, value in (("tp", tp), (strategy, data)):
+    for name, value in (("tp", tp), ("cp", cp), (strategy, data)):
         if value < 1:
             raise ConfigError(f"--mesh {text!r}: {name}={value} must be a positive device count")
-    return ParallelConfig(strategy=strategy, devices=data * tp, tp=tp)
+    return ParallelConfig(strategy=strategy, devices=data * tp * cp, tp=tp, cp=cp)
 
 
 def shard_dim(shape: tuple[int, ...], n: int, stacked: bool = False) -> int | None:

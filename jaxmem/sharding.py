@@ -34,6 +34,7 @@ from jaxmem.parallel import (
 
 AXIS = "data"  # the data-parallel axis (dp, zero1, fsdp)
 TENSOR = "tensor"  # the tensor-parallel axis (--mesh ...,tp=N): a second mesh axis
+CONTEXT = "context"  # the context-parallel axis (--mesh ...,cp=N): the sequence split over it
 
 
 def ensure_cpu_devices(n: int) -> None:
@@ -66,19 +67,33 @@ def mesh(cfg: ParallelConfig, devices: list[jax.Device] | None = None) -> Mesh:
             f"{len(available)} {platform} device(s){hint}"
         )
     chosen = np.array(available[: cfg.devices])
+    if cfg.cp > 1:  # neighbouring devices on the context axis: it gathers keys every block
+        return Mesh(chosen.reshape(cfg.data, cfg.cp), (AXIS, CONTEXT))
     if cfg.tp == 1:
         return Mesh(chosen, (AXIS,))
     return Mesh(chosen.reshape(cfg.data, cfg.tp), (AXIS, TENSOR))
+
+
+def state_axes(m: Mesh) -> str | tuple[str, str]:
+    """The mesh axes a sharded parameter or optimizer-state leaf splits over: the data axis,
+    and with a context axis both (each context device holds the same parameters)."""
+    return (AXIS, CONTEXT) if CONTEXT in m.axis_names else AXIS
 
 
 def _is_stacked(path: tuple) -> bool:
     return any(getattr(k, "key", None) == "blocks" for k in path)
 
 
-def leaf_spec(shape: tuple[int, ...], n: int, stacked: bool, tensor_dim: int | None = None) -> P:
-    """Where one array lives when it is sharded over an ``n``-device data axis (``shard_dim``,
-    never the dimension the tensor axis splits) and, given ``tensor_dim``, over the tensor
-    axis there."""
+def leaf_spec(
+    shape: tuple[int, ...],
+    n: int,
+    stacked: bool,
+    tensor_dim: int | None = None,
+    axes: str | tuple[str, str] = AXIS,
+) -> P:
+    """Where one array lives when it is sharded over ``n`` devices of the ``axes`` (the data
+    axis, or data and context: ``state_axes``; ``shard_dim``, never the dimension the tensor
+    axis splits) and, given ``tensor_dim``, over the tensor axis there."""
     dims: list[str | None] = [None] * len(shape)
     if tensor_dim is not None:
         dims[tensor_dim] = TENSOR
@@ -86,7 +101,7 @@ def leaf_spec(shape: tuple[int, ...], n: int, stacked: bool, tensor_dim: int | N
         free = tuple(1 if d == tensor_dim else x for d, x in enumerate(shape))
         best = shard_dim(free, n, stacked)
         if best is not None:
-            dims[best] = AXIS
+            dims[best] = axes
     return P(*dims)
 
 
@@ -133,14 +148,15 @@ def tree_shardings(
     over the data axis (``shard``), and split over the tensor axis by Megatron's layout when the
     mesh has one. ``stacked``: every leaf of ``tree`` is the block stack's (its first axis the
     layers')."""
-    n = m.shape[AXIS]
+    axes = state_axes(m)
+    n = int(np.prod([m.shape[a] for a in np.atleast_1d(axes)]))
     tp = TENSOR in m.axis_names
 
     def one(path: tuple, x: Any) -> NamedSharding:
         shape = tuple(x.shape)
         in_stack = stacked or _is_stacked(path)
         dim = tensor_dim(path, shape, in_stack) if tp else None
-        spec = leaf_spec(shape, n if shard else 1, in_stack, dim)
+        spec = leaf_spec(shape, n if shard else 1, in_stack, dim, axes)
         return NamedSharding(m, spec, memory_kind=memory_kind)
 
     return jax.tree_util.tree_map_with_path(one, tree)
@@ -177,6 +193,7 @@ def step_shardings(
         mesh=m,
         params=tree_shardings(params, m, cfg.shards_params, params_memory),
         opt_state=tree_shardings(opt_state, m, cfg.shards_opt_state, state_memory),
+        # rows over the data axis; a context-parallel loss permutes and splits the sequence
         batch=NamedSharding(m, P(AXIS)),
         replicated=NamedSharding(m, P()),
     )

@@ -24,7 +24,7 @@ from jaxmem.compare.tolerances import compare_state_dicts, tolerance
 from jaxmem.compare.weights import to_torch_state_dict
 from jaxmem.data import lm_batch
 from jaxmem.model import Block, BlockStack, Decoder, causal_mask
-from jaxmem.model.decoder import rope_tables
+from jaxmem.model.sequence import rope_tables
 from parity_tests.conftest import PARITY_CONFIGS
 
 

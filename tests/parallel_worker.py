@@ -9,13 +9,15 @@ optimizer state actually resident on the first device. A case with
 (``DEVICES // T`` x ``T``: Megatron's tensor parallelism on the second axis) and, with
 ``"tp_alone": true``, tensor parallelism alone over ``T`` devices as ``"tp"``; ``"preset"``
 names the model (default ``tiny``); ``"loss_chunks": N`` runs the head and loss in N chunks;
-``"optimizer"`` holds further ``OptimizerConfig`` settings (a schedule, clipping).
+``"optimizer"`` holds further ``OptimizerConfig`` settings (a schedule, clipping). ``"cp": C``
+(and ``"cp_alone"``) does the same with a context axis; ``"attention"`` sets the model's.
 
     python tests/parallel_worker.py '[{"policy": "full", "precision": "fp32", ...}]'
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -47,6 +49,7 @@ BATCH, SEQ = 8, 32
 def run(case: dict, parallel: ParallelConfig, stream: bool = False) -> dict:
     precision = PRECISIONS[case["precision"]]
     cfg = PRESETS[case.get("preset", "tiny")]
+    cfg = dataclasses.replace(cfg, attention=case.get("attention", cfg.attention))
     spec = StepSpec(
         model=cfg,
         policy=get_policy(case["policy"]).replace(loss=LossPolicy(case.get("loss_chunks", 0))),
@@ -100,10 +103,13 @@ def main() -> None:
         if case.get("one_device", True):
             row["one_device"] = run(case, ParallelConfig())
         tp = case.get("tp", 1)  # a data x tensor mesh of DEVICES: DEVICES // tp x tp
+        cp = case.get("cp", 1)  # or a data x context mesh
         if tp > 1 and case.get("tp_alone"):  # tensor parallelism over tp devices, no data axis
             row["tp"] = run(case, ParallelConfig(devices=tp, tp=tp))
+        if cp > 1 and case.get("cp_alone"):
+            row["cp"] = run(case, ParallelConfig(devices=cp, cp=cp))
         for strategy in case.get("strategies", STRATEGIES):
-            parallel = ParallelConfig(strategy=strategy, devices=DEVICES, tp=tp)
+            parallel = ParallelConfig(strategy=strategy, devices=DEVICES, tp=tp, cp=cp)
             row[strategy] = run(case, parallel)
             if case.get("stream"):
                 row[f"{strategy}+stream"] = run(case, parallel, stream=True)

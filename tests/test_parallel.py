@@ -417,8 +417,10 @@ def processes_running(fragment: str) -> list[str]:
     return found
 
 
-def _lose_one(run, victim: int, *, worker: bool) -> tuple[subprocess.Popen, str, float]:
-    """Start the 2-process run TWO in ``run``; once a checkpoint verifies, stop process
+def _lose_one(
+    run, victim: int, *, worker: bool, args: tuple = tuple(TWO)
+) -> tuple[subprocess.Popen, str, float]:
+    """Start the 2-process run ``args`` (TWO) in ``run``; once a checkpoint verifies, stop process
     ``victim`` where it is and SIGKILL it (``worker``: the child doing its work, as the OS's
     OOM killer would; else the process the user started). Returns the survivor, its stderr and
     the seconds it took to exit after the kill."""
@@ -426,7 +428,7 @@ def _lose_one(run, victim: int, *, worker: bool) -> tuple[subprocess.Popen, str,
 
     from jaxmem.run_layout import verify
 
-    procs = _launch(run, *TWO, processes=2)
+    procs = _launch(run, *args, processes=2)
     try:
         deadline = time.time() + 300
         saved: list[str] = []

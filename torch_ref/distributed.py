@@ -74,6 +74,12 @@ DESCRIPTION = {
 
 def describe(parallel: ParallelConfig) -> str:
     """What runs ``parallel``'s mesh, in words (records, the run's console)."""
+    if parallel.context_parallel:
+        return (
+            f"{DESCRIPTION[parallel.strategy]} over every rank, each sequence split over "
+            f"cp={parallel.cp} ranks (keys and values all-gathered: torch_ref.context, an "
+            "extension)"
+        )
     if not parallel.tensor_parallel:
         return DESCRIPTION[parallel.strategy]
     sp = " + SequenceParallel norms" if parallel.sequence_parallel else ""

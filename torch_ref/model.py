@@ -120,16 +120,25 @@ def make_norm(cfg: ModelConfig) -> LayerNorm | RMSNorm:
 
 
 def rope_tables(
-    cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype
+    cfg: ModelConfig,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    positions: torch.Tensor | None = None,
 ) -> RopeTables | None:
     """RoPE's ``cos``, ``sin`` (``[S, K]``, in ``wide(dtype)``), or None without RoPE: jaxmem's
     float64 tables (``jaxmem.positions.rope_angles``) rounded once to the wide dtype, as jaxmem
     rounds them, so the two frameworks rotate by the same numbers. Built per forward, like the
-    causal mask: constants, not parameters (no state-dict key)."""
+    causal mask: constants, not parameters (no state-dict key). ``positions``: each column's
+    position (``BlockStack.positions``); default in order."""
     if cfg.positions != "rope":
         return None
     acc = wide(dtype)
-    cos, sin = rope_angles(cfg, seq_len)
+    if positions is None:
+        cos, sin = rope_angles(cfg, seq_len)
+    else:
+        at = positions.cpu().numpy()
+        cos, sin = (t[at] for t in rope_angles(cfg, int(at.max()) + 1))
     return torch.tensor(cos, dtype=acc, device=device), torch.tensor(sin, dtype=acc, device=device)
 
 
@@ -200,6 +209,9 @@ class SelfAttention(nn.Module):
             self.register_parameter("in_proj_bias", None)
         self.in_proj = FusedProjection(d, {"q": d, "k": self.kv_dim, "v": self.kv_dim})
         self.out_proj = nn.Linear(d, d, bias=cfg.has_bias("out"))
+        # ``core(q, k, v) -> [B, S, D]``: the attention core applied from outside (a plain
+        # attribute: torch_ref.context's context-parallel core); None: this module's own
+        self.core: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self, x_bsd: torch.Tensor, mask_ss: torch.Tensor | None, rope: RopeTables | None = None
@@ -218,6 +230,8 @@ class SelfAttention(nn.Module):
             if rope is None:
                 raise ValueError("positions='rope': pass RoPE's tables (rope_tables(...))")
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.core is not None:
+            return self.out_proj(self.core(q, k, v))
         if self.fused:
             # [B, H, S, K] views in, [B, H, S, K] out; the CPU flash kernel lays its output out
             # as [B, S, H, K], so merging the heads below is a view, not a copy
@@ -353,6 +367,9 @@ class BlockStack(nn.Module):
         self.cfg = cfg
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.layers_fn = run_layers
+        # ``[S]``: each column's position when the sequence is held in another order
+        # (torch_ref.context); None: in order. RoPE and position embeddings follow it.
+        self.positions: torch.Tensor | None = None
 
     def forward(self, x_bsd: torch.Tensor) -> torch.Tensor:
         seq_len = x_bsd.shape[1]
@@ -363,7 +380,8 @@ class BlockStack(nn.Module):
         # fused attention masks inside its kernel (is_causal): no [S, S] mask tensor
         fused = self.cfg.attention == "fused"
         mask_ss = None if fused else causal_mask(self.cfg, seq_len, x_bsd.device)
-        rope = rope_tables(self.cfg, seq_len, x_bsd.device, compute_dtype_of(x_bsd))
+        at = self.positions
+        rope = rope_tables(self.cfg, seq_len, x_bsd.device, compute_dtype_of(x_bsd), at)
         return self.layers_fn(self.layers, x_bsd, mask_ss, rope)
 
 
@@ -429,7 +447,9 @@ class Decoder(nn.Module):
         in the compute dtype."""
         x = self.wte(tokens_bs)  # [B, S, D]
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(tokens_bs.shape[1], device=tokens_bs.device))[None]
+            at = self.blocks.positions
+            at = torch.arange(tokens_bs.shape[1], device=tokens_bs.device) if at is None else at
+            x = x + self.wpe(at)[None]
         return x.to(compute_dtype_of(x))  # the residual stream runs in the compute dtype
 
     def head_logits(self, x_bsd: torch.Tensor, *, hooks: bool = True) -> torch.Tensor:

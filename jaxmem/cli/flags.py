@@ -185,9 +185,10 @@ FLAGS: dict[str, Flag] = {
         Flag(
             "--mesh",
             "parallel",
-            "devices, STRATEGY=N[,tp=M]: dp=4 (replicated), zero1=4 (optimizer state sharded), "
-            "fsdp=4 (parameters, gradients and state sharded), and tp=M Megatron tensor "
-            "parallelism on a second axis (fsdp=2,tp=2: 4 devices; tp=2 alone)",
+            "devices, STRATEGY=N[,tp=M|cp=M]: dp=4 (replicated), zero1=4 (optimizer state "
+            "sharded), fsdp=4 (parameters, gradients and state sharded), and tp=M Megatron tensor "
+            "parallelism on a second axis (fsdp=2,tp=2: 4 devices; tp=2 alone) or cp=M context "
+            "parallelism (each sequence split over M devices; fsdp=2,cp=2, cp=2 alone)",
         ),
         Flag("--target", None, f"plan the step for: {TARGETS_HELP}"),
         Flag("--wide", None, "every column (default: the essential ones)", action="store_true"),
@@ -347,6 +348,7 @@ def flag_settings(args: argparse.Namespace, names: Sequence[str]) -> dict[str, A
         if name == "mesh":
             parallel = parse_mesh(value)
             value = {"strategy": parallel.strategy, "devices": parallel.devices, "tp": parallel.tp}
+            value |= {"cp": parallel.cp} if parallel.cp > 1 else {}
         section, _, key = flag.path.partition(".")
         if key:
             out.setdefault(section, {})[key] = value

@@ -27,6 +27,7 @@ from jaxmem.cli.flags import STEP_FLAGS, add_flags, host_memory, job_from_args, 
 from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.figures import format_bytes
 from jaxmem.files import write_json_atomic
+from jaxmem.job import torch_mesh_refusal
 from jaxmem.policy import EmbeddingReplay, can_replay_embedding
 from jaxmem.policy_config import parse_policy
 
@@ -253,6 +254,9 @@ def _frameworks(args: argparse.Namespace, job, notes: list[str]) -> list[str]:
         raise UsageError(f"{why}; use --frameworks jax (jaxmem train --framework torch trains it)")
     if any(f.startswith("torch") for f in frameworks):
         need_torch("jaxmem memory --frameworks torch")
+        refusal = torch_mesh_refusal(parallel, job.model) if parallel.sharded else None
+        if refusal is not None:  # before anything compiles
+            raise UsageError(refusal)
     return frameworks
 
 

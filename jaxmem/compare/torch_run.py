@@ -36,6 +36,7 @@ from jaxmem.train.loop import RunFailed, run_job, val_batches
 from jaxmem.train.prepare import PreparedJob, check_resident, host_available_bytes, prepare_job
 from jaxmem.train.run_dir import last_verified
 from torch_ref.checkpoint import TorchCheckpointer
+from torch_ref.context import apply_context_parallel, local_batch, whole_sequence
 from torch_ref.generate import generate
 from torch_ref.loss import cross_entropy_sum
 from torch_ref.remat import (
@@ -163,7 +164,8 @@ class TorchTrainer:
         self.device = self.launch.device
         self.platform = self.device.split(":")[0]
         # a data-parallel rank reads only its rows of every batch (jaxmem.train.loop)
-        self.local_rows = self.launch.rows(r.batch_size, self.parallel.tp)
+        # (the ranks of one data rank's context axis read the same rows)
+        self.local_rows = self.launch.rows(r.batch_size, self.parallel.tp * self.parallel.cp)
         torch.manual_seed(r.seed)
         weights = None
         if r.init_from is not None and prepared.resume_step is None:
@@ -179,6 +181,9 @@ class TorchTrainer:
         model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
         if job.adapters.enabled:
             _add_adapters(model, initial, job)
+        if self.parallel.context_parallel:  # each rank its columns, keys gathered over all
+            cp, rank = self.parallel.cp, self.launch.rank % self.parallel.cp
+            apply_context_parallel(model, seq_len=r.seq_len, cp=cp, rank=rank)
         self.runner = apply_memory_policy(model.blocks, job.memory)
         apply_loss_policy(model, job.memory)
         # FSDP2 manages the model (sharded, or streamed through host memory on one process too)
@@ -283,6 +288,8 @@ class TorchTrainer:
 
     def step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         self.opt.zero_grad(set_to_none=True)
+        if self.parallel.context_parallel:
+            batch = local_batch(batch, self.parallel.cp, self.launch.rank % self.parallel.cp)
         loss_sum, n = accumulate_grads(
             self.model,
             batch,
@@ -324,7 +331,7 @@ class TorchTrainer:
         self.model.eval()
         total = count = 0.0
         p = self.job.precision
-        with torch.no_grad():
+        with torch.no_grad(), whole_sequence(tdist.unwrap(self.model)):
             for b in self._valid:
                 with torch.autocast(
                     self.device, dtype=TORCH_DTYPES[p.compute_dtype], enabled=p.is_mixed
@@ -359,7 +366,8 @@ class TorchTrainer:
     def sample(self, prompt: np.ndarray, n_new: int, temperature: float, seed: int) -> np.ndarray:
         # every rank samples the same tokens (same seed): FSDP2's forward is a collective
         model = tdist.unwrap(self.model)
-        return generate(model, prompt, n_new, temperature=temperature, seed=seed)
+        with whole_sequence(model):
+            return generate(model, prompt, n_new, temperature=temperature, seed=seed)
 
     def figures(self) -> list[Figure]:
         def nbytes(tensors: Any) -> int:

@@ -35,7 +35,7 @@ from jaxmem.adapters import TARGETS, AdapterConfig
 from jaxmem.config import ModelConfig
 from jaxmem.model.flash import cudnn_installed, fused_attention, fused_kernel
 from jaxmem.model.ops import wide
-from jaxmem.positions import rope_angles, split_angles
+from jaxmem.model.sequence import RopeTables, SequenceLayout, rope_tables
 from jaxmem.precision import Precision
 
 Array = jax.Array
@@ -48,24 +48,29 @@ LayerFn = Callable[..., Array]
 # ``mlp(ffn, x_bsd, dropout)``: how a block applies its ``FeedForward`` (default: ``ffn(x,
 # dropout)``); a memory policy's sequence tiling passes its own (``jaxmem.memory.remat``)
 MlpFn = Callable[["FeedForward", Array, "AdapterDropout | None"], Array]
-RopeTables = tuple[Array, Array] | None  # RoPE's cos, sin: [S, K] each
 # ``layers_fn(layer_fn, x, stacked_state)``; ``x`` is the first block's input or, for a
 # ``layers_fn`` whose ``replays_embedding`` attribute is true, the embedding lookup that makes it,
 # not yet run (``EmbeddingLookup``; ``materialize(x)`` runs it)
 LayersFn = Callable[[LayerFn, Any, Any], Array]
 
 
-def embed_tokens(params: dict[str, Array], tokens_bs: Array, *, dtype: Any) -> Array:
+def embed_tokens(
+    params: dict[str, Array], tokens_bs: Array, *, dtype: Any, positions: Any = None
+) -> Array:
     """The embedding lookup: token embeddings (+ learned position embeddings), cast to the
-    compute dtype: ``[B, S]`` ids -> ``[B, S, D]``. A gather and an addition: no matmul."""
+    compute dtype: ``[B, S]`` ids -> ``[B, S, D]``. A gather and an addition: no matmul.
+    ``positions`` (``[S]``): each column's position (``SequenceLayout``); default in order."""
     x = jnp.take(params["wte"], tokens_bs, axis=0)  # nnx.Embed's lookup
     if "wpe" in params:
-        x = x + params["wpe"][: tokens_bs.shape[1]][None]
+        at = params["wpe"][: tokens_bs.shape[1]] if positions is None else params["wpe"][positions]
+        x = x + at[None]
     return x.astype(dtype)
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["params", "tokens"], meta_fields=["dtype"]
+    jax.tree_util.register_dataclass,
+    data_fields=["params", "tokens", "positions"],
+    meta_fields=["dtype"],
 )
 @dataclasses.dataclass(frozen=True)
 class EmbeddingLookup:
@@ -78,9 +83,10 @@ class EmbeddingLookup:
     params: dict[str, Array]
     tokens: Array
     dtype: Any
+    positions: Any = None
 
     def __call__(self) -> Array:
-        return embed_tokens(self.params, self.tokens, dtype=self.dtype)
+        return embed_tokens(self.params, self.tokens, dtype=self.dtype, positions=self.positions)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -364,6 +370,7 @@ class SelfAttention(nnx.Module):
         mask_ss: Array | None,
         rope: RopeTables = None,
         dropout: AdapterDropout | None = None,
+        attend: Callable[[Array, Array, Array], Array] | None = None,
     ) -> Array:
         b, s, d = x_bsd.shape
         kv, hd = self.kv_heads, self.head_dim
@@ -381,22 +388,30 @@ class SelfAttention(nnx.Module):
                 raise ValueError("positions='rope': call the block with RoPE's tables")
             q = checkpoint_name(ops.rope(q, *rope), "query_rope")
             k = checkpoint_name(ops.rope(k, *rope), "key_rope")
+        if attend is not None:  # the step's core (``SequenceLayout.attend``)
+            return self._out(attend(q, k, v), dropout)
         if self.fused:  # one op; its output and log-sum-exp are tagged inside (see flash)
             context = fused_attention(q, k, v, self.causal, self.block, self.kernel)  # [B, S, D]
             return self._out(context, dropout)
-        scale = 1.0 / math.sqrt(hd)
-        # Scores and softmax in fp32 (or wider) whatever the compute dtype.
-        acc = wide(self.dtype)
-        scores = _scores(q, k, acc) * scale  # [B, H, S, S] (grouped: [B, Hkv, G, S, S])
-        if mask_ss is not None:
-            # An additive [S, S] bias: its backward needs nothing (a where() would keep a
-            # [B, H, S, S] broadcast of the mask for the backward pass).
-            scores = scores + jnp.where(mask_ss, 0.0, jnp.finfo(acc).min)
-        scores = checkpoint_name(scores, "attn_scores")
-        probs = ops.softmax(scores, self.dtype, "attn_probs")  # tagged inside (see ops)
-        context = _context(probs, v).reshape(b, s, d)  # [B, S, D]
-        context = checkpoint_name(context, "attn_context")
-        return self._out(context, dropout)
+        return self._out(naive_attention(q, k, v, mask_ss), dropout)
+
+
+def naive_attention(q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+    """The naive core: ``[B, Sq, D]`` context of q (``[B, Sq, H, K]``; grouped ``[B, Sq, Hkv,
+    G, K]``) over k, v ``[B, Sk, Hkv, K]``, ``mask`` ``[Sq, Sk]`` (True: may attend; None: all);
+    scores and softmax (tagged) in fp32 or wider whatever the compute dtype (q's)."""
+    b, s = q.shape[:2]
+    acc = wide(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = _scores(q, k, acc) * scale  # [B, H, Sq, Sk] (grouped: [B, Hkv, G, Sq, Sk])
+    if mask is not None:
+        # An additive [Sq, Sk] bias: its backward needs nothing (a where() would keep a
+        # [B, H, Sq, Sk] broadcast of the mask for the backward pass).
+        scores = scores + jnp.where(mask, 0.0, jnp.finfo(acc).min)
+    scores = checkpoint_name(scores, "attn_scores")
+    probs = ops.softmax(scores, q.dtype, "attn_probs")  # tagged inside (see ops)
+    context = _context(probs, v).reshape(b, s, -1)  # [B, Sq, D]
+    return checkpoint_name(context, "attn_context")
 
 
 def _scores(q: Array, k: Array, acc: Any) -> Array:
@@ -493,18 +508,20 @@ class Block(nnx.Module):
         rope: RopeTables = None,
         dropout: AdapterDropout | None = None,
         mlp: MlpFn | None = None,
+        attend: Callable[[Array, Array, Array], Array] | None = None,
     ) -> Array:
         """The block on ``x_bsd``; ``mlp`` (an ``MlpFn``) says how its MLP runs (default: at
         once over the whole sequence)."""
         ffn = self.ffn if mlp is None else functools.partial(mlp, self.ffn)
         x = checkpoint_name(x_bsd.astype(self.dtype), "block_input")
+        attn = functools.partial(self.self_attn, attend=attend)
         if self.pre_norm:  # GPT-2, Llama: x + f(norm(x))
             h = checkpoint_name(self.norm1(x), "norm1_out")
-            x = checkpoint_name(x + self.self_attn(h, mask_ss, rope, dropout), "attn_residual")
+            x = checkpoint_name(x + attn(h, mask_ss, rope, dropout), "attn_residual")
             h = checkpoint_name(self.norm2(x), "norm2_out")
             return checkpoint_name(x + ffn(h, dropout), "mlp_residual")
         # Post-norm (the seeds' DecoderLayer): norm(x + f(x)).
-        x = checkpoint_name(x + self.self_attn(x, mask_ss, rope, dropout), "attn_residual")
+        x = checkpoint_name(x + attn(x, mask_ss, rope, dropout), "attn_residual")
         x = checkpoint_name(self.norm1(x), "norm1_out")
         x = checkpoint_name(x + ffn(x, dropout), "mlp_residual")
         return checkpoint_name(self.norm2(x), "norm2_out")
@@ -522,37 +539,6 @@ def scan_layers(layer_fn: LayerFn, x_bsd: Array, stacked_state: Any) -> Array:
 
     x_bsd, _ = jax.lax.scan(body, materialize(x_bsd), stacked_state)
     return x_bsd
-
-
-# Up to this many positions RoPE's tables are float64 values rounded once to the wide dtype and
-# embedded in the program as constants; beyond it (a long-context step), a constant [S, K] pair
-# would be gigabytes of program (XLA refuses to serialize a program over 2 GiB), so the step
-# builds the tables from two small factor tables (``jaxmem.positions.split_angles``): within a
-# rounding or two of the constants' values in the wide dtype.
-ROPE_CONSTANT_POSITIONS = 1 << 16
-ROPE_STEP = 1024  # the fine table's length when the tables are built in the step
-
-
-def rope_tables(cfg: ModelConfig, seq_len: int, dtype: Any) -> RopeTables:
-    """RoPE's ``cos``, ``sin`` (``[S, K]``, in ``wide(dtype)``) for ``cfg``, or None without
-    RoPE: computed once per forward, outside the blocks (constants to every remat policy)."""
-    if cfg.positions != "rope":
-        return None
-    acc = wide(dtype)
-    if seq_len > ROPE_CONSTANT_POSITIONS:
-        return built_rope_tables(cfg, seq_len, acc)
-    cos, sin = rope_angles(cfg, seq_len)
-    return jnp.asarray(cos, acc), jnp.asarray(sin, acc)
-
-
-def built_rope_tables(cfg: ModelConfig, seq_len: int, acc: Any) -> tuple[Array, Array]:
-    """RoPE's tables built in the step by angle addition from ``split_angles``' factors:
-    ``cos(a + b) = cos a cos b - sin a sin b``, ``sin(a + b) = sin a cos b + cos a sin b``."""
-    hc, hs, lc, ls = (jnp.asarray(t, acc) for t in split_angles(cfg, seq_len, ROPE_STEP))
-    pos = jnp.arange(seq_len)
-    hi, lo = pos // ROPE_STEP, pos % ROPE_STEP
-    hc, hs, lc, ls = hc[hi], hs[hi], lc[lo], ls[lo]
-    return hc * lc - hs * ls, hs * lc + hc * ls
 
 
 def causal_mask(cfg: ModelConfig, seq_len: int) -> Array | None:
@@ -590,7 +576,12 @@ class BlockStack(nnx.Module):
         self.layers = make_layers(rngs)
 
     def __call__(
-        self, x_bsd: Array, *, layers_fn: LayersFn | None = None, dropout_keys: Array | None = None
+        self,
+        x_bsd: Array,
+        *,
+        layers_fn: LayersFn | None = None,
+        dropout_keys: Array | None = None,
+        layout: SequenceLayout | None = None,
     ) -> Array:
         """Apply every block. ``layers_fn(layer_fn, x, stacked_state)`` decides how (default:
         ``scan_layers``); memory policies pass their own (see ``jaxmem.memory.remat``).
@@ -599,28 +590,32 @@ class BlockStack(nnx.Module):
         dropped out (``AdapterDropout``). Each block's keys are the rows' folded with its index,
         which travels with its parameters as a float ``[L]`` leaf of the stacked state (a
         ``layers_fn`` slices it like a weight; a float, so a custom VJP's cotangent for it is
-        an ordinary zero)."""
+        an ordinary zero). ``layout``: the sequence held in another order, and attended by
+        its core (``SequenceLayout``)."""
         seq_len = x_bsd.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
         # fused attention masks by position inside its kernel: no [S, S] mask array
-        mask_ss = causal_mask(self.cfg, seq_len) if self.cfg.attention == "naive" else None
-        rope = rope_tables(self.cfg, seq_len, x_bsd.dtype)  # an EmbeddingLookup's too
+        naive = self.cfg.attention == "naive" and layout is None
+        mask_ss = causal_mask(self.cfg, seq_len) if naive else None
+        at, attend = (None, None) if layout is None else (layout.positions, layout.attend)
+        rope = rope_tables(self.cfg, seq_len, x_bsd.dtype, at)  # an EmbeddingLookup's too
         graphdef, stacked_state = nnx.split(self.layers)
         run = layers_fn or scan_layers
         if dropout_keys is None or not self.dropout:
 
             def layer_fn(x, layer_state, mlp=None):
-                return nnx.merge(graphdef, layer_state)(x, mask_ss, rope, mlp=mlp)
+                block = nnx.merge(graphdef, layer_state)
+                return block(x, mask_ss, rope, mlp=mlp, attend=attend)
 
             return run(layer_fn, x_bsd, stacked_state)
 
         def dropped_layer_fn(x, layer, mlp=None):
             layer_state, index = layer
             drop = AdapterDropout(self.dropout, layer_dropout_keys(dropout_keys, index))
-            return nnx.merge(graphdef, layer_state)(x, mask_ss, rope, drop, mlp=mlp)
+            return nnx.merge(graphdef, layer_state)(x, mask_ss, rope, drop, mlp=mlp, attend=attend)
 
         index = jnp.arange(self.cfg.n_layers, dtype=jnp.float32)
         return run(dropped_layer_fn, x_bsd, (stacked_state, index))
@@ -682,10 +677,11 @@ class Decoder(nnx.Module):
         *,
         layers_fn: LayersFn | None = None,
         dropout_keys: Array | None = None,
+        layout: SequenceLayout | None = None,
     ) -> Array:
         """Token ids ``[B, S]`` → logits ``[B, S, V]`` in fp32 (float64 for a float64 model)."""
         head, head_params = self.head()
-        x = self.features(tokens_bs, layers_fn=layers_fn, dropout_keys=dropout_keys)
+        x = self.features(tokens_bs, layers_fn=layers_fn, dropout_keys=dropout_keys, layout=layout)
         return head(head_params, x)
 
     def features(
@@ -694,27 +690,30 @@ class Decoder(nnx.Module):
         *,
         layers_fn: LayersFn | None = None,
         dropout_keys: Array | None = None,
+        layout: SequenceLayout | None = None,
     ) -> Array:
         """Token ids ``[B, S]`` → the block stack's output ``[B, S, D]`` (compute dtype), what
         the head (``head``) turns into logits. ``dropout_keys``: each row's key for the
-        adapters' dropout (training only; ``BlockStack``)."""
+        adapters' dropout (training only; ``BlockStack``); ``layout``: the columns' positions
+        and the attention core (``SequenceLayout``)."""
         seq_len = tokens_bs.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
-        x = self.embedding(tokens_bs)
+        x = self.embedding(tokens_bs, None if layout is None else layout.positions)
         replays = getattr(layers_fn, "replays_embedding", False)
-        return self.blocks(x if replays else x(), layers_fn=layers_fn, dropout_keys=dropout_keys)
+        kw = dict(layers_fn=layers_fn, dropout_keys=dropout_keys, layout=layout)
+        return self.blocks(x if replays else x(), **kw)
 
-    def embedding(self, tokens_bs: Array) -> EmbeddingLookup:
+    def embedding(self, tokens_bs: Array, positions: Any = None) -> EmbeddingLookup:
         """The embedding lookup of ``tokens_bs``, not yet run: the stack's input as
         ``features`` hands it to the ``layers_fn`` (which may replay it in the first block's
         backward instead of keeping its output)."""
         params = {"wte": self.wte.embedding[...]}
         if self.wpe is not None:
             params["wpe"] = self.wpe.embedding[...]
-        return EmbeddingLookup(params, tokens_bs, jnp.dtype(self.dtype))
+        return EmbeddingLookup(params, tokens_bs, jnp.dtype(self.dtype), positions)
 
     def head(self) -> tuple[HeadFn, dict[str, Array]]:
         """The final norm and LM head as a pure function and its parameters:

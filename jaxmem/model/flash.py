@@ -91,6 +91,17 @@ def flash_attention(q: Array, k: Array, v: Array, causal: bool, block: int) -> A
     return _flash_fwd(q, k, v, causal, block)[0]
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def flash_attention_at(
+    q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array, block: int
+) -> Array:
+    """``flash_attention``, causal by position: query i (at ``q_pos[i]``) attends to key j
+    (at ``k_pos[j]``) where ``k_pos[j] <= q_pos[i]``, whatever order either is held in, and
+    ``q`` may hold fewer positions than ``k`` (a device's share of a sequence split over
+    devices, against all its keys: ``jaxmem.step.context``)."""
+    return _flash_fwd(q, k, v, True, block, (q_pos, k_pos))[0]
+
+
 def _blocks(x: Array, block: int) -> Array:
     """``[B, S, H, K]`` -> ``[N, B, block, H, K]``, zero-padded to N·block positions."""
     b, s, h, d = x.shape
@@ -99,12 +110,18 @@ def _blocks(x: Array, block: int) -> Array:
     return jnp.moveaxis(x.reshape(b, n, block, h, d), 1, 0)
 
 
-def _valid(s: int, block: int, j: Array, causal: bool) -> Array:
-    """``[S, block]``: which keys of block ``j`` each query may attend to."""
-    k_pos = j * block + jnp.arange(block)
-    ok = jnp.broadcast_to(k_pos[None, :] < s, (s, block))  # padding keys never
+def _valid(s: int, block: int, j: Array, causal: bool, pos: Any = None) -> Array:
+    """``[Sq, block]``: which keys of block ``j`` each query may attend to. ``pos``: the
+    queries' positions ``[Sq]`` and this block's keys' ``[block]`` (causal by position, in
+    whatever order the sequence is held); without, queries and keys in order, ``s`` of each."""
+    k_idx = j * block + jnp.arange(block)
+    if pos is not None:
+        q_pos, kj_pos = pos
+        ok = k_idx[None, :] < s  # padding keys never
+        return ok & (q_pos[:, None] >= kj_pos[None, :])
+    ok = jnp.broadcast_to(k_idx[None, :] < s, (s, block))  # padding keys never
     if causal:
-        ok = ok & (jnp.arange(s)[:, None] >= k_pos[None, :])
+        ok = ok & (jnp.arange(s)[:, None] >= k_idx[None, :])
     return ok
 
 
@@ -148,17 +165,32 @@ def _apply_t(p: Array, x: Array, kv: int, acc) -> Array:
     return jnp.einsum("bhgqs,bqhgk->bshk", _grouped(p, kv), xg, preferred_element_type=acc)
 
 
-def _flash_fwd(q, k, v, causal, block):
+def _key_blocks(k, v, block, pos):
+    """The scan's inputs: keys and values in blocks, block indices and (by position) the
+    queries' positions with each block's keys'."""
+    n = -(-k.shape[1] // block)
+    if pos is None:
+        return (_blocks(k, block), _blocks(v, block), jnp.arange(n), None)
+    q_pos, k_pos = pos
+    k_pos = jnp.pad(k_pos, (0, n * block - k_pos.shape[0])).reshape(n, block)
+    return (_blocks(k, block), _blocks(v, block), jnp.arange(n), k_pos)
+
+
+def _block_valid(s, block, j, causal, kj_pos, pos):
+    return _valid(s, block, j, causal, None if pos is None else (pos[0], kj_pos))
+
+
+def _flash_fwd(q, k, v, causal, block, pos=None):
     b, s, h, d = q.shape
-    block = min(block, s)
+    sk = k.shape[1]
+    block = min(block, sk)
     acc = wide(q.dtype)
     scale = 1.0 / math.sqrt(d)
-    n = -(-s // block)
 
     def step(carry, xs):
         m, row_sum, o = carry  # [B, H, S], [B, H, S], [B, S, H, K] (fp32)
-        kj, vj, j = xs
-        valid = _valid(s, block, j, causal)
+        kj, vj, j, kj_pos = xs
+        valid = _block_valid(sk, block, j, causal, kj_pos, pos)
         sc = jnp.where(valid, _scores(q, kj, scale, acc), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         # every row has a visible key in block 0 (key 0; with causal masking too), so m_new is
@@ -175,21 +207,21 @@ def _flash_fwd(q, k, v, causal, block):
         jnp.zeros((b, h, s), acc),
         jnp.zeros((b, s, h, d), acc),
     )
-    xs = (_blocks(k, block), _blocks(v, block), jnp.arange(n))
-    (m, row_sum, o), _ = jax.lax.scan(step, init, xs)
+    (m, row_sum, o), _ = jax.lax.scan(step, init, _key_blocks(k, v, block, pos))
     out = (o / jnp.moveaxis(row_sum, 1, 2)[..., None]).astype(q.dtype).reshape(b, s, h * d)
     out = checkpoint_name(out, "attn_context")
     lse = checkpoint_name(m + jnp.log(row_sum), "attn_lse")
-    return out, (q, k, v, out, lse)
+    return out, (q, k, v, out, lse, pos)
 
 
 def _flash_bwd(causal, block, res, g):
-    q, k, v, out, lse = res
+    q, k, v, out, lse, pos = res
     b, s, h, d = q.shape
-    block = min(block, s)
+    sk = k.shape[1]
+    block = min(block, sk)
     acc = wide(q.dtype)
     scale = 1.0 / math.sqrt(d)
-    n = -(-s // block)
+    n = -(-sk // block)
     g = g.reshape(b, s, h, d).astype(q.dtype)
     # D_i = sum_k dO_ik O_ik = sum_j P_ij dP_ij: the softmax backward's row term
     delta = jnp.sum(g.astype(acc) * out.reshape(b, s, h, d).astype(acc), axis=-1)
@@ -198,8 +230,8 @@ def _flash_bwd(causal, block, res, g):
     kv = k.shape[2]
 
     def step(dq, xs):
-        kj, vj, j = xs
-        valid = _valid(s, block, j, causal)
+        kj, vj, j, kj_pos = xs
+        valid = _block_valid(sk, block, j, causal, kj_pos, pos)
         p = jnp.where(valid, jnp.exp(_scores(q, kj, scale, acc) - lse[..., None]), 0.0)
         dv = _apply_t(p.astype(g.dtype), g, kv, acc)
         dp = _scores(g, vj, None, acc)
@@ -208,13 +240,25 @@ def _flash_bwd(causal, block, res, g):
         dk = _apply_t(ds, q, kv, acc)
         return dq, (dk, dv)
 
-    xs = (_blocks(k, block), _blocks(v, block), jnp.arange(n))
+    xs = _key_blocks(k, v, block, pos)
     dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, s, h, d), acc), xs)
 
     def unblock(x):  # [N, B, block, Hkv, K] -> [B, S, Hkv, K]
-        return jnp.moveaxis(x, 0, 1).reshape(b, n * block, kv, d)[:, :s]
+        return jnp.moveaxis(x, 0, 1).reshape(b, n * block, kv, d)[:, :sk]
 
-    return dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)
+    grads = dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)
+    return grads if pos is None else (*grads, None, None)  # positions: integers, no gradient
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _flash_at_fwd(q, k, v, q_pos, k_pos, block):
+    return _flash_fwd(q, k, v, True, block, (q_pos, k_pos))
+
+
+def _flash_at_bwd(block, res, g):
+    return _flash_bwd(True, block, res, g)
+
+
+flash_attention_at.defvjp(_flash_at_fwd, _flash_at_bwd)

@@ -143,6 +143,8 @@ def _saved(spec: StepSpec, built: BuiltStep, params: Any, micro: Any) -> list:
             )
             for r in saved
         ]
+    if spec.sharded and spec.parallel.context_parallel:  # every tensor split by sequence
+        saved = [dataclasses.replace(r, nbytes=r.nbytes // spec.parallel.cp) for r in saved]
     return saved
 
 
@@ -167,6 +169,8 @@ def _flops(spec: StepSpec, built: BuiltStep, kernel: str, params: Any, micro: An
         head = accum * analytic.head_flops(cfg, spec.micro_rows, spec.seq_len)
         flops = head + (flops - head) // spec.parallel.tp
         model_flops = model_flops // spec.parallel.tp
+    if spec.sharded and spec.parallel.context_parallel:  # each device its S/cp queries' work
+        flops, model_flops = flops // spec.parallel.cp, model_flops // spec.parallel.cp
     return flops, model_flops
 
 
@@ -182,16 +186,26 @@ def _translation(policy: MemoryPolicy) -> str:
 def _sources(spec: StepSpec, kernel: str) -> dict[str, str]:
     """How the saved bytes and the FLOPs were obtained."""
     parallel, tp = spec.parallel, spec.sharded and spec.parallel.tensor_parallel
-    saved = "residual accounting (jaxpr of jax.vjp; parameters excluded)" + (
-        f"; one tensor device's share by tag (Megatron's layout over tp={parallel.tp}, "
-        f"sequence parallel: {'yes' if parallel.sequence_parallel else 'no'}; untagged "
-        "residuals whole)"
-        if tp
-        else ""
+    saved = (
+        "residual accounting (jaxpr of jax.vjp; parameters excluded)"
+        + (
+            f"; one tensor device's share by tag (Megatron's layout over tp={parallel.tp}, "
+            f"sequence parallel: {'yes' if parallel.sequence_parallel else 'no'}; untagged "
+            "residuals whole)"
+            if tp
+            else ""
+        )
+        + (
+            f"; one context device's share (the sequence split over cp={parallel.cp}: 1/cp of "
+            "each; the keys and values it gathers whole to attend are in the compiled plan only)"
+            if spec.sharded and parallel.context_parallel
+            else ""
+        )
     )
     flops = (
         "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)"
         + ("; per tensor device: the blocks' matmuls over tp, the LM head's whole" if tp else "")
+        + ("; per context device: 1/cp" if spec.sharded and parallel.context_parallel else "")
         + (
             "; cuDNN's attention counted as the blockwise kernel's (the same FlashAttention-2 "
             "matmuls)"

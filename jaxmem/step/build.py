@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ from jaxmem.memory.remat import layers_fn
 from jaxmem.model import make_model
 from jaxmem.model.qbase import quantize_base
 from jaxmem.sharding import StepShardings, mesh, parallel_loss, step_shardings
-from jaxmem.step import stream
+from jaxmem.step import context, stream
 from jaxmem.step.frozen import Trainable, check_composes
 from jaxmem.step.scaling import init_loss_scale
 from jaxmem.step.spec import StepSpec
@@ -233,17 +234,22 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
     tx = trainable.optimizer(make_optimizer(opt))
     layers = layers_fn(policy, cfg.n_layers)
 
-    def plain(lf: Any) -> Loss:
+    def plain(lf: Any, **model_kw: Any) -> Loss:
         chunks = policy.loss.chunks_for(spec.seq_len)
-        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=chunks)
+        return lm_loss_fn(graphdef, layers_fn=lf, loss_chunks=chunks, **model_kw)
 
     shardings = _mesh_shardings(spec, tx, params, trainable)
     make_loss = plain
     if shardings is not None:
-        m = shardings.mesh
+        m, cp = shardings.mesh, spec.parallel.context_parallel
+        sharded = plain
+        if cp:  # the sequence split over the context axis: the model runs under its layout
+            at = context.layout(m, cfg.attention, cfg.attention_block, spec.seq_len)
+            sharded = partial(plain, layout=at)
 
         def make_loss(lf: Any) -> Loss:
-            return parallel_loss(plain, lf, spec.parallel, m)
+            loss = parallel_loss(sharded, lf, spec.parallel, m)
+            return context.permuted_loss(loss, m, spec.seq_len) if cp else loss
 
     loss = make_loss(layers)
     placement = None

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from jaxmem.config import ConfigError
 from jaxmem.data import PAD
+from jaxmem.distributed import process_rows
 from jaxmem.figures import Figure, format_bytes, rss_figure
 from jaxmem.job import JobConfig
 from jaxmem.memory import residuals
@@ -245,8 +246,7 @@ class JaxTrainer:
         self.processes = jax.process_count()
         self.local_rows = None  # a multi-process run reads only this process's rows
         if self.processes > 1:
-            rows = r.batch_size // self.processes
-            self.local_rows = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+            self.local_rows = process_rows(self.shardings.batch, r.batch_size)
         # where host-resident parameters go on the device (None: device 0)
         self._where = self.shardings.params if self.shardings is not None else None
         self.host_params = job.optimizer.params_memory != "device" or job.optimizer.stream

@@ -1,0 +1,245 @@
+"""Context parallelism (``--mesh cp=N``, ``jaxmem.step.context``): the balanced layout, the
+one-device losses for a GPT and a Llama block (naive and fused attention) under ``cp=2`` and
+``fsdp=2,cp=2`` on CPU devices, FSDP's shards over data x context, a bit-identical resume, per
+device records, a lost process ending the survivor in one line, and bad meshes refused in one
+line before anything compiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxmem.compare.tolerances import tolerance
+from jaxmem.config import PRESETS, ConfigError
+from jaxmem.parallel import ParallelConfig, parse_mesh
+from tests.test_cli_contract import run_cli
+
+WORKER = os.path.join(os.path.dirname(__file__), "parallel_worker.py")
+CASES = [
+    {"policy": "full", "precision": "fp32", "steps": 3, "cp": 2, "cp_alone": True},
+    {  # RoPE following the permuted positions, grouped-query keys gathered, the fused kernel
+        "preset": "tiny-llama",
+        "attention": "fused",
+        "policy": "selective",
+        "precision": "fp32",
+        "accum": 2,
+        "steps": 3,
+        "cp": 2,
+        "cp_alone": True,
+    },
+]
+for case in CASES:
+    case["strategies"] = ["fsdp"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    proc = subprocess.run(
+        [sys.executable, WORKER, json.dumps(CASES)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_context_parallel_steps_train_as_one_device(runs):
+    """cp=2 alone and fsdp=2 x cp=2, for tiny (naive attention) and tiny-llama (fused): the
+    one-device losses within the data-parallel tolerance (the gradients' reductions add in
+    their own order)."""
+    tol = tolerance("float32", "data_parallel_loss")
+    for row in runs:
+        for name in ("cp", "fsdp"):
+            np.testing.assert_allclose(
+                row[name]["losses"], row["one_device"]["losses"], **tol.kwargs()
+            )
+
+
+@pytest.mark.slow
+def test_fsdp_shards_over_the_data_and_context_devices_together(runs):
+    """fsdp=2,cp=2: each of the 4 devices holds about a quarter of the parameters and optimizer
+    state (leaves too small to split stay whole); cp=2 alone (dp) holds them whole."""
+    for row in runs:
+        one = row["one_device"]
+        for key in ("params_bytes", "opt_state_bytes"):
+            assert row["fsdp"][key] < one[key] / 3, key
+            assert row["cp"][key] == one[key], key
+
+
+def test_the_balanced_layout_gives_every_device_the_same_causal_work():
+    from jaxmem.step.context import balanced_order
+
+    order = balanced_order(16, 4)
+    assert sorted(order.tolist()) == list(range(16))
+    per_device = order.reshape(4, 4)  # device i holds chunks i and 7 - i of 8
+    assert per_device[0].tolist() == [0, 1, 14, 15] and per_device[3].tolist() == [6, 7, 8, 9]
+    work = (per_device + 1).sum(axis=1)  # keys each device's queries attend to
+    assert len(set(work.tolist())) == 1
+
+
+@pytest.mark.parametrize("kv_heads", [2])
+def test_fused_attention_by_position_equals_the_naive_core_on_a_devices_share(kv_heads):
+    """One context device's queries (positions in the balanced order) against every key: the
+    blockwise kernel causal by position equals the naive core with the positions' mask, output
+    and gradients, in float64 (grouped-query keys too)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmem.model.decoder import naive_attention
+    from jaxmem.model.flash import flash_attention_at
+    from jaxmem.step.context import balanced_order
+
+    with jax.enable_x64(True):
+        keys = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(keys[0], (2, 8, 4, 8), jnp.float64)  # device 1 of cp=2
+        k, v = (jax.random.normal(x, (2, 16, kv_heads, 8), jnp.float64) for x in keys[1:])
+        q_pos, k_pos = jnp.asarray(balanced_order(16, 2)[8:]), jnp.arange(16)
+        grouped = q.reshape(2, 8, kv_heads, 4 // kv_heads, 8) if kv_heads < 4 else q
+
+        def fused(q, k, v):
+            return jnp.sum(jnp.sin(flash_attention_at(q, k, v, q_pos, k_pos, 4)))
+
+        def naive(q, k, v):
+            g = q.reshape(grouped.shape)
+            return jnp.sum(jnp.sin(naive_attention(g, k, v, q_pos[:, None] >= k_pos[None])))
+
+        tol = tolerance("float64", "fused_vs_naive").kwargs()
+        for a, b in zip(
+            jax.grad(fused, (0, 1, 2))(q, k, v), jax.grad(naive, (0, 1, 2))(q, k, v), strict=True
+        ):
+            np.testing.assert_allclose(a, b, **tol)
+        np.testing.assert_allclose(fused(q, k, v), naive(q, k, v), **tol)
+
+
+def test_a_mesh_with_a_context_axis_reads_and_prints_back():
+    assert parse_mesh("cp=2") == ParallelConfig(devices=2, cp=2)
+    assert parse_mesh("fsdp=2,cp=2") == ParallelConfig(strategy="fsdp", devices=4, cp=2)
+    for text in ("cp=2", "fsdp=2,cp=2", "fsdp=1,cp=8", "zero1=2,cp=4"):
+        assert parse_mesh(text).mesh_text() == text
+    assert parse_mesh("fsdp=1,cp=8").shards_params  # FSDP over the context devices alone
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda: parse_mesh("fsdp=2,tp=2,cp=2"), "a tensor axis and a context axis together"),
+        (lambda: parse_mesh("cp=0"), "cp=0 must be a positive device count"),
+        (lambda: ParallelConfig(devices=3, cp=2), "devices=3 is not a multiple of tp=1 x cp=2"),
+    ],
+)
+def test_bad_context_meshes_are_refused_naming_the_value(make, fragment):
+    with pytest.raises(ConfigError) as exc:
+        make()
+    assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--seq-len", "30"], "cuts the 30 positions into 2 x cp = 4 equal chunks"),
+        (["--stream"], "(context parallelism) with --stream"),
+        (["--lora-rank", "4", "--lora-dropout", "0.1"], "with adapter dropout 0.1"),
+        (["--mesh", "fsdp=64,cp=2"], "--mesh asks for 128 CPU devices"),
+    ],
+)
+def test_train_refuses_what_context_parallelism_cannot_run_in_one_line(tmp_path, args, fragment):
+    """One line naming the value, exit 2, nothing written, before anything compiles."""
+    out = tmp_path / "run"
+    base = ["train", "--preset", "tiny", "--batch-size", "4", "--seq-len", "32"]
+    mesh = [] if "--mesh" in args else ["--mesh", "cp=2"]
+    proc = run_cli(*base, *mesh, *args, "--steps", "1", "--out", str(out), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr[-2000:]
+    assert "compiling" not in proc.stdout and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["plan", "--budget", "1GiB"], "does not search a context axis (--mesh cp=2)"),
+        (["memory", "--frameworks", "jax,torch"], "per-rank memory records do not run context"),
+    ],
+)
+def test_commands_refuse_a_context_axis_they_do_not_run_in_one_line(args, fragment):
+    """Before anything compiles: one line, exit 2."""
+    proc = run_cli(*args, "--preset", "tiny", "--seq-len", "32", "--mesh", "cp=2", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr[-2000:]
+    assert "measuring" not in proc.stdout and "compile" not in proc.stdout
+
+
+def test_torch_refuses_a_data_axis_beside_the_context_axis_and_runs_it_alone():
+    from jaxmem.job import torch_mesh_refusal
+
+    cfg = PRESETS["tiny-llama"]
+    line = torch_mesh_refusal(parse_mesh("fsdp=2,cp=2"), cfg, training=True)
+    assert line is not None and "use --mesh fsdp=1,cp=4 or --framework jax" in line
+    for mesh in ("cp=2", "fsdp=1,cp=2"):
+        assert torch_mesh_refusal(parse_mesh(mesh), cfg, training=True) is None
+        assert "per-rank memory records" in torch_mesh_refusal(parse_mesh(mesh), cfg)
+
+
+CP_RUN = ["--preset", "tiny-llama", "--batch-size", "2", "--seq-len", "32", "--policy", "full"]
+
+
+@pytest.mark.slow
+def test_a_context_parallel_run_resumes_bit_identically(tmp_path):
+    """fsdp=2,cp=2 on 4 CPU devices: 2 steps, then --resume to 4, logs exactly what 4
+    uninterrupted steps log."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    args = [*CP_RUN, "--mesh", "fsdp=2,cp=2", "--checkpoint-every", "2"]
+
+    def train(out, *more):
+        cmd = [sys.executable, "-m", "jaxmem.cli", "train", "--out", str(out), *more]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [
+            json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    whole = train(tmp_path / "whole", *args, "--steps", "4")
+    train(tmp_path / "halves", *args, "--steps", "2")
+    assert train(tmp_path / "halves", "--resume", "--steps", "4") == whole
+
+
+@pytest.mark.slow
+def test_memory_command_plans_context_parallel_records_per_device(tmp_path):
+    """``jaxmem memory --mesh cp=2``: the saved activations and FLOPs per device are half the
+    one-device step's, and the compiled plan per device is smaller."""
+    args = ["memory", *CP_RUN[:6], "--seq-len", "64", "--policies", "none", "--frameworks", "jax"]
+    recs = []
+    for mesh in ([], ["--mesh", "cp=2"]):
+        out = tmp_path / f"{len(mesh)}.json"
+        proc = run_cli(*args, *mesh, "--json", str(out), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (rec,) = json.loads(out.read_text())
+        recs.append(rec)
+    one, cp = recs
+    assert cp["per_device"] is True and cp["mesh"] == "cp=2"
+    assert cp["saved_activation_bytes_device"] == one["saved_activation_bytes_device"] // 2
+    assert cp["flops"] == one["flops"] // 2
+    assert cp["planned_peak_bytes"] < one["planned_peak_bytes"]
+    assert "the sequence split over cp=2" in cp["saved_source"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_lost_process_ends_the_context_parallel_survivor_in_one_line(tmp_path):
+    """A 2-process --mesh cp=2 run (one CPU device each: the context axis spans the processes)
+    whose process 1 is SIGKILLed after a checkpoint: process 0 exits 1 within seconds in one
+    line naming process 1 and the checkpoint, leaving no process behind."""
+    from tests.test_parallel import _lose_one, _lost_line, processes_running
+
+    run = tmp_path / "lost"
+    args = (*CP_RUN[:4], "--seq-len", "32", "--mesh", "cp=2", "--checkpoint-every", "2")
+    survivor, err, took = _lose_one(run, 1, worker=True, args=(*args, "--steps", "200"))
+    assert survivor.returncode == 1, err[-3000:]
+    assert took < 30, took
+    _lost_line(err, 0, "process 1", run)
+    assert "Traceback" not in err and not processes_running(str(run))
