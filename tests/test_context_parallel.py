@@ -243,3 +243,25 @@ def test_a_lost_process_ends_the_context_parallel_survivor_in_one_line(tmp_path)
     assert took < 30, took
     _lost_line(err, 0, "process 1", run)
     assert "Traceback" not in err and not processes_running(str(run))
+
+
+@pytest.mark.slow
+def test_the_long_sequence_composition_trains_as_one_device(tmp_path):
+    """cp=2 with every long-sequence tool at once: block inputs in host memory (full-host), the
+    MLP and the loss in sequence tiles; 3 steps log the one-device untiled run's losses."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    tools = ["--policy", "full-host", "--mlp-tile-tokens", "8", "--loss-tile-tokens", "16"]
+
+    def train(out, *more):
+        cmd = [sys.executable, "-m", "jaxmem.cli", "train", "--out", str(out), *CP_RUN[:6]]
+        cmd += ["--steps", "3", *more]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+    one = train(tmp_path / "one", "--policy", "full")
+    tol = tolerance("float32", "data_parallel_loss")
+    np.testing.assert_allclose(
+        train(tmp_path / "cp", *tools, "--mesh", "cp=2"), one, rtol=tol.rtol, atol=tol.atol
+    )
