@@ -228,24 +228,27 @@ def check_stream(
     )
 
 
-def check_loss_chunks(policy: MemoryPolicy, precision: Precision, seq_len: int) -> None:
+def check_loss_chunks(
+    policy: MemoryPolicy, precision: Precision, seq_len: int, cp: int = 1
+) -> None:
     """``ConfigError`` when ``policy.loss``'s chunks or the MLP's tiles cannot split this
-    step's sequences."""
-    for key, tokens in (
-        ("mlp_tile_tokens", policy.mlp_tile_tokens),
-        ("loss_tile_tokens", policy.loss.tile_tokens),
-    ):
+    step's sequences: each device's share of them, over a context axis of ``cp``."""
+    share = seq_len // cp  # a context axis tiles each device's positions on their own
+    where = f"seq_len={seq_len}" if cp == 1 else f"a device's {share} positions (cp={cp})"
+    tiles = {"mlp_tile_tokens": policy.mlp_tile_tokens, "loss_tile_tokens": policy.loss.tile_tokens}
+    for key, tokens in tiles.items():
         require(
-            not tokens or seq_len % tokens == 0,
-            f"{key}={tokens} does not divide seq_len={seq_len}: use one of "
-            f"{', '.join(map(str, divisors(seq_len)))}",
+            not tokens or share % tokens == 0,
+            f"{key}={tokens} does not divide {where}: use one of "
+            f"{', '.join(map(str, divisors(share)))}",
         )
     chunks = policy.loss.chunks_for(seq_len)
     if not chunks:
         return
     require(
-        seq_len % chunks == 0,
-        f"loss_chunks={chunks} does not divide seq_len={seq_len}: use a divisor of {seq_len}",
+        seq_len % chunks == 0 and chunks % cp == 0,
+        f"loss_chunks={chunks} does not split {where} evenly: use a multiple of {cp} that "
+        f"divides {seq_len}",
     )
     require(
         precision.loss_scale != "dynamic",
@@ -396,7 +399,7 @@ class JobConfig:
         )
         if self.optimizer.stream:
             check_stream(self.memory, self.precision, self.accum)
-        check_loss_chunks(self.memory, self.precision, self.run.seq_len)
+        check_loss_chunks(self.memory, self.precision, self.run.seq_len, self.parallel.cp)
         self.accum.check_batch(self.run.batch_size)
         self.parallel.check_batch(self.run.batch_size, self.accum.steps)
         self.parallel.check_model(self.model, self.run.seq_len)
@@ -411,12 +414,9 @@ class JobConfig:
                 f"--mesh {self.parallel.mesh_text()} (tensor parallelism) lays out each block's "
                 "tagged activations, not those inside sequence tiles: drop --mlp-tile-tokens",
             )
-        cp_line = context_refusal(
-            self.parallel,
-            stream=self.optimizer.stream,
-            adapter_dropout=self.adapters.dropout if self.adapters.enabled else 0.0,
-        )
-        require(cp_line is None, cp_line or "")
+        dropout = self.adapters.dropout if self.adapters.enabled else 0.0
+        line = context_refusal(self.parallel, stream=self.optimizer.stream, adapter_dropout=dropout)
+        require(line is None, line or "")
         if self.parallel.sharded:
             require(
                 self.accum.mode == "scan",

@@ -265,3 +265,47 @@ def test_the_long_sequence_composition_trains_as_one_device(tmp_path):
     np.testing.assert_allclose(
         train(tmp_path / "cp", *tools, "--mesh", "cp=2"), one, rtol=tol.rtol, atol=tol.atol
     )
+
+
+_PROGRAM_FACTS = """
+import json, os, re, sys
+from jaxmem.config import PRESETS
+from jaxmem.parallel import ParallelConfig
+from jaxmem.policy import POLICIES, LossPolicy
+from jaxmem.step.build import build_step
+from jaxmem.step.spec import StepSpec
+
+cfg = PRESETS["tiny-llama"].replace(attention="fused", attention_block=16)
+out = {}
+for name, tiles in {"whole": 0, "tiled": 8}.items():
+    policy = POLICIES["full"].replace(mlp_tile_tokens=tiles, loss=LossPolicy(tile_tokens=tiles))
+    cp = ParallelConfig(strategy="dp", devices=2, cp=2)
+    built, params = build_step(StepSpec(model=cfg, policy=policy, batch=1, seq_len=64, parallel=cp))
+    text = built.lower(params).compile().as_text()
+    out[name] = {
+        "gathers": sorted(re.findall(r"= (\\S+) all-gather\\(", text)),
+        "stacked_masks": sorted(set(re.findall(r"pred\\[\\d+(?:,\\d+){4}\\]", text))),
+        "mlp_rows": sorted(set(re.findall(r"f32\\[(\\d+),160\\]", text))),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_context_parallel_tiles_and_attention_stay_on_each_devices_share():
+    """cp=2 on 2 CPU devices, compiled: the MLP and loss tiles loop over each device's own
+    columns (no all-gather beyond the keys' and values', every MLP matmul of a tile's 8 local
+    rows, not 2 x 8 gathered ones), and the blockwise attention keeps no per-block stack of
+    position masks."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROGRAM_FACTS], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["tiled"]["gathers"] == facts["whole"]["gathers"]  # the keys and values only
+    rows = facts["tiled"]["mlp_rows"]  # ([64, 160]: the weight gradients' shape)
+    assert "8" in rows and "16" not in rows and "32" in facts["whole"]["mlp_rows"]
+    assert facts["whole"]["stacked_masks"] == facts["tiled"]["stacked_masks"] == []

@@ -49,6 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmem.config import ConfigError
 from jaxmem.model import LayerFn, LayersFn, scan_layers
 from jaxmem.model.decoder import EmbeddingLookup, MlpFn, materialize
+from jaxmem.model.sequence import tile_major, tile_minor
 from jaxmem.policy import (
     BLOCK_INPUT,
     HOST_MEMORY_KIND,
@@ -164,10 +165,14 @@ def tiled_mlp(block: BlockPolicy, tokens: int) -> MlpFn:
     """
     ckpt_policy = block_checkpoint_policy(block) if block.remat else None
 
-    def mlp(ffn: Any, x_bsd: jax.Array, dropout: Any) -> jax.Array:
-        b, s, d = x_bsd.shape
-        if s % tokens:
-            raise ValueError(f"mlp_tile_tokens={tokens} does not divide seq_len={s}")
+    def mlp(ffn: Any, x_bsd: jax.Array, dropout: Any, shards: int = 1) -> jax.Array:
+        s = x_bsd.shape[1]
+        if s % shards or (s // shards) % tokens:
+            raise ValueError(
+                f"mlp_tile_tokens={tokens} does not divide a device's {s // shards} positions"
+            )
+        if dropout is not None and shards > 1:
+            raise ValueError("adapter dropout's masks follow positions: not over sequence shards")
         graphdef, state = nnx.split(ffn)
 
         def one_tile(state: Any, x_btd: jax.Array, start: jax.Array) -> jax.Array:
@@ -177,11 +182,10 @@ def tiled_mlp(block: BlockPolicy, tokens: int) -> MlpFn:
         if ckpt_policy is not None:
             # inside the map's scan: no CSE across iterations to prevent
             one_tile = jax.checkpoint(one_tile, policy=ckpt_policy, prevent_cse=False)
-        n = s // tokens
-        x_nbtd = jnp.moveaxis(x_bsd.reshape(b, n, tokens, d), 1, 0)  # [n, B, T, D]
-        starts = jnp.arange(n, dtype=jnp.int32) * tokens
+        x_nbtd = tile_major(x_bsd, s // tokens, shards)  # [n, B, shards * T, D]
+        starts = jnp.arange(x_nbtd.shape[0], dtype=jnp.int32) * tokens
         y_nbtd = jax.lax.map(lambda tile: one_tile(state, *tile), (x_nbtd, starts))
-        return jnp.moveaxis(y_nbtd, 0, 1).reshape(b, s, y_nbtd.shape[-1])
+        return tile_minor(y_nbtd, shards)
 
     return mlp
 

@@ -601,12 +601,14 @@ class BlockStack(nnx.Module):
         naive = self.cfg.attention == "naive" and layout is None
         mask_ss = causal_mask(self.cfg, seq_len) if naive else None
         at, attend = (None, None) if layout is None else (layout.positions, layout.attend)
+        shards = {} if layout is None or layout.shards == 1 else {"shards": layout.shards}
         rope = rope_tables(self.cfg, seq_len, x_bsd.dtype, at)  # an EmbeddingLookup's too
         graphdef, stacked_state = nnx.split(self.layers)
         run = layers_fn or scan_layers
         if dropout_keys is None or not self.dropout:
 
             def layer_fn(x, layer_state, mlp=None):
+                mlp = functools.partial(mlp, **shards) if mlp and shards else mlp
                 block = nnx.merge(graphdef, layer_state)
                 return block(x, mask_ss, rope, mlp=mlp, attend=attend)
 

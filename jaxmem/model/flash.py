@@ -207,6 +207,11 @@ def _flash_fwd(q, k, v, causal, block, pos=None):
         jnp.zeros((b, h, s), acc),
         jnp.zeros((b, s, h, d), acc),
     )
+    if pos is not None:
+        # inside shard_map (context parallelism) JAX partially evaluates this scan: each key
+        # block's mask, a function of positions alone, would be stacked for every block
+        # ([n, B, H, S, block] booleans); a checkpointed step keeps only its inputs instead
+        step = jax.checkpoint(step, prevent_cse=False)
     (m, row_sum, o), _ = jax.lax.scan(step, init, _key_blocks(k, v, block, pos))
     out = (o / jnp.moveaxis(row_sum, 1, 2)[..., None]).astype(q.dtype).reshape(b, s, h * d)
     out = checkpoint_name(out, "attn_context")

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.model.ops import wide
+from jaxmem.model.sequence import tile_major, tile_minor
 
 
 # The per-token loss has its own VJP. Differentiated the usual way, log_softmax followed by a gather
@@ -94,6 +95,7 @@ def chunked_lm_loss(
     mask_bs: jax.Array | None = None,
     *,
     chunks: int,
+    shards: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """``cross_entropy_sum(head(head_params, x_bsd), targets_bs, mask_bs)`` computed over
     ``chunks`` equal sequence chunks, each chunk's gradients formed in the forward.
@@ -110,40 +112,40 @@ def chunked_lm_loss(
       x_bsd: ``[B, S, D]`` the stack's output.
       targets_bs: ``[B, S]`` target ids; ``mask_bs``: optional ``[B, S]`` weights.
       chunks: sequence chunks, dividing ``S``.
+      shards: the sequence held as that many contiguous shards (one per context device): each
+        step of the loop takes one chunk of every shard (``tile_major``); ``chunks`` a multiple.
 
     Returns:
       ``(loss_sum, n_tokens)`` as ``cross_entropy_sum`` returns them.
     """
     seq = x_bsd.shape[1]
-    if not (isinstance(chunks, int) and chunks >= 1 and seq % chunks == 0):
-        raise ValueError(f"loss chunks={chunks!r} must be a positive divisor of seq_len={seq}")
+    if not (isinstance(chunks, int) and chunks >= 1 and seq % chunks == 0 and chunks % shards == 0):
+        raise ValueError(
+            f"loss chunks={chunks!r} must be a positive divisor of seq_len={seq} and a multiple "
+            f"of its {shards} shard(s)"
+        )
     acc = wide(x_bsd.dtype)
     weights = jnp.ones(targets_bs.shape, acc) if mask_bs is None else mask_bs.astype(acc)
-    loss_sum = _chunked_nll_sum(head, chunks, head_params, x_bsd, targets_bs, weights)
+    loss_sum = _chunked_nll_sum(head, (chunks, shards), head_params, x_bsd, targets_bs, weights)
     return loss_sum, weights.sum()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked_nll_sum(head, chunks, head_params, x_bsd, targets_bs, weights_bs):
-    return _chunked_fwd(head, chunks, head_params, x_bsd, targets_bs, weights_bs)[0]
+def _chunked_nll_sum(head, tiling, head_params, x_bsd, targets_bs, weights_bs):
+    return _chunked_fwd(head, tiling, head_params, x_bsd, targets_bs, weights_bs)[0]
 
 
-def _chunk_major(a: jax.Array, chunks: int) -> jax.Array:
-    """``[B, S, ...]`` -> ``[chunks, B, S / chunks, ...]`` (the batch axis, and its sharding over
-    data-parallel devices, stays whole in every chunk)."""
-    b, s = a.shape[:2]
-    return jnp.moveaxis(a.reshape(b, chunks, s // chunks, *a.shape[2:]), 1, 0)
-
-
-def _chunked_fwd(head, chunks, head_params, x_bsd, targets_bs, weights_bs):
+def _chunked_fwd(head, tiling, head_params, x_bsd, targets_bs, weights_bs):
     # one named call: residual accounting (jaxmem.memory.residuals) names what it leaves for
     # the backward "<loss gradients>"
-    call = jax.jit(functools.partial(chunked_loss_gradients, head, chunks))
+    call = jax.jit(functools.partial(chunked_loss_gradients, head, tiling))
     return call(head_params, x_bsd, targets_bs, weights_bs)
 
 
-def chunked_loss_gradients(head, chunks, head_params, x_bsd, targets_bs, weights_bs):
-    """The loss and, formed chunk by chunk, its gradients (``_chunked_nll_sum``'s forward)."""
+def chunked_loss_gradients(head, tiling, head_params, x_bsd, targets_bs, weights_bs):
+    """The loss and, formed chunk by chunk, its gradients (``_chunked_nll_sum``'s forward);
+    ``tiling``: (chunks, shards), ``chunked_lm_loss``'s."""
+    chunks, shards = tiling
 
     def chunk_loss(p, x, t, w):
         logits = head(p, x)
@@ -168,15 +170,16 @@ def chunked_loss_gradients(head, chunks, head_params, x_bsd, targets_bs, weights
 
     zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, acc_dtype(a)), head_params)
     init = (zeros, jnp.zeros((), wide(x_bsd.dtype)))
-    xs = tuple(_chunk_major(a, chunks) for a in (x_bsd, targets_bs, weights_bs))
+    # the batch axis (and its split over data devices) whole in every chunk
+    xs = tuple(tile_major(a, chunks, shards) for a in (x_bsd, targets_bs, weights_bs))
     (dp, loss), dx_c = jax.lax.scan(body, init, xs)
-    dx = jnp.moveaxis(dx_c, 0, 1).reshape(x_bsd.shape)
+    dx = tile_minor(dx_c, shards)
     dp = jax.tree_util.tree_map(lambda d, a: d.astype(a.dtype), dp, head_params)
     return loss, (dp, dx)
 
 
-def _chunked_bwd(head, chunks, res, g):
-    del head, chunks
+def _chunked_bwd(head, tiling, res, g):
+    del head, tiling
     dp, dx = res
 
     def scale(d):  # in the wide dtype: a 16-bit copy of the cotangent would round it

@@ -30,10 +30,32 @@ class SequenceLayout:
     ``positions``: ``[S]`` ints, each column's position (position embeddings and RoPE follow
     it). ``attend(q, k, v) -> [B, S, D]`` (tagged ``attn_context``): the attention core for q
     ``[B, S, H, K]`` (naive grouped: ``[B, S, Hkv, G, K]``), k, v ``[B, S, Hkv, K]``, causal by
-    ``positions``."""
+    ``positions``. ``shards``: the sequence is held as that many contiguous shards, one per
+    device of a context axis; sequence tiles (the MLP's, the loss's) tile each shard on its own
+    (``tile_major``), so no device gathers another's columns to run a tile."""
 
     positions: Any
     attend: Callable[[Array, Array, Array], Array]
+    shards: int = 1
+
+
+def tile_major(a: Array, tiles: int, shards: int = 1) -> Array:
+    """``[B, S, ...]`` -> ``[tiles / shards, B, shards * S / tiles, ...]``: ``tiles`` equal tiles
+    of the sequence, the step ``i`` of a loop over the leading axis taking the ``i``-th tile of
+    each of ``shards`` contiguous shards (one shard: ``[tiles, B, S / tiles, ...]``, tile ``i``
+    at step ``i``). With the sequence split over ``shards`` devices each device then runs its
+    own columns' tile at every step: the loop's axis is never a split one."""
+    b, s, rest = a.shape[0], a.shape[1], a.shape[2:]
+    n, t = tiles // shards, s // tiles
+    a = jnp.moveaxis(a.reshape(b, shards, n, t, *rest), 2, 0)  # [n, B, shards, T, ...]
+    return a.reshape(n, b, shards * t, *rest)
+
+
+def tile_minor(a: Array, shards: int = 1) -> Array:
+    """``tile_major``'s inverse: ``[n, B, shards * T, ...]`` -> ``[B, S, ...]``."""
+    n, b, st, rest = a.shape[0], a.shape[1], a.shape[2], a.shape[3:]
+    a = a.reshape(n, b, shards, st // shards, *rest)
+    return jnp.moveaxis(a, 0, 2).reshape(b, n * st, *rest)
 
 
 # Up to this many positions RoPE's tables are float64 values rounded once to the wide dtype and

@@ -85,11 +85,12 @@ def attend_fn(m: Mesh, attention: str, block: int, seq_len: int):
 
 def layout(m: Mesh, attention: str, block: int, seq_len: int) -> SequenceLayout:
     """The ``SequenceLayout`` the model runs under over ``m``'s context axis: the balanced
-    order's positions and ``attend_fn``'s core."""
+    order's positions and ``attend_fn``'s core; sequence tiles tile each device's share."""
     order = balanced_order(seq_len, m.shape[CONTEXT])
     core = attend_fn(m, attention, block, seq_len)
     positions = jnp.asarray(order, jnp.int32)
-    return SequenceLayout(positions=order, attend=partial(_attend, core, positions))
+    attend = partial(_attend, core, positions)
+    return SequenceLayout(positions=order, attend=attend, shards=m.shape[CONTEXT])
 
 
 def _attend(core: Any, positions: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array):

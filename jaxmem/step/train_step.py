@@ -149,9 +149,12 @@ def lm_loss_fn(
         if loss_chunks:
             head, head_params = model.head()
             x = model.features(batch["inputs"], **kw)
+            layout = model_kwargs.get("layout")  # a sequence split over devices: tiled per shard
+            shards = 1 if layout is None else layout.shards
             loss_sum, n_tokens = chunked_lm_loss(
-                head, head_params, x, batch["targets"], batch.get("mask"), chunks=loss_chunks
-            )
+                head, head_params, x, batch["targets"], batch.get("mask"), chunks=loss_chunks,
+                shards=shards,
+            )  # fmt: skip
         else:
             logits = model(batch["inputs"], **kw)
             loss_sum, n_tokens = cross_entropy_sum(logits, batch["targets"], batch.get("mask"))
