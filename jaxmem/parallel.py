@@ -75,8 +75,8 @@ class ParallelConfig:
         )
         require(
             self.tp == 1 or self.cp == 1,
-            f"--mesh {self.mesh_text()}: a tensor axis and a context axis together are not "
-            "built yet; use tp or cp (each composes with fsdp)",
+            f"--mesh with tp={self.tp} and cp={self.cp}: a tensor axis and a context axis "
+            "together are not built yet; use tp or cp (each composes with fsdp)",
         )
         require(
             isinstance(self.sequence_parallel, bool),

@@ -53,15 +53,13 @@ from jaxmem.precision import PRECISIONS
 from jaxmem.step.train_step import lm_loss_fn
 from torch_ref.forward_memory import forward_live_bytes
 from torch_ref.loss import cross_entropy_sum
+from torch_ref.offload import OffloadCheckpoint, offload_checkpoint_layers_fn, save_on_cpu_layers_fn
 from torch_ref.remat import (
     TRANSLATIONS,
-    OffloadCheckpoint,
     apply_memory_policy,
     block_ops,
-    offload_checkpoint_layers_fn,
     op_kept_tags,
     resolve_translation,
-    save_on_cpu_layers_fn,
     unread_by_backward,
     validate_for_torch,
 )

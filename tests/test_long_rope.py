@@ -22,7 +22,7 @@ def test_built_rope_tables_are_the_float64_angles_at_every_position():
     for want, got in zip((cos, sin), built, strict=True):
         np.testing.assert_allclose(np.asarray(got), want, rtol=tol.rtol, atol=tol.atol)
     got32 = sequence.built_rope_tables(cfg, seq, np.float32)
-    tol = tolerance("float32", "block_output")
+    tol = tolerance("float32", "rope_tables")
     for want, got in zip((cos, sin), got32, strict=True):
         np.testing.assert_allclose(np.asarray(got), want, rtol=tol.rtol, atol=tol.atol)
 

@@ -19,7 +19,7 @@ keys' and values' gradients back to their ranks), puts them in position order an
 causally by position. The loss is a sum over tokens: each rank's share, summed by the
 data-parallel wrapper's gradient reduction (DDP or FSDP2 over every rank), as over rows. The
 context axis spans every rank (``jaxmem.job.torch_mesh_refusal`` refuses a data axis beside it:
-tried once, ``fsdp=2,cp=2`` on 4 gloo ranks hung in its first step).
+``fsdp=2,cp=2`` on 4 gloo ranks hangs in its first step, not investigated yet).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ that module loads with ``strict=True``.
 
 Llama-family blocks are the same data (``ModelConfig``) as in jaxmem, written the way gpt-fast and
 torchtitan write them: ``nn.RMSNorm``, RoPE on q and k in fp32 (rotate-half layout, from
-``jaxmem.positions``' float64 tables, so both frameworks rotate by the very same numbers),
+``jaxmem.positions``' float64 tables, so both frameworks rotate by the same numbers up to
+65,536 positions; beyond, jaxmem builds its tables in the step, within a rounding or two),
 grouped-query attention, and the gated MLP as ``down(F.silu(gate(x)) * up(x))``.
 
 Shapes in comments: B batch, S sequence, D d_model, H heads, Hkv key/value heads (G = H / Hkv
@@ -128,7 +129,8 @@ def rope_tables(
 ) -> RopeTables | None:
     """RoPE's ``cos``, ``sin`` (``[S, K]``, in ``wide(dtype)``), or None without RoPE: jaxmem's
     float64 tables (``jaxmem.positions.rope_angles``) rounded once to the wide dtype, as jaxmem
-    rounds them, so the two frameworks rotate by the same numbers. Built per forward, like the
+    rounds them up to 65,536 positions (beyond, jaxmem builds them in the step by angle addition:
+    ``jaxmem.model.sequence``, within a rounding or two). Built per forward, like the
     causal mask: constants, not parameters (no state-dict key). ``positions``: each column's
     position (``BlockStack.positions``); default in order."""
     if cfg.positions != "rope":

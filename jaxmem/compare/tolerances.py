@@ -146,6 +146,14 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
             reason="O(1) activations (LayerNorm outputs, residual stream); a few ulps of d_ff-long "
             "dot products",
         ),
+        "rope_tables": Tolerance(
+            rtol=0.0,
+            atol=1e-6,
+            reason="RoPE's cos/sin built in float32 by angle addition from factor tables rounded "
+            "to float32, against the float64 angles: a product of two roundings and a sum, a "
+            "few ulps of 1 (6e-8 each); measured 1.4e-7 abs at 5,137 positions (the float32 "
+            "constants' own rounding: 3.0e-8). A wrong factor or index moves values by >= 1e-3",
+        ),
         "loss": Tolerance(
             rtol=2e-6,
             atol=0.0,
