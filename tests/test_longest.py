@@ -101,3 +101,38 @@ def test_a_host_limit_under_the_state_is_refused_before_any_compile():
     line = done.stderr.strip().splitlines()[-1]
     assert "optimizer state" in line and "1.00 KiB is allowed (--host-memory)" in line
     assert "compile" not in done.stdout
+
+
+@pytest.mark.slow
+def test_a_context_axis_splits_the_longest_sequence_over_its_devices(tmp_path):
+    """tiny-llama over --mesh cp=2 up to 2,048 tokens: one compiled plan per device, each
+    device's offloaded block inputs half the sequence's."""
+    out = tmp_path / "longest.json"
+    done = run_cli(
+        "plan", "--preset", "tiny-llama", "--target", "h100", "--budget", "100MiB",
+        "--precision", "pure-bf16", "--mesh", "cp=2", "--longest", "--seq-step", "1024",
+        "--seq-cap", "2048", "--host-memory", "1GiB", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert data["longest"] == 2048 and data["capped"]
+    assert "per device of cp=2" in data["fits"]["compiler"]
+    cfg = PRESETS["tiny-llama"]
+    assert (
+        data["fits"]["host_bytes"]["offloaded activations"] == cfg.n_layers * 1024 * cfg.d_model * 2
+    )
+    assert "--mesh cp=2" in data["command"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (("--mesh", "cp=2", "--seq-step", "1022"), "--seq-step 1022: the context axis cp=2"),
+        (("--mesh", "fsdp=2,cp=2", "--seq-step", "1024"), "use --mesh cp=N"),
+    ],
+)
+def test_a_context_axis_the_search_cannot_step_over_is_refused(flags, words):
+    done = run_cli("plan", "--preset", "tiny-llama", "--target", "h100", "--longest", *flags)
+    assert done.returncode == 2
+    assert words in done.stderr.strip().splitlines()[-1]
+    assert "compile" not in done.stdout
