@@ -136,3 +136,25 @@ def test_a_context_axis_the_search_cannot_step_over_is_refused(flags, words):
     assert done.returncode == 2
     assert words in done.stderr.strip().splitlines()[-1]
     assert "compile" not in done.stdout
+
+
+@pytest.mark.slow
+def test_a_context_parallel_plan_builds_no_mask_of_every_key_block():
+    """tiny-llama's fused attention over cp=2 at 16,384 tokens, planned for an H100: under
+    ``full`` remat the kernel's masks are made block by block, never ``[S/cp, S]`` per head."""
+    from jaxmem.config import OptimizerConfig
+    from jaxmem.memory.targets import get_target
+    from jaxmem.parallel import ParallelConfig
+    from jaxmem.planner.longest import lean_spec, probe
+    from jaxmem.policy import POLICIES
+    from jaxmem.step.spec import StepSpec
+
+    cfg = PRESETS["tiny-llama"].replace(attention="fused")
+    base = StepSpec(
+        model=cfg, policy=POLICIES["full"], precision=PRECISIONS["pure-bf16"],
+        optimizer=OptimizerConfig(), batch=1, seq_len=256, target=get_target("h100"),
+        parallel=ParallelConfig(strategy="fsdp", devices=2, cp=2),
+    )  # fmt: skip
+    n = 16384
+    p = probe(lean_spec(base, n, 80 << 30, offload=True), 80 << 30, 1 << 40)
+    assert p.device_bytes < (n // 2) * n * cfg.n_heads // 4  # a quarter of one bool mask
