@@ -243,7 +243,9 @@ def _flash_bwd(causal, block, res, g):
         ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
         dq = dq + _apply(ds, kj, acc)
         dk = _apply_t(ds, q, kv, acc)
-        return dq, (dk, dv)
+        # each key block's gradients are whole after its step: cast now, not after stacking
+        # (the same values; the stack of every block's is half the bytes)
+        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
     xs = _key_blocks(k, v, block, pos)
     dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, s, h, d), acc), xs)
