@@ -71,7 +71,7 @@ CP = 8
 CP_SPACE = f"cp={CP} (all-gathered K/V) + " + TILED + " + state sharded over 8"
 ROWS = (("llama-3.1-8b", "full", TILED_STREAMED, 1048576),
         ("llama-3.1-8b", "qlora", TILED, 524288),
-        ("llama-3.1-8b", "full", CP_SPACE, 4194304))  # fmt: skip
+        ("llama-3.1-8b", "full", CP_SPACE, 2621440))  # fmt: skip
 # the goals (tokens at batch 1 on one H100) and the anchors beside them
 GOALS = {"full": 1_000_000, "qlora": 342_733, "full-cp": 4_000_000}
 ANCHOR = {"full": "ALST 500K (1 H100)", "qlora": "Unsloth 342,733 (80 GB)",
@@ -106,8 +106,11 @@ NOTES = (
     "(jaxmem.model.flash.flash_attention_at on all-gathered keys and values), not cuDNN's; its "
     "estimated step time counts the program's collectives (the K/V all-gathers among them) as "
     "the data-parallel ones, overlapped with compute (an assumption: the gather is not "
-    "overlapped). XLA:CUDA's rematerialization "
-    "pass logs, at these lengths, that it cannot bring its own memory count under its limit "
+    "overlapped); the kernel computes every key block, masked ones included, so its S/cp x S "
+    "score work per device and the fp32 elementwise passes over it set that estimate. Its peak "
+    "holds the MLP tiles' [tiles, 8192, 4096] backward buffer of the whole sequence: the tiles "
+    "run over the sequence as the program holds it, not over each device's share. XLA:CUDA's "
+    "rematerialization pass logs, at these lengths, that it cannot bring its own memory count under its limit "
     "(e.g. 206 GiB at 468K tokens, about the plan's device bytes plus the inputs held in host "
     "memory); the device figures here are the compiled plans' own."
 )

@@ -86,7 +86,7 @@ def test_the_longest_sequence_is_two_compiled_plans_with_what_it_needs(answer):
     assert hosted["streamed parameters and optimizer state"] > 0
     assert hosted["offloaded activations"] == cfg.n_layers * 1024 * cfg.d_model * 2
     assert data["fits"]["step_time"]["seconds"] > 0 and data["peak"]["largest"]
-    for flag in ("--offload block_input", "--stream", "--seq-len 1024"):
+    for flag in ("--policy full-host", "--stream", "--seq-len 1024"):
         assert flag in data["command"]
     for words in ("longest: 1,024 tokens", "an estimate", "what limits it", "jaxmem train"):
         assert words in text
