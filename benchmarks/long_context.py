@@ -110,7 +110,8 @@ NOTES = (
     "score work per device and the fp32 elementwise passes over it set that estimate. Its peak "
     "holds the MLP tiles' [tiles, 8192, 4096] backward buffer of the whole sequence: the tiles "
     "run over the sequence as the program holds it, not over each device's share. XLA:CUDA's "
-    "rematerialization pass logs, at these lengths, that it cannot bring its own memory count under its limit "
+    "rematerialization pass logs, at these lengths, that it cannot bring its own memory count "
+    "under its limit "
     "(e.g. 206 GiB at 468K tokens, about the plan's device bytes plus the inputs held in host "
     "memory); the device figures here are the compiled plans' own."
 )
