@@ -38,6 +38,7 @@ from jaxmem.config import OptimizerConfig, get_preset
 from jaxmem.files import write_atomic, write_json_atomic
 from jaxmem.memory.targets import get_target
 from jaxmem.model.flash import KERNEL_NAMES, cudnn_installed, fused_kernel
+from jaxmem.parallel import ParallelConfig
 from jaxmem.planner import host, longest
 from jaxmem.policy import POLICIES
 from jaxmem.precision import get_precision
@@ -47,7 +48,6 @@ GIB = 2**30
 TARGET = "h100"
 PRECISION = "pure-bf16"
 STEP = 1024  # tokens: the search's granularity
-START = 131072  # the first length compiled; doubled until over
 CAP = 1 << 23
 # host memory the plans may use: an assumption (a DGX H100 host has 2 TiB for its 8 GPUs; one
 # GPU's job given half of it)
@@ -58,19 +58,33 @@ QLORA = AdapterConfig(rank=16, alpha=16.0, targets=("q", "k", "v", "o"), base="n
 METHODS = {"full": AdapterConfig(), "qlora": QLORA}
 SPACE = "offloaded inputs + loss tiles"
 STREAMED = SPACE + " + streamed stack"
-# (preset, method, space): a full fine-tune also with its stack's parameters, gradients and
-# state streamed through host memory (optimizer.stream) instead of its state alone there
-ROWS = (("llama-3.1-8b", "qlora", SPACE), ("llama-3.1-8b", "full", SPACE),
-        ("llama-3-8b", "qlora", SPACE), ("llama-3-8b", "full", SPACE),
-        ("llama-3.1-8b", "full", STREAMED))  # fmt: skip
+TILED = "offloaded inputs + MLP tiles + loss tiles"
+TILED_STREAMED = TILED + " + streamed stack"
+# (preset, method, space, first length compiled): a full fine-tune with its stack's parameters,
+# gradients and state streamed through host memory (optimizer.stream). Rows of SPACE/STREAMED
+# were compiled before the MLP was tiled (kept: they show the untiled MLP's limit); each search
+# starts near its expected answer
+# A context-parallel row: 8 H100s, --mesh fsdp=1,cp=8 (parameters, gradients and AdamW state
+# sharded over the 8 context devices, on the device: the stack cannot stream under cp), the
+# attention jaxmem's blockwise kernel on all-gathered keys and values (not cuDNN's)
+CP = 8
+CP_SPACE = f"cp={CP} (all-gathered K/V) + " + TILED + " + state sharded over 8"
+ROWS = (("llama-3.1-8b", "full", TILED_STREAMED, 1048576),
+        ("llama-3.1-8b", "qlora", TILED, 524288),
+        ("llama-3.1-8b", "full", CP_SPACE, 2621440))  # fmt: skip
 # the goals (tokens at batch 1 on one H100) and the anchors beside them
-GOALS = {"full": 1_000_000, "qlora": 342_733}
-ANCHOR = {"full": "ALST 500K (1 H100)", "qlora": "Unsloth 342,733 (80 GB)"}
+GOALS = {"full": 1_000_000, "qlora": 342_733, "full-cp": 4_000_000}
+ANCHOR = {"full": "ALST 500K (1 H100)", "qlora": "Unsloth 342,733 (80 GB)",
+          "full-cp": "ALST 3.7M (8 H100s); torchtitan 262,144 (8 GPUs)"}  # fmt: skip
+# a DGX H100 host's 2 TiB shared by its 8 GPUs: what one device of the context-parallel row
+# may keep there (an assumption, as HOST_MEMORY)
+CP_HOST_MEMORY = (2 << 40) // CP
 # measured without offloaded inputs (full remat + loss chunks of 1,024 tokens), the adapters
 # benchmark's compiled plans: the baseline this table's space moves from
 BEFORE = {
     "qlora": "195,584 ([adapters.md](../adapters/adapters.md))",
     "full": "46,080 with the state on the device ([adapters.md](../adapters/adapters.md))",
+    "full-cp": "-",
 }
 ANCHORS = (
     "ALST (Bekman et al., 2025; DeepSpeed + Hugging Face): Llama-8B full fine-tuning at 500K "
@@ -81,12 +95,23 @@ ANCHORS = (
 
 
 NOTES = (
-    "Not in this table yet: rows with the MLP tiled over the sequence and with a "
-    "context-parallel mesh (8 H100s): the script keys each row by its space and devices, so "
-    "they are rows of their own, added beside these by a rerun. Llama-3-8B and Llama-3.1-8B "
-    "have the same shapes (Llama 3.1's RoPE scaling changes no buffer): their plans agree byte "
-    "for byte. XLA:CUDA's rematerialization "
-    "pass logs, at these lengths, that it cannot bring its own memory count under its limit "
+    'Rows without "MLP tiles" in their space were compiled before the MLP was tiled over '
+    "the sequence (kept: they show the untiled MLP's limit, four [S, 14336] intermediates). "
+    "Llama-3-8B and Llama-3.1-8B have the same shapes (Llama 3.1's RoPE scaling changes no "
+    "buffer): their plans agreed byte for byte at every length compiled, so only Llama-3.1-8B's "
+    "rows are kept. Whether a length fits is not monotone at a step of 1,024 tokens: the MLP and "
+    "loss tiles follow the length's divisors, and the compiled peak of the QLoRA row jumps by "
+    "11.9 GiB between 777,216 and 778,240 tokens; each answer is the pair compiled (fits at N, "
+    "over at N + step). The context-parallel row's attention is jaxmem's own blockwise kernel "
+    "(jaxmem.model.flash.flash_attention_at on all-gathered keys and values), not cuDNN's; its "
+    "estimated step time counts the program's collectives (the K/V all-gathers among them) as "
+    "the data-parallel ones, overlapped with compute (an assumption: the gather is not "
+    "overlapped); the kernel computes every key block, masked ones included, so its S/cp x S "
+    "score work per device and the fp32 elementwise passes over it set that estimate. Its peak "
+    "holds the MLP tiles' [tiles, 8192, 4096] backward buffer of the whole sequence: the tiles "
+    "run over the sequence as the program holds it, not over each device's share. XLA:CUDA's "
+    "rematerialization pass logs, at these lengths, that it cannot bring its own memory count "
+    "under its limit "
     "(e.g. 206 GiB at 468K tokens, about the plan's device bytes plus the inputs held in host "
     "memory); the device figures here are the compiled plans' own."
 )
@@ -97,8 +122,11 @@ def base_spec(preset: str, method: str, space: str = SPACE) -> StepSpec:
     fine-tune's state in host memory, or its stack streamed; an adapter step keeps its small
     state on the device)."""
     adapters = METHODS[method]
-    streamed = space == STREAMED
-    place = "device" if adapters.enabled or streamed else "pinned_host"
+    streamed = space.endswith("streamed stack")
+    place = "device" if adapters.enabled or streamed or space == CP_SPACE else "pinned_host"
+    mesh = {}
+    if space == CP_SPACE:
+        mesh["parallel"] = ParallelConfig(strategy="fsdp", devices=CP, cp=CP)
     return StepSpec(
         model=get_preset(preset).replace(attention="fused"),
         policy=POLICIES["full"],
@@ -108,7 +136,22 @@ def base_spec(preset: str, method: str, space: str = SPACE) -> StepSpec:
         seq_len=2048,
         target=get_target(TARGET),
         adapters=adapters,
+        **mesh,
     )
+
+
+def goal_key(method: str, devices: int) -> str:
+    """The row's goal and anchor: a method's on one H100, or on 8 with a context axis."""
+    return f"{method}-cp" if devices > 1 else method
+
+
+def row_spec(base: StepSpec, space: str, n: int, budget: int, offload: bool) -> StepSpec:
+    """``longest.lean_spec`` at ``n`` tokens; a space without MLP tiles keeps the MLP whole (the
+    rows compiled before the MLP was tiled)."""
+    spec = longest.lean_spec(base, n, budget, offload=offload)
+    if "MLP tiles" in space:
+        return spec
+    return spec.replace(policy=spec.policy.replace(mlp_tile_tokens=0))
 
 
 class Bench:
@@ -135,35 +178,41 @@ class Bench:
             if time.monotonic() > self.deadline:
                 return None
             start = time.perf_counter()
-            spec = longest.lean_spec(base, n, budget, offload=False)
-            with_inputs = longest.lean_spec(base, n, budget, offload=True)
-            if sum(host.spec_host_bytes(with_inputs).values()) <= HOST_MEMORY:
+            space = self.data["rows"].get(name, {}).get("space") or name.split("|")[3]
+            spec = row_spec(base, space, n, budget, offload=False)
+            with_inputs = row_spec(base, space, n, budget, offload=True)
+            allowed = CP_HOST_MEMORY if space == CP_SPACE else HOST_MEMORY
+            if sum(host.spec_host_bytes(with_inputs).values()) <= allowed:
                 spec = with_inputs
-            p = longest.probe(spec, budget, HOST_MEMORY)
+            p = longest.probe(spec, budget, allowed)
             plans[key] = p.as_dict() | {"compile_s": round(time.perf_counter() - start, 1)}
             self.save()
             print(f"{key}: {p.device_bytes / GIB:.2f} GiB, fits {p.fits} "
                   f"({plans[key]['compile_s']} s)", flush=True)  # fmt: skip
         return plans[key]["fits"], plans[key]["device_bytes"]
 
-    def row(self, preset: str, method: str, space: str) -> None:
-        name = f"{preset}|{method}|1x{TARGET}|{space}"
+    def row(self, preset: str, method: str, space: str, start: int) -> None:
+        cp = space == CP_SPACE
+        devices = CP if cp else 1
+        name = f"{preset}|{method}|{devices}x{TARGET}|{space}"
         rows = self.data["rows"]
         if rows.get(name, {}).get("done"):
             return
         base = base_spec(preset, method, space)
         budget = get_target(TARGET).device_memory_bytes
+        step = 2 * CP * STEP if cp else STEP  # the context axis cuts 2 cp equal chunks
         lo, hi, seen = longest.search_lengths(
-            lambda n: self.measure(name, base, budget, n), STEP, START, CAP, aim=budget
+            lambda n: self.measure(name, base, budget, n), step, start, CAP, aim=budget
         )
         done = hi is not None or lo == CAP
         rows[name] = {
-            "preset": preset, "method": method, "devices": 1, "space": space,
+            "preset": preset, "method": method, "devices": devices, "space": space,
             "longest": lo, "over_at": hi, "done": done, "compiled": len(seen),
-            "budget_bytes": budget, "host_memory_bytes": HOST_MEMORY,
+            "budget_bytes": budget, "step": step,
+            "host_memory_bytes": CP_HOST_MEMORY if cp else HOST_MEMORY,
         }  # fmt: skip
         self.save()
-        if done and lo < GOALS[method] and lo:
+        if done and lo < GOALS[goal_key(method, devices)] and lo:
             self.explain(name, base, budget, lo)
 
     def explain(self, name: str, base: StepSpec, budget: int, n: int) -> None:
@@ -174,7 +223,9 @@ class Bench:
         from jaxmem.planner.peak import explain_peak
 
         plan = self.data["plans"][f"{name}|{n}"]
-        spec = longest.lean_spec(base, n, budget, offload=bool(plan["policy"].get("offload")))
+        # the block inputs on the host: full-host (earlier rows: a custom policy's offload)
+        offload = plan["policy"]["policy"] == "full-host" or bool(plan["policy"].get("offload"))
+        spec = row_spec(base, self.data["rows"][name]["space"], n, budget, offload)
         report = explain_peak(longest.compiled_as(spec))
         top = sorted(report.values, key=lambda v: -v.bytes)[:6]
         row["peak"] = {
@@ -211,12 +262,13 @@ def main() -> None:
         "host memory (pinned_host); QLoRA: on the device",
         "host_memory": f"{HOST_MEMORY / GIB:,.0f} GiB allowed (an assumption: half a DGX H100 "
         "host's 2 TiB)",
-        "granularity": f"sequence in multiples of {STEP}, from {START:,}",
+        "granularity": f"sequence in multiples of {STEP}, from each row's first length "
+        "(131,072 for the rows without MLP tiles; near the expected answer for the others)",
     }
     if not args.render:
         started = time.perf_counter()
-        for preset, method, space in ROWS:
-            bench.row(preset, method, space)
+        for preset, method, space, start in ROWS:
+            bench.row(preset, method, space, start)
         bench.data["meta"]["seconds_last_run"] = round(time.perf_counter() - started)
         bench.save()
     write_atomic(os.path.join(args.out, "long_context.md"), to_markdown(bench.data))
@@ -235,9 +287,8 @@ def _plan_text(p: dict | None) -> str:
 def _streamed_host(name: str, r: dict, plan: dict) -> str:
     """A streamed row's host bytes: the compiled plan's host temporaries (they hold the stack's
     in-step copies beside the offloaded inputs) and, from shapes, what lives there."""
-    spec = longest.lean_spec(
-        base_spec(r["preset"], r["method"], r["space"]), r["longest"], r["budget_bytes"], True
-    )
+    base = base_spec(r["preset"], r["method"], r["space"])
+    spec = row_spec(base, r["space"], r["longest"], r["budget_bytes"], True)
     parts = host.spec_host_bytes(spec)
     shapes = " + ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
     compiled = sum(plan["host_bytes"].values())
@@ -252,7 +303,7 @@ def _streamed_host(name: str, r: dict, plan: dict) -> str:
 def to_markdown(data: dict) -> str:
     m = data["meta"]
     lines = [
-        "# Longest sequence at batch 1, planned for one H100 without it",
+        "# Longest sequence at batch 1, planned for one H100 and for 8 without them",
         "",
         f"{m.get('date')}, jax {m.get('jax')}, jaxlib {m.get('jaxlib')}, on {m.get('host')}; "
         f"`{m.get('command')}`. Target: {m.get('target')}; every figure of a row is a compiled "
@@ -263,7 +314,13 @@ def to_markdown(data: dict) -> str:
         f"of 1,024-16,384 tokens. Host memory: {m.get('host_memory')}. Search: "
         f"{m.get('granularity')}, doubling then interpolation/bisection; each answer shown by "
         "two compiled plans (fits at N, over at N + step). Device budget: the H100's whole "
-        "79.11 GiB (as the adapters benchmark). Step times are estimates "
+        "79.11 GiB per device (as the adapters benchmark). The 8-device row: `--mesh "
+        f"fsdp=1,cp={CP}` (`ParallelConfig(strategy='fsdp', devices={CP}, cp={CP})`), the "
+        "sequence split over the context axis in steps of 2 x cp x 1,024 tokens, parameters, "
+        f"gradients and AdamW state sharded over the {CP} devices on the device (the stack "
+        "does not stream under a context axis), figures per device, host memory "
+        f"{CP_HOST_MEMORY / GIB:,.0f} GiB per device (a DGX H100's 2 TiB over 8). Step times are "
+        "estimates "
         "(`jaxmem.memory.step_time`: the compiled plan's kernels at datasheet rates, offloaded "
         "activations' link time overlapped with compute), not measurements.",
         "",
@@ -275,13 +332,14 @@ def to_markdown(data: dict) -> str:
     for name, r in data["rows"].items():
         fits = data["plans"].get(f"{name}|{r['longest']}")
         over = data["plans"].get(f"{name}|{r['over_at']}")
-        goal = GOALS[r["method"]]
+        key = goal_key(r["method"], r["devices"])
+        goal = GOALS[key]
         met = "yes" if r["longest"] >= goal else ("gap" if r["done"] else "not finished")
         lines.append(
             f"| {r['preset']} | {r['method']} | {r['devices']} | {r['space']} | "
             f"{r['longest']:,} ({_plan_text(fits)}) | "
             f"{'-' if r['over_at'] is None else format(r['over_at'], ',')} ({_plan_text(over)}) "
-            f"| {goal:,} | {met} | {ANCHOR[r['method']]} | {BEFORE[r['method']]} |"
+            f"| {goal:,} | {met} | {ANCHOR[key]} | {BEFORE[key]} |"
         )
         if "peak" in r:
             pk = r["peak"]
@@ -295,7 +353,7 @@ def to_markdown(data: dict) -> str:
                 if state
                 else ""
             )
-            if r["space"] == STREAMED:
+            if r["space"].endswith("streamed stack"):
                 with_state = (
                     ", device bytes of the streamed plan; its buffer assignment's arguments "
                     "include the stack a deviceless compile receives on the device"
@@ -307,7 +365,7 @@ def to_markdown(data: dict) -> str:
                 f"{kinds}; its largest buffers: {big} ({pk['source']})."
             )
     for name, r in data["rows"].items():
-        if r["space"] == STREAMED and r["longest"]:
+        if r["space"].endswith("streamed stack") and r["longest"]:
             notes.append(_streamed_host(name, r, data["plans"][f"{name}|{r['longest']}"]))
     lines += ["", "What holds the peak where a goal is not met (`jaxmem peak` of that plan):", ""]
     lines += notes or ["- not measured yet"]

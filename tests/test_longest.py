@@ -86,7 +86,7 @@ def test_the_longest_sequence_is_two_compiled_plans_with_what_it_needs(answer):
     assert hosted["streamed parameters and optimizer state"] > 0
     assert hosted["offloaded activations"] == cfg.n_layers * 1024 * cfg.d_model * 2
     assert data["fits"]["step_time"]["seconds"] > 0 and data["peak"]["largest"]
-    for flag in ("--offload block_input", "--stream", "--seq-len 1024"):
+    for flag in ("--policy full-host", "--stream", "--seq-len 1024"):
         assert flag in data["command"]
     for words in ("longest: 1,024 tokens", "an estimate", "what limits it", "jaxmem train"):
         assert words in text
@@ -101,3 +101,60 @@ def test_a_host_limit_under_the_state_is_refused_before_any_compile():
     line = done.stderr.strip().splitlines()[-1]
     assert "optimizer state" in line and "1.00 KiB is allowed (--host-memory)" in line
     assert "compile" not in done.stdout
+
+
+@pytest.mark.slow
+def test_a_context_axis_splits_the_longest_sequence_over_its_devices(tmp_path):
+    """tiny-llama over --mesh cp=2 up to 2,048 tokens: one compiled plan per device, each
+    device's offloaded block inputs half the sequence's."""
+    out = tmp_path / "longest.json"
+    done = run_cli(
+        "plan", "--preset", "tiny-llama", "--target", "h100", "--budget", "100MiB",
+        "--precision", "pure-bf16", "--mesh", "cp=2", "--longest", "--seq-step", "1024",
+        "--seq-cap", "2048", "--host-memory", "1GiB", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert data["longest"] == 2048 and data["capped"]
+    assert "per device of cp=2" in data["fits"]["compiler"]
+    cfg = PRESETS["tiny-llama"]
+    assert (
+        data["fits"]["host_bytes"]["offloaded activations"] == cfg.n_layers * 1024 * cfg.d_model * 2
+    )
+    assert "--mesh cp=2" in data["command"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (("--mesh", "cp=2", "--seq-step", "1022"), "--seq-step 1022: the context axis cp=2"),
+        (("--mesh", "fsdp=2,cp=2", "--seq-step", "1024"), "use --mesh cp=N"),
+    ],
+)
+def test_a_context_axis_the_search_cannot_step_over_is_refused(flags, words):
+    done = run_cli("plan", "--preset", "tiny-llama", "--target", "h100", "--longest", *flags)
+    assert done.returncode == 2
+    assert words in done.stderr.strip().splitlines()[-1]
+    assert "compile" not in done.stdout
+
+
+@pytest.mark.slow
+def test_a_context_parallel_plan_builds_no_mask_of_every_key_block():
+    """tiny-llama's fused attention over cp=2 at 16,384 tokens, planned for an H100: under
+    ``full`` remat the kernel's masks are made block by block, never ``[S/cp, S]`` per head."""
+    from jaxmem.config import OptimizerConfig
+    from jaxmem.memory.targets import get_target
+    from jaxmem.parallel import ParallelConfig
+    from jaxmem.planner.longest import lean_spec, probe
+    from jaxmem.policy import POLICIES
+    from jaxmem.step.spec import StepSpec
+
+    cfg = PRESETS["tiny-llama"].replace(attention="fused")
+    base = StepSpec(
+        model=cfg, policy=POLICIES["full"], precision=PRECISIONS["pure-bf16"],
+        optimizer=OptimizerConfig(), batch=1, seq_len=256, target=get_target("h100"),
+        parallel=ParallelConfig(strategy="fsdp", devices=2, cp=2),
+    )  # fmt: skip
+    n = 16384
+    p = probe(lean_spec(base, n, 80 << 30, offload=True), 80 << 30, 1 << 40)
+    assert p.device_bytes < (n // 2) * n * cfg.n_heads // 4  # a quarter of one bool mask

@@ -282,10 +282,12 @@ def _space(args: argparse.Namespace, job):
 
 def _tensor_sizes(args: argparse.Namespace, job) -> tuple[int, ...]:
     n = job.parallel.devices
+    if job.parallel.context_parallel and args.longest:  # --longest plans the axis as given
+        return (1,)
     if job.parallel.context_parallel:  # the search has no context axis yet
         raise UsageError(
             f"jaxmem plan does not search a context axis (--mesh {job.parallel.mesh_text()}) "
-            "yet; jaxmem memory --mesh with cp=N plans one per device"
+            "yet; jaxmem plan --longest and jaxmem memory --mesh with cp=N plan one per device"
         )
     if args.tp is not None:
         sizes = int_list(args.tp, "--tp")

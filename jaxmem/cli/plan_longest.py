@@ -20,15 +20,26 @@ def _base(args, job, problem):
     """The job's step at batch 1, one microbatch; with --state-offload on a GPU target the
     stack streamed through host memory (its parameters, gradients and state: the leanest on the
     device) where the optimizer streams (elementwise, no clipping), else its state in host
-    memory (an adapter step keeps its small state on the device)."""
+    memory (an adapter step keeps its small state on the device). A context axis (``--mesh
+    cp=N``, alone or as ``fsdp=1,cp=N``) splits the sequence over its devices; the stack does
+    not stream under it (``jaxmem.parallel.context_refusal``) and its state stays on the device,
+    sharded over the axis (a sharded step keeps no state in host memory)."""
     from jaxmem.config import STREAM_OPTIMIZERS, AccumConfig
     from jaxmem.step.spec import StepSpec
 
-    if job.parallel.sharded:
+    par = job.parallel
+    if par.sharded and (par.data > 1 or par.tp > 1):
         raise UsageError(
-            f"--longest plans one device at batch 1: drop --mesh {job.parallel.mesh_text()}"
+            f"--longest plans batch 1 on one device or one context axis: --mesh "
+            f"{par.mesh_text()} has other axes; use --mesh cp=N (or fsdp=1,cp=N)"
+        )
+    if args.seq_step % (2 * par.cp):
+        raise UsageError(
+            f"--seq-step {args.seq_step}: the context axis cp={par.cp} cuts the sequence into "
+            f"{2 * par.cp} equal chunks; use a step that is a multiple of {2 * par.cp}"
         )
     hosted = args.state_offload and problem.target.is_gpu and not job.adapters.enabled
+    hosted = hosted and not par.sharded
     opt = job.optimizer
     streams = hosted and opt.name in STREAM_OPTIMIZERS and not opt.clips
     place = "pinned_host" if hosted and not streams else "device"
@@ -71,6 +82,7 @@ def longest(args, job, problem, sources: tuple[str, str], start_backend, shell_l
         start=min(cap, START_STEPS * step), offload=problem.target.is_gpu,
         progress=search_progress(out),
     )  # fmt: skip
+    found.devices = base.parallel.cp
     if found.fits is None:
         raise UsageError(
             f"not even {step} tokens fit {mib(problem.budget_bytes)} MiB per device on "

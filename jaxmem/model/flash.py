@@ -186,6 +186,11 @@ def _flash_fwd(q, k, v, causal, block, pos=None):
     block = min(block, sk)
     acc = wide(q.dtype)
     scale = 1.0 / math.sqrt(d)
+    if pos is not None:
+        # positions tied to the queries: under a checkpoint's partial evaluation, masks of
+        # positions alone are "known" and JAX's scan would build every key block's mask ahead
+        # of the loop, [N, B, H, S, block] stacked (the S x S bytes the kernel avoids)
+        q, pos = jax.lax.optimization_barrier((q, pos))
 
     def step(carry, xs):
         m, row_sum, o = carry  # [B, H, S], [B, H, S], [B, S, H, K] (fp32)
@@ -243,7 +248,9 @@ def _flash_bwd(causal, block, res, g):
         ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
         dq = dq + _apply(ds, kj, acc)
         dk = _apply_t(ds, q, kv, acc)
-        return dq, (dk, dv)
+        # each key block's gradients are whole after its step: cast now, not after stacking
+        # (the same values; the stack of every block's is half the bytes)
+        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
     xs = _key_blocks(k, v, block, pos)
     dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, s, h, d), acc), xs)

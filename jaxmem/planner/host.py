@@ -59,9 +59,10 @@ def spec_host_bytes(spec: StepSpec) -> dict[str, int]:
     """Host bytes of ``spec``'s step by reason, per device (analytic, from shapes)."""
     rows = spec.batch // spec.accum.steps // (spec.parallel.data if spec.sharded else 1)
     tp = spec.parallel.tp if spec.sharded else 1
+    local = spec.seq_len // spec.parallel.cp  # a context axis holds S / cp positions per device
     out = {
         "offloaded activations": offloaded_activation_bytes(
-            spec.model, spec.policy, rows, spec.seq_len, spec.precision, tp
+            spec.model, spec.policy, rows, local, spec.precision, tp
         )
     }
     state = analytic.model_state_bytes(
