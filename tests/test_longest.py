@@ -109,7 +109,7 @@ def test_a_context_axis_splits_the_longest_sequence_over_its_devices(tmp_path):
     device's offloaded block inputs half the sequence's."""
     out = tmp_path / "longest.json"
     done = run_cli(
-        "plan", "--preset", "tiny-llama", "--target", "h100", "--budget", "100MiB",
+        "plan", "--preset", "tiny-llama", "--target", "h100", "--budget", "128MiB",
         "--precision", "pure-bf16", "--mesh", "cp=2", "--longest", "--seq-step", "1024",
         "--seq-cap", "2048", "--host-memory", "1GiB", "--json", str(out),
     )  # fmt: skip

@@ -186,11 +186,6 @@ def _flash_fwd(q, k, v, causal, block, pos=None):
     block = min(block, sk)
     acc = wide(q.dtype)
     scale = 1.0 / math.sqrt(d)
-    if pos is not None:
-        # positions tied to the queries: under a checkpoint's partial evaluation, masks of
-        # positions alone are "known" and JAX's scan would build every key block's mask ahead
-        # of the loop, [N, B, H, S, block] stacked (the S x S bytes the kernel avoids)
-        q, pos = jax.lax.optimization_barrier((q, pos))
 
     def step(carry, xs):
         m, row_sum, o = carry  # [B, H, S], [B, H, S], [B, S, H, K] (fp32)

@@ -38,22 +38,26 @@ TILE_TOKENS = (16384, 8192, 4096, 2048, 1024)
 LOGITS_SHARE = 32
 
 
-def loss_tiles(seq_len: int, vocab: int, budget: int) -> int:
-    """Loss chunks for ``seq_len``: tiles of the largest of ``TILE_TOKENS`` that divides the
-    sequence and whose logits stay under ``budget / LOGITS_SHARE`` (else the smallest that
-    divides; else the largest count up to 8 that divides, as ``--loss-chunks-search``)."""
-    tiles = [t for t in TILE_TOKENS if seq_len % t == 0]
+def loss_tiles(seq_len: int, vocab: int, budget: int, cp: int = 1) -> int:
+    """Loss chunks for ``seq_len``: tiles of the largest of ``TILE_TOKENS`` that divides a
+    device's ``seq_len / cp`` positions and whose logits stay under ``budget / LOGITS_SHARE``
+    (else the smallest that divides; else ``cp`` x the largest count up to 8 that divides the
+    share, as ``--loss-chunks-search``)."""
+    share = seq_len // cp
+    tiles = [t for t in TILE_TOKENS if share % t == 0]
     if not tiles:
-        return max(k for k in range(1, 9) if seq_len % k == 0)
+        return cp * max(k for k in range(1, 9) if share % k == 0)
     small = [t for t in tiles if 3 * t * vocab * 4 <= budget // LOGITS_SHARE]
     return seq_len // (small[0] if small else tiles[-1])
 
 
-def mlp_tiles(seq_len: int, d_ff: int, budget: int) -> int:
-    """Tokens per MLP tile for ``seq_len``: the largest of ``TILE_TOKENS`` that divides the
-    sequence and whose three ``[T, d_ff]`` intermediates stay under ``budget / LOGITS_SHARE``
-    (else the smallest that divides); 0 (untiled) where none divides or one tile is the whole."""
-    tiles = [t for t in TILE_TOKENS if seq_len % t == 0 and t < seq_len]
+def mlp_tiles(seq_len: int, d_ff: int, budget: int, cp: int = 1) -> int:
+    """Tokens per MLP tile for ``seq_len``: the largest of ``TILE_TOKENS`` that divides a
+    device's ``seq_len / cp`` positions and whose three ``[T, d_ff]`` intermediates stay under
+    ``budget / LOGITS_SHARE`` (else the smallest that divides); 0 (untiled) where none divides
+    or one tile is the whole share."""
+    share = seq_len // cp
+    tiles = [t for t in TILE_TOKENS if share % t == 0 and t < share]
     small = [t for t in tiles if 3 * t * d_ff * 4 <= budget // LOGITS_SHARE]
     return (small or tiles[-1:] or [0])[0]
 
@@ -63,8 +67,8 @@ def lean_spec(base: StepSpec, seq_len: int, budget: int, offload: bool) -> StepS
     the block inputs offloaded (``offload``) or kept, the MLP and the loss in tiles."""
     policy = OFFLOADED_INPUTS if offload else POLICIES["full"]
     policy = policy.replace(
-        loss=LossPolicy(loss_tiles(seq_len, base.model.vocab_size, budget)),
-        mlp_tile_tokens=mlp_tiles(seq_len, base.model.d_ff, budget),
+        loss=LossPolicy(loss_tiles(seq_len, base.model.vocab_size, budget, base.parallel.cp)),
+        mlp_tile_tokens=mlp_tiles(seq_len, base.model.d_ff, budget, base.parallel.cp),
     )
     model = base.model
     if seq_len > model.max_seq_len:  # positions only bound a learned table; RoPE's is computed
