@@ -11,6 +11,7 @@ import pytest
 from jaxmem.config import PRESETS
 from jaxmem.planner.host import OFFLOADED_INPUTS, offloaded_activation_bytes
 from jaxmem.planner.longest import TILE_TOKENS, loss_tiles, search_lengths
+from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 from tests.test_cli_contract import run_cli
 
@@ -57,6 +58,12 @@ def test_offloaded_block_inputs_are_counted_on_the_host_and_over_the_link():
     assert host == cfg.n_layers * 1024 * cfg.d_model * 2  # every block's [S, D] input, bf16
     link = cost.activation_offload_bytes(cfg, prec, OFFLOADED_INPUTS, rows=1, seq_len=1024, tp=1)
     assert link == 2 * host  # out in the forward, back in the backward
+    nested = POLICIES["nested-host"]  # one input per segment, not per block
+    cfg8 = cfg.replace(n_layers=8)
+    segments = offloaded_activation_bytes(cfg8, nested, 1, 1024, prec)
+    assert segments < cfg8.n_layers * 1024 * cfg.d_model * 2
+    link = cost.activation_offload_bytes(cfg8, prec, nested, rows=1, seq_len=1024, tp=1)
+    assert link == 2 * segments
 
 
 @pytest.fixture(scope="module")

@@ -327,15 +327,15 @@ def activation_offload_bytes(
 ) -> int:  # fmt: skip
     """Bytes per device and step over the host link for offloaded activations, from shapes:
     each offloading block's tensors out and back in (projections: ``offloaded_bytes_per_row``;
-    an offloaded block input: its ``[S, D]``), for the device's rows, split over tensor
-    devices."""
+    offloaded block or segment inputs: the analytic model's ``input_host_bytes``, which knows
+    ``nested-host``'s segments and a replayed first block), for the device's rows, split over
+    tensor devices."""
     per_row = 0
     for n, block in policy.runs(cfg.n_layers):
         if set(block.offload) - {"block_input"}:
             per_row += n * offloaded_bytes_per_row(cfg, precision, seq_len)
-        if "block_input" in block.offload:
-            per_row += n * analytic.tag_bytes(cfg, 1, seq_len, precision)["block_input"]
-    return 2 * per_row * rows // tp
+    inputs = analytic.saved_activation_bytes(cfg, policy, 1, seq_len, precision).input_host_bytes
+    return 2 * (per_row + inputs) * rows // tp
 
 
 def state_transfer_bytes(
