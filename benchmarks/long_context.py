@@ -68,10 +68,10 @@ TILED_STREAMED = TILED + " + streamed stack"
 # sharded over the 8 context devices, on the device: the stack cannot stream under cp), the
 # attention jaxmem's blockwise kernel on all-gathered keys and values (not cuDNN's)
 CP = 8
-CP_SPACE = f"cp={CP} (all-gathered K/V) + " + TILED + " + state sharded over 8"
+CP_SPACE = f"cp={CP} (all-gathered K/V) + {TILED} of each device's share + state sharded over 8"
 ROWS = (("llama-3.1-8b", "full", TILED_STREAMED, 1048576),
         ("llama-3.1-8b", "qlora", TILED, 524288),
-        ("llama-3.1-8b", "full", CP_SPACE, 2621440))  # fmt: skip
+        ("llama-3.1-8b", "full", CP_SPACE, 4194304))  # fmt: skip
 # the goals (tokens at batch 1 on one H100) and the anchors beside them
 GOALS = {"full": 1_000_000, "qlora": 342_733, "full-cp": 4_000_000}
 ANCHOR = {"full": "ALST 500K (1 H100)", "qlora": "Unsloth 342,733 (80 GB)",
@@ -310,7 +310,7 @@ def to_markdown(data: dict) -> str:
         f"plan (XLA:CUDA deviceless compile) unless labelled. Precision `{m.get('precision')}`; "
         f"attention {m.get('attention')}; {m.get('optimizer')}. Policy at each length "
         "(`jaxmem.planner.longest.lean_spec`): every block rematerialised, its input offloaded "
-        "to host memory (`MemoryPolicy.custom({'block_input': 'offload'})`), the loss in tiles "
+        "to host memory (`full-host`), the MLP in tiles (rows with MLP tiles), the loss in tiles "
         f"of 1,024-16,384 tokens. Host memory: {m.get('host_memory')}. Search: "
         f"{m.get('granularity')}, doubling then interpolation/bisection; each answer shown by "
         "two compiled plans (fits at N, over at N + step). Device budget: the H100's whole "
