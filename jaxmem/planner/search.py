@@ -292,10 +292,8 @@ def search(
     at_depth = compiles.at_depth
     compile_candidate, program = compiles.candidate, _program
 
-    # A family's floor: the leanest whole-stack presets it holds (full, and offload where host
-    # memory exists) keep only block inputs on the device, and every other stack but nested
-    # keeps more; when they compile over the budget, so does the rest of the family (nested
-    # aside), and none of it is compiled.
+    # A family's floor: its leanest whole-stack presets (full; offload with host memory); over
+    # the budget, so is the rest of the family (nested aside), and none of it is compiled.
     outs = {(o.candidate.policy, o.candidate.family, o.candidate.state_memory) for o in outcomes}
     lean = [POLICIES[p] for p in ("full", "offload") if p in space.policies]
     floors: dict[tuple, int] = {}
@@ -327,8 +325,7 @@ def search(
         else:
             family = (c.family, c.state_memory)
             probes = _floor_probes(c, lean, outs)
-            # nested, and a stack whose block inputs live in host memory, can keep less than
-            # the floor's stacks: no floor bounds them
+            # nested and host-resident block inputs can keep less than the floor: not bounded
             bounded = not c.policy.nested and "block_input" not in c.policy.offloads
             if bounded and c.policy not in probes and floors.get(family, 0) > budget:
                 o.status = "over (family floor compiled over)"  # known: no fit compiles needed
