@@ -247,8 +247,8 @@ def check_loss_chunks(
         return
     require(
         seq_len % chunks == 0 and chunks % cp == 0,
-        f"loss_chunks={chunks} does not split {where} evenly: use a multiple of {cp} that "
-        f"divides {seq_len}",
+        f"loss_chunks={chunks} does not divide {where}: use a divisor of {seq_len}"
+        + (f" that is a multiple of cp={cp}" if cp > 1 else ""),
     )
     require(
         precision.loss_scale != "dynamic",

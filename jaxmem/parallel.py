@@ -141,7 +141,7 @@ class ParallelConfig:
         ``tp`` devices; context parallelism cuts the sequence into ``2 cp`` equal chunks."""
         mesh = f"--mesh {self.mesh_text()}"
         require(
-            seq_len % (2 * self.cp) == 0,
+            self.cp == 1 or seq_len % (2 * self.cp) == 0,
             f"{mesh}: context parallelism cuts the {seq_len} positions into 2 x cp = "
             f"{2 * self.cp} equal chunks; use a --seq-len that is a multiple of {2 * self.cp}",
         )

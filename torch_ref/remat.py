@@ -409,7 +409,9 @@ def resolve_translation(policy: MemoryPolicy, translation: str) -> Translation:
 def _block_translation(policy: MemoryPolicy, block: BlockPolicy, translation: str) -> Translation:
     if set(block.offload) - {BLOCK_INPUT}:
         return "lean"
-    if not (block.remat and (_stores_tags(block) or policy.nested)):
+    # nested-host's stock form is already the two-level one the extension runs for nested
+    two_level = policy.nested and BLOCK_INPUT not in block.offload
+    if not (block.remat and (_stores_tags(block) or two_level)):
         return "stock"
     return translation  # type: ignore[return-value]
 
