@@ -92,11 +92,14 @@ def silence_background_errors() -> None:
     report. They only repeat the error the caller already has, so they are dropped from then on:
     the ``asyncio`` and ``absl`` loggers go quiet below CRITICAL, uncaught exceptions in threads
     and unraisable ones are dropped, and the main thread's hook drops only "Event loop is
-    closed" (tensorstore prints it through ``sys.excepthook``). Idempotent."""
+    closed" (tensorstore prints it through ``sys.excepthook``), and the warning for the write
+    coroutines orbax left unawaited (printed when they are collected, at exit). Idempotent."""
     import sys
     import threading
+    import warnings
 
     global _SILENCED
+    warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     sys.unraisablehook = lambda unraisable: None
