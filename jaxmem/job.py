@@ -470,10 +470,8 @@ class JobConfig:
         headers)."""
         micro = f" in {self.accum.steps} microbatches" if self.accum.steps > 1 else ""
         stack = self.memory.name + (" (unrolled)" if self.memory.unroll else "")
-        if self.memory.loss.chunks:
-            stack += f", loss in {self.memory.loss.chunks} chunks"
-        if self.memory.loss.tile_tokens:
-            stack += f", loss in tiles of {self.memory.loss.tile_tokens} tokens"
+        if self.memory.loss.brief:
+            stack += f", {self.memory.loss.brief}"
         if self.memory.mlp_tile_tokens:
             stack += f", MLP in tiles of {self.memory.mlp_tile_tokens} tokens"
         mesh = f", {self.parallel.mesh_text()}" if self.parallel.sharded else ""

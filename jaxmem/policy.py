@@ -325,11 +325,16 @@ class LossPolicy:
         return seq_len // self.tile_tokens if self.tile_tokens else self.chunks
 
     @property
+    def brief(self) -> str:
+        """The loss's chunking in a few words ('loss in 4 chunks'; '' untiled)."""
+        if self.tile_tokens:
+            return f"loss in tiles of {self.tile_tokens} tokens"
+        return f"loss in {self.chunks} chunks" if self.chunks else ""
+
+    @property
     def label(self) -> str:
         """The loss's chunking in words ('' untiled)."""
-        if self.tile_tokens:
-            return f"the LM head and loss in tiles of {self.tile_tokens} tokens"
-        return f"the LM head and loss in {self.chunks} chunks" if self.chunks else ""
+        return f"the LM head and {self.brief}" if self.brief else ""
 
 
 def _count(value: Any) -> bool:

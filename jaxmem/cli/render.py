@@ -127,7 +127,7 @@ def memory_report(out, records: list[dict], job, planning: bool, target, wide: b
     if records[0].get("mesh"):
         kind += f", per device of {records[0]['mesh']}"
     r0, tiles = job.run, job.memory.mlp_tile_tokens
-    loss = job.memory.loss.label.replace("the LM head and loss", "loss")
+    loss = job.memory.loss.brief
     t = table(
         f"one training step: {job.preset}, batch {r0.batch_size} x {r0.seq_len}, "
         f"{records[0]['precision']}{f', MLP in tiles of {tiles} tokens' if tiles else ''}"
