@@ -209,7 +209,8 @@ def test_float64_gradients_equal_the_device_inputs_bitwise_in_torch(torch_case):
 def test_the_saved_tensor_hooks_outside_a_checkpoint_see_only_its_input():
     """Why stock ``save_on_cpu`` expresses "input in host memory, block recomputed": a
     non-reentrant checkpoint saves its inputs through an autograd function outside its own
-    hooks, and every tensor its block saves through them; the outer hooks see the input only."""
+    hooks, and every tensor its block saves through them; the outer hooks see the input only
+    (PyTorch 2.11 also saves an empty placeholder there: no storage, nothing to offload)."""
     from torch.utils.checkpoint import checkpoint
 
     lin = torch.nn.Linear(8, 8).double()
@@ -222,7 +223,9 @@ def test_the_saved_tensor_hooks_outside_a_checkpoint_see_only_its_input():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         checkpoint(lambda a: torch.tanh(lin(torch.tanh(a))), x, use_reentrant=False)
-    assert len(seen) == 1 and seen[0] is x
+    stored = [t for t in seen if t.numel()]
+    assert len(stored) == 1 and stored[0] is x, [tuple(t.shape) for t in seen]
+    assert len(seen) <= 2, [tuple(t.shape) for t in seen]
 
 
 @pytest.mark.slow
