@@ -289,12 +289,6 @@ def torch_mesh_refusal(
             f"--mesh {parallel.mesh_text()}: torch_ref's per-rank memory records do not run "
             "context parallelism yet (jaxmem train --framework torch does); use --frameworks jax"
         )
-    if parallel.context_parallel and parallel.data > 1:
-        return (
-            f"--mesh {parallel.mesh_text()}: torch_ref runs a context axis over all its ranks, "
-            f"not beside a data axis yet; use --mesh fsdp=1,cp={parallel.devices} or "
-            "--framework jax"
-        )
     if not parallel.tensor_parallel:
         return None
     mesh = f"--mesh {parallel.mesh_text()}"

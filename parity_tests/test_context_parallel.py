@@ -1,25 +1,29 @@
 """torch_ref's context parallelism (``torch_ref.context``: the extension; PyTorch's stock
-``context_parallel`` does not run on CPU, see its docstring) under torchrun, 2 gloo ranks: each
-rank holds chunks i and 3 - i of a row's 4, keys and values all-gathered, FSDP2 over both ranks.
-Trains as one device does for a GPT block (naive attention, learned positions) and a Llama block
-(RoPE at the permuted positions, grouped-query keys, SDPA with a positional mask); ``jaxmem train
---framework torch --mesh cp=2`` logs JAX's losses and resumes bit for bit.
+``context_parallel`` does not run on CPU, see its docstring) under torchrun on gloo: each context
+rank holds chunks i and 2 cp - 1 - i of a row's 2 cp, keys and values all-gathered over its
+context group. ``cp=2`` (2 ranks, DDP over both) and ``fsdp=2,cp=2`` (4 ranks, FSDP2 over a
+2 x 2 data x context mesh: each data rank's rows split over its 2 context ranks) train as one
+device does for a GPT block (naive attention, learned positions) and a Llama block (RoPE at the
+permuted positions, grouped-query keys, SDPA with a positional mask); ``jaxmem train --framework
+torch --mesh fsdp=2,cp=2`` logs JAX's losses, ends in one line when a rank is lost, and resumes
+bit for bit.
 
-And JAX's ``--mesh cp=2`` from the same initial weights on the same batches logs the same
-losses (bound ``adamw_loss``, as the sharded parity suite compares the frameworks).
+And JAX's step over the same meshes from the same initial weights on the same batches logs the
+same losses (bound ``adamw_loss``, as the sharded parity suite compares the frameworks).
 
-Run by pytest, this file launches itself under torchrun; under torchrun (``__main__``), every
-rank trains the one-device baseline by itself, then the same initial weights over the context
-axis on the same batches, and rank 0 prints one JSON line ``{preset: {"one_device": [losses],
-"cp": [losses]}}``. Run as ``python FILE jax`` (2 CPU devices), it trains JAX's step over
-``cp=2`` from the same weights and prints ``{preset: [losses]}``.
+Run by pytest, this file launches itself under torchrun once per rank count; under torchrun
+(``__main__``, the meshes as arguments), every rank trains the one-device baseline by itself,
+then the same initial weights over each mesh on the same batches, and rank 0 prints one JSON
+line ``{preset: {"one_device": [losses], mesh: [losses], ...}}``. Run as ``python FILE jax``
+(4 CPU devices), it trains JAX's step over each mesh from the same weights and prints
+``{preset: {mesh: [losses]}}``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 import subprocess
 import sys
 
@@ -30,31 +34,43 @@ from jaxmem.compare.tolerances import tolerance
 
 PRESETS_RUN = ("tiny", "tiny-llama")
 BATCH, SEQ, STEPS = 4, 32, 4
+# the context axis over every rank (2 torchrun ranks: DDP), and beside a data axis (4: FSDP2)
+LAUNCHES = {2: ("cp=2",), 4: ("fsdp=2,cp=2",)}
+MESHES = tuple(m for meshes in LAUNCHES.values() for m in meshes)
+RANKS = max(LAUNCHES)
 
 
 @pytest.fixture(scope="module")
 def runs():
     from parity_tests.test_sharded_parity import torchrun
 
-    proc = torchrun(os.path.abspath(__file__))
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {}
+    for ranks, meshes in LAUNCHES.items():
+        proc = torchrun(os.path.abspath(__file__), *meshes, nproc=ranks)
+        for name, row in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+            out.setdefault(name, {}).update(row)
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_torch_context_parallelism_trains_as_one_device(runs):
-    """cp=2 over 2 torchrun ranks (FSDP2 over both, keys and values gathered): the one-device
-    losses within the data-parallel tolerance, for tiny and tiny-llama (fused attention)."""
+    """cp=2 over 2 torchrun ranks and fsdp=2,cp=2 over 4 (keys and values gathered over each
+    context group): the one-device losses within the data-parallel tolerance, for tiny and
+    tiny-llama (fused attention)."""
     tol = tolerance("float32", "data_parallel_loss")
     assert set(runs) == set(PRESETS_RUN)
-    for row in runs.values():
-        assert len(row["cp"]) == STEPS
-        np.testing.assert_allclose(row["cp"], row["one_device"], **tol.kwargs())
+    for name, row in runs.items():
+        for mesh in MESHES:
+            assert len(row[mesh]) == STEPS
+            np.testing.assert_allclose(
+                row[mesh], row["one_device"], err_msg=f"{name} {mesh}", **tol.kwargs()
+            )
 
 
 @pytest.fixture(scope="module")
 def jax_runs():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={RANKS}"}
     cmd = [sys.executable, os.path.abspath(__file__), "jax"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -64,35 +80,49 @@ def jax_runs():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_torch_context_parallelism_logs_jax_context_parallel_losses(runs, jax_runs):
-    """The same initial weights and batches: torch_ref's cp=2 losses are JAX's cp=2 losses."""
+    """The same initial weights and batches: torch_ref's losses over each mesh are JAX's."""
     tol = tolerance("float32", "adamw_loss")
     for name, row in runs.items():
-        np.testing.assert_allclose(row["cp"], jax_runs[name], **tol.kwargs())
+        for mesh in MESHES:
+            np.testing.assert_allclose(
+                row[mesh], jax_runs[name][mesh], err_msg=f"{name} {mesh}", **tol.kwargs()
+            )
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path):
-    """``jaxmem train --framework torch --mesh cp=2`` (2 torchrun ranks) logs the losses of
-    ``jaxmem train --mesh cp=2`` over 10 steps (``adamw_loss``); cut back to its step-5
-    checkpoint and resumed, it logs the uninterrupted run's losses and gradient norms."""
+    """``jaxmem train --framework torch --mesh fsdp=2,cp=2`` (4 torchrun ranks) logs the
+    losses of ``jaxmem train --mesh fsdp=2,cp=2`` over 10 steps (``adamw_loss``). Rank 3 (in
+    the other data rank's context group) SIGKILLed after checkpoint 5: the run ends in one line
+    from the first survivor to see it, within seconds, nothing is left running, and the resumed
+    run logs the uninterrupted run's losses and gradient norms bit for bit."""
     from parity_tests.test_sharded_parity import (
         _jaxmem,
+        _lose_rank,
         _metrics,
         _torch_logs_jax_losses,
         torchrun,
     )
+    from tests.test_parallel import processes_running
 
-    common = ["--preset", "tiny-llama", "--mesh", "cp=2", "--batch-size", "4", "--seq-len", "32"]
+    mesh = ["--mesh", "fsdp=2,cp=2"]
+    common = ["--preset", "tiny-llama", *mesh, "--batch-size", "4", "--seq-len", "32"]
     common += ["--policy", "full", "--steps", "10", "--checkpoint-every", "5"]
     common += ["--eval-every", "5", "--sample-tokens", "8"]
-    out, t = _torch_logs_jax_losses(tmp_path, common)
-    assert "each sequence split over cp=2 ranks" in out.stdout
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "torch", resumed)
-    shutil.rmtree(resumed / "checkpoints" / "10")
-    torchrun("--no-python", *_jaxmem("train", "--out", str(resumed), "--resume"))
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(resumed)] == [
+    out, t = _torch_logs_jax_losses(tmp_path, common, nproc=RANKS)
+    assert "over 2 x 2 ranks, each sequence split over cp=2 ranks" in " ".join(out.stdout.split())
+    lost = tmp_path / "lost"
+    agent, err, took = _lose_rank(lost, common, 3, nproc=RANKS)
+    assert agent.returncode != 0 and took < 60, (took, err[-3000:])
+    lines = [ln for ln in err.splitlines() if ln.startswith("jaxmem train:")]
+    assert len(lines) == 1, err[-3000:]
+    # the first survivor to see the lost collective says it; torchrun then ends the others
+    assert re.match(r"jaxmem train: rank [012] of 4: another rank is gone", lines[0]), lines[0]
+    assert f"last verified checkpoint: step 5 in {lost}/checkpoints" in lines[0]
+    assert not processes_running(str(lost))
+    torchrun("--no-python", *_jaxmem("train", "--out", str(lost), "--resume"), nproc=RANKS)
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(lost)] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in t
     ]
 
@@ -141,56 +171,61 @@ def jax_main() -> None:
     out = {}
     for name in PRESETS_RUN:
         cfg, fp32 = _config(name), PRECISIONS["fp32"]
-        model = make_model(cfg, fp32)
-        load_torch_state_dict(model, _initial(cfg).state_dict())
-        spec = StepSpec(
-            model=cfg,
-            policy=get_policy("full"),
-            precision=fp32,
-            batch=BATCH,
-            seq_len=SEQ,
-            parallel=parse_mesh("cp=2"),
-        )
-        built, params = build_step(spec, model)
-        params, opt_state = built.state(params)
-        losses = []
-        for batch in _batches(cfg):
-            b = jax.device_put({k: v.numpy() for k, v in batch.items()}, built.shardings.batch)
-            params, opt_state, _, metrics = built.step(params, opt_state, None, b)
-            losses.append(float(metrics["loss"]))
-        out[name] = losses
+        out[name] = {}
+        for mesh in MESHES:
+            model = make_model(cfg, fp32)
+            load_torch_state_dict(model, _initial(cfg).state_dict())
+            spec = StepSpec(
+                model=cfg,
+                policy=get_policy("full"),
+                precision=fp32,
+                batch=BATCH,
+                seq_len=SEQ,
+                parallel=parse_mesh(mesh),
+            )
+            built, params = build_step(spec, model)
+            params, opt_state = built.state(params)
+            losses = []
+            for batch in _batches(cfg):
+                b = {k: v.numpy() for k, v in batch.items()}
+                b = jax.device_put(b, built.shardings.batch)
+                params, opt_state, _, metrics = built.step(params, opt_state, None, b)
+                losses.append(float(metrics["loss"]))
+            out[name][mesh] = losses
     print(json.dumps(out))
 
 
-def _train(cfg, model, launch, cp: bool) -> list[float]:
-
+def _train(cfg, model, launch, mesh: str | None) -> list[float]:
     import torch_ref.distributed as tdist
     from jaxmem.config import OptimizerConfig
-    from jaxmem.parallel import ParallelConfig
+    from jaxmem.parallel import parse_mesh
     from jaxmem.policy import get_policy
     from jaxmem.precision import PRECISIONS
     from torch_ref.context import apply_context_parallel, local_batch
     from torch_ref.remat import apply_memory_policy
     from torch_ref.train import accumulate_grads, make_optimizer
 
-    # FSDP2 over both ranks: each holds its columns of the same rows (data x context)
-    parallel = ParallelConfig(strategy="fsdp", devices=launch.world_size) if cp else None
-    if cp:
-        apply_context_parallel(model, seq_len=SEQ, cp=launch.world_size, rank=launch.rank)
+    parallel = parse_mesh(mesh) if mesh else None
+    if parallel:  # ranks data x context: this rank's rows, and its columns of them
+        rank, rows = launch.rank % parallel.cp, launch.rows(BATCH, parallel.cp)
+        group = tdist.context_group(parallel, launch)
+        apply_context_parallel(model, seq_len=SEQ, cp=parallel.cp, rank=rank, group=group)
     apply_memory_policy(model.blocks, get_policy("full"))
-    if cp:
+    if parallel:
         model = tdist.shard(model, parallel, launch)
     opt = make_optimizer(model, OptimizerConfig())
-    divisor = tdist.token_divisor(parallel, launch) if cp else None
+    divisor = tdist.token_divisor(parallel, launch) if parallel else None
     losses = []
     for batch in _batches(cfg):
-        if cp:
-            batch = local_batch(batch, launch.world_size, launch.rank)
+        if parallel:
+            if rows is not None:
+                batch = {k: v[rows] for k, v in batch.items()}
+            batch = local_batch(batch, parallel.cp, rank)
         opt.zero_grad(set_to_none=True)
         fp32 = PRECISIONS["fp32"]
         loss_sum, n = accumulate_grads(model, batch, precision=fp32, divisor=divisor)
         opt.step()
-        if cp:
+        if parallel:  # every rank holds distinct tokens
             loss_sum, n = tdist.all_sum(loss_sum), tdist.all_sum(n)
         losses.append(float(loss_sum / n))
     return losses
@@ -213,10 +248,9 @@ def main() -> None:
     for name in PRESETS_RUN:
         cfg = _config(name)
         initial = _initial(cfg)
-        out[name] = {
-            "one_device": _train(cfg, copy.deepcopy(initial), launch, cp=False),
-            "cp": _train(cfg, copy.deepcopy(initial), launch, cp=True),
-        }
+        out[name] = {"one_device": _train(cfg, copy.deepcopy(initial), launch, None)}
+        for mesh in sys.argv[1:]:
+            out[name][mesh] = _train(cfg, copy.deepcopy(initial), launch, mesh)
     finish(out, launch)
 
 

@@ -229,7 +229,7 @@ def _metrics(run) -> list[dict]:
 
 
 def _torch_logs_jax_losses(
-    tmp_path, common: list[str]
+    tmp_path, common: list[str], nproc: int = N
 ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """``jaxmem train *common`` in JAX (``tmp_path/jax``) and under torchrun with ``--framework
     torch`` (``tmp_path/torch``): the torch run logs steps 1..10 with JAX's losses (bound
@@ -244,7 +244,9 @@ def _torch_logs_jax_losses(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = torchrun(
-        "--no-python", *_jaxmem("train", "--framework", "torch", *common, "--out", str(torch_run))
+        "--no-python",
+        *_jaxmem("train", "--framework", "torch", *common, "--out", str(torch_run)),
+        nproc=nproc,
     )
     j, t = _metrics(jax_run), _metrics(torch_run)
     assert [r["step"] for r in t] == list(range(1, 11))
@@ -305,15 +307,19 @@ def test_fsdp2_trains_as_jax_fsdp_and_resumes_bit_identically(tmp_path):
     ]
 
 
-def _lose_rank(run, common: list[str], victim: int) -> tuple[subprocess.Popen, str, float]:
-    """torchrun the torch run; once checkpoint 5 verifies, stop rank ``victim`` where it is and
-    SIGKILL it. Returns torchrun, its stderr and the seconds it took to end after the kill."""
+def _lose_rank(
+    run, common: list[str], victim: int, nproc: int = N
+) -> tuple[subprocess.Popen, str, float]:
+    """torchrun the torch run (``nproc`` ranks); once checkpoint 5 verifies, stop rank
+    ``victim`` where it is and SIGKILL it. Returns torchrun, its stderr and the seconds it took
+    to end after the kill."""
     import signal
     import time
 
     from jaxmem.run_layout import verify
 
-    cmd = [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={N}", "--no-python"]
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += ["--no-python"]
     cmd += _jaxmem("train", "--framework", "torch", *common, "--out", str(run))
     agent = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
@@ -331,7 +337,7 @@ def _lose_rank(run, common: list[str], victim: int) -> tuple[subprocess.Popen, s
                     values = dict(e.split(b"=", 1) for e in env.read().split(b"\0") if b"=" in e)
                 ranks[int(values[b"RANK"])] = int(pid)
         os.kill(ranks[victim], signal.SIGSTOP)  # frozen mid-run: the kill cannot race the end
-        assert agent.poll() is None and len(ranks) == N, "the run ended before the kill"
+        assert agent.poll() is None and len(ranks) == nproc, "the run ended before the kill"
         os.kill(ranks[victim], signal.SIGKILL)
         start = time.monotonic()
         _, err = agent.communicate(timeout=120)

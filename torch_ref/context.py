@@ -17,9 +17,16 @@ and position embeddings follow them), and each ``SelfAttention.core`` gathers ke
 with ``torch.distributed.nn.functional.all_gather`` (differentiable: its backward sums the
 keys' and values' gradients back to their ranks), puts them in position order and attends
 causally by position. The loss is a sum over tokens: each rank's share, summed by the
-data-parallel wrapper's gradient reduction (DDP or FSDP2 over every rank), as over rows. The
-context axis spans every rank (``jaxmem.job.torch_mesh_refusal`` refuses a data axis beside it:
-``fsdp=2,cp=2`` on 4 gloo ranks hangs in its first step, not investigated yet).
+data-parallel wrapper's gradient reduction (DDP or FSDP2 over every rank), as over rows.
+
+Beside a data axis (``--mesh fsdp=2,cp=2``: ranks ``data x context``, ``torch_ref.distributed.
+context_group``) keys and values are gathered over this rank's context group only, by
+``gather_sequence``: ``dist.all_gather_into_tensor`` forward, ``dist.reduce_scatter_tensor``
+backward. Written here because the stock differentiable ``torch.distributed.nn.functional.
+all_gather`` cannot run on a subgroup over gloo: its backward emulates the reduce-scatter by
+``dist.scatter(..., src=i, group=group)`` with ``i`` a rank *of the group* where ``src`` is a
+global rank (PyTorch 2.13): the ranks of the second group wait on a scatter from ranks outside
+it and the step hangs.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 
@@ -58,6 +64,34 @@ def local_batch(batch: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str,
     return out
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's ``[B, S/cp, ...]`` of ``group``, concatenated on the sequence axis; the
+    backward sums each rank's gradient back to it (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        n = dist.get_world_size(group)
+        local = x.transpose(0, 1).contiguous()  # the gathered axis first
+        out = local.new_empty((n * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local, group=group)
+        return out.transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        n = dist.get_world_size(ctx.group)
+        whole = grad.transpose(0, 1).contiguous()
+        mine = whole.new_empty((whole.shape[0] // n, *whole.shape[1:]))
+        dist.reduce_scatter_tensor(mine, whole, group=ctx.group)
+        return mine.transpose(0, 1), None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``[B, S, ...]``: ``x`` (``[B, S/cp, ...]``) of every rank of ``group`` (None: all),
+    in rank order, differentiable."""
+    return _GatherSequence.apply(x, group)
+
+
 def gathered_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,8 +104,8 @@ def gathered_attention(
 ) -> torch.Tensor:
     """``[B, S/cp, D]``: this rank's queries (``[B, S/cp, H, K]``) against every rank's keys
     and values (``[B, S/cp, Hkv, K]`` each, gathered), causal by position."""
-    k = torch.cat(dist_nn.all_gather(k.contiguous(), group=group), dim=1)[:, restore]
-    v = torch.cat(dist_nn.all_gather(v.contiguous(), group=group), dim=1)[:, restore]
+    k = gather_sequence(k, group)[:, restore]
+    v = gather_sequence(v, group)[:, restore]
     b, s, h, hd = q.shape
     kv = k.shape[2]
     mask = q_pos[:, None].to(q.device) >= torch.arange(k.shape[1], device=q.device)[None]

@@ -75,10 +75,11 @@ DESCRIPTION = {
 def describe(parallel: ParallelConfig) -> str:
     """What runs ``parallel``'s mesh, in words (records, the run's console)."""
     if parallel.context_parallel:
+        ranks = "every rank" if parallel.data == 1 else f"{parallel.data} x {parallel.cp} ranks"
         return (
-            f"{DESCRIPTION[parallel.strategy]} over every rank, each sequence split over "
-            f"cp={parallel.cp} ranks (keys and values all-gathered: torch_ref.context, an "
-            "extension)"
+            f"{DESCRIPTION[parallel.strategy]} over {ranks}, each sequence split over "
+            f"cp={parallel.cp} ranks (keys and values all-gathered over them: "
+            "torch_ref.context, an extension)"
         )
     if not parallel.tensor_parallel:
         return DESCRIPTION[parallel.strategy]
@@ -108,14 +109,14 @@ class Launch:
     def device(self) -> str:
         return f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
 
-    def rows(self, batch_size: int, tp: int = 1) -> slice | None:
+    def rows(self, batch_size: int, inner: int = 1) -> slice | None:
         """This rank's rows of a global batch (None: one data rank reads them all). Ranks are
-        laid out ``data x tensor`` (``device_mesh``): the ``tp`` tensor ranks of one data rank
-        read the same rows."""
-        data = self.world_size // tp
+        laid out ``data x tensor`` or ``data x context`` (``device_mesh``, ``context_group``):
+        the ``inner`` tensor or context ranks of one data rank read the same rows."""
+        data = self.world_size // inner
         if data == 1:
             return None
-        n, index = batch_size // data, self.rank // tp
+        n, index = batch_size // data, self.rank // inner
         return slice(index * n, (index + 1) * n)
 
 
@@ -211,13 +212,14 @@ def shard(
 
 
 MESH_AXES = ("data", "tensor")
+CONTEXT_AXES = ("data", "context")
 
 
 @functools.cache
-def _mesh(device_type: str, data: int, tp: int) -> DeviceMesh:
+def _mesh(device_type: str, data: int, tp: int, axes: tuple[str, str] = MESH_AXES) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (data, tp), mesh_dim_names=MESH_AXES)
+    return init_device_mesh(device_type, (data, tp), mesh_dim_names=axes)
 
 
 def device_mesh(parallel: ParallelConfig, launch: Launch) -> DeviceMesh:
@@ -225,6 +227,17 @@ def device_mesh(parallel: ParallelConfig, launch: Launch) -> DeviceMesh:
     = data index x tp + tensor index, as ``Launch.rows`` reads it); made once per process (a
     collective: every rank asks for it at the same point)."""
     return _mesh(launch.device.split(":")[0], parallel.data, parallel.tp)
+
+
+def context_group(parallel: ParallelConfig, launch: Launch) -> dist.ProcessGroup | None:
+    """The ranks of this rank's context axis (None: every rank, when there is no data axis
+    beside it). Ranks are ``data x context`` (rank = data index x cp + context index, as
+    ``Launch.rows`` reads it); the ``data x context`` device mesh is made by every rank at the
+    same point (a collective), once per process."""
+    if not parallel.context_parallel or parallel.data == 1:
+        return None
+    mesh = _mesh(launch.device.split(":")[0], parallel.data, parallel.cp, CONTEXT_AXES)
+    return mesh["context"].get_group()
 
 
 def head_aligned_rows(d_model: int, kv_dim: int, tp: int) -> torch.Tensor:
@@ -545,6 +558,32 @@ def shutdown() -> None:
 def joined() -> bool:
     """Whether this process joined torchrun's process group (before or after ``shutdown``)."""
     return _joined
+
+
+def first_to_say(event: str) -> bool:
+    """Whether this process is the first of its torchrun run to report ``event`` (a once-a-run
+    failure such as a lost rank, which every survivor sees): the others then stay quiet and the
+    run ends in one line. Asked of the store torchrun's agent hosts (``TORCHELASTIC_USE_AGENT_
+    STORE``: it outlives every worker) with an atomic ``add``; True when there is no such store
+    or it cannot be reached (every rank then reports: more lines, never none).
+
+    Written by hand: neither torchrun nor ``torch.distributed`` elects one reporter among the
+    survivors of a failed collective."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return True
+    from datetime import timedelta
+
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=5),
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return store.add(f"jaxmem/{event}/{attempt}", 1) == 1
+    except (KeyError, ValueError, RuntimeError, OSError):  # dist's store errors are these
+        return True
 
 
 def end_worker(code: int) -> None:

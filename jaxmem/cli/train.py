@@ -472,7 +472,8 @@ def _train(args: argparse.Namespace, job, group, target, watch=None) -> int:
             from jaxmem.train.checkpoint import silence_background_errors
 
             silence_background_errors()  # orbax's threads would repeat a failed save at exit
-        print(f"jaxmem train: {e}", file=sys.stderr)
+        if e.said:
+            print(f"jaxmem train: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
     except RunInterrupted as e:
         print(f"jaxmem train: {e}", file=sys.stderr)

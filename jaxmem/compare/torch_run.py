@@ -183,7 +183,8 @@ class TorchTrainer:
             _add_adapters(model, initial, job)
         if self.parallel.context_parallel:  # each rank its columns, keys gathered over all
             cp, rank = self.parallel.cp, self.launch.rank % self.parallel.cp
-            apply_context_parallel(model, seq_len=r.seq_len, cp=cp, rank=rank)
+            group = tdist.context_group(self.parallel, self.launch)
+            apply_context_parallel(model, seq_len=r.seq_len, cp=cp, rank=rank, group=group)
         self.runner = apply_memory_policy(model.blocks, job.memory)
         apply_loss_policy(model, job.memory)
         # FSDP2 manages the model (sharded, or streamed through host memory on one process too)
@@ -463,10 +464,11 @@ def _peer_gone(e: BaseException | None) -> str | None:
 
 def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[str, Any]:
     """Train ``prepared.job`` with torch_ref; returns the run summary. Under torchrun, a
-    collective that fails because another rank's process is gone ends this rank in one line
-    (``RunFailed``: which rank, and the checkpoint to resume from) instead of a traceback from
-    the collective and another from the teardown's barrier; torchrun's agent then names the
-    rank that died first and ends the others.
+    collective that fails because another rank's process is gone ends this rank with
+    ``RunFailed`` (which rank, and the checkpoint to resume from) instead of a traceback from
+    the collective and another from the teardown's barrier, said by the first survivor only
+    (``first_to_say``): the run ends in one line; torchrun's agent then names the rank that
+    died first and ends the others.
 
     The agent ends the others with SIGTERM as soon as it sees the lost rank, which can land
     while this rank's failure is still unwinding (a progress bar closing, the prefetch thread
@@ -502,7 +504,8 @@ def run_training(prepared: PreparedJob, console: Console | None = None) -> dict[
             )
             raise RunFailed(
                 f"rank {dist.get_rank()} of {n}: another rank is gone (a collective failed: "
-                f"{said}; torchrun's report names the rank); last verified checkpoint: {good}"
+                f"{said}; torchrun's report names the rank); last verified checkpoint: {good}",
+                said=tdist.first_to_say("peer-gone"),  # one survivor's line for the run
             ) from None
         if isinstance(e, _Terminated):  # as SIGTERM's default: the process ends by the signal
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -44,7 +44,12 @@ from jaxmem.train.run_dir import (
 
 class RunFailed(RuntimeError):
     """The run stopped at run time (non-finite loss, out of memory). The message says what
-    happened, what is kept on disk and what to try; the CLI exits with code 1."""
+    happened, what is kept on disk and what to try; the CLI exits with code 1. ``said``: False
+    where another process of the run says the same (the CLI then prints nothing)."""
+
+    def __init__(self, message: str, *, said: bool = True):
+        super().__init__(message)
+        self.said = said
 
 
 class RunInterrupted(RuntimeError):
