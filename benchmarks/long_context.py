@@ -76,9 +76,9 @@ ROWS = (("llama-3.1-8b", "full", TILED_STREAMED, 1048576),
 GOALS = {"full": 1_000_000, "qlora": 342_733, "full-cp": 4_000_000}
 ANCHOR = {"full": "ALST 500K (1 H100)", "qlora": "Unsloth 342,733 (80 GB)",
           "full-cp": "ALST 3.7M (8 H100s); torchtitan 262,144 (8 GPUs)"}  # fmt: skip
-# a DGX H100 host's 2 TiB shared by its 8 GPUs: what one device of the context-parallel row
-# may keep there (an assumption, as HOST_MEMORY)
-CP_HOST_MEMORY = (2 << 40) // CP
+# a DGX H100 host's 2 TiB, shared by its 8 GPUs (``jaxmem.planner.host.host_share``): what the
+# context-parallel row's devices may keep there together (an assumption, as HOST_MEMORY)
+CP_HOST_MEMORY = 2 << 40
 # measured without offloaded inputs (full remat + loss chunks of 1,024 tokens), the adapters
 # benchmark's compiled plans: the baseline this table's space moves from
 BEFORE = {
@@ -107,9 +107,8 @@ NOTES = (
     "estimated step time counts the program's collectives (the K/V all-gathers among them) as "
     "the data-parallel ones, overlapped with compute (an assumption: the gather is not "
     "overlapped); the kernel computes every key block, masked ones included, so its S/cp x S "
-    "score work per device and the fp32 elementwise passes over it set that estimate. Its peak "
-    "holds the MLP tiles' [tiles, 8192, 4096] backward buffer of the whole sequence: the tiles "
-    "run over the sequence as the program holds it, not over each device's share. XLA:CUDA's "
+    "score work per device and the fp32 elementwise passes over it set that estimate; its MLP "
+    "and loss tiles loop over each device's own share. XLA:CUDA's "
     "rematerialization pass logs, at these lengths, that it cannot bring its own memory count "
     "under its limit "
     "(e.g. 206 GiB at 468K tokens, about the plan's device bytes plus the inputs held in host "
@@ -182,7 +181,8 @@ class Bench:
             spec = row_spec(base, space, n, budget, offload=False)
             with_inputs = row_spec(base, space, n, budget, offload=True)
             allowed = CP_HOST_MEMORY if space == CP_SPACE else HOST_MEMORY
-            if sum(host.spec_host_bytes(with_inputs).values()) <= allowed:
+            per_device = sum(host.spec_host_bytes(with_inputs).values())
+            if host.spec_host_share(with_inputs) * per_device <= allowed:
                 spec = with_inputs
             p = longest.probe(spec, budget, allowed)
             plans[key] = p.as_dict() | {"compile_s": round(time.perf_counter() - start, 1)}
@@ -319,7 +319,8 @@ def to_markdown(data: dict) -> str:
         "sequence split over the context axis in steps of 2 x cp x 1,024 tokens, parameters, "
         f"gradients and AdamW state sharded over the {CP} devices on the device (the stack "
         "does not stream under a context axis), figures per device, host memory "
-        f"{CP_HOST_MEMORY / GIB:,.0f} GiB per device (a DGX H100's 2 TiB over 8). Step times are "
+        f"{CP_HOST_MEMORY / GIB:,.0f} GiB per host shared by its {CP} devices (a DGX H100's). "
+        "Step times are "
         "estimates "
         "(`jaxmem.memory.step_time`: the compiled plan's kernels at datasheet rates, offloaded "
         "activations' link time overlapped with compute), not measurements.",

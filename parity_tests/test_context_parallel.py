@@ -92,8 +92,9 @@ def test_torch_context_parallelism_logs_jax_context_parallel_losses(runs, jax_ru
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path):
-    """``jaxmem train --framework torch --mesh fsdp=2,cp=2`` (4 torchrun ranks) logs the
-    losses of ``jaxmem train --mesh fsdp=2,cp=2`` over 10 steps (``adamw_loss``). Rank 3 (in
+    """``jaxmem train --framework torch --mesh fsdp=2,cp=2`` (4 torchrun ranks) with the block
+    inputs in host memory and the MLP and loss in tiles logs the losses of ``jaxmem train``'s
+    same run over 10 steps (``adamw_loss``). Rank 3 (in
     the other data rank's context group) SIGKILLed after checkpoint 5: the run ends in one line
     from the first survivor to see it, within seconds, nothing is left running, and the resumed
     run logs the uninterrupted run's losses and gradient norms bit for bit."""
@@ -108,8 +109,10 @@ def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path):
 
     mesh = ["--mesh", "fsdp=2,cp=2"]
     common = ["--preset", "tiny-llama", *mesh, "--batch-size", "4", "--seq-len", "32"]
-    common += ["--policy", "full", "--steps", "10", "--checkpoint-every", "5"]
-    common += ["--eval-every", "5", "--sample-tokens", "8"]
+    # with every long-sequence tool: block inputs in host memory, the MLP and loss in tiles
+    common += ["--policy", "full-host", "--mlp-tile-tokens", "8", "--loss-tile-tokens", "16"]
+    common += ["--steps", "10", "--checkpoint-every", "5", "--eval-every", "5"]
+    common += ["--sample-tokens", "8"]
     out, t = _torch_logs_jax_losses(tmp_path, common, nproc=RANKS)
     assert "over 2 x 2 ranks, each sequence split over cp=2 ranks" in " ".join(out.stdout.split())
     lost = tmp_path / "lost"

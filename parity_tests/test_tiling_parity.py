@@ -166,3 +166,21 @@ def test_the_host_presets_tile_as_their_device_forms_do_in_both_frameworks():
     runs[("torch", "untiled")] = _torch(torch_model, batch, _tiled("full", 0))
     _assert_same(runs, ("torch", "untiled"))
     assert runs[("torch", "full-host")][2] == runs[("torch", "full")][2]
+
+
+def test_torch_tiles_a_length_they_do_not_divide_with_a_shorter_last_tile():
+    """Sampling grows its prompt one token at a time: a tiled model (8-token tiles) runs a
+    13-token sequence in tiles of 8 and 5, as the untiled model does, in float64."""
+    import torch_ref
+
+    cfg = PRESETS["tiny-llama"]
+    torch.manual_seed(0)
+    model = torch_ref.Decoder(cfg).double()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 13))
+    with torch.no_grad():
+        whole = model(tokens)
+        apply_memory_policy(model.blocks, POLICIES["full"].replace(mlp_tile_tokens=8))
+        tiled = model(tokens)
+    np.testing.assert_allclose(
+        tiled.numpy(), whole.numpy(), **tolerance("float64", "logits").kwargs()
+    )

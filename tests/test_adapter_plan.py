@@ -261,11 +261,12 @@ def test_when_nothing_fits_an_adapter_plan_suggests_only_what_the_job_can_use():
 
     from jaxmem.cli.plan import _what_else
 
-    packed = _what_else(Namespace(loss_chunks_search=False), _problem(INT8))
+    searched = Namespace(loss_chunks_search=True, mlp_tiles_search=True)
+    packed = _what_else(Namespace(loss_chunks_search=False, mlp_tiles_search=True), _problem(INT8))
     assert packed == "allow more (--accum, --precisions, --loss-chunks-search)"
-    plain = _what_else(Namespace(loss_chunks_search=True), _problem(ADAPTERS))
+    plain = _what_else(searched, _problem(ADAPTERS))
     assert plain == "add devices (--mesh fsdp=N) or allow more (--accum, --precisions)"
-    full = _what_else(Namespace(loss_chunks_search=True), _problem(AdapterConfig()))
+    full = _what_else(searched, _problem(AdapterConfig()))
     assert full.endswith("(--accum, --precisions, --state-offload)")
 
 

@@ -38,6 +38,26 @@ def test_a_step_over_the_host_limit_is_one_line_before_anything_compiles(argv, n
     assert "1.00 KiB is allowed (--host-memory)" in lines[0] and "raise --host-memory" in lines[0]
 
 
+def test_the_devices_of_one_host_share_its_limit():
+    """--host-memory is one host's: a mesh's devices on that host (up to 8) each keep their
+    bytes there, so 4 devices need 4 x one device's and a 16-device mesh counts 8 per host."""
+    from jaxmem.config import ConfigError
+    from jaxmem.parallel import parse_mesh
+    from jaxmem.planner.host import check_spec, host_share, spec_host_bytes
+    from jaxmem.step.spec import StepSpec
+
+    assert [host_share(n) for n in (1, 2, 4, 8, 16, 64)] == [1, 2, 4, 8, 8, 8]
+    cfg = PRESETS["tiny-llama"]
+    spec = StepSpec(model=cfg, policy=OFFLOADED_INPUTS, batch=4, seq_len=64,
+                    parallel=parse_mesh("fsdp=1,cp=4"))  # fmt: skip
+    each = sum(spec_host_bytes(spec).values())
+    assert each > 0
+    check_spec(spec, 4 * each)  # the host holds the 4 devices' bytes
+    with pytest.raises(ConfigError) as e:
+        check_spec(spec, 4 * each - 1)
+    assert "4 devices on the host, each offloaded activations" in str(e.value)
+
+
 def test_the_planner_searches_offloaded_inputs_and_skips_what_the_host_cannot_hold():
     from jaxmem.memory.targets import get_target
     from jaxmem.planner.predict import FlopModel

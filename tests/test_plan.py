@@ -736,3 +736,34 @@ def test_on_a_gpu_target_the_planner_replays_the_embedding_where_that_fits():
     assert order.index(twin) < order.index(replayed.candidate)
     assert twin.flops == replayed.candidate.flops
     assert result.outcomes[order.index(twin)].status == "over (predicted)"
+
+
+def test_the_planner_runs_the_mlp_in_tiles_where_only_that_fits():
+    """tiny with 4 layers and d_ff 4,096 at 4 x 256 tokens: under ``full`` each block's
+    recompute holds its MLP's [rows, S, d_ff] intermediates (XLA:CPU plans: 126.8 MiB whole,
+    66.2 MiB with 64-token tiles). At 96 MiB the planner answers ``full`` with the MLP in
+    64-token tiles and its train command says so; searching the whole MLP only, nothing fits."""
+    from jaxmem.cli.flags import job_argv
+    from jaxmem.job import JobConfig, RunConfig
+
+    cfg = PRESETS["tiny"].replace(n_layers=4, d_ff=4096, max_seq_len=256)
+    batch, seq = 4, 256
+    space = PlanSpace(
+        policies=("full",), mix=(), accum=(1,), state_memory=("device",), tags=False,
+        mlp_tiles=(16384, 256, 64),  # 16,384 and 256 do not cut the sequence: not searched
+    )  # fmt: skip
+    problem = Problem(cfg, batch, seq, LOCAL, 96 * MIB, OptimizerConfig())
+    result = search(problem, space)
+    chosen = result.chosen
+    assert chosen is not None and chosen.compiled <= 96 * MIB
+    assert chosen.candidate.policy == POLICIES["full"].replace(mlp_tile_tokens=64)
+    assert "MLP in 64-token tiles" in chosen.candidate.describe()
+    # the whole MLP predicted (or compiled) over the budget
+    (whole,) = [o for o in result.outcomes if not o.candidate.policy.mlp_tile_tokens]
+    assert whole.status.startswith("over")
+    assert {o.candidate.policy.mlp_tile_tokens for o in result.outcomes} == {0, 64}
+    job = JobConfig(preset="tiny", model=cfg, run=RunConfig(batch_size=batch, seq_len=seq))
+    argv = job_argv(candidate_job(job, chosen.candidate, 1))
+    assert argv[argv.index("--mlp-tile-tokens") + 1] == "64"
+    untiled = search(problem, dataclasses.replace(space, mlp_tiles=()))
+    assert untiled.chosen is None

@@ -161,6 +161,15 @@ def _lattice_flags(g) -> None:
         "logits kept; chosen where the whole loss does not fit). Default: the whole loss only",
     )
     g.add_argument(
+        "--mlp-tiles-search",
+        dest="mlp_tiles_search",
+        action="store_true",
+        help="also full (and full with its inputs on host) with each block's MLP in sequence "
+        "tiles of 1,024-16,384 tokens (--mlp-tile-tokens: the same FLOPs, one tile's "
+        "intermediates at a time; chosen where the whole MLP does not fit). Default: not "
+        "searched",
+    )
+    g.add_argument(
         "--replay-embedding-search",
         dest="replay_embedding_search",
         action="store_true",
@@ -267,6 +276,7 @@ def _space(args: argparse.Namespace, job):
         unroll=args.unroll_search,
         loss_chunks=8 if args.loss_chunks_search else 0,
         loss_tiles=TILE_TOKENS if args.loss_chunks_search else (),
+        mlp_tiles=TILE_TOKENS if args.mlp_tiles_search else (),
         replay_embedding=args.replay_embedding_search,
         offload_inputs=args.offload_inputs,
         state_memory=("device", "pinned_host", "stream", "stream-host")
@@ -387,6 +397,8 @@ def _what_else(args, problem) -> str:
         more.append("--state-offload")
     if not args.loss_chunks_search:
         more.append("--loss-chunks-search")
+    if not args.mlp_tiles_search:
+        more.append("--mlp-tiles-search")
     devices = "" if adapters.base != "compute" else "add devices (--mesh fsdp=N) or "
     return f"{devices}allow more ({', '.join(more)})"
 

@@ -210,8 +210,10 @@ def mlp_working_bytes(
     up and activation of a gated MLP (up and activation otherwise), in the compute dtype:
     ``tokens`` is the whole sequence, or one tile's ``MemoryPolicy.mlp_tile_tokens`` under
     sequence tiling (``jaxmem.memory.remat.tiled_mlp``). A transient, not a kept residual
-    (``saved_activation_bytes``): what tiling takes off a step's peak, at most, when an MLP
-    application holds it (the H100 plans show it; ``docs/policies.md``)."""
+    (``saved_activation_bytes``), and not a bound on what tiling saves: the backward also holds
+    their gradients, as the compiler schedules it (XLA:CPU, tiny with d_ff 4,096 at 4 x 256
+    tokens under ``full``: 32 MiB here, 60.6 MiB off the plan with 64-token tiles; the H100
+    plans in ``docs/policies.md``)."""
     tokens = policy.mlp_tile_tokens or seq_len
     tensors = 3 if cfg.mlp == "gated" else 2
     return tensors * batch * tokens * cfg.d_ff * precision.compute_bytes

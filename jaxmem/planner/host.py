@@ -10,8 +10,11 @@ step whose count exceeds the limit; ``jaxmem plan`` skips such candidates, ``jax
 compile (offloaded activations; a deviceless compile drops argument memory kinds, so
 host-resident state is counted from shapes either way).
 
-The default limit is this machine's RAM, read from the OS (``os.sysconf``): for a GPU target
-that is the machine planning it, not the GPU's host, so the message names which was used.
+The limit is one host's memory, shared by the mesh's devices on that host: a step's bytes per
+device count ``host_share`` times (every device of the mesh, up to ``HOST_DEVICES``: an 8-GPU
+node; a larger mesh spans hosts of that size). The default limit is this machine's RAM, read
+from the OS (``os.sysconf``): for a GPU target that is the machine planning it, not the GPU's
+host, so the message names which was used.
 Written by hand: no library counts a JAX step's host-resident bytes.
 """
 
@@ -30,6 +33,22 @@ GIB = 2**30
 # ``full`` with each block's input kept in host memory instead of on the device (the leanest
 # stack where host memory exists: nothing of the stack's activations stays on the device)
 OFFLOADED_INPUTS = POLICIES["full-host"]
+
+
+# devices of one host (an HGX/DGX node of 8 GPUs): the devices of a mesh up to this many share
+# one host's memory
+HOST_DEVICES = 8
+
+
+def host_share(devices: int) -> int:
+    """How many devices of a ``devices``-device mesh share one host's memory (each holding its
+    own host bytes there)."""
+    return max(1, min(devices, HOST_DEVICES))
+
+
+def spec_host_share(spec: StepSpec) -> int:
+    """``host_share`` of ``spec``'s mesh (1: one device)."""
+    return host_share(spec.parallel.devices if spec.sharded else 1)
 
 
 def machine_bytes() -> int:
@@ -83,11 +102,15 @@ def size_text(n: int) -> str:
     return f"{n / 2**10:,.2f} KiB"
 
 
-def refusal(need: int, parts: dict[str, int], limit: int, source: str, how: str) -> str | None:
-    """One line when ``need`` host bytes (``how`` obtained, by ``parts``) exceed ``limit``."""
+def refusal(parts: dict[str, int], share: int, limit: int, source: str, how: str) -> str | None:
+    """One line when ``share`` devices' host bytes (each ``parts``, ``how`` obtained) exceed
+    one host's ``limit``."""
+    need = share * sum(parts.values())
     if need <= limit:
         return None
     what = " + ".join(f"{k} {size_text(v)}" for k, v in parts.items()) or "none"
+    if share > 1:
+        what = f"{share} devices on the host, each {what}"
     return (
         f"the step needs {size_text(need)} of host memory ({how}: {what}) but "
         f"{size_text(limit)} is allowed ({source}): raise --host-memory if the host has "
@@ -97,11 +120,11 @@ def refusal(need: int, parts: dict[str, int], limit: int, source: str, how: str)
 
 
 def check_spec(spec: StepSpec, given: int | None) -> None:
-    """Refuse ``spec`` (``ConfigError``, one line) when its analytic host bytes exceed the
-    limit; before anything compiles."""
+    """Refuse ``spec`` (``ConfigError``, one line) when its analytic host bytes, times the
+    devices sharing a host, exceed the limit; before anything compiles."""
     limit, source = host_limit(given)
     parts = spec_host_bytes(spec)
-    line = refusal(sum(parts.values()), parts, limit, source, "analytic, from shapes")
+    line = refusal(parts, spec_host_share(spec), limit, source, "analytic, from shapes")
     if line is not None:
         raise ConfigError(line)
 

@@ -139,7 +139,8 @@ def probe(spec: StepSpec, budget: int, host_allowed: int) -> Probe:
     if on_host:
         timing = spec_step_time(spec, plan["compiled_plan"], state_link_bytes=2 * state)
     device = plan["planned_peak_bytes"] - state
-    fits = device <= budget and sum(hosted.values()) <= host_allowed
+    # host bytes per device; one host's limit shared by the mesh's devices on it
+    fits = device <= budget and host.spec_host_share(spec) * sum(hosted.values()) <= host_allowed
     hosted = {k: v for k, v in hosted.items() if v}
     return Probe(spec.seq_len, spec, device, hosted, timing, plan["compiler"], fits, source)
 
@@ -224,7 +225,8 @@ def plan_longest(
         spec = lean_spec(base, n, budget, offload=False)
         if offload:
             with_inputs = lean_spec(base, n, budget, offload=True)
-            if sum(host.spec_host_bytes(with_inputs).values()) <= host_allowed:
+            per_device = sum(host.spec_host_bytes(with_inputs).values())
+            if host.spec_host_share(with_inputs) * per_device <= host_allowed:
                 spec = with_inputs
         p = probes[n] = probe(spec, budget, host_allowed)
         where = "over" if not p.fits else "fits"

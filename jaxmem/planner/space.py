@@ -18,15 +18,13 @@ kernel: matmuls at a shape-dependent share of the target's peak, memory-bound wo
 bandwidth, host-link and collective bytes with the overlap ``jaxmem.memory.step_time`` states);
 on the local backend a nominal order (matmul FLOPs at a nominal rate plus bytes), not a time.
 
-The FLOP model is taken as ``FlopCounts`` (``predict.FlopModel``'s protocol): this module sits
-below the predictors."""
+The memory policies searched are ``jaxmem.planner.stacks``'; the FLOP model is taken as its
+``FlopCounts`` (``predict.FlopModel``'s protocol): this module sits below the predictors."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
-from typing import Protocol
 
 from jaxmem.adapters import AdapterConfig
 from jaxmem.config import AccumConfig, ConfigError, ModelConfig, OptimizerConfig, require
@@ -35,20 +33,18 @@ from jaxmem.memory import step_time as st
 from jaxmem.memory.step_time import Device, StepTime
 from jaxmem.memory.targets import Target, rates_for
 from jaxmem.parallel import ParallelConfig
-from jaxmem.planner import cost, tags
-from jaxmem.planner.host import OFFLOADED_INPUTS
+from jaxmem.planner import cost
+from jaxmem.planner.stacks import FlopCounts, searched_stacks
 from jaxmem.policy import (
     POLICIES,
     EmbeddingReplay,
     LossPolicy,
     MemoryPolicy,
-    can_replay_embedding,
     is_preset,
-    mixed_policy,
     preset_named,
     tags_text,
 )
-from jaxmem.precision import PRECISIONS, Precision
+from jaxmem.precision import PRECISIONS
 from jaxmem.step.spec import StepSpec
 
 # placements of the state beside device and pinned_host: the stack's parameters and state
@@ -97,6 +93,9 @@ class PlanSpace:
     # with ``loss_chunks``: also the loss in tiles of these token counts (each dividing the
     # sequence into more than ``loss_chunks`` chunks), e.g. 1024..16384 at long sequences
     loss_tiles: tuple[int, ...] = ()
+    # also ``full`` (and its inputs on host) with each block's MLP in sequence tiles of these
+    # token counts (each dividing the sequence, shorter than it): one tile's intermediates
+    mlp_tiles: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("policies", "mix"):
@@ -111,11 +110,6 @@ class PlanSpace:
             isinstance(self.loss_chunks, int) and self.loss_chunks >= 0,
             f"plan loss_chunks={self.loss_chunks!r} must be 0 (whole loss only) or a count",
         )
-
-
-def chunk_count(most: int, seq_len: int) -> int:
-    """The largest number of loss chunks at most ``most`` that divides ``seq_len`` (0: none)."""
-    return max((k for k in range(1, most + 1) if seq_len % k == 0), default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +152,8 @@ class Candidate:
         parts = [stack, self.precision, f"accum {self.accum}"]
         if self.policy.embedding.replay:
             parts.append("embedding replayed")
+        if self.policy.mlp_tile_tokens:
+            parts.append(f"MLP in {self.policy.mlp_tile_tokens}-token tiles")
         if self.policy.loss.chunks:
             parts.append(f"loss in {self.policy.loss.chunks} chunks")
         if self.stream == "device":
@@ -228,66 +224,11 @@ def policy_text(policy: MemoryPolicy) -> str:
 def part_key(policy: MemoryPolicy) -> str | tuple[str, ...]:
     """What identifies one part of a stack (a one-part stack, ``cost.priced_runs``): its preset's
     name, or a per-tag policy's saves (scanned or unrolled alike)."""
-    policy = policy.replace(unroll=False, loss=LossPolicy(), embedding=EmbeddingReplay())
+    policy = policy.replace(
+        unroll=False, loss=LossPolicy(), embedding=EmbeddingReplay(), mlp_tile_tokens=0
+    )
     name = preset_named(policy)
     return name if name is not None else ("tags", *policy.head.save)
-
-
-class FlopCounts(Protocol):
-    """What the lattice asks of a FLOP model (``jaxmem.planner.predict.FlopModel``)."""
-
-    def per_row(self, policy: MemoryPolicy, precision: Precision) -> int:
-        """Matmul FLOPs of one row's gradient under ``policy``, recompute included."""
-        ...
-
-    def tag_frontier(self, precision: Precision) -> list[tags.TagPoint]:
-        """The per-tag policies of one block on the bytes/FLOPs Pareto frontier."""
-        ...
-
-
-# ---------------------------------------------------------------------------------- lattice
-def _stacks(
-    problem: Problem, space: PlanSpace, flops: FlopCounts, precision: Precision
-) -> list[MemoryPolicy]:
-    """The stacks searched at ``precision``: the presets, the per-tag policies of the frontier
-    that keep what no preset keeps, the presets mixed in pairs and the hull's neighbours mixed,
-    each at every split; then (GPU targets) each with the embedding replayed and each unrolled,
-    ``full`` with its inputs on host, and each with the loss in chunks or tiles, as asked."""
-    n_layers = problem.cfg.n_layers
-    host = problem.target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
-    frontier = flops.tag_frontier(precision) if space.tags else []
-    hull = [t.policy for t in tags.hull(frontier)] if space.tag_mixes else []
-    stacks = [POLICIES[p] for p in space.policies if host or not POLICIES[p].offloads]
-    # per-tag policies that keep what no searched preset keeps (a frontier point may be one)
-    kept = {(p.head.remat, frozenset(p.head.save)) for p in stacks if not p.nested}
-    stacks += [
-        t.policy
-        for t in frontier
-        if (t.policy.head.remat, frozenset(t.policy.head.save)) not in kept
-    ]
-    mix = [p for p in space.mix if host or not POLICIES[p].offloads]
-    for i, a in enumerate(mix):
-        for b in mix[i + 1 :]:
-            for k in range(1, n_layers):
-                stacks.append(mixed_policy(a, k, b))
-    # per-tag mixes: neighbours on the hull (fewest bytes first), the one keeping more first
-    for lean, rich in itertools.pairwise(hull):
-        for k in range(1, n_layers):
-            stacks.append(mixed_policy(rich, k, lean))
-    if host and space.replay_embedding:  # a GPU target (XLA:CPU: see PlanSpace)
-        replay = EmbeddingReplay(True)
-        stacks += [p.replace(embedding=replay) for p in stacks if can_replay_embedding(p)]
-    if host and space.unroll:  # a GPU target: each stack unrolled too (nested scans)
-        stacks += [p.replace(unroll=True) for p in stacks if not p.nested]
-    if host and space.offload_inputs:
-        stacks.append(OFFLOADED_INPUTS)
-    chunks = {chunk_count(space.loss_chunks, problem.seq_len)} - {0}
-    if chunks:  # and tiles of a token count, where they cut the sequence finer
-        seq = problem.seq_len
-        chunks |= {seq // t for t in space.loss_tiles if seq % t == 0 and seq // t > max(chunks)}
-    if precision.loss_scale != "dynamic":  # jaxmem.job.check_loss_chunks
-        stacks += [p.replace(loss=LossPolicy(k)) for k in sorted(chunks) for p in stacks]
-    return stacks
 
 
 def tensor_sizes(problem: Problem, space: PlanSpace) -> list[int]:
@@ -420,7 +361,7 @@ def enumerate_candidates(
     out = []
     for precision_name in space.precisions:
         precision = PRECISIONS[precision_name]
-        for policy in _stacks(problem, space, flops, precision):
+        for policy in searched_stacks(problem, space, flops, precision):
             per_row = flops.per_row(policy, precision)
             for choice in _choices(problem, space, policy, sizes):
                 out.append(_priced(problem, work, policy, precision_name, per_row, choice))
@@ -434,13 +375,14 @@ _PLACES = ("device", "pinned_host", STREAMED, STREAMED_HOST)
 def candidate_order(c: Candidate) -> tuple:
     """The lattice's order: the cheapest first; among equal costs, fewer microbatches, fewer loss
     chunks (chunks only where it does not fit: they run the head, not the whole step, as a loop of
-    smaller matmuls), the state on the device, the scanned stack, then a preset before a per-tag
-    policy (the cost counts matmuls only: a per-tag policy with none's FLOPs still recomputes
-    the norms and activations), then the stack's name."""
+    smaller matmuls), the MLP whole, then in the largest tiles, the state on the device, the
+    scanned stack, then a preset before a per-tag policy (the cost counts matmuls only: a per-tag
+    policy with none's FLOPs still recomputes the norms and activations), then the stack's name."""
     return (
         c.seconds,
         c.accum,
         c.policy.loss.chunks,
+        1 / c.policy.mlp_tile_tokens if c.policy.mlp_tile_tokens else 0,
         c.policy.embedding.replay,
         _PLACES.index(c.state_memory),
         c.policy.unroll,
