@@ -21,6 +21,7 @@ line ``{preset: {"one_device": [losses], mesh: [losses], ...}}``. Run as ``pytho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -257,5 +258,61 @@ def main() -> None:
     finish(out, launch)
 
 
+def stock_main() -> None:
+    """PyTorch's own ``context_parallel`` on 2 gloo ranks, causal SDPA on float64 q/k/v
+    ``[1, 2, 16, 8]``, under the default CPU kernel and under the math backend: rank 0 prints
+    ``{backend: "ran" | "ExceptionType: first line"}``."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import torch_ref.distributed as tdist
+
+    launch = tdist.from_environment()
+    tdist.initialize(launch)
+    mesh = init_device_mesh("cpu", (launch.world_size,), mesh_dim_names=("context",))
+    out = {}
+    for name, backends in (("default", None), ("math", [SDPBackend.MATH])):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
+        kernel = sdpa_kernel(backends) if backends else contextlib.nullcontext()
+        try:
+            with kernel, context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out[name] = "ran"
+        except Exception as e:  # what the stock API says on CPU
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    dist.barrier()
+    sys.path.insert(0, os.path.dirname(__file__))
+    from torch_parallel_worker import finish  # isort: skip
+
+    finish(out, launch)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pytorchs_stock_context_parallel_does_not_run_on_cpu():
+    """Why torch_ref's context parallelism is an extension: the stock API fails on CPU ranks
+    under the default kernel (no sharding rule for the CPU flash kernel) and under the math
+    backend (its causal mask stays a plain tensor beside DTensors). When this fails, PyTorch
+    runs it on CPU: make it torch_ref's path and test it against the extension."""
+    from parity_tests.test_sharded_parity import torchrun
+
+    proc = torchrun(os.path.abspath(__file__), "stock", nproc=2)
+    said = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert said["default"].startswith("NotImplementedError: Operator aten._scaled_dot_product_")
+    assert "does not have a sharding strategy registered" in said["default"]
+    assert said["math"].startswith("RuntimeError: "), said["math"]
+    assert "mixed torch.Tensor and DTensor" in said["math"], said["math"]
+
+
 if __name__ == "__main__":
-    jax_main() if sys.argv[1:] == ["jax"] else main()
+    if sys.argv[1:] == ["jax"]:
+        jax_main()
+    elif sys.argv[1:] == ["stock"]:
+        stock_main()
+    else:
+        main()

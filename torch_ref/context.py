@@ -6,8 +6,10 @@ context_parallel`` (a ring over SDPA), would be the stock path on CUDA (not wire
 to test it), but in the installed PyTorch (2.13, CPU build) it does not run on CPU: under it,
 ``F.scaled_dot_product_attention`` on two gloo ranks fails with ``NotImplementedError: Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-registered`` (checked with torchrun, 2 ranks, float64 q/k/v [1, 2, 16, 8], causal). So the CPU
-tests run this module: Llama 3's all-gather of keys and values, which works with any attention
+registered`` (torchrun, 2 ranks, float64 q/k/v [1, 2, 16, 8], causal), and under the math
+backend with ``aten.add.Tensor got mixed torch.Tensor and DTensor`` (its causal mask stays a
+plain tensor); ``parity_tests/test_context_parallel.py`` checks both. So the CPU tests run this
+module: Llama 3's all-gather of keys and values, which works with any attention
 kernel and grouped-query attention.
 
 Layout: the sequence in ``2 cp`` chunks, rank ``i`` of the context group holding chunks ``i`` and
