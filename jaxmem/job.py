@@ -284,6 +284,12 @@ def torch_mesh_refusal(
     """Why torch_ref cannot split ``model`` over ``parallel``'s tensor axis (None: it can:
     ``torch_ref.distributed.parallelize``, then FSDP2 over the data axis), or (not
     ``training``: its per-rank memory records) over a context axis."""
+    if parallel.context_parallel and parallel.tensor_parallel:
+        return (
+            f"--mesh {parallel.mesh_text()}: torch_ref runs a context axis beside a data axis, "
+            f"not beside a tensor axis; use --mesh fsdp={parallel.data * parallel.tp},"
+            f"cp={parallel.cp} or --framework jax"
+        )
     if parallel.context_parallel and not training:
         return (
             f"--mesh {parallel.mesh_text()}: torch_ref's per-rank memory records do not run "

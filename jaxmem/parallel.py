@@ -74,11 +74,6 @@ class ParallelConfig:
             "the mesh is data x tensor x context devices",
         )
         require(
-            self.tp == 1 or self.cp == 1,
-            f"--mesh with tp={self.tp} and cp={self.cp}: a tensor axis and a context axis "
-            "together are not built yet; use tp or cp (each composes with fsdp)",
-        )
-        require(
             isinstance(self.sequence_parallel, bool),
             f"parallel sequence_parallel={self.sequence_parallel!r} must be true or false",
         )
@@ -120,7 +115,8 @@ class ParallelConfig:
             return f"{self.strategy}={self.devices}"
         if self.cp > 1:  # fsdp=1,cp=8: the state sharded over the context devices alone
             named = self.data > 1 or self.strategy != "dp"
-            return (f"{self.strategy}={self.data}," if named else "") + f"cp={self.cp}"
+            tensor = f",tp={self.tp}" if self.tp > 1 else ""
+            return (f"{self.strategy}={self.data}," if named else "") + f"cp={self.cp}{tensor}"
         data = f"{self.strategy}={self.data}," if self.data > 1 else ""
         return f"{data}tp={self.tp}"
 
@@ -159,15 +155,22 @@ class ParallelConfig:
         )
         groups = cfg.n_heads // cfg.kv_heads
         require(
+            self.cp == 1 or cfg.kv_heads % self.tp == 0,
+            f"{mesh}: context-parallel attention splits whole key/value heads over the tensor "
+            f"axis; the model's {cfg.kv_heads} do not split over tp={self.tp}: use a tp that "
+            f"divides {cfg.kv_heads}",
+        )
+        require(
             not grouped_heads(cfg) or cfg.kv_heads % self.tp == 0 or groups % self.tp == 0,
             f"{mesh}: grouped-query attention runs {cfg.kv_heads} key/value heads of {groups} "
             f"query heads each; neither splits over tp={self.tp}: use a tp that divides "
             f"{cfg.kv_heads} or {groups}",
         )
         require(
-            not self.sequence_parallel or seq_len % self.tp == 0,
-            f"{mesh}: sequence parallelism splits the {seq_len} positions over tp={self.tp}; "
-            f"use a --seq-len that is a multiple of {self.tp} or set "
+            not self.sequence_parallel or seq_len % (self.tp * self.cp) == 0,
+            f"{mesh}: sequence parallelism splits the {seq_len} positions over tp={self.tp}"
+            + (f" within each of cp={self.cp} shares" if self.cp > 1 else "")
+            + f"; use a --seq-len that is a multiple of {self.tp * self.cp} or set "
             "parallel.sequence_parallel=false",
         )
 
@@ -266,7 +269,7 @@ def parse_mesh(text: str) -> ParallelConfig:
     """``"fsdp=4"`` -> ``ParallelConfig(strategy="fsdp", devices=4)``; ``"fsdp=2,tp=2"`` ->
     ``ParallelConfig(strategy="fsdp", devices=4, tp=2)`` (a 2 x 2 mesh); ``"tp=2"``: tensor
     parallelism alone; ``"cp=2"``, ``"fsdp=2,cp=2"``: context parallelism. At most one
-    data-parallel axis, one ``tp`` and one ``cp``."""
+    data-parallel axis, one ``tp`` and one ``cp`` (``fsdp=1,cp=2,tp=2``: all three)."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     usage = (
         f"--mesh {text!r} must be STRATEGY=N, tp=N, or both, with cp=N in place of tp=N for "

@@ -67,6 +67,8 @@ def mesh(cfg: ParallelConfig, devices: list[jax.Device] | None = None) -> Mesh:
             f"{len(available)} {platform} device(s){hint}"
         )
     chosen = np.array(available[: cfg.devices])
+    if cfg.cp > 1 and cfg.tp > 1:  # the tensor axis innermost: collectives every projection
+        return Mesh(chosen.reshape(cfg.data, cfg.cp, cfg.tp), (AXIS, CONTEXT, TENSOR))
     if cfg.cp > 1:  # neighbouring devices on the context axis: it gathers keys every block
         return Mesh(chosen.reshape(cfg.data, cfg.cp), (AXIS, CONTEXT))
     if cfg.tp == 1:
@@ -289,15 +291,22 @@ def gather_outside_blocks(loss: Any, m: Mesh) -> Any:
 # the row-parallel outputs are split by sequence (sequence parallelism) or replicated on each
 # tensor device (the tags of each kind: ``jaxmem.parallel``, which also counts each device's
 # share). XLA's SPMD partitioner inserts the all-gathers and reduce-scatters between.
-def tag_spec(name: str, shape: tuple[int, ...], tp: int, sequence_parallel: bool) -> P | None:
-    """Where a tagged activation of ``shape`` lives on the data x tensor mesh (None: left to
-    XLA, e.g. a tag this layout does not name)."""
-    dims: list[str | None] = [AXIS] + [None] * (len(shape) - 1)
+def tag_spec(
+    name: str, shape: tuple[int, ...], tp: int, sequence_parallel: bool, cp: bool = False
+) -> P | None:
+    """Where a tagged activation of ``shape`` lives on the data x tensor mesh, or data x
+    context x tensor (``cp``: every ``[B, S, ...]`` tag split by sequence over the context axis
+    too) (None: left to XLA, e.g. a tag this layout does not name)."""
+    dims: list[Any] = [AXIS] + [None] * (len(shape) - 1)
+    if cp and name in SCORE_TAGS:  # inside the context axis' attention (shard_map): its own
+        return None
+    if cp:
+        dims[1] = CONTEXT
 
     def split(d: int) -> bool:
         if shape[d] % tp:
             return False
-        dims[d] = TENSOR
+        dims[d] = (CONTEXT, TENSOR) if dims[d] == CONTEXT else TENSOR
         return True
 
     if name in QUERY_TAGS or name in KV_TAGS:  # [B, S, H, K], grouped [B, S, Hkv, G, K]
@@ -307,7 +316,7 @@ def tag_spec(name: str, shape: tuple[int, ...], tp: int, sequence_parallel: bool
     elif name in COLUMN_TAGS:
         split(len(shape) - 1)
     elif name in STREAM_TAGS:
-        if sequence_parallel:
+        if sequence_parallel:  # within each context device's share
             split(1)
     else:
         return None
@@ -356,7 +365,13 @@ def _eval_constrained(jaxpr: Any, consts: list, args: list, m: Mesh, cfg: Parall
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive.name == "name":
             (value,) = invals
-            spec = tag_spec(eqn.params["name"], tuple(value.shape), cfg.tp, cfg.sequence_parallel)
+            spec = tag_spec(
+                eqn.params["name"],
+                tuple(value.shape),
+                cfg.tp,
+                cfg.sequence_parallel,
+                cfg.context_parallel,
+            )
             if spec is not None:
                 invals = [jax.lax.with_sharding_constraint(value, NamedSharding(m, spec))]
         with eqn.ctx.manager:  # as jax.core.eval_jaxpr binds (this JAX's bind parameters)

@@ -261,8 +261,10 @@ def test_when_nothing_fits_an_adapter_plan_suggests_only_what_the_job_can_use():
 
     from jaxmem.cli.plan import _what_else
 
-    searched = Namespace(loss_chunks_search=True, mlp_tiles_search=True)
-    packed = _what_else(Namespace(loss_chunks_search=False, mlp_tiles_search=True), _problem(INT8))
+    # 32 tokens: no MLP tile divides them (not suggested)
+    searched = Namespace(loss_chunks_search=True, mlp_tiles_search=False, policies="none,full")
+    unchunked = Namespace(loss_chunks_search=False, mlp_tiles_search=False, policies="full")
+    packed = _what_else(unchunked, _problem(INT8))
     assert packed == "allow more (--accum, --precisions, --loss-chunks-search)"
     plain = _what_else(searched, _problem(ADAPTERS))
     assert plain == "add devices (--mesh fsdp=N) or allow more (--accum, --precisions)"

@@ -32,6 +32,15 @@ CASES = [
         "cp": 2,
         "cp_alone": True,
     },
+    {  # a tensor axis too: fsdp=1,cp=2,tp=2 (heads over tensor, sequence over context)
+        "preset": "tiny-llama",
+        "attention": "fused",
+        "policy": "full",
+        "precision": "fp32",
+        "steps": 3,
+        "cp": 2,
+        "tp": 2,
+    },
 ]
 for case in CASES:
     case["strategies"] = ["fsdp"]
@@ -48,12 +57,14 @@ def runs():
 
 @pytest.mark.slow
 def test_context_parallel_steps_train_as_one_device(runs):
-    """cp=2 alone and fsdp=2 x cp=2, for tiny (naive attention) and tiny-llama (fused): the
-    one-device losses within the data-parallel tolerance (the gradients' reductions add in
-    their own order)."""
+    """cp=2 alone and fsdp=2 x cp=2, for tiny (naive attention) and tiny-llama (fused), and
+    fsdp=1 x cp=2 x tp=2 for tiny-llama: the one-device losses within the data-parallel
+    tolerance (the gradients' reductions add in their own order)."""
     tol = tolerance("float32", "data_parallel_loss")
+    ran = [sorted(set(row) - {"case"}) for row in runs]
+    assert ran == [["cp", "fsdp", "one_device"]] * 2 + [["fsdp", "one_device"]]
     for row in runs:
-        for name in ("cp", "fsdp"):
+        for name in [n for n in ("cp", "fsdp") if n in row]:
             np.testing.assert_allclose(
                 row[name]["losses"], row["one_device"]["losses"], **tol.kwargs()
             )
@@ -118,7 +129,8 @@ def test_fused_attention_by_position_equals_the_naive_core_on_a_devices_share(kv
 def test_a_mesh_with_a_context_axis_reads_and_prints_back():
     assert parse_mesh("cp=2") == ParallelConfig(devices=2, cp=2)
     assert parse_mesh("fsdp=2,cp=2") == ParallelConfig(strategy="fsdp", devices=4, cp=2)
-    for text in ("cp=2", "fsdp=2,cp=2", "fsdp=1,cp=8", "zero1=2,cp=4"):
+    assert parse_mesh("fsdp=1,cp=2,tp=2") == ParallelConfig(strategy="fsdp", devices=4, tp=2, cp=2)
+    for text in ("cp=2", "fsdp=2,cp=2", "fsdp=1,cp=8", "zero1=2,cp=4", "fsdp=2,cp=2,tp=2"):
         assert parse_mesh(text).mesh_text() == text
     assert parse_mesh("fsdp=1,cp=8").shards_params  # FSDP over the context devices alone
 
@@ -126,7 +138,14 @@ def test_a_mesh_with_a_context_axis_reads_and_prints_back():
 @pytest.mark.parametrize(
     "make, fragment",
     [
-        (lambda: parse_mesh("fsdp=2,tp=2,cp=2"), "a tensor axis and a context axis together"),
+        (
+            lambda: parse_mesh("fsdp=1,cp=2,tp=4").check_model(PRESETS["tiny"], 12),
+            "sequence parallelism splits the 12 positions over tp=4 within each of cp=2 shares",
+        ),
+        (
+            lambda: parse_mesh("fsdp=1,cp=2,tp=4").check_model(PRESETS["tiny-llama"], 16),
+            "context-parallel attention splits whole key/value heads over the tensor axis",
+        ),
         (lambda: parse_mesh("cp=0"), "cp=0 must be a positive device count"),
         (lambda: ParallelConfig(devices=3, cp=2), "devices=3 is not a multiple of tp=1 x cp=2"),
     ],
@@ -181,6 +200,8 @@ def test_torch_trains_a_context_axis_and_refuses_only_its_per_rank_records():
     for mesh in ("cp=2", "fsdp=1,cp=2", "fsdp=2,cp=2"):
         assert torch_mesh_refusal(parse_mesh(mesh), cfg, training=True) is None
         assert "per-rank memory records" in torch_mesh_refusal(parse_mesh(mesh), cfg)
+    line = torch_mesh_refusal(parse_mesh("fsdp=1,cp=2,tp=2"), cfg, training=True)
+    assert "not beside a tensor axis; use --mesh fsdp=2,cp=2 or --framework jax" in line
 
 
 CP_RUN = ["--preset", "tiny-llama", "--batch-size", "2", "--seq-len", "32", "--policy", "full"]

@@ -16,19 +16,18 @@ Layout: the sequence in ``2 cp`` chunks, rank ``i`` of the context group holding
 ``2 cp - 1 - i`` (``jaxmem.parallel.balanced_order``); ``local_batch`` permutes and slices a
 batch's token fields once, the model's ``BlockStack.positions`` carries the rank's positions (RoPE
 and position embeddings follow them), and each ``SelfAttention.core`` gathers keys and values
-with ``torch.distributed.nn.functional.all_gather`` (differentiable: its backward sums the
-keys' and values' gradients back to their ranks), puts them in position order and attends
-causally by position. The loss is a sum over tokens: each rank's share, summed by the
-data-parallel wrapper's gradient reduction (DDP or FSDP2 over every rank), as over rows.
+over the rank's context group (``gather_sequence``: ``dist.all_gather_into_tensor`` forward,
+``dist.reduce_scatter_tensor`` backward, summing the keys' and values' gradients back to their
+ranks), puts them in position order and attends causally by position. The loss is a sum over
+tokens: each rank's share, summed by the data-parallel wrapper's gradient reduction (DDP or
+FSDP2 over every rank), as over rows. The context group is every rank, or beside a data axis
+(``--mesh fsdp=2,cp=2``: ranks ``data x context``) ``torch_ref.distributed.context_group``.
 
-Beside a data axis (``--mesh fsdp=2,cp=2``: ranks ``data x context``, ``torch_ref.distributed.
-context_group``) keys and values are gathered over this rank's context group only, by
-``gather_sequence``: ``dist.all_gather_into_tensor`` forward, ``dist.reduce_scatter_tensor``
-backward. Written here because the stock differentiable ``torch.distributed.nn.functional.
-all_gather`` cannot run on a subgroup over gloo: its backward emulates the reduce-scatter by
-``dist.scatter(..., src=i, group=group)`` with ``i`` a rank *of the group* where ``src`` is a
-global rank (PyTorch 2.13): the ranks of the second group wait on a scatter from ranks outside
-it and the step hangs.
+``gather_sequence`` is written here because the stock differentiable
+``torch.distributed.nn.functional.all_gather`` cannot run on a subgroup over gloo: its backward
+emulates the reduce-scatter by ``dist.scatter(..., src=i, group=group)`` with ``i`` a rank
+*of the group* where ``src`` is a global rank (PyTorch 2.13): the ranks of the second group wait
+on a scatter from ranks outside it and the step hangs.
 """
 
 from __future__ import annotations

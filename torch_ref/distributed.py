@@ -17,6 +17,12 @@ torchtitan's Llama plan writes them, sequence parallelism included (``paralleliz
 q/k/v split head-aligned by torch_ref's ``HeadAlignedColwise`` extension; then FSDP2 over the
 data axis. ``dp`` over a tensor axis is refused (``jaxmem.job.torch_mesh_refusal``).
 
+Context parallelism (``--mesh cp=C``, ``fsdp=D,cp=C``): each rank holds its columns of its data
+rank's rows (``torch_ref.context``, an extension), keys and values gathered over its context
+group (``context_group``: a ``data x context`` device mesh beside a data axis), DDP or FSDP2
+over every rank. Under torchrun a rank lost mid-run ends the run in one line: the survivors'
+failures are reported by the first of them (``first_to_say``).
+
 Streaming (``optimizer.stream``, jaxmem's ``--stream``): FSDP2 ``fully_shard`` with
 ``CPUOffloadPolicy`` on every block and the root, on one process (a process group of one) or
 over ``--mesh zero1|fsdp=N``: parameters, gradients and optimizer state live in host memory

@@ -196,8 +196,9 @@ FLAGS: dict[str, Flag] = {
         Flag(
             "--host-memory",
             None,
-            "host memory the step may use (offloaded activations, host-resident optimizer "
-            "state, a streamed stack), e.g. 512GiB (default: this machine's RAM, from the OS)",
+            "host memory one host gives the step (offloaded activations, host-resident "
+            "optimizer state, a streamed stack), shared by the mesh's devices on it (up to 8), "
+            "e.g. 512GiB (default: this machine's RAM, from the OS)",
             metavar="SIZE",
         ),
         # the run around the step (jaxmem train)

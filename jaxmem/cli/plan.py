@@ -391,13 +391,19 @@ def _nothing_fits(args, result, where: str) -> None:
 def _what_else(args, problem) -> str:
     """What else may fit: more devices, or more of the lattice (only what the job can use: an
     adapter job keeps its state on the device, and a packed base is not sharded)."""
+    from jaxmem.planner.longest import TILE_TOKENS
+
     adapters = problem.adapters
     more = ["--accum", "--precisions"]
     if not adapters.enabled:
         more.append("--state-offload")
     if not args.loss_chunks_search:
         more.append("--loss-chunks-search")
-    if not args.mlp_tiles_search:
+    # MLP tiles where one divides the sequence and full (or its inputs on host) is searched
+    seq, names = problem.seq_len, [p.strip() for p in args.policies.split(",")]
+    whole = {"full", "full-host"} & set(names) or getattr(args, "offload_inputs", False)
+    tiles = whole and any(seq % t == 0 and t < seq for t in TILE_TOKENS)
+    if tiles and not args.mlp_tiles_search:
         more.append("--mlp-tiles-search")
     devices = "" if adapters.base != "compute" else "add devices (--mesh fsdp=N) or "
     return f"{devices}allow more ({', '.join(more)})"

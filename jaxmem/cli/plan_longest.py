@@ -141,8 +141,12 @@ def _print(out, found, command: str, peak, host_source: str) -> None:
     )
     out.print(f"  device: {mib(fits.device_bytes)} MiB per device (compiled plan{state_note})")
     parts = ", ".join(f"{k} {mib(v)} MiB" for k, v in fits.host_bytes.items()) or "none"
+    from jaxmem.planner.host import spec_host_share
+
+    share, each = spec_host_share(fits.spec), sum(fits.host_bytes.values())
+    shared = f", x {share} devices on a host = {mib(share * each)} MiB" if share > 1 else ""
     out.print(
-        f"  host: {mib(sum(fits.host_bytes.values()))} MiB ({parts}; {fits.host_source}), "
+        f"  host: {mib(each)} MiB per device ({parts}; {fits.host_source}){shared}, "
         f"within {host_source}"
     )
     if fits.step_time:

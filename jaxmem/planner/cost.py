@@ -54,12 +54,14 @@ NO_ADAPTERS = AdapterConfig()  # full fine-tuning: every parameter trains
 
 
 def _part_key(policy: MemoryPolicy) -> Any:
-    """One part of a stack: its preset or saved tags, its loss chunks, and whether it is
-    unrolled (an unrolled stack keeps each block's residuals as arrays of their own, where a
-    scan writes them into stacked buffers and slices them out again)."""
+    """One part of a stack: its preset or saved tags, its loss chunks, whether it is unrolled
+    (an unrolled stack keeps each block's residuals as arrays of their own, where a scan writes
+    them into stacked buffers and slices them out again) and its MLP tiles (more, smaller
+    kernels)."""
     policy = policy.replace(embedding=EmbeddingReplay())
-    name = preset_named(policy.replace(loss=LossPolicy(), unroll=False))
-    return (name or ("tags", *policy.head.save), policy.loss.chunks, policy.unroll)
+    name = preset_named(policy.replace(loss=LossPolicy(), unroll=False, mlp_tile_tokens=0))
+    saved = name or ("tags", *policy.head.save)
+    return (saved, policy.loss.chunks, policy.unroll, policy.mlp_tile_tokens)
 
 
 def priced_runs(policy: MemoryPolicy, n_layers: int) -> list[tuple[int, MemoryPolicy]]:

@@ -193,8 +193,12 @@ def candidate_host_bytes(problem: Problem, cand: Candidate) -> int:
     total = offloaded_activation_bytes(
         problem.cfg, cand.policy, rows, problem.seq_len, precision, cand.tp
     )
-    if cand.stream:
-        return total + state_bytes(problem, precision) + parameter_bytes(problem, precision)
+    if cand.stream:  # one device's shards of the stack (as ``cost.streamed_bytes``)
+        data = problem.devices // cand.tp
+        param_shards = data if cand.strategy == "fsdp" else 1
+        state_shards = data if cand.strategy in ("zero1", "fsdp") else 1
+        params = parameter_bytes(problem, precision) // param_shards
+        return total + state_bytes(problem, precision) // state_shards + params
     return total + state_host_bytes(problem, cand)
 
 

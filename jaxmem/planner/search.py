@@ -381,15 +381,15 @@ def _lattice(
     those whose host bytes exceed ``problem.host_memory_bytes`` (said, and counted)."""
     progress("tracing each stack's FLOPs (jaxprs, no compiles)")
     outcomes = [Outcome(c) for c in enumerate_candidates(problem, space, flops)]
-    limit, skipped = problem.host_memory_bytes, 0
+    limit, skipped, share = problem.host_memory_bytes, 0, host_share(problem.devices)
     if limit is not None:  # one host's memory, shared by the mesh's devices on it
-        share = host_share(problem.devices)
         kept = [o for o in outcomes if share * candidate_host_bytes(problem, o.candidate) <= limit]
         skipped, outcomes = len(outcomes) - len(kept), kept
         if skipped:
+            on = f" x {share} devices on a host" if share > 1 else ""
             progress(
-                f"{skipped} candidates skipped: their host bytes (analytic, from shapes) exceed "
-                f"the host-memory limit {_mib(limit)} MiB"
+                f"{skipped} candidates skipped: their host bytes (analytic, from shapes){on} "
+                f"exceed the host-memory limit {_mib(limit)} MiB"
             )
     progress(f"{len(outcomes)} candidates, in order of estimated cost; compiling until one fits")
     return outcomes, skipped
@@ -436,11 +436,12 @@ def _chunked_twin_status(
     be): its twin's compiled plan, its twin's family floor or, neither compiled, its twin's
     prediction, over the budget by more than chunks can save (``chunk_savings_bound``). The
     prediction is taken without the search's slack: a twin is worth a compile when the logits,
-    not the memory model's error, may bring it under. A twin with the MLP in tiles is always
+    not the memory model's error, may bring it under. A twin with the MLP in tiles is bounded
+    by its whole-loss twin's compiled plan only (the same tiles), and with the whole loss is
     compiled when reached: what tiles save is how the compiler schedules the MLP's backward,
     beyond any bound from shapes (XLA:CPU, tiny with d_ff 4,096 at 4 x 256 tokens: 60.6 MiB
-    saved where the forward's intermediates are 32 MiB)."""
-    if cand.policy.mlp_tile_tokens:
+    saved where the forward's intermediates are 32 MiB), which floors and fits do not model."""
+    if not cand.policy.loss.chunks:
         return ""
     whole = dataclasses.replace(cand, policy=cand.policy.replace(loss=LossPolicy()))
     budget, bound = problem.budget_bytes, chunk_savings_bound(problem, cand)
@@ -448,6 +449,8 @@ def _chunked_twin_status(
     if key in at_depth:
         if at_depth[key] - state_host_bytes(problem, whole) - bound > budget:
             return TWIN_OVER["compiled"]
+        return ""
+    if cand.policy.mlp_tile_tokens:
         return ""
     floor = floors.get((whole.family, whole.state_memory), 0)
     if "block_input" not in whole.policy.offloads and floor - bound > budget:  # it bounds them

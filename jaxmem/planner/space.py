@@ -94,7 +94,8 @@ class PlanSpace:
     # sequence into more than ``loss_chunks`` chunks), e.g. 1024..16384 at long sequences
     loss_tiles: tuple[int, ...] = ()
     # also ``full`` (and its inputs on host) with each block's MLP in sequence tiles of these
-    # token counts (each dividing the sequence, shorter than it): one tile's intermediates
+    # token counts (each dividing the sequence, shorter than it; a scanned stack without a
+    # tensor axis): one tile's intermediates at a time
     mlp_tiles: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -106,6 +107,8 @@ class PlanSpace:
         require(not bad and self.accum, f"plan microbatch counts {bad} must be positive integers")
         bad = [p for p in self.precisions if p not in PRECISIONS]
         require(not bad, f"plan precisions {bad} are not one of {', '.join(PRECISIONS)}")
+        bad = [t for t in self.mlp_tiles if not (isinstance(t, int) and t > 0)]
+        require(not bad, f"plan mlp_tiles {bad} must be positive token counts")
         require(
             isinstance(self.loss_chunks, int) and self.loss_chunks >= 0,
             f"plan loss_chunks={self.loss_chunks!r} must be 0 (whole loss only) or a count",
@@ -197,7 +200,8 @@ class Problem:
     # LoRA adapters on a frozen base (rank 0: full fine-tuning): the lattice keeps to what
     # an adapter step composes with (``adapter_choice``), and every compile carries them
     adapters: AdapterConfig = AdapterConfig()
-    # host bytes a candidate may keep (``host.candidate_host_bytes``); None: no limit
+    # host bytes one host may keep for the mesh's devices on it (``host.host_share`` of them,
+    # each ``predict.candidate_host_bytes``); None: no limit
     host_memory_bytes: int | None = None
 
     @property
@@ -280,8 +284,8 @@ def _choices(
     streaming where it applies)."""
     host = problem.target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
     for tp in sizes:
-        if tp > 1 and (policy.unroll or policy.nested):
-            continue  # tensor parallelism runs a scanned stack (JobConfig)
+        if tp > 1 and (policy.unroll or policy.nested or policy.mlp_tile_tokens):
+            continue  # tensor parallelism runs a scanned, untiled stack (JobConfig)
         data = problem.devices // tp
         strategies = space.strategies if data > 1 else (None,)
         for accum in space.accum:
@@ -373,16 +377,18 @@ _PLACES = ("device", "pinned_host", STREAMED, STREAMED_HOST)
 
 
 def candidate_order(c: Candidate) -> tuple:
-    """The lattice's order: the cheapest first; among equal costs, fewer microbatches, fewer loss
-    chunks (chunks only where it does not fit: they run the head, not the whole step, as a loop of
-    smaller matmuls), the MLP whole, then in the largest tiles, the state on the device, the
-    scanned stack, then a preset before a per-tag policy (the cost counts matmuls only: a per-tag
-    policy with none's FLOPs still recomputes the norms and activations), then the stack's name."""
+    """The lattice's order: the cheapest first; among equal costs, fewer microbatches, the MLP
+    whole, then in the largest tiles (a tiled twin is always compiled when reached: after the
+    chunk twins, which a bound often settles without a compile), fewer loss chunks (chunks only
+    where it does not fit: they run the head, not the whole step, as a loop of smaller
+    matmuls), the state on the device, the scanned stack, then a preset before a per-tag policy
+    (the cost counts matmuls only: a per-tag policy with none's FLOPs still recomputes the norms
+    and activations), then the stack's name."""
     return (
         c.seconds,
         c.accum,
-        c.policy.loss.chunks,
         1 / c.policy.mlp_tile_tokens if c.policy.mlp_tile_tokens else 0,
+        c.policy.loss.chunks,
         c.policy.embedding.replay,
         _PLACES.index(c.state_memory),
         c.policy.unroll,

@@ -43,7 +43,8 @@ def searched_stacks(
     """The stacks searched at ``precision``: the presets, the per-tag policies of the frontier
     that keep what no preset keeps, the presets mixed in pairs and the hull's neighbours mixed,
     each at every split; then (GPU targets) each with the embedding replayed and each unrolled,
-    ``full`` with its inputs on host, and each with the loss in chunks or tiles, as asked."""
+    ``full`` with its inputs on host, ``full`` and that with the MLP in sequence tiles, and each
+    with the loss in chunks or tiles, as asked; each stack once."""
     n_layers = problem.cfg.n_layers
     host = problem.target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
     frontier = flops.tag_frontier(precision) if space.tags else []
@@ -81,7 +82,7 @@ def searched_stacks(
         chunks |= {seq // t for t in space.loss_tiles if seq % t == 0 and seq // t > max(chunks)}
     if precision.loss_scale != "dynamic":  # jaxmem.job.check_loss_chunks
         stacks += [p.replace(loss=LossPolicy(k)) for k in sorted(chunks) for p in stacks]
-    return stacks
+    return list(dict.fromkeys(stacks))  # full-host searched as a preset and as the offload
 
 
 def chunk_count(most: int, seq_len: int) -> int:

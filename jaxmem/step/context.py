@@ -48,7 +48,7 @@ from jaxmem import parallel
 from jaxmem.model.decoder import naive_attention
 from jaxmem.model.flash import flash_attention_at
 from jaxmem.model.sequence import SequenceLayout
-from jaxmem.sharding import AXIS, CONTEXT
+from jaxmem.sharding import AXIS, CONTEXT, TENSOR
 
 # the batch fields that are ``[B, S]`` per-token arrays (permuted with the tokens)
 TOKEN_FIELDS = ("inputs", "targets", "mask")
@@ -73,7 +73,9 @@ def attend_fn(m: Mesh, attention: str, block: int, seq_len: int):
             return flash_attention_at(q, k, v, q_pos, k_pos, block)
         return naive_attention(q, k, v, q_pos[:, None] >= k_pos[None, :])
 
-    rows = P(AXIS, CONTEXT)
+    # [B, S, heads, K]: rows over the data axis, the sequence over the context axis, and with a
+    # tensor axis each device's whole key/value heads and their query heads
+    rows = P(AXIS, CONTEXT, TENSOR) if TENSOR in m.axis_names else P(AXIS, CONTEXT)
     return jax.shard_map(
         local,
         mesh=m,
