@@ -767,3 +767,23 @@ def test_the_planner_runs_the_mlp_in_tiles_where_only_that_fits():
     assert argv[argv.index("--mlp-tile-tokens") + 1] == "64"
     untiled = search(problem, dataclasses.replace(space, mlp_tiles=()))
     assert untiled.chosen is None
+
+
+def test_mlp_tiles_are_searched_without_a_tensor_axis_only():
+    """``jaxmem train`` refuses MLP tiles with tensor parallelism: over 2 devices the lattice
+    has tiled stacks at tp=1 and none at tp=2, and it orders the untiled stacks first."""
+    from jaxmem.planner.predict import FlopModel as Flops
+    from jaxmem.planner.space import enumerate_candidates
+
+    cfg = PRESETS["tiny"].replace(max_seq_len=256)
+    space = PlanSpace(
+        policies=("full",), mix=(), accum=(1,), state_memory=("device",), tags=False,
+        strategies=("fsdp",), tensor=(1, 2), mlp_tiles=(64,),
+    )  # fmt: skip
+    problem = Problem(cfg, 4, 256, LOCAL, 2**30, OptimizerConfig(), 2)
+    cands = enumerate_candidates(problem, space, Flops(cfg, 256))
+    tiled = [c for c in cands if c.policy.mlp_tile_tokens]
+    assert tiled and {c.tp for c in tiled} == {1} and {c.tp for c in cands} == {1, 2}
+    assert cands.index(tiled[0]) > max(
+        i for i, c in enumerate(cands) if c.seconds == tiled[0].seconds and c not in tiled
+    )
