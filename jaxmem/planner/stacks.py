@@ -7,7 +7,7 @@ the block inputs in host memory), the MLP in sequence tiles and the loss in chun
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from jaxmem.planner import tags
 from jaxmem.planner.host import OFFLOADED_INPUTS
@@ -20,9 +20,6 @@ from jaxmem.policy import (
     mixed_policy,
 )
 from jaxmem.precision import Precision
-
-if TYPE_CHECKING:
-    from jaxmem.planner.space import PlanSpace, Problem
 
 
 class FlopCounts(Protocol):
@@ -38,13 +35,14 @@ class FlopCounts(Protocol):
 
 
 def searched_stacks(
-    problem: Problem, space: PlanSpace, flops: FlopCounts, precision: Precision
+    problem: Any, space: Any, flops: FlopCounts, precision: Precision
 ) -> list[MemoryPolicy]:
     """The stacks searched at ``precision``: the presets, the per-tag policies of the frontier
     that keep what no preset keeps, the presets mixed in pairs and the hull's neighbours mixed,
     each at every split; then (GPU targets) each with the embedding replayed and each unrolled,
     ``full`` with its inputs on host, ``full`` and that with the MLP in sequence tiles, and each
-    with the loss in chunks or tiles, as asked; each stack once."""
+    with the loss in chunks or tiles, as asked; each stack once. ``problem`` and ``space``: a
+    ``jaxmem.planner.space`` ``Problem`` and ``PlanSpace`` (this module sits below it)."""
     n_layers = problem.cfg.n_layers
     host = problem.target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
     frontier = flops.tag_frontier(precision) if space.tags else []
