@@ -72,13 +72,15 @@ def test_context_parallel_steps_train_as_one_device(runs):
 
 @pytest.mark.slow
 def test_fsdp_shards_over_the_data_and_context_devices_together(runs):
-    """fsdp=2,cp=2: each of the 4 devices holds about a quarter of the parameters and optimizer
-    state (leaves too small to split stay whole); cp=2 alone (dp) holds them whole."""
+    """fsdp=2,cp=2, and fsdp=1,cp=2,tp=2 (FSDP over the 2 context devices, Megatron's split
+    over the 2 tensor ones): each of the 4 devices holds about a quarter of the parameters and
+    optimizer state (leaves too small to split stay whole); cp=2 alone (dp) holds them whole."""
     for row in runs:
         one = row["one_device"]
         for key in ("params_bytes", "opt_state_bytes"):
             assert row["fsdp"][key] < one[key] / 3, key
-            assert row["cp"][key] == one[key], key
+            if "cp" in row:
+                assert row["cp"][key] == one[key], key
 
 
 def test_the_balanced_layout_gives_every_device_the_same_causal_work():
