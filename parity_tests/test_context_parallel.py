@@ -5,8 +5,8 @@ context group. ``cp=2`` (2 ranks, DDP over both) and ``fsdp=2,cp=2`` (4 ranks, F
 2 x 2 data x context mesh: each data rank's rows split over its 2 context ranks) train as one
 device does for a GPT block (naive attention, learned positions) and a Llama block (RoPE at the
 permuted positions, grouped-query keys, SDPA with a positional mask); ``jaxmem train --framework
-torch --mesh fsdp=2,cp=2`` logs JAX's losses, ends in one line when a rank is lost, and resumes
-bit for bit.
+torch`` over ``cp=2`` and ``fsdp=2,cp=2`` logs JAX's losses and resumes bit for bit, and ends in
+one line when a rank is lost.
 
 And JAX's step over the same meshes from the same initial weights on the same batches logs the
 same losses (bound ``adamw_loss``, as the sharded parity suite compares the frameworks).
@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -92,13 +93,16 @@ def test_torch_context_parallelism_logs_jax_context_parallel_losses(runs, jax_ru
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path):
-    """``jaxmem train --framework torch --mesh fsdp=2,cp=2`` (4 torchrun ranks) with the block
-    inputs in host memory and the MLP and loss in tiles logs the losses of ``jaxmem train``'s
-    same run over 10 steps (``adamw_loss``). Rank 3 (in
-    the other data rank's context group) SIGKILLed after checkpoint 5: the run ends in one line
-    from the first survivor to see it, within seconds, nothing is left running, and the resumed
-    run logs the uninterrupted run's losses and gradient norms bit for bit."""
+@pytest.mark.parametrize("mesh", ["cp=2", "fsdp=2,cp=2"])
+def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path, mesh):
+    """``jaxmem train --framework torch --mesh cp=2`` (2 torchrun ranks, DDP) and ``--mesh
+    fsdp=2,cp=2`` (4, FSDP2; with the block inputs in host memory and the MLP and loss in
+    tiles) log the losses of ``jaxmem train``'s same run over 10 steps (``adamw_loss``).
+    ``cp=2``: cut back to its step-5 checkpoint and resumed, it logs the uninterrupted run's
+    losses and gradient norms bit for bit. ``fsdp=2,cp=2``: rank 3 (in the other data rank's
+    context group) SIGKILLed after checkpoint 5 ends the run in one line from the first
+    survivor to see it, within seconds, nothing is left running, and the resumed run logs the
+    uninterrupted run's losses and gradient norms bit for bit."""
     from parity_tests.test_sharded_parity import (
         _jaxmem,
         _lose_rank,
@@ -108,25 +112,34 @@ def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path):
     )
     from tests.test_parallel import processes_running
 
-    mesh = ["--mesh", "fsdp=2,cp=2"]
-    common = ["--preset", "tiny-llama", *mesh, "--batch-size", "4", "--seq-len", "32"]
-    # with every long-sequence tool: block inputs in host memory, the MLP and loss in tiles
-    common += ["--policy", "full-host", "--mlp-tile-tokens", "8", "--loss-tile-tokens", "16"]
+    ranks = 2 if mesh == "cp=2" else RANKS
+    common = ["--preset", "tiny-llama", "--mesh", mesh, "--batch-size", "4", "--seq-len", "32"]
+    if mesh == "cp=2":
+        common += ["--policy", "full"]
+    else:  # with every long-sequence tool: block inputs in host memory, MLP and loss tiles
+        common += ["--policy", "full-host", "--mlp-tile-tokens", "8", "--loss-tile-tokens", "16"]
     common += ["--steps", "10", "--checkpoint-every", "5", "--eval-every", "5"]
     common += ["--sample-tokens", "8"]
-    out, t = _torch_logs_jax_losses(tmp_path, common, nproc=RANKS)
-    assert "over 2 x 2 ranks, each sequence split over cp=2 ranks" in " ".join(out.stdout.split())
-    lost = tmp_path / "lost"
-    agent, err, took = _lose_rank(lost, common, 3, nproc=RANKS)
-    assert agent.returncode != 0 and took < 60, (took, err[-3000:])
-    lines = [ln for ln in err.splitlines() if ln.startswith("jaxmem train:")]
-    assert len(lines) == 1, err[-3000:]
-    # the first survivor to see the lost collective says it; torchrun then ends the others
-    assert re.match(r"jaxmem train: rank [012] of 4: another rank is gone", lines[0]), lines[0]
-    assert f"last verified checkpoint: step 5 in {lost}/checkpoints" in lines[0]
-    assert not processes_running(str(lost))
-    torchrun("--no-python", *_jaxmem("train", "--out", str(lost), "--resume"), nproc=RANKS)
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(lost)] == [
+    out, t = _torch_logs_jax_losses(tmp_path, common, nproc=ranks)
+    said = " ".join(out.stdout.split())
+    assert "each sequence split over cp=2 ranks" in said
+    resumed = tmp_path / "resumed"
+    if mesh == "cp=2":
+        shutil.copytree(tmp_path / "torch", resumed)
+        shutil.rmtree(resumed / "checkpoints" / "10")
+    else:
+        assert "over 2 x 2 ranks" in said
+        agent, err, took = _lose_rank(resumed, common, 3, nproc=ranks)
+        assert agent.returncode != 0 and took < 60, (took, err[-3000:])
+        lines = [ln for ln in err.splitlines() if ln.startswith("jaxmem train:")]
+        assert len(lines) == 1, err[-3000:]
+        # the first survivor to see the lost collective says it; torchrun then ends the others
+        pattern = r"jaxmem train: rank [012] of 4: another rank is gone"
+        assert re.match(pattern, lines[0]), lines[0]
+        assert f"last verified checkpoint: step 5 in {resumed}/checkpoints" in lines[0]
+        assert not processes_running(str(resumed))
+    torchrun("--no-python", *_jaxmem("train", "--out", str(resumed), "--resume"), nproc=ranks)
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(resumed)] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in t
     ]
 
