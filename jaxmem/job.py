@@ -275,25 +275,18 @@ def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
             f"axis (--mesh fsdp=2,tp={parallel.tp}: FSDP2 makes every gradient a DTensor), or "
             "--framework jax"
         )
-    return torch_mesh_refusal(parallel, job.model, training=True)
+    return torch_mesh_refusal(parallel, job.model)
 
 
-def torch_mesh_refusal(
-    parallel: ParallelConfig, model: ModelConfig, *, training: bool = False
-) -> str | None:
+def torch_mesh_refusal(parallel: ParallelConfig, model: ModelConfig) -> str | None:
     """Why torch_ref cannot split ``model`` over ``parallel``'s tensor axis (None: it can:
-    ``torch_ref.distributed.parallelize``, then FSDP2 over the data axis), or (not
-    ``training``: its per-rank memory records) over a context axis."""
+    ``torch_ref.distributed.parallelize``, then FSDP2 over the data axis), or beside a context
+    axis."""
     if parallel.context_parallel and parallel.tensor_parallel:
         return (
             f"--mesh {parallel.mesh_text()}: torch_ref runs a context axis beside a data axis, "
             f"not beside a tensor axis; use --mesh fsdp={parallel.data * parallel.tp},"
             f"cp={parallel.cp} or --framework jax"
-        )
-    if parallel.context_parallel and not training:
-        return (
-            f"--mesh {parallel.mesh_text()}: torch_ref's per-rank memory records do not run "
-            "context parallelism yet (jaxmem train --framework torch does); use --frameworks jax"
         )
     if not parallel.tensor_parallel:
         return None

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from jaxmem.compare.tolerances import tolerance
+from jaxmem.parallel import parse_mesh
 
 PRESETS_RUN = ("tiny", "tiny-llama")
 BATCH, SEQ, STEPS = 4, 32, 4
@@ -142,6 +143,27 @@ def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path, mesh):
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(resumed)] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in t
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torch_per_rank_records_of_a_context_axis():
+    """``torch_ref.mesh_memory`` over fsdp=2,cp=2 (4 torchrun ranks; what ``jaxmem memory
+    --frameworks torch --mesh fsdp=2,cp=2`` runs): each rank holds a quarter of the parameters
+    and saves under half of one device's activations for the backward (its rows' share of the
+    tokens, and one block's gathered keys and values whole)."""
+    from jaxmem.compare.records import torch_rank_records
+
+    kw = {"attention": "fused", "batch": 4, "seq_len": 64}
+    (one,) = torch_rank_records("tiny-llama", "none", parse_mesh("dp=1"), **kw)
+    ranks = torch_rank_records("tiny-llama", "none", parse_mesh("fsdp=2,cp=2"), **kw)
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    for r in ranks:
+        assert "each sequence split over cp=2 ranks" in r["strategy"]
+        assert r["params_bytes"] <= one["params_bytes"] / 4 + 1024
+        saved = r["saved_activation_bytes_device"]
+        assert one["saved_activation_bytes_device"] / 8 < saved
+        assert saved < one["saved_activation_bytes_device"] / 2
 
 
 def _config(name: str):

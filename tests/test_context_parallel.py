@@ -182,27 +182,29 @@ def test_train_refuses_what_context_parallelism_cannot_run_in_one_line(tmp_path,
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["plan", "--budget", "1GiB"], "does not search a context axis (--mesh cp=2)"),
-        (["memory", "--frameworks", "jax,torch"], "per-rank memory records do not run context"),
+        (["plan", "--budget", "1GiB", "--mesh", "cp=2"], "does not search a context axis"),
+        (
+            ["memory", "--frameworks", "jax,torch", "--mesh", "fsdp=1,cp=2,tp=2"],
+            "torch_ref runs a context axis beside a data axis, not beside a tensor axis",
+        ),
     ],
 )
 def test_commands_refuse_a_context_axis_they_do_not_run_in_one_line(args, fragment):
     """Before anything compiles: one line, exit 2."""
-    proc = run_cli(*args, "--preset", "tiny", "--seq-len", "32", "--mesh", "cp=2", timeout=120)
+    proc = run_cli(*args, "--preset", "tiny-llama", "--seq-len", "32", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and fragment in lines[0], proc.stderr[-2000:]
     assert "measuring" not in proc.stdout and "compile" not in proc.stdout
 
 
-def test_torch_trains_a_context_axis_and_refuses_only_its_per_rank_records():
+def test_torch_runs_a_context_axis_beside_a_data_axis_not_a_tensor_axis():
     from jaxmem.job import torch_mesh_refusal
 
     cfg = PRESETS["tiny-llama"]
     for mesh in ("cp=2", "fsdp=1,cp=2", "fsdp=2,cp=2"):
-        assert torch_mesh_refusal(parse_mesh(mesh), cfg, training=True) is None
-        assert "per-rank memory records" in torch_mesh_refusal(parse_mesh(mesh), cfg)
-    line = torch_mesh_refusal(parse_mesh("fsdp=1,cp=2,tp=2"), cfg, training=True)
+        assert torch_mesh_refusal(parse_mesh(mesh), cfg) is None
+    line = torch_mesh_refusal(parse_mesh("fsdp=1,cp=2,tp=2"), cfg)
     assert "not beside a tensor axis; use --mesh fsdp=2,cp=2 or --framework jax" in line
 
 

@@ -1,5 +1,6 @@
 """Per-rank memory of one torch_ref training step over a mesh (DDP or FSDP2, with or without a
-tensor axis: ``torch_ref.distributed``), measured at run time: the PyTorch column beside
+tensor axis or a context axis: ``torch_ref.distributed``, ``torch_ref.context``), measured at
+run time: the PyTorch column beside
 ``jaxmem memory --mesh`` (compiled plans, per device).
 
 Run under torchrun, one process per device::
@@ -37,6 +38,7 @@ from jaxmem.parallel import ParallelConfig, parse_mesh
 from jaxmem.policy import MemoryPolicy
 from jaxmem.policy_config import parse_policy
 from jaxmem.precision import PRECISIONS, Precision
+from torch_ref.context import apply_context_parallel, local_batch
 from torch_ref.remat import apply_loss_policy, apply_memory_policy
 from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer
 
@@ -58,6 +60,11 @@ def measure(
     device = launch.device
     torch.manual_seed(seed)
     model = torch_ref.Decoder(cfg).to(device, TORCH_DTYPES[precision.param_dtype])
+    context = parallel.sharded and parallel.context_parallel
+    if context:  # this rank's columns of its data rank's rows, keys gathered over its group
+        group = tdist.context_group(parallel, launch)
+        at = launch.rank % parallel.cp
+        apply_context_parallel(model, seq_len=seq_len, cp=parallel.cp, rank=at, group=group)
     runner = apply_memory_policy(model.blocks, policy)
     apply_loss_policy(model, policy)
     model = tdist.shard(model, parallel, launch)
@@ -66,8 +73,11 @@ def measure(
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
     # a mesh's ranks read their data rank's rows; an unsharded record the whole batch (also
     # when measured inside a torchrun world, beside the mesh's)
-    rows = (launch.rows(batch, parallel.tp) if parallel.sharded else None) or slice(None)
+    inner = parallel.tp * parallel.cp
+    rows = (launch.rows(batch, inner) if parallel.sharded else None) or slice(None)
     data = {"inputs": tokens[rows, :-1].to(device), "targets": tokens[rows, 1:].to(device)}
+    if context:
+        data = local_batch(data, parallel.cp, launch.rank % parallel.cp)
     divisor = tdist.token_divisor(parallel, launch)
 
     def step() -> int:
