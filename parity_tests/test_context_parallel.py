@@ -151,7 +151,7 @@ def test_torch_per_rank_records_of_a_context_axis():
     """``torch_ref.mesh_memory`` over fsdp=2,cp=2 (4 torchrun ranks; what ``jaxmem memory
     --frameworks torch --mesh fsdp=2,cp=2`` runs): each rank holds a quarter of the parameters
     and saves under half of one device's activations for the backward (its rows' share of the
-    tokens, and one block's gathered keys and values whole)."""
+    tokens, and the gathered keys and values whole where a block keeps them)."""
     from jaxmem.compare.records import torch_rank_records
 
     kw = {"attention": "fused", "batch": 4, "seq_len": 64}
