@@ -181,8 +181,7 @@ class Bench:
             spec = row_spec(base, space, n, budget, offload=False)
             with_inputs = row_spec(base, space, n, budget, offload=True)
             allowed = CP_HOST_MEMORY if space == CP_SPACE else HOST_MEMORY
-            per_device = sum(host.spec_host_bytes(with_inputs).values())
-            if host.spec_host_share(with_inputs) * per_device <= allowed:
+            if host.host_need(with_inputs) <= allowed:
                 spec = with_inputs
             p = longest.probe(spec, budget, allowed)
             plans[key] = p.as_dict() | {"compile_s": round(time.perf_counter() - start, 1)}

@@ -240,15 +240,14 @@ def _train(cfg, model, launch, mesh: str | None) -> list[float]:
     from jaxmem.parallel import parse_mesh
     from jaxmem.policy import get_policy
     from jaxmem.precision import PRECISIONS
-    from torch_ref.context import apply_context_parallel, local_batch
+    from torch_ref.context import apply_to_rank, rank_batch
     from torch_ref.remat import apply_memory_policy
     from torch_ref.train import accumulate_grads, make_optimizer
 
     parallel = parse_mesh(mesh) if mesh else None
     if parallel:  # ranks data x context: this rank's rows, and its columns of them
-        rank, rows = launch.rank % parallel.cp, launch.rows(BATCH, parallel.cp)
-        group = tdist.context_group(parallel, launch)
-        apply_context_parallel(model, seq_len=SEQ, cp=parallel.cp, rank=rank, group=group)
+        rows = launch.rows(BATCH, parallel.cp)
+        apply_to_rank(model, parallel, launch, SEQ)
     apply_memory_policy(model.blocks, get_policy("full"))
     if parallel:
         model = tdist.shard(model, parallel, launch)
@@ -259,7 +258,7 @@ def _train(cfg, model, launch, mesh: str | None) -> list[float]:
         if parallel:
             if rows is not None:
                 batch = {k: v[rows] for k, v in batch.items()}
-            batch = local_batch(batch, parallel.cp, rank)
+            batch = rank_batch(batch, parallel, launch)
         opt.zero_grad(set_to_none=True)
         fp32 = PRECISIONS["fp32"]
         loss_sum, n = accumulate_grads(model, batch, precision=fp32, divisor=divisor)

@@ -137,6 +137,22 @@ def apply_context_parallel(
         layer.self_attn.core = core
 
 
+def apply_to_rank(model: nn.Module, parallel, launch, seq_len: int) -> None:
+    """``apply_context_parallel`` for this torchrun rank of ``parallel``'s ``data x context``
+    ranks (``launch``): its context rank, keys gathered over its context group."""
+    from torch_ref.distributed import context_group
+
+    group = context_group(parallel, launch)
+    rank = launch.rank % parallel.cp
+    apply_context_parallel(model, seq_len=seq_len, cp=parallel.cp, rank=rank, group=group)
+
+
+def rank_batch(batch: dict[str, torch.Tensor], parallel, launch) -> dict[str, torch.Tensor]:
+    """``local_batch`` for this torchrun rank (``launch``) of ``parallel``'s context axis: its
+    columns of its data rank's rows."""
+    return local_batch(batch, parallel.cp, launch.rank % parallel.cp)
+
+
 @contextlib.contextmanager
 def whole_sequence(model: nn.Module) -> Iterator[None]:
     """``model`` (under ``apply_context_parallel``, or not) runs whole sequences in order on

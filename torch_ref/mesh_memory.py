@@ -38,7 +38,7 @@ from jaxmem.parallel import ParallelConfig, parse_mesh
 from jaxmem.policy import MemoryPolicy
 from jaxmem.policy_config import parse_policy
 from jaxmem.precision import PRECISIONS, Precision
-from torch_ref.context import apply_context_parallel, local_batch
+from torch_ref.context import apply_to_rank, rank_batch
 from torch_ref.remat import apply_loss_policy, apply_memory_policy
 from torch_ref.train import TORCH_DTYPES, accumulate_grads, make_optimizer
 
@@ -62,9 +62,7 @@ def measure(
     model = torch_ref.Decoder(cfg).to(device, TORCH_DTYPES[precision.param_dtype])
     context = parallel.sharded and parallel.context_parallel
     if context:  # this rank's columns of its data rank's rows, keys gathered over its group
-        group = tdist.context_group(parallel, launch)
-        at = launch.rank % parallel.cp
-        apply_context_parallel(model, seq_len=seq_len, cp=parallel.cp, rank=at, group=group)
+        apply_to_rank(model, parallel, launch, seq_len)
     runner = apply_memory_policy(model.blocks, policy)
     apply_loss_policy(model, policy)
     model = tdist.shard(model, parallel, launch)
@@ -77,7 +75,7 @@ def measure(
     rows = (launch.rows(batch, inner) if parallel.sharded else None) or slice(None)
     data = {"inputs": tokens[rows, :-1].to(device), "targets": tokens[rows, 1:].to(device)}
     if context:
-        data = local_batch(data, parallel.cp, launch.rank % parallel.cp)
+        data = rank_batch(data, parallel, launch)
     divisor = tdist.token_divisor(parallel, launch)
 
     def step() -> int:

@@ -36,7 +36,7 @@ from jaxmem.train.loop import RunFailed, run_job, val_batches
 from jaxmem.train.prepare import PreparedJob, check_resident, host_available_bytes, prepare_job
 from jaxmem.train.run_dir import last_verified
 from torch_ref.checkpoint import TorchCheckpointer
-from torch_ref.context import apply_context_parallel, local_batch, whole_sequence
+from torch_ref.context import apply_to_rank, rank_batch, whole_sequence
 from torch_ref.generate import generate
 from torch_ref.loss import cross_entropy_sum
 from torch_ref.remat import (
@@ -181,10 +181,8 @@ class TorchTrainer:
         model = model.to(self.device, TORCH_DTYPES[job.precision.param_dtype])
         if job.adapters.enabled:
             _add_adapters(model, initial, job)
-        if self.parallel.context_parallel:  # each rank its columns, keys gathered over all
-            cp, rank = self.parallel.cp, self.launch.rank % self.parallel.cp
-            group = tdist.context_group(self.parallel, self.launch)
-            apply_context_parallel(model, seq_len=r.seq_len, cp=cp, rank=rank, group=group)
+        if self.parallel.context_parallel:  # each rank its columns, keys gathered over its group
+            apply_to_rank(model, self.parallel, self.launch, r.seq_len)
         self.runner = apply_memory_policy(model.blocks, job.memory)
         apply_loss_policy(model, job.memory)
         # FSDP2 manages the model (sharded, or streamed through host memory on one process too)
@@ -290,7 +288,7 @@ class TorchTrainer:
     def step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         self.opt.zero_grad(set_to_none=True)
         if self.parallel.context_parallel:
-            batch = local_batch(batch, self.parallel.cp, self.launch.rank % self.parallel.cp)
+            batch = rank_batch(batch, self.parallel, self.launch)
         loss_sum, n = accumulate_grads(
             self.model,
             batch,

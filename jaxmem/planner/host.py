@@ -94,6 +94,12 @@ def spec_host_bytes(spec: StepSpec) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
+def host_need(spec: StepSpec) -> int:
+    """Bytes of one host ``spec``'s step needs: each device's (``spec_host_bytes``) times the
+    devices sharing the host (``spec_host_share``); analytic, from shapes."""
+    return spec_host_share(spec) * sum(spec_host_bytes(spec).values())
+
+
 def size_text(n: int) -> str:
     """``n`` bytes in GiB, MiB or KiB, whichever shows it."""
     for unit, size in (("GiB", GIB), ("MiB", 2**20)):

@@ -225,8 +225,7 @@ def plan_longest(
         spec = lean_spec(base, n, budget, offload=False)
         if offload:
             with_inputs = lean_spec(base, n, budget, offload=True)
-            per_device = sum(host.spec_host_bytes(with_inputs).values())
-            if host.spec_host_share(with_inputs) * per_device <= host_allowed:
+            if host.host_need(with_inputs) <= host_allowed:
                 spec = with_inputs
         p = probes[n] = probe(spec, budget, host_allowed)
         where = "over" if not p.fits else "fits"
