@@ -30,6 +30,13 @@ STRATEGIES: dict[str, str] = {
 }
 
 
+# how context-parallel attention meets the keys of the other devices (jaxmem.step.context)
+CP_ATTENTIONS: dict[str, str] = {
+    "gather": "all-gather the row's keys and values (one collective; the default)",
+    "ring": "pass keys and values device to device: never whole on one device (fused attention)",
+}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How a step is spread over devices: a data-parallel axis (``strategy``) and, optionally, a
@@ -49,6 +56,9 @@ class ParallelConfig:
         and values all-gathered over it for attention (``jaxmem.step.context``); 1: none. The
         data-parallel strategy's shards span the data and context devices together (FSDP over
         both, as torchtitan does), the batch's rows only the data devices.
+      cp_attention: how attention meets the other context devices' keys and values, one of
+        ``CP_ATTENTIONS``: ``"gather"`` (``jaxmem.step.context``) or ``"ring"``
+        (``jaxmem.step.ring``: ``--attention fused`` only).
     """
 
     strategy: str = "dp"
@@ -56,6 +66,7 @@ class ParallelConfig:
     tp: int = 1
     sequence_parallel: bool = True
     cp: int = 1
+    cp_attention: str = "gather"
 
     def __post_init__(self) -> None:
         require(
@@ -72,6 +83,15 @@ class ParallelConfig:
             self.devices % (self.tp * self.cp) == 0,
             f"parallel devices={self.devices} is not a multiple of tp={self.tp} x cp={self.cp}: "
             "the mesh is data x tensor x context devices",
+        )
+        require(
+            self.cp_attention in CP_ATTENTIONS,
+            f"parallel cp_attention={self.cp_attention!r} is not one of {', '.join(CP_ATTENTIONS)}",
+        )
+        require(
+            self.cp_attention == "gather" or self.cp > 1,
+            f"parallel cp_attention={self.cp_attention!r} needs a context axis: add cp=N to "
+            f"--mesh (e.g. --mesh cp=2)",
         )
         require(
             isinstance(self.sequence_parallel, bool),
@@ -140,6 +160,12 @@ class ParallelConfig:
             self.cp == 1 or seq_len % (2 * self.cp) == 0,
             f"{mesh}: context parallelism cuts the {seq_len} positions into 2 x cp = "
             f"{2 * self.cp} equal chunks; use a --seq-len that is a multiple of {2 * self.cp}",
+        )
+        require(
+            self.cp_attention != "ring" or cfg.attention == "fused",
+            f"{mesh} --cp-attention ring merges each device's partial softmax, which the "
+            f"fused attention does; the model's attention is {cfg.attention!r}: add "
+            "--attention fused",
         )
         if self.tp == 1:
             return

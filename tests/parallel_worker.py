@@ -10,7 +10,8 @@ optimizer state actually resident on the first device. A case with
 ``"tp_alone": true``, tensor parallelism alone over ``T`` devices as ``"tp"``; ``"preset"``
 names the model (default ``tiny``); ``"loss_chunks": N`` runs the head and loss in N chunks;
 ``"optimizer"`` holds further ``OptimizerConfig`` settings (a schedule, clipping). ``"cp": C``
-(and ``"cp_alone"``) does the same with a context axis; ``"attention"`` sets the model's.
+(and ``"cp_alone"``) does the same with a context axis, and ``"ring": true`` each strategy's mesh
+again with ``cp_attention="ring"`` as ``"<strategy>+ring"``; ``"attention"`` sets the model's.
 
     python tests/parallel_worker.py '[{"policy": "full", "precision": "fp32", ...}]'
 """
@@ -111,6 +112,9 @@ def main() -> None:
         for strategy in case.get("strategies", STRATEGIES):
             parallel = ParallelConfig(strategy=strategy, devices=DEVICES, tp=tp, cp=cp)
             row[strategy] = run(case, parallel)
+            if case.get("ring"):  # the same mesh, attention round a ring of the context axis
+                ring = dataclasses.replace(parallel, cp_attention="ring")
+                row[f"{strategy}+ring"] = run(case, ring)
             if case.get("stream"):
                 row[f"{strategy}+stream"] = run(case, parallel, stream=True)
         out.append(row)

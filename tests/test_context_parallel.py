@@ -31,6 +31,7 @@ CASES = [
         "steps": 3,
         "cp": 2,
         "cp_alone": True,
+        "ring": True,
     },
     {  # a tensor axis too: fsdp=1,cp=2,tp=2 (heads over tensor, sequence over context)
         "preset": "tiny-llama",
@@ -40,6 +41,7 @@ CASES = [
         "steps": 3,
         "cp": 2,
         "tp": 2,
+        "ring": True,
     },
 ]
 for case in CASES:
@@ -58,13 +60,17 @@ def runs():
 @pytest.mark.slow
 def test_context_parallel_steps_train_as_one_device(runs):
     """cp=2 alone and fsdp=2 x cp=2, for tiny (naive attention) and tiny-llama (fused), and
-    fsdp=1 x cp=2 x tp=2 for tiny-llama: the one-device losses within the data-parallel
-    tolerance (the gradients' reductions add in their own order)."""
+    fsdp=1 x cp=2 x tp=2 for tiny-llama, the latter two meshes with keys and values all-gathered
+    and round a ring (``+ring``): the one-device losses within the data-parallel tolerance (the
+    gradients' reductions add in their own order)."""
     tol = tolerance("float32", "data_parallel_loss")
     ran = [sorted(set(row) - {"case"}) for row in runs]
-    assert ran == [["cp", "fsdp", "one_device"]] * 2 + [["fsdp", "one_device"]]
+    ring = ["fsdp+ring"]
+    assert ran == [["cp", "fsdp", "one_device"], ["cp", "fsdp", *ring, "one_device"]] + [
+        ["fsdp", *ring, "one_device"]
+    ]
     for row in runs:
-        for name in [n for n in ("cp", "fsdp") if n in row]:
+        for name in [n for n in ("cp", "fsdp", "fsdp+ring") if n in row]:
             np.testing.assert_allclose(
                 row[name]["losses"], row["one_device"]["losses"], **tol.kwargs()
             )
@@ -128,6 +134,40 @@ def test_fused_attention_by_position_equals_the_naive_core_on_a_devices_share(kv
         np.testing.assert_allclose(fused(q, k, v), naive(q, k, v), **tol)
 
 
+@pytest.fixture(scope="module")
+def ring_runs():
+    worker = os.path.join(os.path.dirname(__file__), "ring_worker.py")
+    proc = subprocess.run([sys.executable, worker], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_ring_and_gathered_attention_equal_the_naive_core_on_the_whole_row(ring_runs):
+    """Over 2 and 4 CPU devices in the balanced layout, float64: the ring (keys and values
+    passed device to device, each step's work static) and the all-gathered form give the naive
+    core's loss and the queries', keys' and values' gradients, elementwise within the table's
+    fused-vs-naive tolerance (grouped-query keys; a block that does not divide a chunk); the
+    ring with each chunk product ``jax.nn.dot_product_attention``'s (XLA's form: cuDNN's
+    algebra, its own backward corrected to the whole row's softmax) within the fp32 one (that
+    form computes in fp32)."""
+    cases = [row for row in ring_runs if row["case"] != "per_device"]
+    assert [row["case"][0] for row in cases] == [2, 4, 4]
+    for row in cases:
+        for how in ("gather", "ring", "ring-fused"):
+            assert row[how]["within"] == [True] * 4, (row["case"], how, row[how]["max_error"])
+
+
+def test_the_ring_computes_only_the_blocks_a_causal_mask_leaves_and_never_gathers(ring_runs):
+    """cp=4, S=4096, blocks of 256 (jaxpr matmul FLOPs per device, and XLA:CPU's compiled
+    temporaries of the gradient): the ring asks for 2 cp + 1 chunk products per device where the
+    gathered form computes all 4 cp (9/16 of its FLOPs), and holds one device's keys and values
+    at a time instead of the row's (under 60 % of its temporaries)."""
+    row = next(row for row in ring_runs if row["case"] == "per_device")
+    gather, ring = row["gather"], row["ring"]
+    assert ring["flops"] * 16 == gather["flops"] * 9
+    assert ring["temp_bytes"] < 0.6 * gather["temp_bytes"], (ring, gather)
+
+
 def test_a_mesh_with_a_context_axis_reads_and_prints_back():
     assert parse_mesh("cp=2") == ParallelConfig(devices=2, cp=2)
     assert parse_mesh("fsdp=2,cp=2") == ParallelConfig(strategy="fsdp", devices=4, cp=2)
@@ -150,6 +190,14 @@ def test_a_mesh_with_a_context_axis_reads_and_prints_back():
         ),
         (lambda: parse_mesh("cp=0"), "cp=0 must be a positive device count"),
         (lambda: ParallelConfig(devices=3, cp=2), "devices=3 is not a multiple of tp=1 x cp=2"),
+        (lambda: ParallelConfig(cp_attention="ring"), "cp_attention='ring' needs a context axis"),
+        (lambda: ParallelConfig(devices=2, cp=2, cp_attention="rng"), "'rng' is not one of"),
+        (
+            lambda: ParallelConfig(devices=2, cp=2, cp_attention="ring").check_model(
+                PRESETS["tiny"], 16
+            ),
+            "--cp-attention ring merges each device's partial softmax",
+        ),
     ],
 )
 def test_bad_context_meshes_are_refused_naming_the_value(make, fragment):
@@ -165,6 +213,12 @@ def test_bad_context_meshes_are_refused_naming_the_value(make, fragment):
         (["--stream"], "(context parallelism) with --stream"),
         (["--lora-rank", "4", "--lora-dropout", "0.1"], "with adapter dropout 0.1"),
         (["--mesh", "fsdp=64,cp=2"], "--mesh asks for 128 CPU devices"),
+        (["--cp-attention", "ring"], "the model's attention is 'naive': add --attention fused"),
+        (["--mesh", "fsdp=2", "--cp-attention", "ring"], "needs a context axis: add cp=N"),
+        (
+            ["--attention", "fused", "--cp-attention", "ring", "--framework", "torch"],
+            "torch_ref's context parallelism all-gathers keys and values",
+        ),
     ],
 )
 def test_train_refuses_what_context_parallelism_cannot_run_in_one_line(tmp_path, args, fragment):

@@ -112,12 +112,14 @@ def test_a_host_limit_under_the_state_is_refused_before_any_compile():
 
 @pytest.mark.slow
 def test_a_context_axis_splits_the_longest_sequence_over_its_devices(tmp_path):
-    """tiny-llama over --mesh cp=2 up to 2,048 tokens: one compiled plan per device, each
-    device's offloaded block inputs half the sequence's."""
+    """tiny-llama (fused attention) over --mesh cp=2 up to 2,048 tokens: one compiled plan per
+    device, each device's offloaded block inputs half the sequence's, the keys and values round
+    a ring (the leaner form) in the command that runs it."""
     out = tmp_path / "longest.json"
     done = run_cli(
-        "plan", "--preset", "tiny-llama", "--target", "h100", "--budget", "128MiB",
-        "--precision", "pure-bf16", "--mesh", "cp=2", "--longest", "--seq-step", "1024",
+        "plan", "--preset", "tiny-llama", "--attention", "fused", "--target", "h100",
+        "--budget", "128MiB", "--precision", "pure-bf16", "--mesh", "cp=2", "--longest",
+        "--seq-step", "1024",
         "--seq-cap", "2048", "--host-memory", "1GiB", "--json", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -128,7 +130,7 @@ def test_a_context_axis_splits_the_longest_sequence_over_its_devices(tmp_path):
     assert (
         data["fits"]["host_bytes"]["offloaded activations"] == cfg.n_layers * 1024 * cfg.d_model * 2
     )
-    assert "--mesh cp=2" in data["command"]
+    assert "--mesh cp=2 --cp-attention ring" in data["command"]  # the leaner (fused attention)
 
 
 @pytest.mark.parametrize(
@@ -146,9 +148,11 @@ def test_a_context_axis_the_search_cannot_step_over_is_refused(flags, words):
 
 
 @pytest.mark.slow
-def test_a_context_parallel_plan_builds_no_mask_of_every_key_block():
-    """tiny-llama's fused attention over cp=2 at 16,384 tokens, planned for an H100: under
-    ``full`` remat the kernel's masks are made block by block, never ``[S/cp, S]`` per head."""
+@pytest.mark.parametrize("how", ["gather", "ring"])
+def test_a_context_parallel_plan_builds_no_mask_of_every_key_block(how):
+    """tiny-llama's fused attention over cp=2 at 16,384 tokens, keys and values all-gathered or
+    round a ring, planned for an H100: under ``full`` remat the kernel's masks are made block by
+    block, never ``[S/cp, S]`` per head."""
     from jaxmem.config import OptimizerConfig
     from jaxmem.memory.targets import get_target
     from jaxmem.parallel import ParallelConfig
@@ -160,7 +164,7 @@ def test_a_context_parallel_plan_builds_no_mask_of_every_key_block():
     base = StepSpec(
         model=cfg, policy=POLICIES["full"], precision=PRECISIONS["pure-bf16"],
         optimizer=OptimizerConfig(), batch=1, seq_len=256, target=get_target("h100"),
-        parallel=ParallelConfig(strategy="fsdp", devices=2, cp=2),
+        parallel=ParallelConfig(strategy="fsdp", devices=2, cp=2, cp_attention=how),
     )  # fmt: skip
     n = 16384
     p = probe(lean_spec(base, n, 80 << 30, offload=True), 80 << 30, 1 << 40)

@@ -24,6 +24,7 @@ from jaxmem.cli.common import (
 )
 from jaxmem.config import ATTENTIONS, MEMORY_KINDS, OPTIMIZERS, PRESETS, SCHEDULES, ModelConfig
 from jaxmem.memory.targets import SHIPPED
+from jaxmem.parallel import CP_ATTENTIONS, ParallelConfig
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 
@@ -190,6 +191,12 @@ FLAGS: dict[str, Flag] = {
             "parallelism on a second axis (fsdp=2,tp=2: 4 devices; tp=2 alone) or cp=M context "
             "parallelism (each sequence split over M devices; fsdp=2,cp=2, cp=2 alone)",
         ),
+        Flag(
+            "--cp-attention",
+            "parallel.cp_attention",
+            "with a cp axis, how attention meets the other devices' keys: "
+            + "; ".join(f"{k} ({v})" for k, v in CP_ATTENTIONS.items()),
+        ),
         Flag("--target", None, f"plan the step for: {TARGETS_HELP}"),
         Flag("--wide", None, "every column (default: the essential ones)", action="store_true"),
         Flag("--json", None, "write the results as JSON", metavar="OUT.json"),
@@ -353,6 +360,8 @@ def flag_settings(args: argparse.Namespace, names: Sequence[str]) -> dict[str, A
         section, _, key = flag.path.partition(".")
         if key:
             out.setdefault(section, {})[key] = value
+        elif isinstance(value, dict):  # --mesh: the section, beside --cp-attention's key
+            out.setdefault(section, {}).update(value)
         else:
             out[section] = value
     if (getattr(args, "save", None) or getattr(args, "offload", None)) and not getattr(
@@ -454,6 +463,8 @@ def job_argv(job) -> list[str]:
         argv += ["--mesh", job.parallel.mesh_text()]
     if job.parallel.tensor_parallel and not job.parallel.sequence_parallel:
         argv += ["--set", "parallel.sequence_parallel=false"]
+    if job.parallel.cp_attention != ParallelConfig().cp_attention:
+        argv += ["--cp-attention", job.parallel.cp_attention]
     return argv
 
 

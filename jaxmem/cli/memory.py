@@ -41,6 +41,7 @@ NAMES = (
     "mlp_tile_tokens",
     "replay_embedding",
     "mesh",
+    "cp_attention",
 )
 DEFAULTS = {"preset": "tiny", "run": {"batch_size": 8}}
 DEFAULT_POLICIES = "none,full,selective,offload"

@@ -31,6 +31,7 @@ NAMES = (
     "replay_embedding",
     "accum",
     "mesh",
+    "cp_attention",
 )
 DEFAULTS = {"preset": "small", "run": {"batch_size": 8}, "memory": {"policy": "none"}}
 

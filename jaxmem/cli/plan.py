@@ -43,7 +43,16 @@ from jaxmem.precision import PRECISIONS
 
 # what lets more of a step's arguments leave the device, said when a budget is under them
 LEAVE = "--mesh fsdp=N, --precisions, --state-offload on a GPU target"
-NAMES = (*MODEL_FLAGS, "precision", "optimizer", "batch_size", "seq_len", "mesh", *ADAPTER_FLAGS)
+NAMES = (
+    *MODEL_FLAGS,
+    "precision",
+    "optimizer",
+    "batch_size",
+    "seq_len",
+    "mesh",
+    "cp_attention",
+    *ADAPTER_FLAGS,
+)
 DEFAULTS = {"preset": "small", "run": {"batch_size": 8}}
 
 

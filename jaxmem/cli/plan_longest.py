@@ -23,7 +23,10 @@ def _base(args, job, problem):
     memory (an adapter step keeps its small state on the device). A context axis (``--mesh
     cp=N``, alone or as ``fsdp=1,cp=N``) splits the sequence over its devices; the stack does
     not stream under it (``jaxmem.parallel.context_refusal``) and its state stays on the device,
-    sharded over the axis (a sharded step keeps no state in host memory)."""
+    sharded over the axis (a sharded step keeps no state in host memory); its attention passes
+    keys and values round a ring (``--cp-attention ring``: never whole on one device) unless
+    ``--cp-attention`` says otherwise or the attention is naive (the ring needs the fused
+    kernel)."""
     from jaxmem.config import STREAM_OPTIMIZERS, AccumConfig
     from jaxmem.step.spec import StepSpec
 
@@ -38,6 +41,9 @@ def _base(args, job, problem):
             f"--seq-step {args.seq_step}: the context axis cp={par.cp} cuts the sequence into "
             f"{2 * par.cp} equal chunks; use a step that is a multiple of {2 * par.cp}"
         )
+    if par.context_parallel and args.cp_attention is None and job.model.attention == "fused":
+        par = dataclasses.replace(par, cp_attention="ring")
+        job = dataclasses.replace(job, parallel=par)
     hosted = args.state_offload and problem.target.is_gpu and not job.adapters.enabled
     hosted = hosted and not par.sharded
     opt = job.optimizer
@@ -103,8 +109,9 @@ def _command(job, spec) -> str:
     model = job.model.replace(max_seq_len=max(job.model.max_seq_len, spec.seq_len))
     run = dataclasses.replace(job.run, batch_size=1, seq_len=spec.seq_len)
     chosen = dataclasses.replace(
-        job, model=model, memory=spec.policy, optimizer=spec.optimizer, accum=spec.accum, run=run
-    )
+        job, model=model, memory=spec.policy, optimizer=spec.optimizer, accum=spec.accum, run=run,
+        parallel=spec.parallel,
+    )  # fmt: skip
     return shlex.join(["jaxmem", "train", *job_argv(chosen)])
 
 

@@ -55,6 +55,7 @@ NAMES = (
     "accum_mode",
     "seed",
     "mesh",
+    "cp_attention",
     *RUN_FLAGS,
 )
 DEFAULTS: dict = {"preset": "small"}

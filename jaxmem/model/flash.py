@@ -111,16 +111,17 @@ def _blocks(x: Array, block: int) -> Array:
 
 
 def _valid(s: int, block: int, j: Array, causal: bool, pos: Any = None) -> Array:
-    """``[Sq, block]``: which keys of block ``j`` each query may attend to. ``pos``: the
-    queries' positions ``[Sq]`` and this block's keys' ``[block]`` (causal by position, in
-    whatever order the sequence is held); without, queries and keys in order, ``s`` of each."""
+    """``[Sq, block]`` (``[1, block]`` unmasked): which keys of block ``j`` (of ``s``) each
+    query may attend to. ``pos``: the queries' positions ``[Sq]`` and this block's keys'
+    ``[block]`` (causal by position, in whatever order the sequence is held); without, causal
+    takes queries and keys in order, ``s`` of each."""
     k_idx = j * block + jnp.arange(block)
     if pos is not None:
         q_pos, kj_pos = pos
         ok = k_idx[None, :] < s  # padding keys never
         return ok & (q_pos[:, None] >= kj_pos[None, :])
-    ok = jnp.broadcast_to(k_idx[None, :] < s, (s, block))  # padding keys never
-    if causal:
+    ok = k_idx[None, :] < s  # padding keys never (any number of queries)
+    if causal:  # queries and keys both in order, s of each
         ok = ok & (jnp.arange(s)[:, None] >= k_idx[None, :])
     return ok
 
@@ -180,12 +181,28 @@ def _block_valid(s, block, j, causal, kj_pos, pos):
     return _valid(s, block, j, causal, None if pos is None else (pos[0], kj_pos))
 
 
-def _flash_fwd(q, k, v, causal, block, pos=None):
+def softmax_start(q: Array) -> tuple[Array, Array, Array]:
+    """The online softmax's carry before any key: row maximum ``[B, H, S]`` (-inf), row sum
+    ``[B, H, S]`` and unnormalised output ``[B, S, H, K]`` (zeros), in ``q``'s wide dtype."""
     b, s, h, d = q.shape
+    acc = wide(q.dtype)
+    return (
+        jnp.full((b, h, s), -jnp.inf, acc),
+        jnp.zeros((b, h, s), acc),
+        jnp.zeros((b, s, h, d), acc),
+    )
+
+
+def online_softmax(q, k, v, causal, block, pos, carry, in_map=False):
+    """The online softmax continued over ``k``, ``v``'s blocks from ``carry``
+    (``softmax_start``'s or an earlier call's): keys may arrive in several calls (a ring of
+    devices, ``jaxmem.step.ring``). ``causal``/``pos`` as ``_valid``; every query row must
+    see a key in the first block of the first call. ``in_map``: called inside ``shard_map``
+    (as with ``pos``: each step checkpointed, below)."""
     sk = k.shape[1]
     block = min(block, sk)
     acc = wide(q.dtype)
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(q.shape[3])
 
     def step(carry, xs):
         m, row_sum, o = carry  # [B, H, S], [B, H, S], [B, S, H, K] (fp32)
@@ -193,8 +210,9 @@ def _flash_fwd(q, k, v, causal, block, pos=None):
         valid = _block_valid(sk, block, j, causal, kj_pos, pos)
         sc = jnp.where(valid, _scores(q, kj, scale, acc), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-        # every row has a visible key in block 0 (key 0; with causal masking too), so m_new is
-        # finite from the first block on and exp(-inf - m_new) is an exact 0
+        # every row sees a key in the first block it is given (key 0 under causal masking; the
+        # ring's first call is its diagonal), so m_new is finite from then on and
+        # exp(-inf - m_new) is an exact 0
         p = jnp.exp(sc - m_new[..., None])
         rescale = jnp.exp(m - m_new)
         row_sum = row_sum * rescale + jnp.sum(p, axis=-1)
@@ -202,37 +220,50 @@ def _flash_fwd(q, k, v, causal, block, pos=None):
         o = o * jnp.moveaxis(rescale, 1, 2)[..., None] + pv
         return (m_new, row_sum, o), None
 
-    init = (
-        jnp.full((b, h, s), -jnp.inf, acc),
-        jnp.zeros((b, h, s), acc),
-        jnp.zeros((b, s, h, d), acc),
-    )
-    if pos is not None:
+    if pos is not None or in_map:
         # inside shard_map (context parallelism) JAX partially evaluates this scan: each key
-        # block's mask, a function of positions alone, would be stacked for every block
-        # ([n, B, H, S, block] booleans); a checkpointed step keeps only its inputs instead
+        # block's mask, a function of positions (or block indices) alone, would be stacked for
+        # every block ([n, B, H, S, block] booleans); a checkpointed step keeps only its inputs
         step = jax.checkpoint(step, prevent_cse=False)
-    (m, row_sum, o), _ = jax.lax.scan(step, init, _key_blocks(k, v, block, pos))
-    out = (o / jnp.moveaxis(row_sum, 1, 2)[..., None]).astype(q.dtype).reshape(b, s, h * d)
-    out = checkpoint_name(out, "attn_context")
-    lse = checkpoint_name(m + jnp.log(row_sum), "attn_lse")
+    carry, _ = jax.lax.scan(step, carry, _key_blocks(k, v, block, pos))
+    return carry
+
+
+def softmax_finish(carry, dtype) -> tuple[Array, Array]:
+    """The attention output ``[B, S, H, K]`` in ``dtype`` and the row log-sum-exp
+    ``[B, H, S]`` (wide) of a finished online softmax."""
+    m, row_sum, o = carry
+    out = (o / jnp.moveaxis(row_sum, 1, 2)[..., None]).astype(dtype)
+    return out, m + jnp.log(row_sum)
+
+
+def _flash_fwd(q, k, v, causal, block, pos=None):
+    b, s, h, d = q.shape
+    carry = online_softmax(q, k, v, causal, block, pos, softmax_start(q))
+    out, lse = softmax_finish(carry, q.dtype)
+    out = checkpoint_name(out.reshape(b, s, h * d), "attn_context")
+    lse = checkpoint_name(lse, "attn_lse")
     return out, (q, k, v, out, lse, pos)
 
 
-def _flash_bwd(causal, block, res, g):
-    q, k, v, out, lse, pos = res
+def softmax_delta(g: Array, out: Array) -> Array:
+    """``D_i = sum_k dO_ik O_ik`` (``[B, H, S]``, wide): the softmax backward's row term, from
+    the output's gradient and the output (``[B, S, H, K]`` each)."""
+    acc = wide(out.dtype)
+    return jnp.moveaxis(jnp.sum(g.astype(acc) * out.astype(acc), axis=-1), 2, 1)
+
+
+def attention_grads(q, k, v, g, lse, delta, causal, block, pos, kv_dtype):
+    """FlashAttention-2's backward of queries ``q`` against one set of keys and values, given
+    the rows' final ``lse`` and ``delta`` (over every key they attend to, wherever it is):
+    ``dq`` (``[B, S, H, K]``, wide; a sum over key sets) and ``dk``, ``dv`` (``[B, Sk, Hkv,
+    K]`` in ``kv_dtype``). ``g``: the output's gradient ``[B, S, H, K]`` in ``q``'s dtype."""
     b, s, h, d = q.shape
-    sk = k.shape[1]
+    sk, kv = k.shape[1], k.shape[2]
     block = min(block, sk)
     acc = wide(q.dtype)
     scale = 1.0 / math.sqrt(d)
     n = -(-sk // block)
-    g = g.reshape(b, s, h, d).astype(q.dtype)
-    # D_i = sum_k dO_ik O_ik = sum_j P_ij dP_ij: the softmax backward's row term
-    delta = jnp.sum(g.astype(acc) * out.reshape(b, s, h, d).astype(acc), axis=-1)
-    delta = jnp.moveaxis(delta, 2, 1)  # [B, H, S]
-
-    kv = k.shape[2]
 
     def step(dq, xs):
         kj, vj, j, kj_pos = xs
@@ -245,7 +276,7 @@ def _flash_bwd(causal, block, res, g):
         dk = _apply_t(ds, q, kv, acc)
         # each key block's gradients are whole after its step: cast now, not after stacking
         # (the same values; the stack of every block's is half the bytes)
-        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+        return dq, (dk.astype(kv_dtype), dv.astype(kv_dtype))
 
     xs = _key_blocks(k, v, block, pos)
     dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((b, s, h, d), acc), xs)
@@ -253,7 +284,16 @@ def _flash_bwd(causal, block, res, g):
     def unblock(x):  # [N, B, block, Hkv, K] -> [B, S, Hkv, K]
         return jnp.moveaxis(x, 0, 1).reshape(b, n * block, kv, d)[:, :sk]
 
-    grads = dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)
+    return dq, unblock(dk), unblock(dv)
+
+
+def _flash_bwd(causal, block, res, g):
+    q, k, v, out, lse, pos = res
+    b, s, h, d = q.shape
+    g = g.reshape(b, s, h, d).astype(q.dtype)
+    delta = softmax_delta(g, out.reshape(b, s, h, d))
+    dq, dk, dv = attention_grads(q, k, v, g, lse, delta, causal, block, pos, k.dtype)
+    grads = dq.astype(q.dtype), dk, dv
     return grads if pos is None else (*grads, None, None)  # positions: integers, no gradient
 
 

@@ -197,7 +197,12 @@ def _sources(spec: StepSpec, kernel: str) -> dict[str, str]:
         )
         + (
             f"; one context device's share (the sequence split over cp={parallel.cp}: 1/cp of "
-            "each; the keys and values it gathers whole to attend are in the compiled plan only)"
+            + (
+                "each; the keys and values it gathers whole to attend are in the compiled plan "
+                "only)"
+                if parallel.cp_attention == "gather"
+                else "each; the ring's keys and values in flight are in the compiled plan only)"
+            )
             if spec.sharded and parallel.context_parallel
             else ""
         )
@@ -206,6 +211,12 @@ def _sources(spec: StepSpec, kernel: str) -> dict[str, str]:
         "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)"
         + ("; per tensor device: the blocks' matmuls over tp, the LM head's whole" if tp else "")
         + ("; per context device: 1/cp" if spec.sharded and parallel.context_parallel else "")
+        + (
+            " (of the one-device count, whose attention computes every key block: the ring "
+            "computes (2 cp + 1)/(4 cp) of its attention's, so its count is high)"
+            if spec.sharded and parallel.cp_attention == "ring"
+            else ""
+        )
         + (
             "; cuDNN's attention counted as the blockwise kernel's (the same FlashAttention-2 "
             "matmuls)"

@@ -1,5 +1,6 @@
 """Context parallelism: each row's sequence split over the mesh's context axis (``--mesh cp=N``),
-attention by all-gathering keys and values over it.
+attention by all-gathering keys and values over it (or, ``--cp-attention ring``, by passing them
+round a ring of the devices: ``jaxmem.step.ring``).
 
 Layout (causal load balance, as torchtitan and Megatron lay it out): the sequence is cut into
 ``2 cp`` chunks and device ``i`` holds chunks ``i`` and ``2 cp - 1 - i``, so every device holds
@@ -17,14 +18,16 @@ own ``[B, S/cp, ...]`` queries against them, causal by position: the naive core
 (``jaxmem.model.flash.flash_attention_at``), as ``ModelConfig.attention`` asks. The backward of
 the all-gather is a reduce-scatter of the keys' and values' gradients.
 
-Why all-gather and not a ring (Ring Attention; torch's ``context_parallel`` default): Llama 3's
-choice (Dubey et al. 2024, section 3.3.2). Under grouped-query attention K and V are
-``Hkv / H`` of the queries' size (Llama-3-8B: a quarter), so gathering them whole costs less
-than the queries' activations it saves; one collective per block instead of ``cp - 1``
-point-to-point steps, any attention kernel runs unchanged on the gathered keys (a ring needs a
-kernel that merges partial softmaxes), and the mask is one comparison of positions. What it
+Why all-gather by default and not a ring (Ring Attention; torch's ``context_parallel``
+default): Llama 3's choice (Dubey et al. 2024, section 3.3.2). Under grouped-query attention K
+and V are ``Hkv / H`` of the queries' size (Llama-3-8B: a quarter), so gathering them whole
+costs less than the queries' activations it saves; one collective per block instead of
+``cp - 1`` point-to-point steps, any attention kernel runs unchanged on the gathered keys (a ring
+needs a kernel that merges partial softmaxes), and the mask is one comparison of positions. What it
 costs: each device holds the whole ``[B, S, Hkv, K]`` keys and values of one block while it
-attends (a ring holds ``2 / cp`` of them), and the gather is not overlapped with compute.
+attends (a ring holds ``2 / cp`` of them), and the gather is not overlapped with compute. Where
+that is the peak (the longest sequences), ``--cp-attention ring`` trades it for ``cp - 1``
+point-to-point steps and computes only the blocks a causal mask leaves (``jaxmem.step.ring``).
 
 The balance: jaxmem's own kernels compute every key block, masked ones included (as naive
 attention computes the whole ``[S, S]``), so each device does ``S/cp x S`` score work in any
@@ -49,6 +52,7 @@ from jaxmem.model.decoder import naive_attention
 from jaxmem.model.flash import flash_attention_at
 from jaxmem.model.sequence import SequenceLayout
 from jaxmem.sharding import AXIS, CONTEXT, TENSOR
+from jaxmem.step.ring import ring_attention
 
 # the batch fields that are ``[B, S]`` per-token arrays (permuted with the tokens)
 TOKEN_FIELDS = ("inputs", "targets", "mask")
@@ -59,12 +63,25 @@ def balanced_order(seq_len: int, cp: int) -> np.ndarray:
     return np.asarray(parallel.balanced_order(seq_len, cp))
 
 
-def attend_fn(m: Mesh, attention: str, block: int, seq_len: int):
-    """``attend(q, k, v, q_pos)``: the context-parallel attention core over mesh ``m``."""
-    order = balanced_order(seq_len, m.shape[CONTEXT])
+def attend_fn(
+    m: Mesh,
+    attention: str,
+    block: int,
+    seq_len: int,
+    how: str = "gather",
+    kernel: str = "blockwise",
+):
+    """``attend(q, k, v, q_pos)``: the context-parallel attention core over mesh ``m``, keys
+    and values all-gathered (``how="gather"``) or passed round a ring (``"ring"``:
+    ``jaxmem.step.ring``; ``kernel``: each chunk product's, the blockwise kernel's or cuDNN's,
+    as ``Decoder.attention_kernel``)."""
+    cp = m.shape[CONTEXT]
+    order = balanced_order(seq_len, cp)
     restore = np.argsort(order)  # gathered keys (held order) -> position order
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+        if how == "ring":  # positions follow from the balanced layout: each step's are static
+            return ring_attention(q, k, v, CONTEXT, cp, block, kernel)
         # [B, S/cp, ...] queries of this device; keys and values of the whole row, in order
         k = jax.lax.all_gather(k, CONTEXT, axis=1, tiled=True)[:, restore]  # [B, S, Hkv, K]
         v = jax.lax.all_gather(v, CONTEXT, axis=1, tiled=True)[:, restore]
@@ -85,11 +102,19 @@ def attend_fn(m: Mesh, attention: str, block: int, seq_len: int):
     )
 
 
-def layout(m: Mesh, attention: str, block: int, seq_len: int) -> SequenceLayout:
+def layout(
+    m: Mesh,
+    attention: str,
+    block: int,
+    seq_len: int,
+    how: str = "gather",
+    kernel: str = "blockwise",
+) -> SequenceLayout:
     """The ``SequenceLayout`` the model runs under over ``m``'s context axis: the balanced
-    order's positions and ``attend_fn``'s core; sequence tiles tile each device's share."""
+    order's positions and ``attend_fn``'s core (``how``: ``ParallelConfig.cp_attention``;
+    ``kernel``: the model's fused kernel); sequence tiles tile each device's share."""
     order = balanced_order(seq_len, m.shape[CONTEXT])
-    core = attend_fn(m, attention, block, seq_len)
+    core = attend_fn(m, attention, block, seq_len, how, kernel)
     positions = jnp.asarray(order, jnp.int32)
     attend = partial(_attend, core, positions)
     return SequenceLayout(positions=order, attend=attend, shards=m.shape[CONTEXT])
