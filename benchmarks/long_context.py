@@ -66,12 +66,17 @@ TILED_STREAMED = TILED + " + streamed stack"
 # starts near its expected answer
 # A context-parallel row: 8 H100s, --mesh fsdp=1,cp=8 (parameters, gradients and AdamW state
 # sharded over the 8 context devices, on the device: the stack cannot stream under cp), the
-# attention jaxmem's blockwise kernel on all-gathered keys and values (not cuDNN's)
+# attention jaxmem's blockwise kernel on all-gathered keys and values (not cuDNN's), or round a
+# ring of the 8 (--cp-attention ring: jaxmem.step.ring)
 CP = 8
-CP_SPACE = f"cp={CP} (all-gathered K/V) + {TILED} of each device's share + state sharded over 8"
+SHARE = f"{TILED} of each device's share + state sharded over 8"
+CP_SPACE = f"cp={CP} (all-gathered K/V) + {SHARE}"
+CP_RING_SPACE = f"cp={CP} (K/V round a ring) + {SHARE}"
+CP_SPACES = {CP_SPACE: "gather", CP_RING_SPACE: "ring"}  # ParallelConfig.cp_attention
 ROWS = (("llama-3.1-8b", "full", TILED_STREAMED, 1048576),
         ("llama-3.1-8b", "qlora", TILED, 524288),
-        ("llama-3.1-8b", "full", CP_SPACE, 4194304))  # fmt: skip
+        ("llama-3.1-8b", "full", CP_SPACE, 4194304),
+        ("llama-3.1-8b", "full", CP_RING_SPACE, 4194304))  # fmt: skip
 # the goals (tokens at batch 1 on one H100) and the anchors beside them
 GOALS = {"full": 1_000_000, "qlora": 342_733, "full-cp": 4_000_000}
 ANCHOR = {"full": "ALST 500K (1 H100)", "qlora": "Unsloth 342,733 (80 GB)",
@@ -102,13 +107,14 @@ NOTES = (
     "rows are kept. Whether a length fits is not monotone at a step of 1,024 tokens: the MLP and "
     "loss tiles follow the length's divisors, and the compiled peak of the QLoRA row jumps by "
     "11.9 GiB between 777,216 and 778,240 tokens; each answer is the pair compiled (fits at N, "
-    "over at N + step). The context-parallel row's attention is jaxmem's own blockwise kernel "
-    "(jaxmem.model.flash.flash_attention_at on all-gathered keys and values), not cuDNN's; its "
-    "estimated step time counts the program's collectives (the K/V all-gathers among them) as "
-    "the data-parallel ones, overlapped with compute (an assumption: the gather is not "
-    "overlapped); the kernel computes every key block, masked ones included, so its S/cp x S "
-    "score work per device and the fp32 elementwise passes over it set that estimate; its MLP "
-    "and loss tiles loop over each device's own share. XLA:CUDA's "
+    "over at N + step). The context-parallel rows' attention is jaxmem's own blockwise kernel, "
+    "not cuDNN's: on all-gathered keys and values (jaxmem.model.flash.flash_attention_at, every "
+    "key block computed, masked ones included: S/cp x S scores per device) or round a ring "
+    "(jaxmem.step.ring: cp - 1 collective-permutes per attention, 2 cp + 1 of the gathered "
+    "form's 4 cp chunk products); their estimated step times count the program's collectives "
+    "(the K/V all-gathers or permutes among them) as the data-parallel ones, overlapped with "
+    "compute (an assumption), and the fp32 elementwise passes over the score blocks set them; "
+    "their MLP and loss tiles loop over each device's own share. XLA:CUDA's "
     "rematerialization pass logs, at these lengths, that it cannot bring its own memory count "
     "under its limit "
     "(e.g. 206 GiB at 468K tokens, about the plan's device bytes plus the inputs held in host "
@@ -122,10 +128,11 @@ def base_spec(preset: str, method: str, space: str = SPACE) -> StepSpec:
     state on the device)."""
     adapters = METHODS[method]
     streamed = space.endswith("streamed stack")
-    place = "device" if adapters.enabled or streamed or space == CP_SPACE else "pinned_host"
+    place = "device" if adapters.enabled or streamed or space in CP_SPACES else "pinned_host"
     mesh = {}
-    if space == CP_SPACE:
-        mesh["parallel"] = ParallelConfig(strategy="fsdp", devices=CP, cp=CP)
+    if space in CP_SPACES:
+        how = CP_SPACES[space]
+        mesh["parallel"] = ParallelConfig(strategy="fsdp", devices=CP, cp=CP, cp_attention=how)
     return StepSpec(
         model=get_preset(preset).replace(attention="fused"),
         policy=POLICIES["full"],
@@ -180,7 +187,7 @@ class Bench:
             space = self.data["rows"].get(name, {}).get("space") or name.split("|")[3]
             spec = row_spec(base, space, n, budget, offload=False)
             with_inputs = row_spec(base, space, n, budget, offload=True)
-            allowed = CP_HOST_MEMORY if space == CP_SPACE else HOST_MEMORY
+            allowed = CP_HOST_MEMORY if space in CP_SPACES else HOST_MEMORY
             if host.host_need(with_inputs) <= allowed:
                 spec = with_inputs
             p = longest.probe(spec, budget, allowed)
@@ -191,7 +198,7 @@ class Bench:
         return plans[key]["fits"], plans[key]["device_bytes"]
 
     def row(self, preset: str, method: str, space: str, start: int) -> None:
-        cp = space == CP_SPACE
+        cp = space in CP_SPACES
         devices = CP if cp else 1
         name = f"{preset}|{method}|{devices}x{TARGET}|{space}"
         rows = self.data["rows"]
@@ -313,8 +320,9 @@ def to_markdown(data: dict) -> str:
         f"of 1,024-16,384 tokens. Host memory: {m.get('host_memory')}. Search: "
         f"{m.get('granularity')}, doubling then interpolation/bisection; each answer shown by "
         "two compiled plans (fits at N, over at N + step). Device budget: the H100's whole "
-        "79.11 GiB per device (as the adapters benchmark). The 8-device row: `--mesh "
-        f"fsdp=1,cp={CP}` (`ParallelConfig(strategy='fsdp', devices={CP}, cp={CP})`), the "
+        "79.11 GiB per device (as the adapters benchmark). The 8-device rows: `--mesh "
+        f"fsdp=1,cp={CP}` (`ParallelConfig(strategy='fsdp', devices={CP}, cp={CP})`, "
+        "`cp_attention` 'gather' or 'ring' as the space says), the "
         "sequence split over the context axis in steps of 2 x cp x 1,024 tokens, parameters, "
         f"gradients and AdamW state sharded over the {CP} devices on the device (the stack "
         "does not stream under a context axis), figures per device, host memory "

@@ -17,6 +17,7 @@ import pytest
 from jaxmem.compare.tolerances import tolerance
 from jaxmem.config import PRESETS, ConfigError
 from jaxmem.parallel import ParallelConfig, parse_mesh
+from jaxmem.policy import POLICIES
 from tests.test_cli_contract import run_cli
 
 WORKER = os.path.join(os.path.dirname(__file__), "parallel_worker.py")
@@ -386,3 +387,19 @@ def test_context_parallel_tiles_and_attention_stay_on_each_devices_share():
     rows = facts["tiled"]["mlp_rows"]  # ([64, 160]: the weight gradients' shape)
     assert "8" in rows and "16" not in rows and "32" in facts["whole"]["mlp_rows"]
     assert facts["whole"]["stacked_masks"] == facts["tiled"]["stacked_masks"] == []
+
+
+def test_records_name_the_attention_kernel_a_context_axis_runs():
+    """The all-gathered form runs the blockwise kernel whatever the model's (cuDNN on a GPU),
+    the ring the model's kernel on each chunk product."""
+    from jaxmem.planner.records import _kernel_label
+    from jaxmem.step.spec import StepSpec
+
+    cfg = PRESETS["tiny-llama"].replace(attention="fused")
+    spec = StepSpec(
+        model=cfg, policy=POLICIES["full"], batch=2, seq_len=32, parallel=parse_mesh("cp=2")
+    )
+    assert _kernel_label(spec, "cudnn").startswith("blockwise (jaxmem.model.flash) by position")
+    ring = spec.replace(parallel=ParallelConfig(devices=2, cp=2, cp_attention="ring"))
+    assert _kernel_label(ring, "cudnn").startswith("cuDNN (jax.nn.dot_product_attention")
+    assert _kernel_label(spec.replace(parallel=ParallelConfig()), "cudnn").startswith("cuDNN")

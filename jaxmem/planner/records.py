@@ -174,6 +174,17 @@ def _flops(spec: StepSpec, built: BuiltStep, kernel: str, params: Any, micro: An
     return flops, model_flops
 
 
+def _kernel_label(spec: StepSpec, kernel: str) -> str:
+    """The attention kernel that runs: under a context axis the all-gathered form runs the
+    blockwise kernel whatever the model's, the ring runs the model's on each chunk product."""
+    par = spec.parallel
+    if not (spec.sharded and par.context_parallel and spec.model.attention == "fused"):
+        return KERNEL_NAMES.get(kernel, kernel)
+    if par.cp_attention == "ring":
+        return f"{KERNEL_NAMES.get(kernel, kernel)} per chunk, keys and values round a ring"
+    return f"{KERNEL_NAMES['blockwise']} by position, on keys and values all-gathered"
+
+
 def _translation(policy: MemoryPolicy) -> str:
     """How the step runs the policy, in words."""
     return (
@@ -318,7 +329,7 @@ def jax_record(spec: StepSpec, *, abstract: bool = False) -> dict[str, Any]:
         "translation": _translation(policy),
         "policy": policy.name,
         "precision": spec.precision.name,
-        "attention_kernel": KERNEL_NAMES.get(kernel, kernel),
+        "attention_kernel": _kernel_label(spec, kernel),
         "batch": spec.batch,
         "seq_len": spec.seq_len,
         "accum": spec.accum.steps,
