@@ -64,10 +64,10 @@ TILED_STREAMED = TILED + " + streamed stack"
 # gradients and state streamed through host memory (optimizer.stream). Rows of SPACE/STREAMED
 # were compiled before the MLP was tiled (kept: they show the untiled MLP's limit); each search
 # starts near its expected answer
-# A context-parallel row: 8 H100s, --mesh fsdp=1,cp=8 (parameters, gradients and AdamW state
+# Two context-parallel rows: 8 H100s, --mesh fsdp=1,cp=8 (parameters, gradients and AdamW state
 # sharded over the 8 context devices, on the device: the stack cannot stream under cp), the
-# attention jaxmem's blockwise kernel on all-gathered keys and values (not cuDNN's), or round a
-# ring of the 8 (--cp-attention ring: jaxmem.step.ring)
+# attention jaxmem's blockwise kernel (not cuDNN's: under cp it runs whatever the model's) on
+# all-gathered keys and values, or round a ring of the 8 (--cp-attention ring: jaxmem.step.ring)
 CP = 8
 SHARE = f"{TILED} of each device's share + state sharded over 8"
 CP_SPACE = f"cp={CP} (all-gathered K/V) + {SHARE}"
@@ -108,7 +108,9 @@ NOTES = (
     "loss tiles follow the length's divisors, and the compiled peak of the QLoRA row jumps by "
     "11.9 GiB between 777,216 and 778,240 tokens; each answer is the pair compiled (fits at N, "
     "over at N + step). The context-parallel rows' attention is jaxmem's own blockwise kernel, "
-    "not cuDNN's: on all-gathered keys and values (jaxmem.model.flash.flash_attention_at, every "
+    "not cuDNN's (a ring needs each chunk product's log-sum-exp in fp32, which JAX's API "
+    "returns from cuDNN in bf16): on all-gathered keys and values "
+    "(jaxmem.model.flash.flash_attention_at, every "
     "key block computed, masked ones included: S/cp x S scores per device) or round a ring "
     "(jaxmem.step.ring: cp - 1 collective-permutes per attention, 2 cp + 1 of the gathered "
     "form's 4 cp chunk products); their estimated step times count the program's collectives "

@@ -53,7 +53,8 @@ class ParallelConfig:
         regions (Korthikanti et al., 2022) instead of replicated on each.
       cp: the context-parallel axis: each row's sequence split over ``cp`` devices in ``2 cp``
         chunks (device i holds chunks i and 2 cp - 1 - i: the same causal work on each), keys
-        and values all-gathered over it for attention (``jaxmem.step.context``); 1: none. The
+        and values all-gathered over it for attention or passed round it (``cp_attention``;
+        ``jaxmem.step.context``); 1: none. The
         data-parallel strategy's shards span the data and context devices together (FSDP over
         both, as torchtitan does), the batch's rows only the data devices.
       cp_attention: how attention meets the other context devices' keys and values, one of
@@ -86,17 +87,23 @@ class ParallelConfig:
         )
         require(
             self.cp_attention in CP_ATTENTIONS,
-            f"parallel cp_attention={self.cp_attention!r} is not one of {', '.join(CP_ATTENTIONS)}",
+            f"--cp-attention {self.cp_attention!r} (parallel.cp_attention) is not one of "
+            f"{', '.join(CP_ATTENTIONS)}",
         )
         require(
             self.cp_attention == "gather" or self.cp > 1,
-            f"parallel cp_attention={self.cp_attention!r} needs a context axis: add cp=N to "
-            f"--mesh (e.g. --mesh cp=2)",
+            f"--cp-attention {self.cp_attention} (parallel.cp_attention) needs a context axis: "
+            f"add cp=N to --mesh (e.g. --mesh {self._with_context()})",
         )
         require(
             isinstance(self.sequence_parallel, bool),
             f"parallel sequence_parallel={self.sequence_parallel!r} must be true or false",
         )
+
+    def _with_context(self) -> str:
+        """This mesh with a context axis of 2 beside its axes (for a refusal's example)."""
+        data = f"{self.strategy}={self.data}," if self.data > 1 else ""
+        return data + "cp=2" + (f",tp={self.tp}" if self.tp > 1 else "")
 
     @property
     def data(self) -> int:

@@ -148,6 +148,10 @@ JOBS = [
             rank=8, alpha=16.0, rslora=True, targets=("q", "k", "gate"), train=("norm",)
         ),
     ),
+    dataclasses.replace(
+        JobConfig.from_dict({"preset": "tiny-llama", "model": {"attention": "fused"}}),
+        parallel=ParallelConfig(strategy="fsdp", devices=4, cp=2, cp_attention="ring"),
+    ),
 ]
 
 
@@ -163,6 +167,7 @@ JOBS = [
         "preset+tags",
         "schedule+clip",
         "adapters",
+        "ring-over-cp",
     ],
 )
 def test_a_job_printed_as_flags_resolves_to_the_same_job(job):

@@ -169,3 +169,24 @@ def test_a_context_parallel_plan_builds_no_mask_of_every_key_block(how):
     n = 16384
     p = probe(lean_spec(base, n, 80 << 30, offload=True), 80 << 30, 1 << 40)
     assert p.device_bytes < (n // 2) * n * cfg.n_heads // 4  # a quarter of one bool mask
+
+
+def test_longest_keeps_a_context_attention_the_command_names(tmp_path):
+    """--longest takes the ring over a context axis unless the command names the form: by
+    --cp-attention, --set parallel.cp_attention=... or a --config file's parallel section."""
+    import argparse
+
+    from jaxmem.cli.plan_longest import _asked_cp_attention
+
+    def args(**kw):
+        return argparse.Namespace(**{"cp_attention": None, "set": None, "config": None, **kw})
+
+    config = tmp_path / "job.yaml"
+    config.write_text("parallel:\n  cp_attention: gather\n")
+    other = tmp_path / "other.yaml"
+    other.write_text("parallel:\n  cp: 2\n")
+    assert not _asked_cp_attention(args())
+    assert not _asked_cp_attention(args(set=["run.seed=1"], config=str(other)))
+    assert _asked_cp_attention(args(cp_attention="gather"))
+    assert _asked_cp_attention(args(set=["parallel.cp_attention=gather"]))
+    assert _asked_cp_attention(args(config=str(config)))

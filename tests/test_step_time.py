@@ -172,3 +172,17 @@ def test_the_planners_terms_move_as_defined():
     assert cost.update_bytes(cfg, opt, BF16) == 4 * p + 2 * s
     assert cost.accumulation_bytes(cfg, BF16, 4) == 3 * 3 * p
     assert cost.accumulation_bytes(cfg, BF16, 1) == 0
+
+
+def test_one_devices_model_flops_are_its_share_over_tensor_and_context_axes():
+    """A device of ``fsdp=1,cp=2,tp=2`` runs a quarter of its rows' model FLOPs: the MFU it
+    implies divides them by tp x cp (not by tp alone)."""
+    from jaxmem.parallel import parse_mesh
+
+    work = Work(matmuls=((Matmul(1, 8192, 8192, 8192, "bfloat16", 0), 1),), memory_bytes=0)
+    cfg, target = PRESETS["tiny-llama"], get_target("h100")
+    args = (work, target, cfg, PRECISIONS["bf16"], 2, 64)
+    whole = step_time.of_plan(*args)["model_flops"]
+    assert whole == analytic.mfu_flops(cfg, 2, 64)
+    assert step_time.of_plan(*args, parse_mesh("fsdp=1,cp=2,tp=2"))["model_flops"] == whole // 4
+    assert step_time.of_plan(*args, parse_mesh("cp=2"))["model_flops"] == whole // 2

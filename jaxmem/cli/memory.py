@@ -225,6 +225,9 @@ def _policies(args: argparse.Namespace, job) -> list:
 def _frameworks(args: argparse.Namespace, job, notes: list[str]) -> list[str]:
     parallel = job.parallel
     if parallel.sharded and args.frameworks is None:
+        if parallel.cp_attention != "gather":  # torch_ref's context axis gathers
+            notes.append(f"--mesh {parallel.mesh_text()}: JAX plans, every figure per device")
+            return ["jax"]
         notes.append(
             f"--mesh {parallel.mesh_text()}: JAX plans, every figure per device; add "
             f"--frameworks jax,torch for torch_ref's per-rank figures (its step run on "

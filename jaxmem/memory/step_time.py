@@ -343,12 +343,13 @@ def of_plan(
     if not program_host_copies:  # shapes' figures replace the program's own host traffic
         work = dataclasses.replace(work, to_host_bytes=0, from_host_bytes=0, host_compute_bytes=0)
     sharded = parallel is not None and parallel.sharded
-    data, tp = (parallel.data, parallel.tp) if sharded else (1, 1)
+    data, tp, cp = (parallel.data, parallel.tp, parallel.cp) if sharded else (1, 1, 1)
     dp_bytes, tp_bytes = collective_transfers(work, data=data, tp=tp)
     est = estimate(
         work,
         device,
-        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len, adapters) // tp,
+        # one device's share: its rows' model FLOPs over the tensor and context devices
+        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len, adapters) // (tp * cp),
         transfers=Transfers(
             state=state_link_bytes,
             data_parallel=dp_bytes,

@@ -175,13 +175,14 @@ def _flops(spec: StepSpec, built: BuiltStep, kernel: str, params: Any, micro: An
 
 
 def _kernel_label(spec: StepSpec, kernel: str) -> str:
-    """The attention kernel that runs: under a context axis the all-gathered form runs the
-    blockwise kernel whatever the model's, the ring runs the model's on each chunk product."""
+    """The attention kernel that runs: under a context axis, the blockwise kernel whatever the
+    model's (cuDNN on a GPU), by position on all-gathered keys and values or per chunk round a
+    ring."""
     par = spec.parallel
     if not (spec.sharded and par.context_parallel and spec.model.attention == "fused"):
         return KERNEL_NAMES.get(kernel, kernel)
     if par.cp_attention == "ring":
-        return f"{KERNEL_NAMES.get(kernel, kernel)} per chunk, keys and values round a ring"
+        return f"{KERNEL_NAMES['blockwise']} per chunk, keys and values round a ring"
     return f"{KERNEL_NAMES['blockwise']} by position, on keys and values all-gathered"
 
 

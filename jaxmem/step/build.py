@@ -244,8 +244,8 @@ def build_step(spec: StepSpec, model: nnx.Module | None = None) -> tuple[BuiltSt
         m, cp = shardings.mesh, spec.parallel.context_parallel
         sharded = plain
         if cp:  # the sequence split over the context axis: the model runs under its layout
-            how, kernel = spec.parallel.cp_attention, model.attention_kernel
-            at = context.layout(m, cfg.attention, cfg.attention_block, spec.seq_len, how, kernel)
+            how = spec.parallel.cp_attention
+            at = context.layout(m, cfg.attention, cfg.attention_block, spec.seq_len, how)
             sharded = partial(plain, layout=at)
 
         def make_loss(lf: Any) -> Loss:

@@ -29,11 +29,12 @@ attends (a ring holds ``2 / cp`` of them), and the gather is not overlapped with
 that is the peak (the longest sequences), ``--cp-attention ring`` trades it for ``cp - 1``
 point-to-point steps and computes only the blocks a causal mask leaves (``jaxmem.step.ring``).
 
-The balance: jaxmem's own kernels compute every key block, masked ones included (as naive
-attention computes the whole ``[S, S]``), so each device does ``S/cp x S`` score work in any
-layout; a kernel that skips masked blocks (cuDNN's, FlashAttention's) gets the balanced layout's
-equal work. Written by hand because JAX has no context-parallel attention (MaxText's is part of
-its own model, not a library).
+The balance: on the gathered keys jaxmem's own kernels compute every key block, masked ones
+included (as naive attention computes the whole ``[S, S]``), so each device does ``S/cp x S``
+score work in any layout (the ring computes only what the mask leaves); a kernel that skips
+masked blocks (cuDNN's, FlashAttention's) gets the balanced layout's equal work. Written by
+hand because JAX has no context-parallel attention (MaxText's is part of its own model, not a
+library).
 """
 
 from __future__ import annotations
@@ -63,25 +64,17 @@ def balanced_order(seq_len: int, cp: int) -> np.ndarray:
     return np.asarray(parallel.balanced_order(seq_len, cp))
 
 
-def attend_fn(
-    m: Mesh,
-    attention: str,
-    block: int,
-    seq_len: int,
-    how: str = "gather",
-    kernel: str = "blockwise",
-):
+def attend_fn(m: Mesh, attention: str, block: int, seq_len: int, how: str = "gather"):
     """``attend(q, k, v, q_pos)``: the context-parallel attention core over mesh ``m``, keys
     and values all-gathered (``how="gather"``) or passed round a ring (``"ring"``:
-    ``jaxmem.step.ring``; ``kernel``: each chunk product's, the blockwise kernel's or cuDNN's,
-    as ``Decoder.attention_kernel``)."""
+    ``jaxmem.step.ring``, the blockwise kernel's online softmax)."""
     cp = m.shape[CONTEXT]
     order = balanced_order(seq_len, cp)
     restore = np.argsort(order)  # gathered keys (held order) -> position order
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
         if how == "ring":  # positions follow from the balanced layout: each step's are static
-            return ring_attention(q, k, v, CONTEXT, cp, block, kernel)
+            return ring_attention(q, k, v, CONTEXT, cp, block)
         # [B, S/cp, ...] queries of this device; keys and values of the whole row, in order
         k = jax.lax.all_gather(k, CONTEXT, axis=1, tiled=True)[:, restore]  # [B, S, Hkv, K]
         v = jax.lax.all_gather(v, CONTEXT, axis=1, tiled=True)[:, restore]
@@ -103,18 +96,13 @@ def attend_fn(
 
 
 def layout(
-    m: Mesh,
-    attention: str,
-    block: int,
-    seq_len: int,
-    how: str = "gather",
-    kernel: str = "blockwise",
+    m: Mesh, attention: str, block: int, seq_len: int, how: str = "gather"
 ) -> SequenceLayout:
     """The ``SequenceLayout`` the model runs under over ``m``'s context axis: the balanced
-    order's positions and ``attend_fn``'s core (``how``: ``ParallelConfig.cp_attention``;
-    ``kernel``: the model's fused kernel); sequence tiles tile each device's share."""
+    order's positions and ``attend_fn``'s core (``how``: ``ParallelConfig.cp_attention``);
+    sequence tiles tile each device's share."""
     order = balanced_order(seq_len, m.shape[CONTEXT])
-    core = attend_fn(m, attention, block, seq_len, how, kernel)
+    core = attend_fn(m, attention, block, seq_len, how)
     positions = jnp.asarray(order, jnp.int32)
     attend = partial(_attend, core, positions)
     return SequenceLayout(positions=order, attend=attend, shards=m.shape[CONTEXT])

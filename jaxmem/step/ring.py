@@ -24,13 +24,18 @@ device where the all-gathered form computes ``4 cp`` (masked blocks included). E
 output) continues from step to step; the backward is FlashAttention-2's given the final
 log-sum-exp, so each step's gradients are exact pieces of the whole.
 
+Not cuDNN's kernel per product, even where the model runs it on one device: merging products
+needs each one's log-sum-exp, and ``jax.nn.dot_product_attention(..., return_residual=True)``
+returns cuDNN's rounded to the output's dtype (JAX 0.10.2; bf16: at a log-sum-exp of 15, merge
+weights off by up to 3 %), while its backward takes no outside log-sum-exp. jaxmem's kernel
+keeps both in fp32, at the price of memory-bound elementwise work on each score block.
+
 Written by hand because JAX has no ring attention (MaxText's and the Ring Attention authors' are
 parts of their own models); PyTorch's ``context_parallel`` rotates keys and values the same way.
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -44,7 +49,6 @@ from jaxmem.model.flash import (
     softmax_finish,
     softmax_start,
 )
-from jaxmem.model.ops import wide
 
 Array = jax.Array
 
@@ -59,32 +63,14 @@ def _rotate(x, axis: str, cp: int):
     return jax.lax.ppermute(x, axis, [(d, (d + 1) % cp) for d in range(cp)])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def ring_attention(
-    q: Array, k: Array, v: Array, axis: str, cp: int, block: int, kernel: str = "blockwise"
-) -> Array:
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def ring_attention(q: Array, k: Array, v: Array, axis: str, cp: int, block: int) -> Array:
     """Causal attention of this device's queries ``q`` (``[B, 2n, H, K]``: chunks ``i`` and
     ``2 cp - 1 - i`` of the row, ``n`` positions each) against the whole row's keys and values,
     held ``[B, 2n, Hkv, K]`` per device in the same layout over mesh axis ``axis`` (``cp``
     devices): ``[B, 2n, H·K]`` in ``q``'s dtype, tagged ``attn_context``. Call inside
-    ``shard_map``. ``kernel``: each chunk product's, ``"blockwise"`` (``block`` keys per block)
-    or ``jax.nn.dot_product_attention``'s implementation (``"cudnn"``; ``"xla"``, the same
-    algebra on any backend: ``_fused_fwd``)."""
-    if kernel != "blockwise":
-        return _fused_fwd(q, k, v, axis, cp, kernel)[0]
+    ``shard_map``; ``block``: keys per block of the blockwise kernel."""
     return _ring_fwd(q, k, v, axis, cp, block)[0]
-
-
-def _fwd(q, k, v, axis, cp, block, kernel):
-    if kernel != "blockwise":
-        return _fused_fwd(q, k, v, axis, cp, kernel)
-    return _ring_fwd(q, k, v, axis, cp, block)
-
-
-def _bwd(axis, cp, block, kernel, res, g):
-    if kernel != "blockwise":
-        return _fused_bwd(axis, cp, kernel, res, g)
-    return _ring_bwd(axis, cp, block, res, g)
 
 
 def _ring_fwd(q, k, v, axis, cp, block):
@@ -181,102 +167,4 @@ def _ring_grads(q, k, v, axis, cp, grads):
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _dpa(q, k, v, causal, kernel):
-    """One chunk product by ``jax.nn.dot_product_attention``: its output (``q``'s dtype) and
-    log-sum-exp (``[B, n, H]``)."""
-    return jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation=kernel, return_residual=True
-    )
-
-
-def _merge(acc, part):
-    """Two partial softmaxes of the same queries, as one: fp32 output ``[B, n, H, K]`` and
-    log-sum-exp ``[B, n, H]``."""
-    (o, lse), (o_j, lse_j) = acc, part
-    o_j, lse_j = o_j.astype(o.dtype), lse_j.astype(lse.dtype)
-    new = jnp.logaddexp(lse, lse_j)
-    return o * jnp.exp(lse - new)[..., None] + o_j * jnp.exp(lse_j - new)[..., None], new
-
-
-def _fused_fwd(q, k, v, axis, cp, kernel):
-    """The ring with each chunk product a fused kernel's (cuDNN's on a GPU): the products'
-    outputs and log-sum-exps merged as they arrive (fp32), the same steps as ``_ring_fwd``."""
-    b, s, h, d = q.shape
-    i = jax.lax.axis_index(axis)
-    acc = wide(q.dtype)
-    q_e, q_l = _halves(q)
-    k_e, k_l = _halves(k)
-    v_e, v_l = _halves(v)
-
-    def run(qr, kj, vj, causal, carry=None):
-        o_j, lse_j = _dpa(qr, kj, vj, causal, kernel)
-        part = (o_j.astype(acc), lse_j.astype(acc))
-        return part if carry is None else _merge(carry, part)
-
-    early = run(q_e, k_e, v_e, True)
-    late = run(q_l, k_l, v_l, True, run(q_l, k_e, v_e, False))
-
-    def before(carries, kv):  # j < i: every query against j's early keys
-        (early, late), (kj, vj) = carries, kv
-        kj, vj = _halves(kj)[0], _halves(vj)[0]
-        return run(q_e, kj, vj, False, early), run(q_l, kj, vj, False, late)
-
-    def after(carries, kv):  # j > i: the late queries against all of j's keys
-        (early, late), (kj, vj) = carries, kv
-        return early, run(q_l, kj, vj, False, late)
-
-    def step(state, t):
-        carries, kv = state
-        kv = _rotate(kv, axis, cp)
-        return (jax.lax.cond(t <= i, before, after, carries, kv), kv), None
-
-    ((early, late), _), _ = jax.lax.scan(step, ((early, late), (k, v)), jnp.arange(1, cp))
-    halves = [early[0].astype(q.dtype), late[0].astype(q.dtype)]  # cast, then join: half the bytes
-    out = jnp.concatenate(halves, axis=1).reshape(b, s, h * d)
-    out = checkpoint_name(out, "attn_context")
-    lse = checkpoint_name(jnp.concatenate([early[1], late[1]], axis=1), "attn_lse")
-    return out, (q, k, v, out, lse)
-
-
-def _fused_grads(qr, kj, vj, causal, gr, lse_r, delta_r, kernel):
-    """One chunk product's exact share of the gradients through the fused kernel's own
-    backward, which normalises by the product's softmax where the whole row's is wanted.
-    With ``w = exp(lse_j - lse)`` (the product's share of each row) and ``c = D_j - D`` (its
-    row term against the whole row's), the row's score gradient is the product's at cotangent
-    ``w dO`` plus ``P_j (w c)``, whose query part is ``scale (w c) P_j K_j`` (one more forward,
-    keys as values) and key part ``scale P_jᵀ ((w c) Q)`` (the kernel's value gradient at that
-    cotangent)."""
-    scale = 1.0 / math.sqrt(qr.shape[-1])
-    (o_j, lse_j), vjp = jax.vjp(lambda q, k, v: _dpa(q, k, v, causal, kernel), qr, kj, vj)
-    acc = lse_r.dtype
-    w = jnp.exp(lse_j.astype(acc) - lse_r)  # [B, n, H]
-    c = jnp.sum(gr.astype(acc) * o_j.astype(acc), axis=-1) - delta_r
-    no_lse = jnp.zeros_like(lse_j)
-    dq, dk, dv = vjp(((w[..., None] * gr).astype(qr.dtype), no_lse))
-    wc = (w * c)[..., None] * scale
-    _, _, dk_c = vjp(((wc * qr).astype(qr.dtype), no_lse))  # its value gradient: P_jᵀ x
-    pk = jax.nn.dot_product_attention(qr, kj, kj, is_causal=causal, implementation=kernel)
-    dq = dq.astype(acc) + wc * pk.astype(acc)
-    return dq, dk.astype(acc) + dk_c.astype(acc), dv.astype(acc)
-
-
-def _fused_bwd(axis, cp, kernel, res, g):
-    q, k, v, out, lse = res
-    b, s, h, d = q.shape
-    g = g.reshape(b, s, h, d).astype(q.dtype)
-    acc = lse.dtype
-    delta = jnp.sum(g.astype(acc) * out.reshape(b, s, h, d).astype(acc), axis=-1)  # [B, S, H]
-    q_e, q_l = _halves(q)
-    g_e, g_l = _halves(g)
-    lse_e, lse_l = _halves(lse)
-    delta_e, delta_l = _halves(delta)
-
-    def grads(rows, kj, vj, causal):
-        if rows == "early":
-            return _fused_grads(q_e, kj, vj, causal, g_e, lse_e, delta_e, kernel)
-        return _fused_grads(q_l, kj, vj, causal, g_l, lse_l, delta_l, kernel)
-
-    return _ring_grads(q, k, v, axis, cp, grads)
-
-
-ring_attention.defvjp(_fwd, _bwd)
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
