@@ -26,9 +26,9 @@ log-sum-exp, so each step's gradients are exact pieces of the whole.
 
 Not cuDNN's kernel per product, even where the model runs it on one device: merging products
 needs each one's log-sum-exp, and ``jax.nn.dot_product_attention(..., return_residual=True)``
-returns cuDNN's rounded to the output's dtype (JAX 0.10.2; bf16: at a log-sum-exp of 15, merge
-weights off by up to 3 %), while its backward takes no outside log-sum-exp. jaxmem's kernel
-keeps both in fp32, at the price of memory-bound elementwise work on each score block.
+returns cuDNN's cast to the output's dtype (JAX 0.10.2 to 0.12; bf16: at a log-sum-exp of 15,
+merge weights off by up to 3 %), while its backward takes no outside log-sum-exp. jaxmem's
+kernel keeps both in fp32, at the price of memory-bound elementwise work on each score block.
 
 Written by hand because JAX has no ring attention (MaxText's and the Ring Attention authors' are
 parts of their own models); PyTorch's ``context_parallel`` rotates keys and values the same way.
