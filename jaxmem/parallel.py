@@ -90,11 +90,11 @@ class ParallelConfig:
             f"--cp-attention {self.cp_attention!r} (parallel.cp_attention) is not one of "
             f"{', '.join(CP_ATTENTIONS)}",
         )
-        require(
-            self.cp_attention == "gather" or self.cp > 1,
-            f"--cp-attention {self.cp_attention} (parallel.cp_attention) needs a context axis: "
-            f"add cp=N to --mesh (e.g. --mesh {self._with_context()})",
-        )
+        if self.cp_attention != "gather" and self.cp == 1:  # the example built only when said
+            raise ConfigError(
+                f"--cp-attention {self.cp_attention} (parallel.cp_attention) needs a context "
+                f"axis: add cp=N to --mesh (e.g. --mesh {self._with_context()})"
+            )
         require(
             isinstance(self.sequence_parallel, bool),
             f"parallel sequence_parallel={self.sequence_parallel!r} must be true or false",
@@ -102,8 +102,8 @@ class ParallelConfig:
 
     def _with_context(self) -> str:
         """This mesh with a context axis of 2 beside its axes (for a refusal's example)."""
-        data = f"{self.strategy}={self.data}," if self.data > 1 else ""
-        return data + "cp=2" + (f",tp={self.tp}" if self.tp > 1 else "")
+        two = dataclasses.replace(self, devices=2 * self.devices, cp=2, cp_attention="gather")
+        return two.mesh_text()
 
     @property
     def data(self) -> int:

@@ -225,14 +225,14 @@ def _policies(args: argparse.Namespace, job) -> list:
 def _frameworks(args: argparse.Namespace, job, notes: list[str]) -> list[str]:
     parallel = job.parallel
     if parallel.sharded and args.frameworks is None:
-        if parallel.cp_attention != "gather":  # torch_ref's context axis gathers
-            notes.append(f"--mesh {parallel.mesh_text()}: JAX plans, every figure per device")
-            return ["jax"]
-        notes.append(
-            f"--mesh {parallel.mesh_text()}: JAX plans, every figure per device; add "
-            f"--frameworks jax,torch for torch_ref's per-rank figures (its step run on "
+        torch_too = (  # not where torch_ref cannot run the mesh (a ring: its context axis gathers)
+            f"; add --frameworks jax,torch for torch_ref's per-rank figures (its step run on "
             f"{parallel.devices} torchrun CPU processes)"
+            if parallel.cp_attention == "gather"
+            else ""
         )
+        mesh = parallel.mesh_text()
+        notes.append(f"--mesh {mesh}: JAX plans, every figure per device{torch_too}")
         return ["jax"]
     if args.frameworks is None and not common.torch_available():
         notes.append(f"PyTorch is not installed: JAX only ({TORCH_EXTRA} adds the torch rows)")

@@ -198,6 +198,7 @@ def _translation(policy: MemoryPolicy) -> str:
 def _sources(spec: StepSpec, kernel: str) -> dict[str, str]:
     """How the saved bytes and the FLOPs were obtained."""
     parallel, tp = spec.parallel, spec.sharded and spec.parallel.tensor_parallel
+    cp = spec.sharded and parallel.context_parallel
     saved = (
         "residual accounting (jaxpr of jax.vjp; parameters excluded)"
         + (
@@ -215,18 +216,18 @@ def _sources(spec: StepSpec, kernel: str) -> dict[str, str]:
                 if parallel.cp_attention == "gather"
                 else "each; the ring's keys and values in flight are in the compiled plan only)"
             )
-            if spec.sharded and parallel.context_parallel
+            if cp
             else ""
         )
     )
     flops = (
         "matmul FLOPs of the gradient's jaxpr (recompute included: hardware FLOPs)"
         + ("; per tensor device: the blocks' matmuls over tp, the LM head's whole" if tp else "")
-        + ("; per context device: 1/cp" if spec.sharded and parallel.context_parallel else "")
+        + ("; per context device: 1/cp" if cp else "")
         + (
             " (of the one-device count, whose attention computes every key block: the ring "
             "computes (2 cp + 1)/(4 cp) of its attention's, so its count is high)"
-            if spec.sharded and parallel.cp_attention == "ring"
+            if cp and parallel.cp_attention == "ring"
             else ""
         )
         + (
