@@ -546,13 +546,29 @@ def resolve_job(
     command's own, as nested data), ``saved`` (a checkpoint's config, when resuming), the
     ``config_file``, ``flags`` (nested data, e.g. ``{"run": {"batch_size": 8}}``) and
     ``assignments`` (``"section.key=value"``). Raises ``ConfigError`` naming the bad value."""
+    layered = layered_config(
+        defaults=defaults, saved=saved, config_file=config_file, flags=flags,
+        assignments=assignments,
+    )  # fmt: skip
+    return JobConfig.from_dict(layered, seq_len_default=seq_len_default)
+
+
+def layered_config(
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    saved: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
+    flags: Mapping[str, Any] | None = None,
+    assignments: Iterable[str] = (),
+) -> dict[str, Any]:
+    """``resolve_job``'s layers merged, as nested data (not yet validated)."""
     layered = merge(dict(defaults or {}), saved or {})
     if config_file:
         layered = merge(layered, read_config_file(config_file))
     layered = merge(layered, flags or {})
     for assignment in assignments:
         layered = merge(layered, parse_assignment(assignment))
-    return JobConfig.from_dict(layered, seq_len_default=seq_len_default)
+    return layered
 
 
 def write_config(config: JobConfig, path: str) -> None:

@@ -239,7 +239,10 @@ def test_train_refuses_what_context_parallelism_cannot_run_in_one_line(tmp_path,
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["plan", "--budget", "1GiB", "--mesh", "cp=2"], "does not search a context axis"),
+        (
+            ["plan", "--budget", "1GiB", "--mesh", "cp=2", "--cp", "4"],
+            "--cp 4: [4] do not divide the mesh's 2 device(s)",
+        ),
         (
             ["memory", "--frameworks", "jax,torch", "--mesh", "fsdp=1,cp=2,tp=2"],
             "torch_ref runs a context axis beside a data axis, not beside a tensor axis",

@@ -176,7 +176,7 @@ def test_longest_keeps_a_context_attention_the_command_names(tmp_path):
     --cp-attention, --set parallel.cp_attention=... or a --config file's parallel section."""
     import argparse
 
-    from jaxmem.cli.plan_longest import _asked_cp_attention
+    from jaxmem.cli.plan_longest import asked_cp_attention
 
     def args(**kw):
         return argparse.Namespace(**{"cp_attention": None, "set": None, "config": None, **kw})
@@ -185,8 +185,8 @@ def test_longest_keeps_a_context_attention_the_command_names(tmp_path):
     config.write_text("parallel:\n  cp_attention: gather\n")
     other = tmp_path / "other.yaml"
     other.write_text("parallel:\n  cp: 2\n")
-    assert not _asked_cp_attention(args())
-    assert not _asked_cp_attention(args(set=["run.seed=1"], config=str(other)))
-    assert _asked_cp_attention(args(cp_attention="gather"))
-    assert _asked_cp_attention(args(set=["parallel.cp_attention=gather"]))
-    assert _asked_cp_attention(args(config=str(config)))
+    assert not asked_cp_attention(args())
+    assert not asked_cp_attention(args(set=["run.seed=1"], config=str(other)))
+    assert asked_cp_attention(args(cp_attention="gather"))
+    assert asked_cp_attention(args(set=["parallel.cp_attention=gather"]))
+    assert asked_cp_attention(args(config=str(config)))

@@ -787,3 +787,91 @@ def test_mlp_tiles_are_searched_without_a_tensor_axis_only():
     assert cands.index(tiled[0]) > max(
         i for i, c in enumerate(cands) if c.seconds == tiled[0].seconds and c not in tiled
     )
+
+
+def test_the_planner_searches_context_parallel_layouts_where_only_they_split_a_row():
+    """Batch 1 over 4 devices: no data axis can split it, so the lattice holds only the
+    layouts that give all 4 devices to tensor and context axes (tp x cp = 4 of those the model
+    allows: tiny-llama's 2 key/value heads keep tp=4 off a context axis); a context candidate's
+    FLOPs are one device's over cp, its collectives its keys' and values' passes round the
+    ring plus the gradient's reduction over the context devices; a budget that only the
+    longest context axis meets (stand-in compiles: every activation over tp x cp, the head's
+    over cp only) gets it, and its command is that mesh with the ring."""
+    from jaxmem.cli.flags import job_argv
+    from jaxmem.job import JobConfig, RunConfig
+    from jaxmem.memory import analytic
+    from jaxmem.planner import cost
+    from jaxmem.planner.space import mesh_layouts
+
+    cfg, seq = PRESETS["tiny-llama"].replace(attention="fused"), 64
+    space = PlanSpace(
+        policies=("none", "full"), mix=(), accum=(1,), strategies=("fsdp",), tags=False,
+        tensor=(1, 2, 4), context=(1, 2, 4), cp_attention="ring",
+    )  # fmt: skip
+    problem = Problem(cfg, 1, seq, LOCAL, 0, OptimizerConfig(), devices=4)
+    assert mesh_layouts(problem, space) == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)]
+    flops = FlopModel(cfg, seq)
+    cands = enumerate_candidates(problem, space, flops)
+    assert {c.layout for c in cands} == {(1, 4, "ring"), (2, 2, "ring"), (4, 1, "")}
+    (ring,) = [c for c in cands if c.cp == 4 and c.policy == POLICIES["none"]]
+    assert ring.flops == flops.per_row(POLICIES["none"], FP32) // 4
+    kv = 2 * seq * cfg.kv_heads * cfg.head_dim  # one row's keys and values, elements
+    passes = kv * 4 * 3 / 4 + kv * (4 + 4)  # forward 3/4 of them, backward fp32 grads too
+    reduction = 2 * 3 / 4 * analytic.param_bytes(cfg, FP32)  # fsdp over the 4 context devices
+    assert ring.collective_bytes == int(passes * cfg.n_layers) + int(1.5 * reduction)
+    assert cost.context_parallel_bytes(
+        cfg, FP32, POLICIES["none"], rows=1, seq_len=seq, cp=1
+    ) == 0  # fmt: skip
+
+    def compile_peak(spec):
+        par = spec.parallel
+        est = analytic.saved_activation_bytes(spec.model, spec.policy, 1, seq, FP32)
+        head = 3 * seq * cfg.vocab_size * 4  # logits, softmax, gradient: split by sequence
+        state = 4 * analytic.param_bytes(spec.model, FP32) // par.devices
+        return int(est.device_bytes // (par.tp * par.cp) + head // par.cp + state), "stand-in"
+
+    widest = min(compile_peak(candidate_spec(problem, c))[0] for c in cands)
+    problem.budget_bytes = widest
+    result = search(problem, space, compile_peak=compile_peak)
+    chosen = result.chosen.candidate
+    assert chosen.layout == (1, 4, "ring"), [o.as_dict() for o in result.outcomes]
+    job = JobConfig(preset="tiny-llama", model=cfg, run=RunConfig(batch_size=4, seq_len=seq))
+    argv = job_argv(candidate_job(job, chosen, 4, batch=1))
+    assert argv[argv.index("--mesh") + 1] == "fsdp=1,cp=4"
+    assert argv[argv.index("--cp-attention") + 1] == "ring"
+    assert argv[argv.index("--batch-size") + 1] == "1"
+
+
+def test_plan_over_a_mesh_a_batch_of_one_cannot_split_chooses_a_context_axis_that_trains(
+    tmp_path,
+):
+    """``jaxmem plan --mesh fsdp=2 --batch-size 1`` (XLA:CPU, 2 CPU devices): the mesh's data
+    axis cannot split one row, so the plan gives the devices to a context axis (the ring under
+    fused attention, cheaper than tp=2 by the local order) and its printed command trains;
+    a batch no layout splits, and a mesh no layout of the model takes, are one line, exit 2."""
+    common = ("--preset", "tiny-llama", "--attention", "fused", "--mesh", "fsdp=2")
+    lean = ("--policies", "none", "--no-mix", "--no-tags", "--accum", "1", "--budget", "50MiB")
+    out = tmp_path / "plan.json"
+    proc = run_cli("plan", *common, *lean, "--batch-size", "1", "--seq-len", "64", "--json",
+                   str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    assert plan["batch"] == 1 and plan["chosen"]["cp"] == 2, plan["chosen"]
+    assert {(c["tp"], c["cp"]) for c in plan["candidates"]} <= {(1, 2), (2, 1)}
+    command = shlex.split(plan["commands"]["jax"])
+    assert command[command.index("--mesh") + 1] == "cp=2"
+    assert command[command.index("--cp-attention") + 1] == "ring"
+    assert plan["commands"]["torch"] is None and "ring" in plan["commands"]["torch_note"]
+    run = tmp_path / "run"
+    proc = run_cli(*command[1:], "--steps", "2", "--out", str(run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "metrics.jsonl").exists()
+    for extra, fragment in (
+        (("--batch-size", "3", "--seq-len", "64", "--cp", "1", "--tp", "1"),
+         "batch 3 does not split over the data axis of any layout searched"),
+        (("--batch-size", "2", "--seq-len", "62", "--cp", "2", "--tp", "1"),
+         "no layout of the mesh's 2 device(s) searched (tp 1 x cp 2)"),
+    ):  # fmt: skip
+        proc = run_cli("plan", *common, *lean, *extra)
+        assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

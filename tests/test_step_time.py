@@ -16,7 +16,7 @@ from flax import nnx
 from jaxmem.config import PRESETS, OptimizerConfig
 from jaxmem.memory import analytic, step_time
 from jaxmem.memory.remat import layers_fn
-from jaxmem.memory.targets import get_target
+from jaxmem.memory.targets import get_target, rates_for
 from jaxmem.memory.work import Matmul, Work, at_rows, combine, trace_jaxpr, work_of_jaxpr
 from jaxmem.model import make_model
 from jaxmem.planner import cost
@@ -172,6 +172,39 @@ def test_the_planners_terms_move_as_defined():
     assert cost.update_bytes(cfg, opt, BF16) == 4 * p + 2 * s
     assert cost.accumulation_bytes(cfg, BF16, 4) == 3 * 3 * p
     assert cost.accumulation_bytes(cfg, BF16, 1) == 0
+
+
+def test_a_context_axis_candidate_is_priced_with_the_blockwise_kernel_over_cp():
+    """On H100s a context-parallel candidate runs jaxmem's blockwise attention (not cuDNN's):
+    its estimate is one device's blockwise work over cp, its keys' and values' collectives are
+    exposed (assumed) at the interconnect's rate, and its MFU counts a cp-th of the model
+    FLOPs."""
+    from jaxmem.planner.predict import FlopModel
+    from jaxmem.planner.space import PlanSpace, Problem, enumerate_candidates
+
+    cfg, opt, seq = PRESETS["tiny-llama"].replace(attention="fused"), OptimizerConfig(), 64
+    target, bf16 = get_target("h100"), PRECISIONS["bf16"]
+    space = PlanSpace(
+        policies=("full",), mix=(), accum=(1,), state_memory=("device",), precisions=("bf16",),
+        tags=False, unroll=False, strategies=("fsdp",), context=(2,), cp_attention="ring",
+    )  # fmt: skip
+    problem = Problem(cfg, 1, seq, target, 2**30, opt, devices=2)
+    work = cost.WorkModel(cfg, seq)
+    (cand,) = enumerate_candidates(problem, space, FlopModel(cfg, seq), work)
+    est = cand.estimate
+    outside, blocks = work.micro(POLICIES["full"], bf16, 1, blockwise=True)
+    gpu_outside, gpu_blocks = work.micro(POLICIES["full"], bf16, 1)
+    assert est.executed_flops == (outside.flops + blocks.flops) // 2
+    # the blockwise kernel's own softmax work, not a cuDNN call's
+    assert blocks.attention_flops == 0 < gpu_blocks.attention_flops
+    moved = cost.context_parallel_bytes(
+        cfg, bf16, POLICIES["full"], rows=1, seq_len=seq, cp=2, form="ring"
+    )
+    assert moved > 0
+    assert est.context_parallel == pytest.approx(moved / rates_for(target).interconnect)
+    assert est.seconds >= est.compute + est.context_parallel - 1e-12  # exposed
+    assert est.model_flops == analytic.mfu_flops(cfg, 1, seq) // 2
+    assert "1/cp=2" in est.source
 
 
 def test_one_devices_model_flops_are_its_share_over_tensor_and_context_axes():

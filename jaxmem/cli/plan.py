@@ -29,14 +29,14 @@ from jaxmem.cli.flags import (
     ADAPTER_FLAGS,
     MODEL_FLAGS,
     add_flags,
+    flag_settings,
     host_memory,
     job_argv,
-    job_from_args,
     max_seq_len,
     not_streamed,
 )
 from jaxmem.files import write_json_atomic
-from jaxmem.job import torch_host_memory_refusal
+from jaxmem.job import torch_host_memory_refusal, torch_mesh_refusal
 from jaxmem.parallel import STRATEGIES
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
@@ -87,6 +87,14 @@ def add_parser(sub) -> None:
         help="with --mesh: tensor-parallel sizes to search, comma-separated (default: every "
         "size that divides the mesh's devices and the model's heads, MLP and sequence; 1: "
         "data parallelism only; a --mesh with tp=T: T alone)",
+    )
+    g.add_argument(
+        "--cp",
+        default=None,
+        help="with --mesh: context-parallel sizes to search, comma-separated (the sequence "
+        "split over devices; default: every size that divides the mesh's devices and cuts the "
+        "sequence into 2 x cp equal chunks; 1: none; a --mesh with cp=C: C alone). Attention "
+        "over it runs as --cp-attention says, by default round a ring under --attention fused",
     )
     _lattice_flags(g)
     g.add_argument(
@@ -216,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxmem.planner.search import default_budget
     from jaxmem.planner.space import Problem
 
-    job = job_from_args(args, NAMES, DEFAULTS, seq_len_default=max_seq_len)
+    job, batch = template_job(args)
     not_streamed(job, "plan")
     _check_adapters(job)
     with usage_errors():
@@ -231,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.json)
     problem = Problem(
         job.model,
-        job.run.batch_size,
+        batch,
         job.run.seq_len,
         target,
         budget,
@@ -241,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
         adapters=job.adapters,
         host_memory_bytes=host_allowed,
     )
+    if not args.longest:
+        _check_layouts(problem, space)
     elsewhere = "plan for a GPU's memory with --target (h100, ..., or a captured .txtpb)"
     check_budget(problem, space, args.budget, "--budget", LEAVE, elsewhere)
     if args.longest:
@@ -250,6 +260,69 @@ def run(args: argparse.Namespace) -> int:
         return longest(args, job, problem, sources, _start_backend, shell_lines)
     _start_backend(job, target)
     return _search_and_report(args, job, problem, space, budget_source)
+
+
+def _check_layouts(problem, space) -> None:
+    """One line, before anything compiles, when no mesh layout searched can run the step: none
+    the model and sequence allow, or none whose data axis splits the batch."""
+    from jaxmem.planner.space import mesh_layouts
+
+    n, batch = problem.devices, problem.batch
+    layouts = mesh_layouts(problem, space)
+    searched = f"tp {_sizes(space.tensor)} x cp {_sizes(space.context)}"
+    if not layouts:
+        raise UsageError(
+            f"no layout of the mesh's {n} device(s) searched ({searched}) splits this model and "
+            f"its {problem.seq_len} positions (whole heads over tp, 2 x cp equal chunks over "
+            "cp): give --tp and --cp sizes that do"
+        )
+    if not any(batch % (n // (tp * cp)) == 0 for tp, cp in layouts):
+        data = sorted({n // (tp * cp) for tp, cp in layouts})
+        raise UsageError(
+            f"batch {batch} does not split over the data axis of any layout searched ({searched}"
+            f" on {n} device(s): data axes of {_sizes(data)}): use a batch one of them "
+            "divides, or let a tensor or context axis take the devices (--tp, --cp)"
+        )
+
+
+def _sizes(sizes) -> str:
+    return ",".join(map(str, sizes))
+
+
+def template_job(args: argparse.Namespace):
+    """The command's job and the batch it plans. The mesh gives the devices (and fixes an axis
+    it names as tp=T or cp=C); the search chooses the layout and the microbatches, so a batch
+    that does not split over the mesh's own data axis (batch 1 over ``--mesh fsdp=8``, where
+    only a context or tensor axis can take the devices) is planned: the job is then a template
+    at ``batch x devices x accum`` rows and each candidate's job carries the planned batch
+    (``candidate_job``). Any other bad value: the job's own one line."""
+    from jaxmem.config import ConfigError
+    from jaxmem.job import JobConfig, layered_config
+
+    with usage_errors():
+        layered = layered_config(
+            defaults=DEFAULTS, config_file=getattr(args, "config", None),
+            flags=flag_settings(args, NAMES), assignments=getattr(args, "set", None) or (),
+        )  # fmt: skip
+        try:
+            job = JobConfig.from_dict(layered, seq_len_default=max_seq_len)
+            return job, job.run.batch_size
+        except ConfigError as first:
+            mesh = dict(layered.get("parallel") or {})
+            devices = mesh.get("devices", 1)
+            if not mesh or args.longest or not isinstance(devices, int) or devices < 1:
+                raise
+            alone = JobConfig.from_dict(  # the job on one device: any other bad value says so
+                {k: v for k, v in layered.items() if k != "parallel"},
+                seq_len_default=max_seq_len,
+            )
+            rows = alone.run.batch_size * alone.accum.steps * devices
+            try:
+                run = {**(layered.get("run") or {}), "batch_size": rows}
+                job = JobConfig.from_dict({**layered, "run": run}, seq_len_default=max_seq_len)
+            except ConfigError:
+                raise first from None
+            return job, alone.run.batch_size
 
 
 def _check_adapters(job) -> None:
@@ -293,6 +366,8 @@ def _space(args: argparse.Namespace, job):
         else ("device",),
         strategies=tuple(parse_names(args.strategies, list(STRATEGIES), "strategies")),
         tensor=_tensor_sizes(args, job),
+        context=_context_sizes(args, job),
+        cp_attention=_cp_attention(args, job),
         precisions=tuple(
             parse_names(args.precisions or job.precision.name, list(PRECISIONS), "precisions")
         ),
@@ -300,36 +375,56 @@ def _space(args: argparse.Namespace, job):
 
 
 def _tensor_sizes(args: argparse.Namespace, job) -> tuple[int, ...]:
-    n = job.parallel.devices
     if job.parallel.context_parallel and args.longest:  # --longest plans the axis as given
         return (1,)
-    if job.parallel.context_parallel:  # the search has no context axis yet
-        raise UsageError(
-            f"jaxmem plan does not search a context axis (--mesh {job.parallel.mesh_text()}) "
-            "yet; jaxmem plan --longest and jaxmem memory --mesh with cp=N plan one per device"
-        )
-    if args.tp is not None:
-        sizes = int_list(args.tp, "--tp")
+    return _axis_sizes(args.tp, "--tp", job.parallel.devices, job.parallel.tp)
+
+
+def _context_sizes(args: argparse.Namespace, job) -> tuple[int, ...]:
+    if args.longest:  # --longest plans the mesh's context axis as given
+        return (job.parallel.cp,)
+    return _axis_sizes(args.cp, "--cp", job.parallel.devices, job.parallel.cp)
+
+
+def _axis_sizes(text: str | None, flag: str, n: int, given: int) -> tuple[int, ...]:
+    """The sizes of one mesh axis the search tries: ``flag``'s list (each dividing the ``n``
+    devices), else the mesh's own size where it names the axis, else every divisor of ``n``
+    (``space.mesh_layouts`` keeps those the model, the sequence and the other axis allow)."""
+    if text is not None:
+        sizes = int_list(text, flag)
         bad = [t for t in sizes if n % t]
         if bad:
-            raise UsageError(f"--tp {args.tp}: {bad} do not divide the mesh's {n} device(s)")
+            raise UsageError(f"{flag} {text}: {bad} do not divide the mesh's {n} device(s)")
         return sizes
-    if job.parallel.tensor_parallel:
-        return (job.parallel.tp,)
+    if given > 1:
+        return (given,)
     return tuple(t for t in range(1, n + 1) if n % t == 0)
 
 
+def _cp_attention(args: argparse.Namespace, job) -> str:
+    """How a searched context axis runs attention: as the command names it (``--cp-attention``,
+    ``--set``, ``--config``), else round a ring where the attention is fused (its keys and
+    values never whole on one device, half the gathered form's score blocks), else gathered."""
+    from jaxmem.cli.plan_longest import asked_cp_attention
+
+    if asked_cp_attention(args) or job.model.attention != "fused":
+        return job.parallel.cp_attention
+    return "ring"
+
+
 def _start_backend(job, target) -> None:
-    need_jax_backend()
-    if target.is_gpu:
-        need_gpu_plan(target)
-    elif job.parallel.sharded:
+    """Start JAX for the plan: a GPU target's deviceless compiler, or this backend with the
+    mesh's CPU devices (asked for before JAX starts: it cannot add them after)."""
+    if not target.is_gpu and job.parallel.sharded:
         from jaxmem.parallel import check_cpu_mesh
         from jaxmem.sharding import ensure_cpu_devices
 
         with usage_errors():
             check_cpu_mesh(job.parallel.devices)
         ensure_cpu_devices(job.parallel.devices)
+    need_jax_backend()
+    if target.is_gpu:
+        need_gpu_plan(target)
 
 
 def _search_and_report(args, job, problem, space, budget_source: str) -> int:
@@ -341,7 +436,7 @@ def _search_and_report(args, job, problem, space, budget_source: str) -> int:
     )
     lora = f", {job.adapters.label()}" if job.adapters.enabled else ""
     out.print(
-        f"planning {job.preset}{lora}, batch {job.run.batch_size} x seq {job.run.seq_len}, "
+        f"planning {job.preset}{lora}, batch {problem.batch} x seq {job.run.seq_len}, "
         f"{job.optimizer.name}, on {where}: budget {mib(problem.budget_bytes)} MiB per device "
         f"({budget_source})",
         style="dim",
@@ -362,7 +457,7 @@ def _search_and_report(args, job, problem, space, budget_source: str) -> int:
     if result.chosen is None:
         _nothing_fits(args, result, where)
     title = (
-        f"jaxmem plan: {job.preset}{lora}, batch {job.run.batch_size} x {job.run.seq_len} on "
+        f"jaxmem plan: {job.preset}{lora}, batch {problem.batch} x {job.run.seq_len} on "
         f"{where}, budget {mib(problem.budget_bytes)} MiB per device"
     )
     render.plan_table(out, result, title, args.top, args.wide)
@@ -422,10 +517,11 @@ def _commands(job, result) -> dict[str, str | None]:
     """The chosen configuration as commands that run it, each complete (tested by running)."""
     from jaxmem.planner.space import candidate_job
 
-    chosen = candidate_job(job, result.chosen.candidate, result.problem.devices)
+    problem = result.problem
+    chosen = candidate_job(job, result.chosen.candidate, problem.devices, problem.batch)
     argv = job_argv(chosen)
     jax_cmd = shlex.join(["jaxmem", "train", *argv])
-    refusal = torch_host_memory_refusal(chosen)
+    refusal = torch_mesh_refusal(chosen.parallel, chosen.model) or torch_host_memory_refusal(chosen)
     if refusal is None and chosen.adapters.enabled:
         from jaxmem.compare.torch_run import torch_adapter_refusal
 
@@ -549,7 +645,7 @@ def _json(job, problem, result, budget_source: str, commands: dict) -> dict:
 
     return {
         "preset": job.preset,
-        "batch": job.run.batch_size,
+        "batch": problem.batch,
         "seq_len": job.run.seq_len,
         "adapters": job.to_dict()["adapters"] if job.adapters.enabled else None,
         "target": problem.target.name,

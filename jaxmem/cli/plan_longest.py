@@ -41,7 +41,7 @@ def _base(args, job, problem):
             f"--seq-step {args.seq_step}: the context axis cp={par.cp} cuts the sequence into "
             f"{2 * par.cp} equal chunks; use a step that is a multiple of {2 * par.cp}"
         )
-    if par.context_parallel and not _asked_cp_attention(args) and job.model.attention == "fused":
+    if par.context_parallel and not asked_cp_attention(args) and job.model.attention == "fused":
         par = dataclasses.replace(par, cp_attention="ring")
         job = dataclasses.replace(job, parallel=par)
     hosted = args.state_offload and problem.target.is_gpu and not job.adapters.enabled
@@ -54,7 +54,7 @@ def _base(args, job, problem):
     return spec.replace(optimizer=optimizer, accum=AccumConfig(steps=1), batch=1)
 
 
-def _asked_cp_attention(args) -> bool:
+def asked_cp_attention(args) -> bool:
     """Whether the command names how context-parallel attention runs: ``--cp-attention``, a
     ``--set parallel.cp_attention=...`` or a ``--config`` file's ``parallel.cp_attention``."""
     from jaxmem.job import read_config_file

@@ -341,13 +341,17 @@ def _auto_policy(job, budget_text: str):
 
     with usage_errors():
         budget = parse_bytes(budget_text, "--memory-budget")
-    n = job.parallel.devices
-    space = PlanSpace(
+    par = job.parallel
+    n = par.devices
+    space = PlanSpace(  # the run's own mesh: its strategy, tensor and context axes as given
         policies=("none", "selective", "mlp", "full", "nested"),
         mix=("none", "selective", "full"),
-        accum=tuple(m for m in (1, 2, 4, 8) if job.run.batch_size % (m * n) == 0),
+        accum=tuple(m for m in (1, 2, 4, 8) if job.run.batch_size % (m * par.data) == 0),
         state_memory=("device",),
-        strategies=(job.parallel.strategy,),
+        strategies=(par.strategy,),
+        tensor=(par.tp,),
+        context=(par.cp,),
+        cp_attention=par.cp_attention,
         precisions=(job.precision.name,),
     )
     problem = Problem(

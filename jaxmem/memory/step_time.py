@@ -45,6 +45,10 @@ class Overlap:
     data_parallel: float = 1.0
     # Megatron-SP's all-gathers and reduce-scatters sit between a block's matmuls: exposed
     tensor_parallel: float = 0.0
+    # a context axis's keys and values (and their gradients), gathered or passed round a ring
+    # just before the attention that needs them: assumed exposed (a ring's next pass could
+    # hide under the current chunk's products where its collective runs asynchronously)
+    context_parallel: float = 0.0
     # offloaded activations (projections, or block inputs: each [B, S, D] out in the forward and
     # back in the backward): XLA issues each copy as soon as its value exists (copy-start) and
     # waits only where the backward needs it back
@@ -153,6 +157,7 @@ class Transfers:
     data_parallel: int = 0  # collectives over the data axis
     tensor_parallel: int = 0  # collectives over the tensor axis
     host_update: int = 0  # host memory read and written by an update on the host
+    context_parallel: int = 0  # keys and values over the context axis (from shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +180,7 @@ class StepTime:
     matmul_efficiency: float  # FLOP-weighted mean over the matmuls
     assumptions: str
     source: str
+    context_parallel: float = 0.0  # keys and values over a context axis
 
     @property
     def compute(self) -> float:
@@ -199,7 +205,7 @@ class StepTime:
             ("matmuls", self.matmul + self.attention),
             ("memory-bound", self.memory_bound + self.launches),
             ("host link", self.activation_offload + self.state),
-            ("collectives", self.data_parallel + self.tensor_parallel),
+            ("collectives", self.data_parallel + self.tensor_parallel + self.context_parallel),
             ("host update", self.host_update),
         ]
         shown = ", ".join(f"{n} {_ms(t)}" for n, t in parts if t > 0)
@@ -272,6 +278,7 @@ def estimate(
     state = transfers.state / rates.host_link
     dp = transfers.data_parallel / rates.interconnect
     tp = transfers.tensor_parallel / rates.interconnect
+    cp = transfers.context_parallel / rates.interconnect
     host_update = (
         (transfers.host_update + work.host_compute_bytes) / rates.host_memory
         if rates.host_memory
@@ -286,6 +293,7 @@ def estimate(
             (state, o.state_transfers),
             (dp, o.data_parallel),
             (tp, o.tensor_parallel),
+            (cp, o.context_parallel),
             (host_update, o.host_update),
         )
     )
@@ -300,6 +308,7 @@ def estimate(
         data_parallel=dp,
         tensor_parallel=tp,
         host_update=host_update,
+        context_parallel=cp,
         seconds=seconds,
         executed_flops=work.flops,
         model_flops=model_flops,

@@ -8,9 +8,9 @@ function of the candidate's choices:
   ``accumulation_bytes`` (each further microbatch's gradient added to the running sum), priced
   per kernel (matmuls at an efficiency of their shape, memory-bound work at the HBM's rate);
 - host link, collectives and a host update: bytes from shapes (``tensor_parallel_bytes``,
-  ``data_parallel_bytes``, ``activation_offload_bytes``, ``state_transfer_bytes``,
-  ``streamed_bytes``), each hidden under the compute up to ``Overlap``'s fraction;
-  ``gpu_step_time`` puts a GPU candidate's terms together;
+  ``context_parallel_bytes``, ``data_parallel_bytes``, ``activation_offload_bytes``,
+  ``state_transfer_bytes``, ``streamed_bytes``), each hidden under the compute up to
+  ``Overlap``'s fraction; ``gpu_step_time`` puts a GPU candidate's terms together;
 - matmul FLOPs per device (``device_flops``): what the local backend's order counts and what a
   candidate reports.
 
@@ -110,42 +110,52 @@ def frozen_base_gradient(
 
 
 @functools.lru_cache(maxsize=512)
-def _trace(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int,
-           rows: int, adapters: AdapterConfig = NO_ADAPTERS) -> Traced:  # fmt: skip
+def _trace(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int, rows: int,
+           adapters: AdapterConfig = NO_ADAPTERS, platform: str = "gpu") -> Traced:  # fmt: skip
     """The work of one microbatch of ``rows`` rows through the gradient under ``policy``
-    (kept: each search, and each budget of a benchmark, prices the same parts)."""
-    loss, args = frozen_base_gradient(cfg, policy, precision, seq, rows, adapters, "gpu")
+    (kept: each search, and each budget of a benchmark, prices the same parts); ``platform``
+    ``"cpu"``: fused attention as the blockwise kernel (a context axis's)."""
+    loss, args = frozen_base_gradient(cfg, policy, precision, seq, rows, adapters, platform)
     return trace_jaxpr(jax.make_jaxpr(jax.grad(loss))(*args))
 
 
 class WorkModel:
-    """The gradient's work of one microbatch for any stack (module docstring)."""
+    """The gradient's work of one microbatch for any stack (module docstring); ``micro(...,
+    blockwise=True)``: with fused attention as jaxmem's blockwise kernel, as a context axis
+    runs it."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, adapters: AdapterConfig = NO_ADAPTERS):
         self.cfg, self.seq_len, self.adapters = cfg, seq_len, adapters
         self._parts: dict[tuple, tuple[Traced, Traced, Traced, Traced]] = {}
 
-    def _part(self, policy: MemoryPolicy, precision: Precision) -> tuple[Traced, ...]:
-        key = (_part_key(policy), precision.name)
+    def _part(
+        self, policy: MemoryPolicy, precision: Precision, platform: str = "gpu"
+    ) -> tuple[Traced, ...]:
+        key = (_part_key(policy), precision.name, platform)
         if key not in self._parts:
             part = policy.replace(embedding=EmbeddingReplay())
             cfg, seq, adapters = self.cfg, self.seq_len, self.adapters
             self._parts[key] = tuple(
-                _trace(cfg.replace(n_layers=d), part, precision, seq, r, adapters)
+                _trace(cfg.replace(n_layers=d), part, precision, seq, r, adapters, platform)
                 for d in (1, 2)
                 for r in (1, 2)
             )
         return self._parts[key]
 
-    def micro(self, policy: MemoryPolicy, precision: Precision, rows: int) -> tuple[Work, Work]:
+    def micro(
+        self, policy: MemoryPolicy, precision: Precision, rows: int, blockwise: bool = False
+    ) -> tuple[Work, Work]:
         """(the work outside the blocks, the blocks') of one microbatch of ``rows`` rows."""
+        platform = "cpu" if blockwise else "gpu"
         if policy.nested:
-            whole = _nested(self.cfg, policy, precision, self.seq_len, rows, self.adapters)
+            whole = _nested(
+                self.cfg, policy, precision, self.seq_len, rows, self.adapters, platform
+            )
             return whole.work(), Work()
         outside: Work | None = None
         blocks: list[tuple[Work, int]] = []
         for n, part in priced_runs(policy, self.cfg.n_layers):
-            d1r1, d1r2, d2r1, d2r2 = self._part(part, precision)
+            d1r1, d1r2, d2r1, d2r2 = self._part(part, precision, platform)
             one, two = at_rows(d1r1, d1r2, rows), at_rows(d2r1, d2r2, rows)
             per_block = combine([(two.work(), 1), (one.work(), -1)])
             if outside is None:  # the embedding, head and loss: the first part's
@@ -157,8 +167,8 @@ class WorkModel:
 
 @functools.lru_cache(maxsize=32)
 def _nested(cfg: ModelConfig, policy: MemoryPolicy, precision: Precision, seq: int,
-            rows: int, adapters: AdapterConfig) -> Traced:  # fmt: skip
-    return _trace.__wrapped__(cfg, policy, precision, seq, rows, adapters)
+            rows: int, adapters: AdapterConfig, platform: str = "gpu") -> Traced:  # fmt: skip
+    return _trace.__wrapped__(cfg, policy, precision, seq, rows, adapters, platform)
 
 
 # ------------------------------------------------------------------------------ the terms
@@ -203,9 +213,11 @@ def step_estimate(
     model_flops: int,
     transfers: st.Transfers,
     compute_dtype: str,
+    cp: int = 1,
 ) -> st.StepTime:
     """The candidate's step time: its compute (``compute``; with tensor parallelism the blocks'
-    time over ``tp``, the rest whole) and its transfers, overlapped per ``Overlap``."""
+    time over ``tp``, the rest whole; with a context axis everything but the update over
+    ``cp``) and its transfers, overlapped per ``Overlap``."""
     whole = st.estimate(
         combine([(outside, accum)], outside.source), device, model_flops=model_flops,
         compute_dtype=compute_dtype,
@@ -219,7 +231,7 @@ def step_estimate(
         transfers=transfers, compute_dtype=compute_dtype,
     )  # fmt: skip
     parts = (whole, split, update)
-    share = (1.0, 1.0 / tp, 1.0)
+    share = (1.0 / cp, 1.0 / (tp * cp), 1.0)
     fields = ("matmul", "attention", "memory_bound", "launches")
     summed = {f: sum(getattr(p, f) * k for p, k in zip(parts, share, strict=True)) for f in fields}
     busy = sum(summed.values())
@@ -231,10 +243,11 @@ def step_estimate(
             (update.state, o.state_transfers),
             (update.data_parallel, o.data_parallel),
             (update.tensor_parallel, o.tensor_parallel),
+            (update.context_parallel, o.context_parallel),
             (update.host_update, o.host_update),
         )
     )
-    flops = whole.executed_flops + split.executed_flops // tp
+    flops = (whole.executed_flops + split.executed_flops // tp) // cp
     eff_weight = whole.executed_flops + split.executed_flops / tp
     efficiency = (
         (whole.matmul_efficiency * whole.executed_flops
@@ -248,7 +261,13 @@ def step_estimate(
         executed_flops=flops,
         matmul_efficiency=efficiency,
         source="estimate: per-operation count of the gradient's jaxpr (elementwise chains "
-        "assumed fused), before compiling",
+        "assumed fused), before compiling"
+        + (
+            f"; a context axis's share: 1/cp={cp} of one device's work with the blockwise "
+            "attention kernel (the all-gathered form's; high for the ring's)"
+            if cp > 1
+            else ""
+        ),
     )
 
 
@@ -266,14 +285,18 @@ def nominal_seconds(
 
 
 # -------------------------------------------------------------- the candidate's bytes and FLOPs
-def device_flops(cfg: ModelConfig, per_row: int, *, rows: int, seq_len: int, tp: int) -> int:
+def device_flops(
+    cfg: ModelConfig, per_row: int, *, rows: int, seq_len: int, tp: int, cp: int = 1
+) -> int:
     """Matmul FLOPs one device runs per step (``per_row``: one row's gradient, recompute
     included, ``predict.FlopModel``; ``rows``: the rows of its data-parallel group): with tensor
-    parallelism the blocks' matmuls split over ``tp`` devices, the LM head's whole on each."""
+    parallelism the blocks' matmuls split over ``tp`` devices, the LM head's whole on each;
+    with a context axis all of it over ``cp`` (each device its ``S / cp`` tokens, their queries
+    against every key: the all-gathered form's count, high for the ring's)."""
     if tp == 1:
-        return per_row * rows
+        return per_row * rows // cp
     head_per_row = analytic.head_flops(cfg, 1, seq_len)
-    return head_per_row * rows + (per_row - head_per_row) * rows // tp
+    return (head_per_row * rows + (per_row - head_per_row) * rows // tp) // cp
 
 
 def tensor_parallel_bytes(
@@ -295,6 +318,29 @@ def tensor_parallel_bytes(
         * precision.compute_bytes
         * cfg.n_layers
     )
+
+
+def context_parallel_bytes(
+    cfg: ModelConfig, precision: Precision, policy: MemoryPolicy, *, rows: int, seq_len: int,
+    cp: int, tp: int = 1, form: str = "gather",
+) -> int:  # fmt: skip
+    """Bytes per device and step over the interconnect for a context axis of ``cp`` devices,
+    from shapes: each block's keys and values, ``2 [S, Hkv K]`` per row (one tensor device's
+    heads), reach every device in the forward and again in a rematerialised block's recompute
+    (all-gathered, or passed round the ring in ``cp - 1`` steps: ``(cp - 1) / cp`` of them
+    either way); the backward returns their gradients (the gathered form reduce-scatters them
+    in the compute type; the ring passes keys and values in the compute type and their fp32
+    gradients ``cp`` steps round). 0 without a context axis."""
+    if cp == 1:
+        return 0
+    kv = 2 * rows * seq_len * cfg.kv_heads * cfg.head_dim // tp  # elements of K and V, a row
+    passes = 2 if policy.head.remat else 1
+    forward = passes * kv * precision.compute_bytes * (cp - 1) / cp
+    if form == "ring":
+        backward = kv * (precision.compute_bytes + 4)  # cp steps of S / cp positions each
+    else:
+        backward = kv * precision.compute_bytes * (cp - 1) / cp
+    return int((forward + backward) * cfg.n_layers)
 
 
 def data_parallel_bytes(
@@ -398,15 +444,19 @@ def gpu_step_time(
     tp: int,
     update: str | None,
     transfers: st.Transfers,
+    cp: int = 1,
 ) -> st.StepTime:
     """A GPU candidate's estimated step time (module docstring): its microbatches' gradient
-    work (``work``), its update's and accumulation's bytes (``update_bytes``,
-    ``accumulation_bytes``; a host update's stack in host memory, not here), its transfers."""
-    data = devices // tp
+    work (``work``; under a context axis with the blockwise attention kernel), its update's
+    and accumulation's bytes (``update_bytes``, ``accumulation_bytes``; a host update's stack
+    in host memory, not here), its transfers."""
+    data = devices // (tp * cp)
     rows = batch // data // accum
-    outside, blocks = work.micro(policy, precision, rows)
-    param_shards = (data if strategy == "fsdp" else 1) * tp  # what each device holds
-    state_shards = (data if strategy in ("zero1", "fsdp") else 1) * tp  # and updates
+    blockwise = cp > 1 and cfg.attention == "fused"
+    outside, blocks = work.micro(policy, precision, rows, blockwise=blockwise)
+    shards = data * cp  # a strategy shards over the data and context devices together
+    param_shards = (shards if strategy == "fsdp" else 1) * tp  # what each device holds
+    state_shards = (shards if strategy in ("zero1", "fsdp") else 1) * tp  # and updates
     memory = update_bytes(
         cfg, opt_cfg, precision, param_shards=state_shards, state_shards=state_shards,
         adapters=work.adapters,
@@ -424,8 +474,9 @@ def gpu_step_time(
         device,
         accum=accum,
         tp=tp,
+        cp=cp,
         memory_bytes=max(0, memory),
-        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len, work.adapters) // tp,
+        model_flops=analytic.mfu_flops(cfg, batch // data, seq_len, work.adapters) // (tp * cp),
         transfers=transfers,
         compute_dtype=precision.compute_dtype,
     )

@@ -109,12 +109,13 @@ class MemoryModel:
             # in bytes per row (the compile of the candidate itself is the proof)
             a, b = self._family(POLICIES["selective"], cand)
             precision = PRECISIONS[cand.precision]
-            rows = self.problem.batch // (self.problem.devices // cand.tp * cand.accum)
+            rows = self.problem.batch // (cand.data(self.problem.devices) * cand.accum)
             cfg, seq = self.problem.cfg, self.problem.seq_len
             delta = tags.block_bytes(cfg, part, seq, precision) - tags.block_bytes(
                 cfg, POLICIES["selective"], seq, precision
             )
-            return a, b + rows * delta / cand.tp  # the tags' bytes split over tensor devices
+            # the tags' bytes split over tensor devices and, by sequence, context devices
+            return a, b + rows * delta / (cand.tp * cand.cp)
         # fitted on the scanned stack; an unrolled one is predicted from its scan's fit (it
         # plans within ~20 % of it: 0.79x to 0.94x measured, offload 2.2x) and calibrated by
         # its own compiles (``observe``): no unrolled fit compiles, which are the slowest
@@ -161,7 +162,7 @@ class MemoryModel:
             cand.policy.embedding.replay,
             cand.accum,
             cand.strategy,
-            cand.tp,
+            cand.layout,
             cand.precision,
         )
 
@@ -189,12 +190,12 @@ def candidate_host_bytes(problem: Problem, cand: Candidate) -> int:
     """Host bytes per device of a planner candidate (analytic, from shapes): its offloaded
     activations, its optimizer state in host memory, a streamed stack's parameters and state."""
     precision = PRECISIONS[cand.precision]
-    rows = problem.batch // (problem.devices // cand.tp) // cand.accum
-    total = offloaded_activation_bytes(
-        problem.cfg, cand.policy, rows, problem.seq_len, precision, cand.tp
+    rows = problem.batch // cand.data(problem.devices) // cand.accum
+    total = offloaded_activation_bytes(  # one tensor device's share of its S / cp positions
+        problem.cfg, cand.policy, rows, problem.seq_len // cand.cp, precision, cand.tp
     )
     if cand.stream:  # one device's shards of the stack (as ``cost.streamed_bytes``)
-        data = problem.devices // cand.tp
+        data = cand.data(problem.devices)  # streamed: no context axis (context_refusal)
         param_shards = data if cand.strategy == "fsdp" else 1
         state_shards = data if cand.strategy in ("zero1", "fsdp") else 1
         params = parameter_bytes(problem, precision) // param_shards
@@ -208,7 +209,7 @@ def state_host_bytes(problem: Problem, cand: Candidate) -> int:
     if cand.state_memory == "device" or cand.stream:
         return 0
     total = state_bytes(problem, PRECISIONS[cand.precision])
-    data = problem.devices // cand.tp
+    data = cand.data(problem.devices) * cand.cp  # the state shards over data and context
     shards = (data if cand.strategy in ("zero1", "fsdp") else 1) * cand.tp
     return total // shards
 
@@ -238,8 +239,8 @@ def chunk_savings_bound(problem: Problem, cand: Candidate) -> int:
     holds 10.0 MiB of temporaries on an H100 plan, 24.0 on XLA:CPU, which gives the gradient a
     buffer of its own; llama-3.2-1b's whole H100 step plans 5,515 MiB less in chunks for 8,016
     MiB of logits). The LM head is whole on every tensor device."""
-    rows = problem.batch // (problem.devices // cand.tp * cand.accum)
-    return 3 * rows * problem.seq_len * problem.cfg.vocab_size * 4
+    rows = problem.batch // (cand.data(problem.devices) * cand.accum)
+    return 3 * rows * problem.seq_len // cand.cp * problem.cfg.vocab_size * 4
 
 
 def argument_floor(problem: Problem, space: PlanSpace) -> tuple[int, str]:
@@ -267,7 +268,8 @@ def argument_floor(problem: Problem, space: PlanSpace) -> tuple[int, str]:
             params -= cfg.n_layers * block * precision.param_bytes  # streamed from host
         state = 0 if state_out else state_bytes(problem, precision)
         params, state = params // (n if split else 1), state // (n if state_split else 1)
-        tokens = 2 * 4 * problem.seq_len * max(1, problem.batch // (n * max(space.accum)))
+        share = problem.seq_len // max(space.context)  # a context axis splits each row
+        tokens = 2 * 4 * share * max(1, problem.batch // (n * max(space.accum)))
         if floor is None or params + state + tokens < floor:
             floor = params + state + tokens
             said = (

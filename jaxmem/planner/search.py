@@ -91,6 +91,8 @@ class Outcome:
             "state_memory": c.state_memory,
             "strategy": c.strategy,
             "tp": c.tp,
+            "cp": c.cp,
+            "cp_attention": c.cp_attention if c.cp > 1 else None,
             "precision": c.precision,
             "flops": c.flops,
             "host_bytes": c.host_bytes,
@@ -178,7 +180,7 @@ def _floor_probes(c: Candidate, lean: list[MemoryPolicy], outs: set) -> list[Mem
 
 def _program(c: Candidate, policy: MemoryPolicy) -> tuple:
     """What decides a compiled program at the real depth: ``c``'s settings under ``policy``."""
-    return (policy, c.accum, c.strategy, c.tp, c.precision, c.stream)
+    return (policy, c.accum, c.strategy, c.layout, c.precision, c.stream)
 
 
 class _Compiles:
@@ -229,7 +231,7 @@ class _TimeCalibration:
         self.ratios: dict[tuple, float] = {}
 
     def _parts(self, c: Candidate) -> list[tuple[int, tuple]]:
-        family = (c.accum, c.strategy, c.tp, c.precision, c.stream, c.state_memory)
+        family = (c.accum, c.strategy, c.layout, c.precision, c.stream, c.state_memory)
         parts = priced_runs(c.policy, self.n_layers)
         return [(n, (part_key(p), *family)) for n, p in parts]
 
@@ -445,7 +447,7 @@ def _chunked_twin_status(
         return ""
     whole = dataclasses.replace(cand, policy=cand.policy.replace(loss=LossPolicy()))
     budget, bound = problem.budget_bytes, chunk_savings_bound(problem, cand)
-    key = (whole.policy, whole.accum, whole.strategy, whole.tp, whole.precision, whole.stream)
+    key = (whole.policy, whole.accum, whole.strategy, whole.layout, whole.precision, whole.stream)
     if key in at_depth:
         if at_depth[key] - state_host_bytes(problem, whole) - bound > budget:
             return TWIN_OVER["compiled"]

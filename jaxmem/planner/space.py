@@ -32,7 +32,7 @@ from jaxmem.job import JobConfig
 from jaxmem.memory import step_time as st
 from jaxmem.memory.step_time import Device, StepTime
 from jaxmem.memory.targets import Target, rates_for
-from jaxmem.parallel import ParallelConfig
+from jaxmem.parallel import CP_ATTENTIONS, ParallelConfig
 from jaxmem.planner import cost
 from jaxmem.planner.stacks import FlopCounts, searched_stacks
 from jaxmem.policy import (
@@ -67,6 +67,11 @@ class PlanSpace:
     # tensor-parallel sizes (Megatron's layout with sequence parallelism, ``--mesh ...,tp=T``):
     # each that divides the devices and the model (``ParallelConfig.check_model``) is searched
     tensor: tuple[int, ...] = (1,)
+    # context-parallel sizes (the sequence split over devices, ``--mesh ...,cp=C``): each whose
+    # product with a tensor size divides the devices, and that the model and sequence allow,
+    # is searched, its attention run as ``cp_attention`` says (``ParallelConfig.cp_attention``)
+    context: tuple[int, ...] = (1,)
+    cp_attention: str = "gather"
     precisions: tuple[str, ...] = ("fp32",)
     # also the per-tag policies on the Pareto frontier of one block (``jaxmem.planner.tags``),
     # each over the whole stack
@@ -109,6 +114,13 @@ class PlanSpace:
         require(not bad, f"plan precisions {bad} are not one of {', '.join(PRECISIONS)}")
         bad = [t for t in self.mlp_tiles if not (isinstance(t, int) and t > 0)]
         require(not bad, f"plan mlp_tiles {bad} must be positive token counts")
+        for field in ("tensor", "context"):
+            bad = [n for n in getattr(self, field) if not (isinstance(n, int) and n > 0)]
+            require(not bad and getattr(self, field), f"plan {field} sizes {bad} must be positive")
+        require(
+            self.cp_attention in CP_ATTENTIONS,
+            f"plan cp_attention={self.cp_attention!r} is not one of {', '.join(CP_ATTENTIONS)}",
+        )
         require(
             isinstance(self.loss_chunks, int) and self.loss_chunks >= 0,
             f"plan loss_chunks={self.loss_chunks!r} must be 0 (whole loss only) or a count",
@@ -131,6 +143,8 @@ class Candidate:
     # bytes of host memory a host update reads and writes per step (estimate, from shapes)
     host_update_bytes: int = 0
     tp: int = 1  # tensor-parallel devices (the rest of the mesh is the strategy's data axis)
+    cp: int = 1  # context-parallel devices (each row's sequence split over them)
+    cp_attention: str = "gather"  # how attention meets the other context devices' keys
     # the step time's parts, MFU and assumptions (jaxmem.planner.cost; None on the local
     # backend, which is ordered by nominal rates)
     estimate: StepTime | None = dataclasses.field(default=None, compare=False)
@@ -147,8 +161,22 @@ class Candidate:
         streamed = ("streamed", self.stream) if self.stream else ()
         unrolled = ("unrolled",) if self.policy.unroll else ()
         tensor = (f"tp={self.tp}",) if self.tp > 1 else ()
+        context = (f"cp={self.cp} {self.cp_attention}",) if self.cp > 1 else ()
         replay = ("replay",) if self.policy.embedding.replay else ()
-        return (self.accum, self.strategy, *tensor, self.precision, *streamed, *unrolled, *replay)
+        return (
+            self.accum, self.strategy, *tensor, *context, self.precision, *streamed, *unrolled,
+            *replay,
+        )  # fmt: skip
+
+    @property
+    def layout(self) -> tuple[int, int, str]:
+        """The mesh's tensor and context axes and the context axis's attention: what, beside
+        the strategy, decides the program's sharding."""
+        return (self.tp, self.cp, self.cp_attention if self.cp > 1 else "")
+
+    def data(self, devices: int) -> int:
+        """Devices on the data-parallel axis (the batch's rows split over these)."""
+        return devices // (self.tp * self.cp)
 
     def describe(self) -> str:
         stack = policy_text(self.policy) + (" (unrolled)" if self.policy.unroll else "")
@@ -169,13 +197,18 @@ class Candidate:
             parts.append(self.strategy)
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}" + (" ring" if self.cp_attention == "ring" else ""))
         return ", ".join(parts)
 
     def parallel(self, devices: int) -> ParallelConfig:
         """The mesh the candidate runs on (one device: the default)."""
-        if self.strategy is None and self.tp == 1:
+        if self.strategy is None and self.tp == 1 and self.cp == 1:
             return ParallelConfig()
-        return ParallelConfig(strategy=self.strategy or "dp", devices=devices, tp=self.tp)
+        return ParallelConfig(
+            strategy=self.strategy or "dp", devices=devices, tp=self.tp, cp=self.cp,
+            cp_attention=self.cp_attention if self.cp > 1 else "gather",
+        )  # fmt: skip
 
 
 # the memory model is fitted at two depths of at least 2 blocks (``Problem.fit_depths``): a
@@ -238,15 +271,27 @@ def part_key(policy: MemoryPolicy) -> str | tuple[str, ...]:
 def tensor_sizes(problem: Problem, space: PlanSpace) -> list[int]:
     """The tensor-parallel sizes searched: those of ``space.tensor`` that divide the devices
     and split the model's heads, MLP and sequence (``ParallelConfig.check_model``)."""
+    return sorted({tp for tp, _ in mesh_layouts(problem, space) if tp in space.tensor})
+
+
+def mesh_layouts(problem: Problem, space: PlanSpace) -> list[tuple[int, int]]:
+    """The (tensor, context) sizes searched: each pair of ``space.tensor`` x ``space.context``
+    whose product divides the devices and whose mesh the model and sequence allow
+    (``ParallelConfig.check_model``: whole heads and MLP columns over the tensor axis, the
+    sequence in ``2 cp`` equal chunks, the ring only under fused attention)."""
     out = []
     for tp in space.tensor:
-        if tp < 1 or problem.devices % tp:
-            continue
-        try:
-            ParallelConfig(devices=problem.devices, tp=tp).check_model(problem.cfg, problem.seq_len)
-        except ConfigError:
-            continue
-        out.append(tp)
+        for cp in space.context:
+            if problem.devices % (tp * cp):
+                continue
+            try:
+                ParallelConfig(
+                    devices=problem.devices, tp=tp, cp=cp,
+                    cp_attention=space.cp_attention if cp > 1 else "gather",
+                ).check_model(problem.cfg, problem.seq_len)  # fmt: skip
+            except ConfigError:
+                continue
+            out.append((tp, cp))
     return out
 
 
@@ -275,19 +320,54 @@ def adapter_choice(adapters: AdapterConfig, tp: int, strategy: str | None, place
     return ok or not adapters.enabled
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What a stack is searched with beside its policy and precision (``_choices``)."""
+
+    tp: int
+    cp: int
+    accum: int
+    strategy: str | None  # None: no state shards (one device, or a tensor axis alone)
+    place: str  # where the optimizer state lives (``PlanSpace.state_memory``)
+
+    def data(self, devices: int) -> int:
+        return devices // (self.tp * self.cp)
+
+
+def _context_allows(
+    problem: Problem, policy: MemoryPolicy, precision: str, cp: int, place: str
+) -> bool:
+    """A context axis runs ``policy`` (``jaxmem.job``): each device's ``S / cp`` positions in
+    whole MLP and loss tiles, loss chunks a multiple of ``cp``, no streamed stack, no adapter
+    dropout (``context_refusal``)."""
+    from jaxmem.job import check_loss_chunks
+
+    if cp == 1:
+        return True
+    if STREAM_UPDATE.get(place) or (problem.adapters.enabled and problem.adapters.dropout):
+        return False
+    try:
+        check_loss_chunks(policy, PRECISIONS[precision], problem.seq_len, cp)
+    except ConfigError:
+        return False
+    return True
+
+
 def _choices(
-    problem: Problem, space: PlanSpace, policy: MemoryPolicy, sizes: list[int]
-) -> Iterator[tuple[int, int, str | None, str]]:
-    """(tensor size, microbatches, strategy, state placement) ``policy``'s stack is searched
-    with: a tensor size of ``sizes`` (a scanned stack only), a microbatch count dividing the
-    batch, a strategy (with a data-parallel axis), a placement (host ones on a GPU target,
-    streaming where it applies)."""
+    problem: Problem, space: PlanSpace, policy: MemoryPolicy, precision: str,
+    layouts: list[tuple[int, int]],
+) -> Iterator[Choice]:  # fmt: skip
+    """What ``policy``'s stack is searched with: a mesh layout of ``layouts`` (a tensor axis
+    under a scanned, untiled stack only; a context axis where ``_context_allows``), a
+    microbatch count dividing the batch, a strategy (with devices to shard the state over), a
+    placement (host ones on a GPU target, streaming where it applies)."""
     host = problem.target.is_gpu  # XLA:CPU erases host placements: the local lattice has none
-    for tp in sizes:
+    for tp, cp in layouts:
         if tp > 1 and (policy.unroll or policy.nested or policy.mlp_tile_tokens):
             continue  # tensor parallelism runs a scanned, untiled stack (JobConfig)
-        data = problem.devices // tp
-        strategies = space.strategies if data > 1 else (None,)
+        data = problem.devices // (tp * cp)
+        # the state shards over the data and context devices together (ParallelConfig)
+        strategies = space.strategies if data * cp > 1 else (None,)
         for accum in space.accum:
             if problem.batch % (data * accum):
                 continue
@@ -298,27 +378,40 @@ def _choices(
                         continue
                     if not adapter_choice(problem.adapters, tp, strategy, place):
                         continue
-                    yield tp, accum, strategy, place
+                    if not _context_allows(problem, policy, precision, cp, place):
+                        continue
+                    yield Choice(tp, cp, accum, strategy, place)
 
 
 def _priced(
-    problem: Problem, work: cost.WorkModel, policy: MemoryPolicy, precision_name: str,
-    per_row: int, choice: tuple[int, int, str | None, str],
+    problem: Problem, space: PlanSpace, work: cost.WorkModel, policy: MemoryPolicy,
+    precision_name: str, per_row: int, choice: Choice,
 ) -> Candidate:  # fmt: skip
     """``policy`` under ``choice`` (``_choices``) with its cost for one device
     (``jaxmem.planner.cost``): the estimated step time, or the local backend's nominal order."""
-    tp, accum, strategy, place = choice
+    tp, cp, accum, strategy, place = (
+        choice.tp, choice.cp, choice.accum, choice.strategy, choice.place
+    )  # fmt: skip
+    form = space.cp_attention if cp > 1 else "gather"
     cfg, opt_cfg, seq_len = problem.cfg, problem.opt_cfg, problem.seq_len
     precision = PRECISIONS[precision_name]
-    data = problem.devices // tp
+    data = choice.data(problem.devices)
+    shards = data * cp  # what a strategy shards the state over
     rows = problem.batch // data
-    flops = cost.device_flops(cfg, per_row, rows=rows, seq_len=seq_len, tp=tp)
-    tensor = cost.tensor_parallel_bytes(cfg, precision, policy, rows=rows, seq_len=seq_len, tp=tp)
-    collective = tensor + cost.data_parallel_bytes(
-        cfg, precision, strategy, data=data, tp=tp, accum=accum
+    flops = cost.device_flops(cfg, per_row, rows=rows, seq_len=seq_len, tp=tp, cp=cp)
+    tensor = cost.tensor_parallel_bytes(
+        cfg, precision, policy, rows=rows, seq_len=seq_len // cp, tp=tp
+    )
+    context = cost.context_parallel_bytes(
+        cfg, precision, policy, rows=rows, seq_len=seq_len, cp=cp, tp=tp, form=form
+    )
+    collective = (
+        tensor
+        + context
+        + cost.data_parallel_bytes(cfg, precision, strategy, data=shards, tp=tp, accum=accum)
     )
     offloaded = cost.activation_offload_bytes(
-        cfg, precision, policy, rows=rows, seq_len=seq_len, tp=tp
+        cfg, precision, policy, rows=rows, seq_len=seq_len, tp=tp * cp
     )
     update = STREAM_UPDATE.get(place)
     state, on_host = 0, 0
@@ -329,8 +422,8 @@ def _priced(
             state_shards=data if strategy in ("zero1", "fsdp") else 1,
         )  # fmt: skip
     elif place != "device":
-        shards = (data if strategy in ("zero1", "fsdp") else 1) * tp
-        state = cost.state_transfer_bytes(cfg, opt_cfg, precision, shards=shards)
+        held = (shards if strategy in ("zero1", "fsdp") else 1) * tp
+        state = cost.state_transfer_bytes(cfg, opt_cfg, precision, shards=held)
     moved, estimate = offloaded + state, None
     device = Device.of(problem.target)
     if device is None:
@@ -340,18 +433,19 @@ def _priced(
         )  # fmt: skip
     else:
         transfers = st.Transfers(
-            activation_offload=offloaded, state=state, data_parallel=collective - tensor,
-            tensor_parallel=tensor, host_update=on_host,
+            activation_offload=offloaded, state=state,
+            data_parallel=collective - tensor - context, tensor_parallel=tensor,
+            context_parallel=context, host_update=on_host,
         )  # fmt: skip
         estimate = cost.gpu_step_time(
             cfg, opt_cfg, work, device, policy, precision, batch=problem.batch, seq_len=seq_len,
-            devices=problem.devices, accum=accum, strategy=strategy, tp=tp, update=update,
-            transfers=transfers,
+            devices=problem.devices, accum=accum, strategy=strategy, tp=tp, cp=cp,
+            update=update, transfers=transfers,
         )  # fmt: skip
         seconds = estimate.seconds
     return Candidate(
         policy, accum, place, strategy, precision_name, flops, moved, collective, seconds,
-        on_host, tp, estimate,
+        host_update_bytes=on_host, tp=tp, cp=cp, cp_attention=form, estimate=estimate,
     )  # fmt: skip
 
 
@@ -361,14 +455,14 @@ def enumerate_candidates(
     """Every candidate of the lattice with its cost (``_priced``; ``work``: the traces), cheapest
     first (``candidate_order``)."""
     work = work or cost.WorkModel(problem.cfg, problem.seq_len, problem.adapters)
-    sizes = tensor_sizes(problem, space)
+    layouts = mesh_layouts(problem, space)
     out = []
     for precision_name in space.precisions:
         precision = PRECISIONS[precision_name]
         for policy in searched_stacks(problem, space, flops, precision):
             per_row = flops.per_row(policy, precision)
-            for choice in _choices(problem, space, policy, sizes):
-                out.append(_priced(problem, work, policy, precision_name, per_row, choice))
+            for choice in _choices(problem, space, policy, precision_name, layouts):
+                out.append(_priced(problem, space, work, policy, precision_name, per_row, choice))
     out.sort(key=candidate_order)
     return out
 
@@ -426,10 +520,14 @@ def candidate_spec(
     )
 
 
-def candidate_job(job: JobConfig, cand: Candidate, devices: int) -> JobConfig:
-    """``job`` with ``cand``'s choices applied: what ``jaxmem train`` runs for it."""
+def candidate_job(
+    job: JobConfig, cand: Candidate, devices: int, batch: int | None = None
+) -> JobConfig:
+    """``job`` with ``cand``'s choices applied (and ``batch``, where the planned batch is not
+    ``job``'s: ``jaxmem plan``'s template, ``template_job``): what ``jaxmem train`` runs."""
     return dataclasses.replace(
         job,
+        run=job.run if batch is None else dataclasses.replace(job.run, batch_size=batch),
         memory=cand.policy,
         precision=PRECISIONS[cand.precision],
         accum=dataclasses.replace(job.accum, steps=cand.accum),
