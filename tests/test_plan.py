@@ -875,3 +875,35 @@ def test_plan_over_a_mesh_a_batch_of_one_cannot_split_chooses_a_context_axis_tha
         proc = run_cli("plan", *common, *lean, *extra)
         assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr[-2000:]
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_plans_template_job_holds_the_batch_and_the_form_a_searched_context_axis_runs():
+    """``jaxmem plan``'s job over a mesh: a batch its data axis cannot split is planned (the job
+    a template of batch x devices rows, the batch kept apart); ``--cp-attention`` over a mesh
+    without a context axis names the form a searched one runs (fused: the ring by default;
+    gather when named); any other bad value is the job's own line."""
+    from jaxmem.cli.app import build_parser
+    from jaxmem.cli.common import UsageError
+    from jaxmem.cli.plan import _space, template_job
+
+    def plan(*argv):
+        base = ("plan", "--preset", "tiny-llama", "--seq-len", "64", "--budget", "9MiB")
+        args = build_parser().parse_args([*base, *argv])
+        job, batch, form = template_job(args)
+        return job, batch, form, _space(args, job, form)
+
+    job, batch, form, space = plan("--attention", "fused", "--mesh", "fsdp=8", "--batch-size", "1")
+    assert (batch, job.run.batch_size, job.parallel.devices) == (1, 8, 8)
+    assert form is None and space.cp_attention == "ring" and space.context == (1, 2, 4, 8)
+    _, _, form, space = plan(
+        "--attention", "fused", "--mesh", "fsdp=8", "--batch-size", "8", "--cp-attention", "gather"
+    )
+    assert form == "gather" and space.cp_attention == "gather"
+    _, _, _, space = plan("--mesh", "fsdp=2,cp=2", "--batch-size", "2", "--cp", "1,2")
+    assert space.context == (1, 2) and space.cp_attention == "gather"  # naive attention
+    for argv, fragment in (
+        (("--mesh", "fsdp=2", "--cp-attention", "ring"), "add --attention fused"),
+        (("--mesh", "fsdp=2", "--batch-size", "1", "--set", "optimizer.lr=-1"), "lr"),
+    ):
+        with pytest.raises(UsageError, match=re.escape(fragment)):
+            plan(*argv)

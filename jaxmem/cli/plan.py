@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
+from typing import Any
 
 import jaxmem.cli.presets as presets
 import jaxmem.cli.render as render
@@ -36,8 +37,12 @@ from jaxmem.cli.flags import (
     not_streamed,
 )
 from jaxmem.files import write_json_atomic
-from jaxmem.job import torch_host_memory_refusal, torch_mesh_refusal
-from jaxmem.parallel import STRATEGIES
+from jaxmem.job import (
+    torch_host_memory_refusal,
+    torch_mesh_refusal,
+    torch_tensor_parallel_refusal,
+)
+from jaxmem.parallel import STRATEGIES, ParallelConfig
 from jaxmem.policy import POLICIES
 from jaxmem.precision import PRECISIONS
 
@@ -64,8 +69,9 @@ def add_parser(sub) -> None:
         description="Searches the stack's memory policy (presets, per-tag policies on one "
         "block's bytes/FLOPs frontier, and the first K blocks under one preset with the rest "
         "under another: HEAD:K+REST), the microbatch count, "
-        "optimizer-state offload (GPU targets), the data-parallel strategy (with --mesh) and, "
-        "when allowed, the precision; predicts each candidate's bytes from a few compiles, then "
+        "optimizer-state offload (GPU targets), the data-parallel strategy and the tensor and "
+        "context sizes (with --mesh) and, when allowed, the precision; predicts each "
+        "candidate's bytes from a few compiles, then "
         "compiles candidates for --target in order of estimated cost until one fits --budget, "
         "and prints the jaxmem train commands that run it. Exit 2 when nothing fits, naming "
         "the smallest plan found.",
@@ -86,7 +92,7 @@ def add_parser(sub) -> None:
         default=None,
         help="with --mesh: tensor-parallel sizes to search, comma-separated (default: every "
         "size that divides the mesh's devices and the model's heads, MLP and sequence; 1: "
-        "data parallelism only; a --mesh with tp=T: T alone)",
+        "none; a --mesh with tp=T: T alone)",
     )
     g.add_argument(
         "--cp",
@@ -224,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxmem.planner.search import default_budget
     from jaxmem.planner.space import Problem
 
-    job, batch = template_job(args)
+    job, batch, form = template_job(args)
     not_streamed(job, "plan")
     _check_adapters(job)
     with usage_errors():
@@ -233,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             budget, budget_source = parse_bytes(args.budget, "--budget"), "--budget"
         else:
             budget, budget_source = default_budget(target)
-        space = _space(args, job)
+        space = _space(args, job, form)
         host_allowed, host_source = host_limit(host_memory(args))
     presets.check("plan", job.preset, job.model)
     check_writable(args.json)
@@ -276,7 +282,21 @@ def _check_layouts(problem, space) -> None:
             f"its {problem.seq_len} positions (whole heads over tp, 2 x cp equal chunks over "
             "cp): give --tp and --cp sizes that do"
         )
-    if not any(batch % (n // (tp * cp)) == 0 for tp, cp in layouts):
+
+    def splits(layout):
+        return batch % (n // (layout[0] * layout[1])) == 0
+
+    adapters = problem.adapters
+    dropout = adapters.dropout if adapters.enabled else 0.0
+    if dropout and not any(splits(lay) for lay in layouts if lay[1] == 1):
+        if any(splits(lay) for lay in layouts):  # only a context axis splits it
+            raise UsageError(
+                f"batch {batch} splits over the mesh's {n} device(s) only with a context axis, "
+                f"which adapter dropout {dropout} does not run with (its masks are drawn per row "
+                "in position order): set the adapters' dropout to 0, or use a batch a data axis "
+                "splits"
+            )
+    if not any(splits(lay) for lay in layouts):
         data = sorted({n // (tp * cp) for tp, cp in layouts})
         raise UsageError(
             f"batch {batch} does not split over the data axis of any layout searched ({searched}"
@@ -289,40 +309,56 @@ def _sizes(sizes) -> str:
     return ",".join(map(str, sizes))
 
 
-def template_job(args: argparse.Namespace):
-    """The command's job and the batch it plans. The mesh gives the devices (and fixes an axis
-    it names as tp=T or cp=C); the search chooses the layout and the microbatches, so a batch
+def template_job(args: argparse.Namespace) -> tuple[Any, int, str | None]:
+    """The command's job, the batch it plans and the context-parallel attention it names for a
+    searched context axis (None: not named). The mesh gives the devices (and fixes an axis it
+    names as tp=T or cp=C); the search chooses the layout and the microbatches, so a batch
     that does not split over the mesh's own data axis (batch 1 over ``--mesh fsdp=8``, where
     only a context or tensor axis can take the devices) is planned: the job is then a template
     at ``batch x devices x accum`` rows and each candidate's job carries the planned batch
-    (``candidate_job``). Any other bad value: the job's own one line."""
+    (``candidate_job``); and ``--cp-attention`` over a mesh without a context axis says how a
+    searched one runs. Any other bad value: the job's own one line."""
     from jaxmem.config import ConfigError
     from jaxmem.job import JobConfig, layered_config
+
+    def resolve(raw):
+        return JobConfig.from_dict(raw, seq_len_default=max_seq_len)
 
     with usage_errors():
         layered = layered_config(
             defaults=DEFAULTS, config_file=getattr(args, "config", None),
             flags=flag_settings(args, NAMES), assignments=getattr(args, "set", None) or (),
         )  # fmt: skip
+        mesh = dict(layered.get("parallel") or {})
+        held = None
+        if not args.longest and mesh.get("cp", 1) == 1 and "cp_attention" in mesh:
+            held = mesh.pop("cp_attention")  # for the searched context axis
+            layered = {**layered, "parallel": mesh}
         try:
-            job = JobConfig.from_dict(layered, seq_len_default=max_seq_len)
-            return job, job.run.batch_size
+            job = resolve(layered)
+            batch = job.run.batch_size
         except ConfigError as first:
-            mesh = dict(layered.get("parallel") or {})
             devices = mesh.get("devices", 1)
             if not mesh or args.longest or not isinstance(devices, int) or devices < 1:
                 raise
-            alone = JobConfig.from_dict(  # the job on one device: any other bad value says so
-                {k: v for k, v in layered.items() if k != "parallel"},
-                seq_len_default=max_seq_len,
-            )
+            # the job on one device: any other bad value says so
+            alone = resolve({k: v for k, v in layered.items() if k != "parallel"})
             rows = alone.run.batch_size * alone.accum.steps * devices
             try:
                 run = {**(layered.get("run") or {}), "batch_size": rows}
-                job = JobConfig.from_dict({**layered, "run": run}, seq_len_default=max_seq_len)
+                job = resolve({**layered, "run": run})
             except ConfigError:
                 raise first from None
-            return job, alone.run.batch_size
+            batch = alone.run.batch_size
+        if held is not None:  # its name checked as a mesh with a context axis checks it
+            ParallelConfig(devices=2, cp=2, cp_attention=held)
+            if held == "ring" and job.model.attention != "fused":
+                raise UsageError(
+                    "--cp-attention ring merges each device's partial softmax, which the fused "
+                    f"attention does; the model's attention is {job.model.attention!r}: add "
+                    "--attention fused"
+                )
+    return job, batch, held
 
 
 def _check_adapters(job) -> None:
@@ -342,7 +378,7 @@ def _check_adapters(job) -> None:
         raise UsageError(f"jaxmem plan: {line}")
 
 
-def _space(args: argparse.Namespace, job):
+def _space(args: argparse.Namespace, job, form: str | None = None):
     from jaxmem.planner.longest import TILE_TOKENS
     from jaxmem.planner.space import PlanSpace
 
@@ -367,7 +403,8 @@ def _space(args: argparse.Namespace, job):
         strategies=tuple(parse_names(args.strategies, list(STRATEGIES), "strategies")),
         tensor=_tensor_sizes(args, job),
         context=_context_sizes(args, job),
-        cp_attention=_cp_attention(args, job),
+        cp_attention=form or _cp_attention(args, job),
+        sequence_parallel=job.parallel.sequence_parallel,
         precisions=tuple(
             parse_names(args.precisions or job.precision.name, list(PRECISIONS), "precisions")
         ),
@@ -521,7 +558,11 @@ def _commands(job, result) -> dict[str, str | None]:
     chosen = candidate_job(job, result.chosen.candidate, problem.devices, problem.batch)
     argv = job_argv(chosen)
     jax_cmd = shlex.join(["jaxmem", "train", *argv])
-    refusal = torch_mesh_refusal(chosen.parallel, chosen.model) or torch_host_memory_refusal(chosen)
+    refusal = (
+        torch_mesh_refusal(chosen.parallel, chosen.model)
+        or torch_tensor_parallel_refusal(chosen)
+        or torch_host_memory_refusal(chosen)
+    )
     if refusal is None and chosen.adapters.enabled:
         from jaxmem.compare.torch_run import torch_adapter_refusal
 

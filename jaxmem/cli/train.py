@@ -352,6 +352,7 @@ def _auto_policy(job, budget_text: str):
         tensor=(par.tp,),
         context=(par.cp,),
         cp_attention=par.cp_attention,
+        sequence_parallel=par.sequence_parallel,
         precisions=(job.precision.name,),
     )
     problem = Problem(

@@ -334,6 +334,7 @@ def of_plan(
     host_update_bytes: int = 0,
     program_host_copies: bool = True,
     adapters: Any = None,
+    context_bytes: int = 0,
 ) -> dict[str, Any] | None:
     """The estimated step time of a program compiled for a GPU ``target`` whose kernels are
     ``work`` (``work_of_hlo`` of it; None, or the local backend: None), per device, with the MFU
@@ -343,7 +344,10 @@ def of_plan(
     ``program_host_copies=False`` where those shapes replace the program's own copies and host
     computations) and ``host_update_bytes`` of host memory an update on the host reads and
     writes. ``adapters`` (a LoRA job's ``AdapterConfig``): the MFU counts what a frozen base
-    computes. A dict (``StepTime.as_dict`` and its ``line``)."""
+    computes. ``context_bytes``: the bytes of the program's collectives that are a context
+    axis's keys and values (from shapes: its collectives do not name their axis, and the
+    context axis's groups are not neighbours), priced as ``Overlap.context_parallel`` says
+    rather than as the data axis's. A dict (``StepTime.as_dict`` and its ``line``)."""
     from jaxmem.memory import analytic
 
     device = Device.of(target)
@@ -354,6 +358,8 @@ def of_plan(
     sharded = parallel is not None and parallel.sharded
     data, tp, cp = (parallel.data, parallel.tp, parallel.cp) if sharded else (1, 1, 1)
     dp_bytes, tp_bytes = collective_transfers(work, data=data, tp=tp)
+    cp_bytes = min(context_bytes, dp_bytes) if cp > 1 else 0  # among the non-neighbours'
+    dp_bytes -= cp_bytes
     est = estimate(
         work,
         device,
@@ -363,6 +369,7 @@ def of_plan(
             state=state_link_bytes,
             data_parallel=dp_bytes,
             tensor_parallel=tp_bytes,
+            context_parallel=cp_bytes,
             host_update=host_update_bytes,
         ),
         compute_dtype=precision.compute_dtype,

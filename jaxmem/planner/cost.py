@@ -232,8 +232,9 @@ def step_estimate(
     )  # fmt: skip
     parts = (whole, split, update)
     share = (1.0 / cp, 1.0 / (tp * cp), 1.0)
-    fields = ("matmul", "attention", "memory_bound", "launches")
+    fields = ("matmul", "attention", "memory_bound")
     summed = {f: sum(getattr(p, f) * k for p, k in zip(parts, share, strict=True)) for f in fields}
+    summed["launches"] = sum(p.launches for p in parts)  # every device launches every kernel
     busy = sum(summed.values())
     o = st.DEFAULT.overlap
     exposed = sum(

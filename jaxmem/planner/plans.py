@@ -70,11 +70,20 @@ def step_time(plan: Any, target: Target, *args: Any, **kwargs: Any) -> dict[str,
 
 
 def spec_step_time(spec: StepSpec, plan: Any, **kwargs: Any) -> dict[str, Any] | None:
-    """``step_time`` of ``spec``'s plan (per device over its mesh)."""
+    """``step_time`` of ``spec``'s plan (per device over its mesh; a context axis's keys and
+    values priced apart from the data axis's collectives, ``cost.context_parallel_bytes``)."""
+    from jaxmem.planner.cost import context_parallel_bytes
+
     parallel = spec.parallel if spec.sharded else None
+    context = 0
+    if parallel is not None and parallel.context_parallel:
+        context = context_parallel_bytes(
+            spec.model, spec.precision, spec.policy, rows=spec.batch // parallel.data,
+            seq_len=spec.seq_len, cp=parallel.cp, tp=parallel.tp, form=parallel.cp_attention,
+        )  # fmt: skip
     return step_time(
         plan, spec.target, spec.model, spec.precision, spec.batch, spec.seq_len, parallel,
-        adapters=spec.adapters, **kwargs,
+        adapters=spec.adapters, context_bytes=context, **kwargs,
     )  # fmt: skip
 
 
@@ -126,7 +135,7 @@ def _state_shards(spec: StepSpec) -> int:
     parallel = spec.parallel
     if not spec.sharded:
         return 1
-    return parallel.tp * (parallel.data if parallel.strategy != "dp" else 1)
+    return parallel.tp * (parallel.state_shards if parallel.strategy != "dp" else 1)
 
 
 def plan_step(spec: StepSpec) -> dict[str, Any]:

@@ -9,8 +9,9 @@ The lattice (``PlanSpace``): the stack's memory policy — a preset, or the firs
 preset and the other L - k under another (``jaxmem.policy.mixed_policy``: two consecutive scans;
 on identical blocks the order does not change the peak, measured: ``selective:2+full`` and
 ``full:6+selective`` plan the same bytes on an 8-layer H100 plan) — × microbatch count × where the
-optimizer state lives × data-parallel strategy (with a mesh) × precision (only when the user
-allows it).
+optimizer state lives × data-parallel strategy (with a mesh) × the mesh's layout (tensor and
+context axes over its devices, the rest a data axis: ``mesh_layouts``) × precision (only when
+the user allows it).
 
 Cost (``Candidate.seconds``, an **estimate**, never a measurement): on a GPU target, the step
 time ``jaxmem.planner.cost`` estimates before compiling (the gradient's jaxpr read kernel by
@@ -72,6 +73,9 @@ class PlanSpace:
     # is searched, its attention run as ``cp_attention`` says (``ParallelConfig.cp_attention``)
     context: tuple[int, ...] = (1,)
     cp_attention: str = "gather"
+    # with a tensor axis, the residual stream split by sequence too (the job's
+    # ``parallel.sequence_parallel``)
+    sequence_parallel: bool = True
     precisions: tuple[str, ...] = ("fp32",)
     # also the per-tag policies on the Pareto frontier of one block (``jaxmem.planner.tags``),
     # each over the whole stack
@@ -142,9 +146,10 @@ class Candidate:
     seconds: float  # estimated step time (FLOPs / rate + bytes / bandwidths)
     # bytes of host memory a host update reads and writes per step (estimate, from shapes)
     host_update_bytes: int = 0
-    tp: int = 1  # tensor-parallel devices (the rest of the mesh is the strategy's data axis)
+    tp: int = 1  # tensor-parallel devices (the rest of the mesh: context and data axes)
     cp: int = 1  # context-parallel devices (each row's sequence split over them)
     cp_attention: str = "gather"  # how attention meets the other context devices' keys
+    sequence_parallel: bool = True  # with a tensor axis (ParallelConfig.sequence_parallel)
     # the step time's parts, MFU and assumptions (jaxmem.planner.cost; None on the local
     # backend, which is ordered by nominal rates)
     estimate: StepTime | None = dataclasses.field(default=None, compare=False)
@@ -208,6 +213,7 @@ class Candidate:
         return ParallelConfig(
             strategy=self.strategy or "dp", devices=devices, tp=self.tp, cp=self.cp,
             cp_attention=self.cp_attention if self.cp > 1 else "gather",
+            sequence_parallel=self.sequence_parallel,
         )  # fmt: skip
 
 
@@ -226,7 +232,7 @@ class Problem:
     target: Target
     budget_bytes: int
     opt_cfg: OptimizerConfig
-    devices: int = 1  # data-parallel devices (a mesh of one axis)
+    devices: int = 1  # the mesh's devices (data x tensor x context, as a candidate lays them)
     # skip a candidate predicted over the budget by more than this fraction: the memory model's
     # measured error on mixed stacks (compare.tolerances "mixed_stack_prediction")
     slack: float = 0.20
@@ -288,6 +294,7 @@ def mesh_layouts(problem: Problem, space: PlanSpace) -> list[tuple[int, int]]:
                 ParallelConfig(
                     devices=problem.devices, tp=tp, cp=cp,
                     cp_attention=space.cp_attention if cp > 1 else "gather",
+                    sequence_parallel=space.sequence_parallel,
                 ).check_model(problem.cfg, problem.seq_len)  # fmt: skip
             except ConfigError:
                 continue
@@ -445,7 +452,8 @@ def _priced(
         seconds = estimate.seconds
     return Candidate(
         policy, accum, place, strategy, precision_name, flops, moved, collective, seconds,
-        host_update_bytes=on_host, tp=tp, cp=cp, cp_attention=form, estimate=estimate,
+        host_update_bytes=on_host, tp=tp, cp=cp, cp_attention=form,
+        sequence_parallel=space.sequence_parallel, estimate=estimate,
     )  # fmt: skip
 
 
