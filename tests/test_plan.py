@@ -907,3 +907,74 @@ def test_plans_template_job_holds_the_batch_and_the_form_a_searched_context_axis
     ):
         with pytest.raises(UsageError, match=re.escape(fragment)):
             plan(*argv)
+
+
+def test_loss_chunk_twins_are_bounded_by_their_familys_floor_in_the_most_chunks():
+    """At long sequences every stack has a twin per loss chunk count, and the whole-loss bound
+    (the whole logits' three fp32 buffers) is too loose to skip them (an 8B at 524,288 tokens
+    spent all 40 compiles on tp=8's twins). The family's leanest stack in the most chunks,
+    compiled once, bounds them all: a plan in fewer chunks holds at least it less one of its
+    chunks' buffers. Stand-in compiles: each stack's bytes plus a tenth of its chunk's bound,
+    `full` over the budget by more than its 16-chunk buffers."""
+    from jaxmem.planner.predict import chunk_savings_bound
+    from jaxmem.planner.search import TWIN_OVER
+    from jaxmem.planner.space import policy_text
+    from jaxmem.policy import LossPolicy
+
+    cfg, seq = PRESETS["tiny"].replace(max_seq_len=1024), 1024
+    space = PlanSpace(
+        policies=("none", "selective", "full"), mix=(), accum=(1,), state_memory=("device",),
+        tags=False, loss_chunks=8, loss_tiles=(64,),
+    )  # fmt: skip
+    problem = Problem(cfg, 1, seq, LOCAL, 0, OptimizerConfig())
+    cands = enumerate_candidates(problem, space, FlopModel(cfg, seq))
+    assert {c.policy.loss.chunks for c in cands} == {0, 8, 16}
+    one = chunk_savings_bound(problem, cands[0], 16)
+    assert chunk_savings_bound(problem, cands[0]) == 16 * one  # the whole logits' bound
+    problem.budget_bytes = 100 * one
+    base = {"none": 300 * one, "selective": 200 * one, "full": 101 * one}
+
+    def compile_peak(spec):
+        chunks = spec.policy.loss.chunks
+        logits = one * 16 // chunks if chunks else 16 * one
+        return base[policy_text(spec.policy.replace(loss=LossPolicy()))] + logits // 10, "s"
+
+    result = search(problem, space, compile_peak=compile_peak)
+    assert result.chosen is None
+    twins = [o for o in result.outcomes if o.candidate.policy.loss.chunks]
+    assert {o.status for o in twins} <= {"over (compiled)", TWIN_OVER["chunk floor"]}
+    assert sum(o.status == TWIN_OVER["chunk floor"] for o in twins) == len(twins) - 1
+    assert result.candidate_compiles <= 4, [o.as_dict() for o in result.outcomes]
+
+
+def test_a_loss_chunk_twin_is_bounded_by_its_stack_compiled_in_fewer_chunks():
+    """Where the family's floor fits (so bounds nothing), a stack compiled in 8 chunks over the
+    budget by more than one 8-chunk's buffers needs no compile in 16: it is over by that rule,
+    and the search compiles only the floor, `none` in 8 chunks and `full`'s twins."""
+    from jaxmem.planner.predict import chunk_savings_bound
+    from jaxmem.planner.search import TWIN_OVER
+    from jaxmem.planner.space import policy_text
+    from jaxmem.policy import LossPolicy
+
+    cfg, seq = PRESETS["tiny"].replace(max_seq_len=1024), 1024
+    space = PlanSpace(
+        policies=("none", "full"), mix=(), accum=(1,), state_memory=("device",), tags=False,
+        loss_chunks=8, loss_tiles=(64,),
+    )  # fmt: skip
+    problem = Problem(cfg, 1, seq, LOCAL, 0, OptimizerConfig())
+    cands = enumerate_candidates(problem, space, FlopModel(cfg, seq))
+    one = chunk_savings_bound(problem, cands[0], 16)
+    problem.budget_bytes = 100 * one
+    base = {"none": 200 * one, "full": 99 * one}
+
+    def compile_peak(spec):
+        chunks = spec.policy.loss.chunks
+        logits = one * 16 // chunks if chunks else 16 * one
+        return base[policy_text(spec.policy.replace(loss=LossPolicy()))] + logits // 10, "s"
+
+    result = search(problem, space, compile_peak=compile_peak)
+    status = {(policy_text(o.candidate.policy), o.candidate.policy.loss.chunks): o.status
+              for o in result.outcomes}  # fmt: skip
+    assert status[("none", 8)] == "over (compiled)"
+    assert status[("none", 16)] == TWIN_OVER["coarser"]
+    assert result.chosen is not None and policy_text(result.chosen.candidate.policy) == "full"

@@ -232,15 +232,18 @@ def parameter_bytes(problem: Problem, precision: Precision) -> int:
     return analytic.param_bytes(cfg, precision)
 
 
-def chunk_savings_bound(problem: Problem, cand: Candidate) -> int:
-    """At most what running the loss in chunks takes off a whole-loss plan: the whole loss's
-    vocabulary-sized buffers of one device's microbatch, three fp32 ``[rows, S, V]``: its logits,
+def chunk_savings_bound(problem: Problem, cand: Candidate, chunks: int = 0) -> int:
+    """At most what running the loss in chunks takes off a whole-loss plan (``chunks`` 0), or
+    what more chunks take off a plan in ``chunks``: the vocabulary-sized buffers of one
+    device's microbatch, whole or of one chunk, three fp32 ``[rows, tokens, V]``: its logits,
     their gradient and a working buffer (measured: the head and loss gradient of 8 MiB of logits
     holds 10.0 MiB of temporaries on an H100 plan, 24.0 on XLA:CPU, which gives the gradient a
     buffer of its own; llama-3.2-1b's whole H100 step plans 5,515 MiB less in chunks for 8,016
-    MiB of logits). The LM head is whole on every tensor device."""
+    MiB of logits). The LM head is whole on every tensor device; a context device holds
+    ``S / cp`` of the tokens (a chunk count is a multiple of cp)."""
     rows = problem.batch // (cand.data(problem.devices) * cand.accum)
-    return 3 * rows * problem.seq_len // cand.cp * problem.cfg.vocab_size * 4
+    tokens = problem.seq_len // max(cand.cp, chunks)
+    return 3 * rows * tokens * problem.cfg.vocab_size * 4
 
 
 def argument_floor(problem: Problem, space: PlanSpace) -> tuple[int, str]:

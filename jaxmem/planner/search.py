@@ -178,6 +178,30 @@ def _floor_probes(c: Candidate, lean: list[MemoryPolicy], outs: set) -> list[Mem
     return [p for p in twins if (p, c.family, c.state_memory) in outs]
 
 
+def _twin_floor_probes(c: Candidate, lean: list[MemoryPolicy], outs: set) -> list[MemoryPolicy]:
+    """For a loss-chunk twin ``c``: the leanest stacks of its family on the lattice with its
+    MLP tiles and the most loss chunks any of them has (``outs``), run as ``c``'s stack runs.
+    A plan in fewer chunks holds at least that plan less one of its chunks' vocabulary buffers
+    (``chunk_savings_bound``), so over the budget by more, they bound every twin of the family
+    in fewer or as many chunks (``search``)."""
+    out = []
+    for p in lean:
+        p = p.replace(
+            unroll=c.policy.unroll,
+            embedding=EmbeddingReplay(c.policy.embedding.replay and can_replay_embedding(p)),
+            mlp_tile_tokens=c.policy.mlp_tile_tokens,
+        )
+        counts = [
+            q.loss.chunks
+            for q, family, place in outs
+            if family == c.family and place == c.state_memory
+            and q.replace(loss=LossPolicy()) == p
+        ]  # fmt: skip
+        if counts and max(counts) >= c.policy.loss.chunks:
+            out.append(p.replace(loss=LossPolicy(chunks=max(counts))))
+    return out
+
+
 def _program(c: Candidate, policy: MemoryPolicy) -> tuple:
     """What decides a compiled program at the real depth: ``c``'s settings under ``policy``."""
     return (policy, c.accum, c.strategy, c.layout, c.precision, c.stream)
@@ -301,6 +325,7 @@ def search(
     outs = {(o.candidate.policy, o.candidate.family, o.candidate.state_memory) for o in outcomes}
     lean = [POLICIES[p] for p in ("full", "offload") if p in space.policies]
     floors: dict[tuple, int] = {}
+    twin_floors: dict[tuple, int] = {}  # the same for loss-chunk twins (_twin_floor_probes)
     chosen, stopped, at_choice = None, False, 0
 
     def room(n: int) -> bool:
@@ -320,12 +345,36 @@ def search(
             if verdict == "skip":
                 continue
         if c.policy.loss.chunks or c.policy.mlp_tile_tokens:
-            # the loss-chunk or MLP-tile twin of a whole candidate: no fits or floors of its
-            # own (they would double the compiles), chunks bounded by the twin's numbers; its
-            # compile is the proof (``_chunked_twin_status``)
+            # the loss-chunk or MLP-tile twin of a whole candidate: no fits of its own (they
+            # would double the compiles), chunks bounded by the twin's numbers; its compile is
+            # the proof (``_chunked_twin_status``)
             o.status = _chunked_twin_status(problem, c, memory, floors, at_depth)
             if o.status:
                 continue
+            # and by its family's leanest stacks in the most chunks (one floor per family and
+            # MLP tiling: at long sequences every stack has a twin per chunk count)
+            bounded = not c.policy.nested and "block_input" not in c.policy.offloads
+            probes = _twin_floor_probes(c, lean, outs) if c.policy.loss.chunks else []
+            twin_key = (c.family, c.state_memory, c.policy.mlp_tile_tokens)
+            if bounded and probes and c.policy not in probes:
+                if twin_key not in twin_floors:
+                    if not room(len(probes)):
+                        if chosen is not None:
+                            continue
+                        stopped = True
+                        break
+                    twin_floors[twin_key] = min(
+                        compile_candidate(c, p) - chunk_savings_bound(problem, c, p.loss.chunks)
+                        for p in probes
+                    )
+                    names = "; ".join(f"{policy_text(p)}, {p.loss.brief}" for p in probes)
+                    what = f"chunk floor of {c.describe()} ({names}, less a chunk's logits)"
+                    progress(
+                        _compiled(len(at_depth), max_compiles, what, twin_floors[twin_key], budget)
+                    )
+                if twin_floors[twin_key] > budget:
+                    o.status = TWIN_OVER["chunk floor"]
+                    continue
         else:
             family = (c.family, c.state_memory)
             probes = _floor_probes(c, lean, outs)
@@ -435,8 +484,10 @@ def _chunked_twin_status(
     at_depth: dict[tuple, int],
 ) -> str:
     """Why the loss-chunk twin of a whole-loss candidate need not be compiled ('' when it must
-    be): its twin's compiled plan, its twin's family floor or, neither compiled, its twin's
-    prediction, over the budget by more than chunks can save (``chunk_savings_bound``). The
+    be): the same stack compiled in fewer chunks over the budget by more than one of those
+    chunks' buffers; its twin's compiled plan, its twin's family floor or, neither compiled,
+    its twin's prediction, over the budget by more than chunks can save
+    (``chunk_savings_bound``). The
     prediction is taken without the search's slack: a twin is worth a compile when the logits,
     not the memory model's error, may bring it under. A twin with the MLP in tiles is bounded
     by its whole-loss twin's compiled plan only (the same tiles), and with the whole loss is
@@ -447,7 +498,14 @@ def _chunked_twin_status(
         return ""
     whole = dataclasses.replace(cand, policy=cand.policy.replace(loss=LossPolicy()))
     budget, bound = problem.budget_bytes, chunk_savings_bound(problem, cand)
-    key = (whole.policy, whole.accum, whole.strategy, whole.layout, whole.precision, whole.stream)
+    key = _program(whole, whole.policy)
+    # the same stack compiled in fewer chunks: more save at most one of those chunks' buffers
+    held = state_host_bytes(problem, whole)
+    for (policy, *rest), peak in at_depth.items():
+        fewer = 0 < policy.loss.chunks < cand.policy.loss.chunks
+        if fewer and tuple(rest) == key[1:] and policy.replace(loss=LossPolicy()) == whole.policy:
+            if peak - held - chunk_savings_bound(problem, cand, policy.loss.chunks) > budget:
+                return TWIN_OVER["coarser"]
     if key in at_depth:
         if at_depth[key] - state_host_bytes(problem, whole) - bound > budget:
             return TWIN_OVER["compiled"]
@@ -468,6 +526,8 @@ TWIN_OVER = {
     "compiled": "over (whole loss compiled over by more than the logits)",
     "floor": "over (whole-loss floor over by more than the logits)",
     "predicted": "over (whole loss predicted over by more than the logits)",
+    "chunk floor": "over (family floor in the most chunks over by more than a chunk's logits)",
+    "coarser": "over (fewer chunks compiled over by more than one of their chunks' logits)",
 }
 
 
