@@ -800,7 +800,6 @@ def test_the_planner_searches_context_parallel_layouts_where_only_they_split_a_r
     from jaxmem.cli.flags import job_argv
     from jaxmem.job import JobConfig, RunConfig
     from jaxmem.memory import analytic
-    from jaxmem.planner import cost
     from jaxmem.planner.space import mesh_layouts
 
     cfg, seq = PRESETS["tiny-llama"].replace(attention="fused"), 64
@@ -819,7 +818,7 @@ def test_the_planner_searches_context_parallel_layouts_where_only_they_split_a_r
     passes = kv * 4 * 3 / 4 + kv * (4 + 4)  # forward 3/4 of them, backward fp32 grads too
     reduction = 2 * 3 / 4 * analytic.param_bytes(cfg, FP32)  # fsdp over the 4 context devices
     assert ring.collective_bytes == int(passes * cfg.n_layers) + int(1.5 * reduction)
-    assert cost.context_parallel_bytes(
+    assert analytic.context_parallel_bytes(
         cfg, FP32, POLICIES["none"], rows=1, seq_len=seq, cp=1
     ) == 0  # fmt: skip
 

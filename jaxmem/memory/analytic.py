@@ -442,6 +442,29 @@ def adapter_state(
     )
 
 
+def context_parallel_bytes(
+    cfg: ModelConfig, precision: Precision, policy: MemoryPolicy, *, rows: int, seq_len: int,
+    cp: int, tp: int = 1, form: str = "gather",
+) -> int:  # fmt: skip
+    """Bytes per device and step over the interconnect for a context axis of ``cp`` devices,
+    from shapes: each block's keys and values, ``2 [S, Hkv K]`` per row (one tensor device's
+    heads), reach every device in the forward and again in a rematerialised block's recompute
+    (all-gathered, or passed round the ring in ``cp - 1`` steps: ``(cp - 1) / cp`` of them
+    either way); the backward returns their gradients (the gathered form reduce-scatters them
+    in the compute type; the ring passes keys and values in the compute type and their fp32
+    gradients ``cp`` steps round). 0 without a context axis."""
+    if cp == 1:
+        return 0
+    kv = 2 * rows * seq_len * cfg.kv_heads * cfg.head_dim // tp  # elements of K and V, a row
+    passes = 2 if policy.head.remat else 1
+    forward = passes * kv * precision.compute_bytes * (cp - 1) / cp
+    if form == "ring":
+        backward = kv * (precision.compute_bytes + 4)  # cp steps of S / cp positions each
+    else:
+        backward = kv * precision.compute_bytes * (cp - 1) / cp
+    return int((forward + backward) * cfg.n_layers)
+
+
 def korthikanti_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     """Megatron's GPT layer in 16-bit with dropout: s·b·h·(34 + 5·a·s/h) (for reference)."""
     sbh = seq_len * batch * cfg.d_model

@@ -71,8 +71,8 @@ def step_time(plan: Any, target: Target, *args: Any, **kwargs: Any) -> dict[str,
 
 def spec_step_time(spec: StepSpec, plan: Any, **kwargs: Any) -> dict[str, Any] | None:
     """``step_time`` of ``spec``'s plan (per device over its mesh; a context axis's keys and
-    values priced apart from the data axis's collectives, ``cost.context_parallel_bytes``)."""
-    from jaxmem.planner.cost import context_parallel_bytes
+    values priced apart from the data axis's collectives, ``analytic.context_parallel_bytes``)."""
+    from jaxmem.memory.analytic import context_parallel_bytes
 
     parallel = spec.parallel if spec.sharded else None
     context = 0

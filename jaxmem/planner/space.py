@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from jaxmem.adapters import AdapterConfig
 from jaxmem.config import AccumConfig, ConfigError, ModelConfig, OptimizerConfig, require
 from jaxmem.job import JobConfig
+from jaxmem.memory import analytic
 from jaxmem.memory import step_time as st
 from jaxmem.memory.step_time import Device, StepTime
 from jaxmem.memory.targets import Target, rates_for
@@ -409,7 +410,7 @@ def _priced(
     tensor = cost.tensor_parallel_bytes(
         cfg, precision, policy, rows=rows, seq_len=seq_len // cp, tp=tp
     )
-    context = cost.context_parallel_bytes(
+    context = analytic.context_parallel_bytes(
         cfg, precision, policy, rows=rows, seq_len=seq_len, cp=cp, tp=tp, form=form
     )
     collective = (
