@@ -336,6 +336,8 @@ STATUS_SHORT = {
     "over (whole loss compiled over by more than the logits)": "over (twin)",
     "over (whole-loss floor over by more than the logits)": "over (twin)",
     "over (whole loss predicted over by more than the logits)": "over (twin)",
+    "over (family floor in the most chunks over by more than a chunk's logits)": "over (twin)",
+    "over (fewer chunks compiled over by more than one of their chunks' logits)": "over (twin)",
 }
 
 
@@ -392,7 +394,8 @@ def plan_table(out, result, title: str, top: int, wide: bool) -> None:
         "compiled: the plan; over (model): predicted over the budget, not compiled; over "
         "(plan): compiled over it; over (floor): its family's leanest stack compiled over it"
         + (
-            "; over (twin): its whole-loss twin over by more than chunks can save"
+            "; over (twin): its whole-loss twin, its family's leanest stack in the most chunks "
+            "or itself in fewer over by more than chunks can save"
             if any(STATUS_SHORT.get(o.status) == "over (twin)" for o in shown)
             else ""
         )

@@ -179,8 +179,9 @@ def _floor_probes(c: Candidate, lean: list[MemoryPolicy], outs: set) -> list[Mem
 
 
 def _twin_floor_probes(c: Candidate, lean: list[MemoryPolicy], outs: set) -> list[MemoryPolicy]:
-    """For a loss-chunk twin ``c``: the leanest stacks of its family on the lattice with its
-    MLP tiles and the most loss chunks any of them has (``outs``), run as ``c``'s stack runs.
+    """For a loss-chunk twin ``c``: the leanest stacks of its family and state placement on
+    the lattice with its MLP tiles, each in the most loss chunks it has there (``outs``), run
+    as ``c``'s stack runs.
     A plan in fewer chunks holds at least that plan less one of its chunks' vocabulary buffers
     (``chunk_savings_bound``), so over the budget by more, they bound every twin of the family
     in fewer or as many chunks (``search``)."""
@@ -197,7 +198,7 @@ def _twin_floor_probes(c: Candidate, lean: list[MemoryPolicy], outs: set) -> lis
             if family == c.family and place == c.state_memory
             and q.replace(loss=LossPolicy()) == p
         ]  # fmt: skip
-        if counts and max(counts) >= c.policy.loss.chunks:
+        if counts:
             out.append(p.replace(loss=LossPolicy(chunks=max(counts))))
     return out
 
@@ -326,6 +327,7 @@ def search(
     lean = [POLICIES[p] for p in ("full", "offload") if p in space.policies]
     floors: dict[tuple, int] = {}
     twin_floors: dict[tuple, int] = {}  # the same for loss-chunk twins (_twin_floor_probes)
+    twin_probes: dict[tuple, list[MemoryPolicy]] = {}
     chosen, stopped, at_choice = None, False, 0
 
     def room(n: int) -> bool:
@@ -348,19 +350,23 @@ def search(
             # the loss-chunk or MLP-tile twin of a whole candidate: no fits of its own (they
             # would double the compiles), chunks bounded by the twin's numbers; its compile is
             # the proof (``_chunked_twin_status``)
-            o.status = _chunked_twin_status(problem, c, memory, floors, at_depth)
-            if o.status:
+            status = _chunked_twin_status(problem, c, memory, floors, at_depth)
+            if status:
+                o.status = status
                 continue
-            # and by its family's leanest stacks in the most chunks (one floor per family and
-            # MLP tiling: at long sequences every stack has a twin per chunk count)
+            # and by its family's leanest stacks in the most chunks (one floor per family, state
+            # placement and MLP tiling: at long sequences every stack has a twin per chunk
+            # count); not while confirming a choice, nor for a program already compiled
             bounded = not c.policy.nested and "block_input" not in c.policy.offloads
-            probes = _twin_floor_probes(c, lean, outs) if c.policy.loss.chunks else []
             twin_key = (c.family, c.state_memory, c.policy.mlp_tile_tokens)
-            if bounded and probes and c.policy not in probes:
+            if c.policy.loss.chunks and twin_key not in twin_probes:
+                twin_probes[twin_key] = _twin_floor_probes(c, lean, outs)
+            probes = twin_probes.get(twin_key, []) if c.policy.loss.chunks else []
+            probes = [p for p in probes if p.loss.chunks >= c.policy.loss.chunks]
+            fresh = program(c, c.policy) not in at_depth and chosen is None
+            if bounded and probes and c.policy not in probes and (fresh or twin_key in twin_floors):
                 if twin_key not in twin_floors:
-                    if not room(len(probes)):
-                        if chosen is not None:
-                            continue
+                    if not room(sum(program(c, p) not in at_depth for p in probes)):
                         stopped = True
                         break
                     twin_floors[twin_key] = min(
