@@ -908,92 +908,70 @@ def test_plans_template_job_holds_the_batch_and_the_form_a_searched_context_axis
             plan(*argv)
 
 
-def test_loss_chunk_twins_are_bounded_by_their_familys_floor_in_the_most_chunks():
-    """At long sequences every stack has a twin per loss chunk count, and the whole-loss bound
-    (the whole logits' three fp32 buffers) is too loose to skip them (an 8B at 524,288 tokens
-    spent all 40 compiles on tp=8's twins). The family's leanest stack in the most chunks,
-    compiled once, bounds them all: a plan in fewer chunks holds at least it less one of its
-    chunks' buffers. Stand-in compiles: each stack's bytes plus a tenth of its chunk's bound,
-    `full` over the budget by more than its 16-chunk buffers."""
+def _chunk_twin_search(policies: tuple[str, ...], base: dict[str, float]):
+    """A long-sequence stand-in search for the loss-chunk twins' bounds: tiny (2 blocks:
+    compiled whole, nothing predicted, so the bounds alone decide) at 1,024 tokens, twins in 8
+    and 16 chunks; a stack's "plan" is ``base[stack]`` units plus a tenth of its chunk's
+    three fp32 vocabulary buffers (one unit: a 16-chunk's), the budget 100 units. Returns the
+    result and each (stack, chunks)'s status."""
     from jaxmem.planner.predict import chunk_savings_bound
-    from jaxmem.planner.search import TWIN_OVER
     from jaxmem.planner.space import policy_text
     from jaxmem.policy import LossPolicy
 
     cfg, seq = PRESETS["tiny"].replace(max_seq_len=1024), 1024
     space = PlanSpace(
-        policies=("none", "selective", "full"), mix=(), accum=(1,), state_memory=("device",),
-        tags=False, loss_chunks=8, loss_tiles=(64,),
+        policies=policies, mix=(), accum=(1,), state_memory=("device",), tags=False,
+        loss_chunks=8, loss_tiles=(64,),
     )  # fmt: skip
     problem = Problem(cfg, 1, seq, LOCAL, 0, OptimizerConfig())
-    assert problem.compiled_whole  # 2 blocks: nothing predicted, the bounds alone decide
+    assert problem.compiled_whole
     cands = enumerate_candidates(problem, space, FlopModel(cfg, seq))
     assert {c.policy.loss.chunks for c in cands} == {0, 8, 16}
     one = chunk_savings_bound(problem, cands[0], 16)
     assert chunk_savings_bound(problem, cands[0]) == 16 * one  # the whole logits' bound
     problem.budget_bytes = 100 * one
 
-    def searched(full: float):
-        base = {"none": 300 * one, "selective": 200 * one, "full": int(full * one)}
+    def compile_peak(spec):
+        chunks = spec.policy.loss.chunks
+        logits = one * 16 // chunks if chunks else 16 * one
+        stack = policy_text(spec.policy.replace(loss=LossPolicy()))
+        return int(base[stack] * one) + logits // 10, "stand-in"
 
-        def compile_peak(spec):
-            chunks = spec.policy.loss.chunks
-            logits = one * 16 // chunks if chunks else 16 * one
-            return base[policy_text(spec.policy.replace(loss=LossPolicy()))] + logits // 10, "s"
+    result = search(problem, space, compile_peak=compile_peak)
+    status = {(policy_text(o.candidate.policy), o.candidate.policy.loss.chunks): o.status
+              for o in result.outcomes}  # fmt: skip
+    return result, status
 
-        result = search(problem, space, compile_peak=compile_peak)
-        status = {(policy_text(o.candidate.policy), o.candidate.policy.loss.chunks): o.status
-                  for o in result.outcomes}  # fmt: skip
-        return result, status
 
-    result, status = searched(101)  # full in 16 chunks less one chunk: over the budget
+def test_loss_chunk_twins_are_bounded_by_their_familys_floor_in_the_most_chunks():
+    """At long sequences every stack has a twin per loss chunk count, and the whole-loss bound
+    (the whole logits' three fp32 buffers) is too loose to skip them (an 8B at 524,288 tokens
+    spent all 40 compiles on tp=8's twins). The family's leanest stack in the most chunks,
+    compiled once, bounds them all: a plan in fewer chunks holds at least it less one of its
+    chunks' buffers. Over the budget by less than that, it bounds nothing."""
+    from jaxmem.planner.search import TWIN_OVER
+
+    policies = ("none", "selective", "full")
+    result, status = _chunk_twin_search(policies, {"none": 300, "selective": 200, "full": 101})
     assert result.chosen is None
     assert status[("full", 16)] == "over (compiled)"  # the floor itself
-    floor = ("full", 16)
-    assert all(
-        status[key] == TWIN_OVER["chunk floor"] for key in status if key[1] and key != floor
-    ), status
+    bounded = [key for key in status if key[1] and key != ("full", 16)]
+    assert bounded and all(status[key] == TWIN_OVER["chunk floor"] for key in bounded), status
     assert result.candidate_compiles == 2, [o.as_dict() for o in result.outcomes]
-    # over by less than one chunk's buffers: the floor bounds nothing, the twins are compiled
-    result, status = searched(100.5)
+    # full in 16 chunks over by less than one chunk's buffers: the twins are compiled
+    _, status = _chunk_twin_search(policies, {"none": 300, "selective": 200, "full": 100.5})
     assert status[("none", 8)] == "over (compiled)", status
 
 
 def test_a_loss_chunk_twin_is_bounded_by_its_stack_compiled_in_fewer_chunks():
     """Where the family's floor fits (so bounds nothing), a stack compiled in 8 chunks over the
-    budget by more than one 8-chunk's buffers needs no compile in 16: it is over by that rule,
-    and the search compiles only the floor, `none` in 8 chunks and `full`'s twins."""
-    from jaxmem.planner.predict import chunk_savings_bound
+    budget by more than one 8-chunk's buffers needs no compile in 16; over by less, it does."""
     from jaxmem.planner.search import TWIN_OVER
     from jaxmem.planner.space import policy_text
-    from jaxmem.policy import LossPolicy
 
-    cfg, seq = PRESETS["tiny"].replace(max_seq_len=1024), 1024
-    space = PlanSpace(
-        policies=("none", "full"), mix=(), accum=(1,), state_memory=("device",), tags=False,
-        loss_chunks=8, loss_tiles=(64,),
-    )  # fmt: skip
-    problem = Problem(cfg, 1, seq, LOCAL, 0, OptimizerConfig())
-    assert problem.compiled_whole  # 2 blocks: nothing predicted, the bounds alone decide
-    cands = enumerate_candidates(problem, space, FlopModel(cfg, seq))
-    one = chunk_savings_bound(problem, cands[0], 16)
-    problem.budget_bytes = 100 * one
-    base = {"none": 200 * one, "full": 99 * one}
-
-    def compile_peak(spec):
-        chunks = spec.policy.loss.chunks
-        logits = one * 16 // chunks if chunks else 16 * one
-        return base[policy_text(spec.policy.replace(loss=LossPolicy()))] + logits // 10, "s"
-
-    result = search(problem, space, compile_peak=compile_peak)
-    status = {(policy_text(o.candidate.policy), o.candidate.policy.loss.chunks): o.status
-              for o in result.outcomes}  # fmt: skip
+    result, status = _chunk_twin_search(("none", "full"), {"none": 200, "full": 99})
     assert status[("none", 8)] == "over (compiled)"
     assert status[("none", 16)] == TWIN_OVER["coarser"]
     assert result.chosen is not None and policy_text(result.chosen.candidate.policy) == "full"
-    # in 8 chunks over by less than one 8-chunk's buffers: 16 chunks may fit, and are compiled
-    base["none"] = int(101.5 * one)
-    result = search(problem, space, compile_peak=compile_peak)
-    status = {(policy_text(o.candidate.policy), o.candidate.policy.loss.chunks): o.status
-              for o in result.outcomes}  # fmt: skip
+    _, status = _chunk_twin_search(("none", "full"), {"none": 101.5, "full": 99})
     assert status[("none", 16)] == "over (compiled)", status
