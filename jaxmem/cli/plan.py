@@ -379,6 +379,7 @@ def _check_adapters(job) -> None:
 
 
 def _space(args: argparse.Namespace, job, form: str | None = None):
+    from jaxmem.cli.plan_longest import planned_cp_attention
     from jaxmem.planner.longest import TILE_TOKENS
     from jaxmem.planner.space import PlanSpace
 
@@ -403,7 +404,7 @@ def _space(args: argparse.Namespace, job, form: str | None = None):
         strategies=tuple(parse_names(args.strategies, list(STRATEGIES), "strategies")),
         tensor=_tensor_sizes(args, job),
         context=_context_sizes(args, job),
-        cp_attention=form or _cp_attention(args, job),
+        cp_attention=form or planned_cp_attention(args, job),
         sequence_parallel=job.parallel.sequence_parallel,
         precisions=tuple(
             parse_names(args.precisions or job.precision.name, list(PRECISIONS), "precisions")
@@ -436,17 +437,6 @@ def _axis_sizes(text: str | None, flag: str, n: int, given: int) -> tuple[int, .
     if given > 1:
         return (given,)
     return tuple(t for t in range(1, n + 1) if n % t == 0)
-
-
-def _cp_attention(args: argparse.Namespace, job) -> str:
-    """How a searched context axis runs attention: as the command names it (``--cp-attention``,
-    ``--set``, ``--config``), else round a ring where the attention is fused (its keys and
-    values never whole on one device, half the gathered form's score blocks), else gathered."""
-    from jaxmem.cli.plan_longest import asked_cp_attention
-
-    if asked_cp_attention(args) or job.model.attention != "fused":
-        return job.parallel.cp_attention
-    return "ring"
 
 
 def _start_backend(job, target) -> None:

@@ -41,8 +41,8 @@ def _base(args, job, problem):
             f"--seq-step {args.seq_step}: the context axis cp={par.cp} cuts the sequence into "
             f"{2 * par.cp} equal chunks; use a step that is a multiple of {2 * par.cp}"
         )
-    if par.context_parallel and not asked_cp_attention(args) and job.model.attention == "fused":
-        par = dataclasses.replace(par, cp_attention="ring")
+    if par.context_parallel:
+        par = dataclasses.replace(par, cp_attention=planned_cp_attention(args, job))
         job = dataclasses.replace(job, parallel=par)
     hosted = args.state_offload and problem.target.is_gpu and not job.adapters.enabled
     hosted = hosted and not par.sharded
@@ -52,6 +52,16 @@ def _base(args, job, problem):
     optimizer = dataclasses.replace(opt, state_memory=place, stream=streams, stream_update=None)
     spec = StepSpec.of_job(job, problem.target)
     return spec.replace(optimizer=optimizer, accum=AccumConfig(steps=1), batch=1)
+
+
+def planned_cp_attention(args, job) -> str:
+    """How a planned context axis runs attention (``jaxmem plan``, ``--longest`` too): as the
+    command names it (``--cp-attention``, ``--set``, ``--config``), else round a ring where the
+    attention is fused (its keys and values never whole on one device, half the gathered
+    form's score blocks), else gathered."""
+    if asked_cp_attention(args) or job.model.attention != "fused":
+        return job.parallel.cp_attention
+    return "ring"
 
 
 def asked_cp_attention(args) -> bool:

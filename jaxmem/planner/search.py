@@ -203,6 +203,87 @@ def _twin_floor_probes(c: Candidate, lean: list[MemoryPolicy], outs: set) -> lis
     return out
 
 
+def _predicted_over(o: Outcome, memory: MemoryModel, problem: Problem) -> bool:
+    """Whether ``o``'s candidate is predicted over the budget by more than the memory model's
+    slack for it (``o.predicted`` set, its status too when over)."""
+    o.predicted = memory.predict(o.candidate)
+    slack = memory.slack(o.candidate, problem.slack)
+    if o.predicted is not None and o.predicted > problem.budget_bytes * (1 + slack):
+        o.status = "over (predicted)"
+        return True
+    return False
+
+
+def _family_floor(
+    compiles: _Compiles, c: Candidate, probes: list[MemoryPolicy], cap: int,
+    progress: Callable[[str], None],
+) -> int:  # fmt: skip
+    """``c``'s family floor: its leanest stacks (``probes``) compiled, the least, said."""
+    floor = min(compiles.candidate(c, p) for p in probes)
+    what = f"floor of {c.describe()} ({', '.join(p.name for p in probes)})"
+    progress(_compiled(len(compiles.at_depth), cap, what, floor, compiles.problem.budget_bytes))
+    return floor
+
+
+def _compile_outcome(
+    compiles: _Compiles, o: Outcome, runner_up: bool, cap: int, left: int,
+    progress: Callable[[str], None],
+) -> None:  # fmt: skip
+    """``o``'s candidate compiled at the real depth (once), said, with its compiled plan's
+    estimate (the state's host trips added, ``_with_state_link``)."""
+    c, problem = o.candidate, compiles.problem
+    o.compiled = compiles.candidate(c, c.policy)
+    what = f"{'runner-up ' if runner_up else ''}{c.describe()}"
+    progress(_compiled(len(compiles.at_depth), cap, what, o.compiled, problem.budget_bytes, left))
+    plan_time = compiles.plan_times.get(_program(c, c.policy))
+    o.plan_time = _with_state_link(plan_time, problem, c)
+
+
+_STOP = "stop"  # a floor needs compiles past the cap
+
+
+class _TwinFloors:
+    """The loss-chunk twins' family floors: the family's leanest stacks in the most chunks
+    (``_twin_floor_probes``), compiled once per family, state placement and MLP tiling (at long
+    sequences every stack has a twin per chunk count), each less one of its chunks' buffers
+    (``chunk_savings_bound``); over the budget, every twin of the family is. Not compiled while
+    confirming a choice, nor for a twin whose own program is already compiled."""
+
+    def __init__(self, problem: Problem, compiles: _Compiles, lean: list[MemoryPolicy],
+                 outs: set, progress: Callable[[str], None]):  # fmt: skip
+        self.problem, self.compiles, self.lean, self.outs = problem, compiles, lean, outs
+        self.progress = progress
+        self.floors: dict[tuple, int] = {}
+        self.probes: dict[tuple, list[MemoryPolicy]] = {}
+
+    def status(
+        self, c: Candidate, confirming: bool, room: Callable[[int], bool], max_compiles: int
+    ) -> str:
+        """``TWIN_OVER["chunk floor"]`` where ``c``'s floor is over the budget, ``_STOP`` where
+        it needs compiles ``room`` does not allow, else ''."""
+        if not c.policy.loss.chunks or c.policy.nested or "block_input" in c.policy.offloads:
+            return ""
+        at_depth, budget = self.compiles.at_depth, self.problem.budget_bytes
+        key = (c.family, c.state_memory, c.policy.mlp_tile_tokens)
+        if key not in self.probes:
+            self.probes[key] = _twin_floor_probes(c, self.lean, self.outs)
+        probes = [p for p in self.probes[key] if p.loss.chunks >= c.policy.loss.chunks]
+        fresh = _program(c, c.policy) not in at_depth and not confirming
+        if not probes or c.policy in probes or not (fresh or key in self.floors):
+            return ""
+        if key not in self.floors:
+            if not room(sum(_program(c, p) not in at_depth for p in probes)):
+                return _STOP
+            self.floors[key] = min(
+                self.compiles.candidate(c, p) - chunk_savings_bound(self.problem, c, p.loss.chunks)
+                for p in probes
+            )
+            names = "; ".join(f"{policy_text(p)}, {p.loss.brief}" for p in probes)
+            what = f"chunk floor of {c.describe()} ({names}, less a chunk's logits)"
+            self.progress(_compiled(len(at_depth), max_compiles, what, self.floors[key], budget))
+        return TWIN_OVER["chunk floor"] if self.floors[key] > budget else ""
+
+
 def _program(c: Candidate, policy: MemoryPolicy) -> tuple:
     """What decides a compiled program at the real depth: ``c``'s settings under ``policy``."""
     return (policy, c.accum, c.strategy, c.layout, c.precision, c.stream)
@@ -314,20 +395,18 @@ def search(
     fitting plan's compiled one, and one that fits replaces it when its compiled estimate is
     lower by more than ``TIE``."""
     compiles = _Compiles(problem, compile_peak or _compiler(problem), progress)
-    flops = FlopModel(problem.cfg, problem.seq_len, problem.adapters)
     budget = problem.budget_bytes
     memory = MemoryModel(problem, compiles.fit)
+    flops = FlopModel(problem.cfg, problem.seq_len, problem.adapters)
     outcomes, host_skipped = _lattice(problem, space, flops, progress)
     at_depth = compiles.at_depth
-    compile_candidate, program = compiles.candidate, _program
 
     # A family's floor: its leanest whole-stack presets (full; offload with host memory); over
     # the budget, so is the rest of the family (nested aside), and none of it is compiled.
     outs = {(o.candidate.policy, o.candidate.family, o.candidate.state_memory) for o in outcomes}
     lean = [POLICIES[p] for p in ("full", "offload") if p in space.policies]
     floors: dict[tuple, int] = {}
-    twin_floors: dict[tuple, int] = {}  # the same for loss-chunk twins (_twin_floor_probes)
-    twin_probes: dict[tuple, list[MemoryPolicy]] = {}
+    twin_floors = _TwinFloors(problem, compiles, lean, outs, progress)
     chosen, stopped, at_choice = None, False, 0
 
     def room(n: int) -> bool:
@@ -349,38 +428,16 @@ def search(
         if c.policy.loss.chunks or c.policy.mlp_tile_tokens:
             # the loss-chunk or MLP-tile twin of a whole candidate: no fits of its own (they
             # would double the compiles), chunks bounded by the twin's numbers; its compile is
-            # the proof (``_chunked_twin_status``)
-            status = _chunked_twin_status(problem, c, memory, floors, at_depth)
+            # the proof (``_chunked_twin_status``; its family's floor: ``_TwinFloors``)
+            status = _chunked_twin_status(
+                problem, c, memory, floors, at_depth
+            ) or twin_floors.status(c, chosen is not None, room, max_compiles)
+            if status == _STOP:
+                stopped = True
+                break
             if status:
                 o.status = status
                 continue
-            # and by its family's leanest stacks in the most chunks (one floor per family, state
-            # placement and MLP tiling: at long sequences every stack has a twin per chunk
-            # count); not while confirming a choice, nor for a program already compiled
-            bounded = not c.policy.nested and "block_input" not in c.policy.offloads
-            twin_key = (c.family, c.state_memory, c.policy.mlp_tile_tokens)
-            if c.policy.loss.chunks and twin_key not in twin_probes:
-                twin_probes[twin_key] = _twin_floor_probes(c, lean, outs)
-            probes = twin_probes.get(twin_key, []) if c.policy.loss.chunks else []
-            probes = [p for p in probes if p.loss.chunks >= c.policy.loss.chunks]
-            fresh = program(c, c.policy) not in at_depth and chosen is None
-            if bounded and probes and c.policy not in probes and (fresh or twin_key in twin_floors):
-                if twin_key not in twin_floors:
-                    if not room(sum(program(c, p) not in at_depth for p in probes)):
-                        stopped = True
-                        break
-                    twin_floors[twin_key] = min(
-                        compile_candidate(c, p) - chunk_savings_bound(problem, c, p.loss.chunks)
-                        for p in probes
-                    )
-                    names = "; ".join(f"{policy_text(p)}, {p.loss.brief}" for p in probes)
-                    what = f"chunk floor of {c.describe()} ({names}, less a chunk's logits)"
-                    progress(
-                        _compiled(len(at_depth), max_compiles, what, twin_floors[twin_key], budget)
-                    )
-                if twin_floors[twin_key] > budget:
-                    o.status = TWIN_OVER["chunk floor"]
-                    continue
         else:
             family = (c.family, c.state_memory)
             probes = _floor_probes(c, lean, outs)
@@ -389,10 +446,7 @@ def search(
             if bounded and c.policy not in probes and floors.get(family, 0) > budget:
                 o.status = "over (family floor compiled over)"  # known: no fit compiles needed
                 continue
-            o.predicted = memory.predict(c)
-            slack = memory.slack(c, problem.slack)
-            if o.predicted is not None and o.predicted > budget * (1 + slack):
-                o.status = "over (predicted)"
+            if _predicted_over(o, memory, problem):
                 continue
             if bounded and probes and c.policy not in probes:
                 if family not in floors:
@@ -401,20 +455,16 @@ def search(
                             continue
                         stopped = True
                         break
-                    floors[family] = min(compile_candidate(c, p) for p in probes)
-                    what = f"floor of {c.describe()} ({', '.join(p.name for p in probes)})"
-                    progress(_compiled(len(at_depth), max_compiles, what, floors[family], budget))
+                    floors[family] = _family_floor(compiles, c, probes, max_compiles, progress)
                 if floors[family] > budget:
                     o.status = "over (family floor compiled over)"
                     continue
-        if program(c, c.policy) not in at_depth and not room(1):
+        if _program(c, c.policy) not in at_depth and not room(1):
             stopped = chosen is None
             break
-        o.compiled = compile_candidate(c, c.policy)
         cap = at_choice + confirm if chosen else max_compiles
-        what = f"{'runner-up ' if chosen else ''}{c.describe()}"
-        progress(_compiled(len(at_depth), cap, what, o.compiled, budget, len(outcomes) - i - 1))
-        o.plan_time = _with_state_link(compiles.plan_times.get(program(c, c.policy)), problem, c)
+        left = len(outcomes) - i - 1
+        _compile_outcome(compiles, o, chosen is not None, cap, left, progress)
         memory.observe(c, o.predicted, o.compiled)
         calibration.observe(o)
         if o.compiled > budget:
