@@ -282,11 +282,6 @@ def torch_mesh_refusal(parallel: ParallelConfig, model: ModelConfig) -> str | No
     """Why torch_ref cannot split ``model`` over ``parallel``'s tensor axis (None: it can:
     ``torch_ref.distributed.parallelize``, then FSDP2 over the data axis), or beside a context
     axis."""
-    if parallel.cp_attention != "gather":
-        return (
-            f"--cp-attention {parallel.cp_attention}: torch_ref's context parallelism all-gathers "
-            "keys and values; use --framework jax or leave --cp-attention out"
-        )
     if parallel.context_parallel and parallel.tensor_parallel:
         return (
             f"--mesh {parallel.mesh_text()}: torch_ref runs a context axis beside a data axis, "

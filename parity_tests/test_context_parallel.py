@@ -37,10 +37,25 @@ from jaxmem.parallel import parse_mesh
 
 PRESETS_RUN = ("tiny", "tiny-llama")
 BATCH, SEQ, STEPS = 4, 32, 4
-# the context axis over every rank (2 torchrun ranks: DDP), and beside a data axis (4: FSDP2)
-LAUNCHES = {2: ("cp=2",), 4: ("fsdp=2,cp=2",)}
+# the context axis over every rank (2 torchrun ranks: DDP), and beside a data axis (4: FSDP2);
+# "ring": --cp-attention ring (fused attention: tiny-llama's runs only)
+LAUNCHES = {2: ("cp=2", "cp=2 ring"), 4: ("fsdp=2,cp=2", "fsdp=2,cp=2 ring")}
 MESHES = tuple(m for meshes in LAUNCHES.values() for m in meshes)
 RANKS = max(LAUNCHES)
+
+
+def _parallel(mesh: str):
+    """``--mesh`` text, ``" ring"`` after it for ``--cp-attention ring``."""
+    import dataclasses
+
+    text, _, form = mesh.partition(" ")
+    return dataclasses.replace(parse_mesh(text), cp_attention=form or "gather")
+
+
+def _meshes(name: str) -> tuple[str, ...]:
+    """The meshes preset ``name`` runs (the ring only where its attention is fused)."""
+    fused = _config(name).attention == "fused"
+    return tuple(m for m in MESHES if fused or not m.endswith(" ring"))
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +74,13 @@ def runs():
 @pytest.mark.multiprocess
 def test_torch_context_parallelism_trains_as_one_device(runs):
     """cp=2 over 2 torchrun ranks and fsdp=2,cp=2 over 4 (keys and values gathered over each
-    context group): the one-device losses within the data-parallel tolerance, for tiny and
-    tiny-llama (fused attention)."""
+    context group, and for tiny-llama's fused attention passed round PyTorch's ring): the
+    one-device losses within the data-parallel tolerance, for tiny and tiny-llama."""
     tol = tolerance("float32", "data_parallel_loss")
     assert set(runs) == set(PRESETS_RUN)
+    assert set(runs["tiny-llama"]) == {"one_device", *MESHES}
     for name, row in runs.items():
-        for mesh in MESHES:
+        for mesh in _meshes(name):
             assert len(row[mesh]) == STEPS
             np.testing.assert_allclose(
                 row[mesh], row["one_device"], err_msg=f"{name} {mesh}", **tol.kwargs()
@@ -86,7 +102,7 @@ def test_torch_context_parallelism_logs_jax_context_parallel_losses(runs, jax_ru
     """The same initial weights and batches: torch_ref's losses over each mesh are JAX's."""
     tol = tolerance("float32", "adamw_loss")
     for name, row in runs.items():
-        for mesh in MESHES:
+        for mesh in _meshes(name):
             np.testing.assert_allclose(
                 row[mesh], jax_runs[name][mesh], err_msg=f"{name} {mesh}", **tol.kwargs()
             )
@@ -96,14 +112,15 @@ def test_torch_context_parallelism_logs_jax_context_parallel_losses(runs, jax_ru
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh", ["cp=2", "fsdp=2,cp=2"])
 def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path, mesh):
-    """``jaxmem train --framework torch --mesh cp=2`` (2 torchrun ranks, DDP) and ``--mesh
-    fsdp=2,cp=2`` (4, FSDP2; with the block inputs in host memory and the MLP and loss in
-    tiles) log the losses of ``jaxmem train``'s same run over 10 steps (``adamw_loss``).
-    ``cp=2``: cut back to its step-5 checkpoint and resumed, it logs the uninterrupted run's
-    losses and gradient norms bit for bit. ``fsdp=2,cp=2``: rank 3 (in the other data rank's
-    context group) SIGKILLed after checkpoint 5 ends the run in one line from the first
-    survivor to see it, within seconds, nothing is left running, and the resumed run logs the
-    uninterrupted run's losses and gradient norms bit for bit."""
+    """``jaxmem train --framework torch --mesh cp=2 --cp-attention ring`` (2 torchrun ranks,
+    DDP; PyTorch's ring, JAX's ring) and ``--mesh fsdp=2,cp=2`` (4, FSDP2; keys gathered; with
+    the block inputs in host memory and the MLP and loss in tiles) log the losses of ``jaxmem
+    train``'s same run over 10 steps (``adamw_loss``). ``cp=2``: cut back to its step-5
+    checkpoint and resumed, it logs the uninterrupted run's losses and gradient norms bit for
+    bit. ``fsdp=2,cp=2``: rank 3 (in the other data rank's context group) SIGKILLed after
+    checkpoint 5 ends the run in one line from the first survivor to see it, within seconds,
+    nothing is left running, and the resumed run logs the uninterrupted run's losses and
+    gradient norms bit for bit."""
     from parity_tests.test_sharded_parity import (
         _jaxmem,
         _lose_rank,
@@ -115,8 +132,8 @@ def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path, mesh):
 
     ranks = 2 if mesh == "cp=2" else RANKS
     common = ["--preset", "tiny-llama", "--mesh", mesh, "--batch-size", "4", "--seq-len", "32"]
-    if mesh == "cp=2":
-        common += ["--policy", "full"]
+    if mesh == "cp=2":  # PyTorch's ring beside JAX's
+        common += ["--policy", "full", "--attention", "fused", "--cp-attention", "ring"]
     else:  # with every long-sequence tool: block inputs in host memory, MLP and loss tiles
         common += ["--policy", "full-host", "--mlp-tile-tokens", "8", "--loss-tile-tokens", "16"]
     common += ["--steps", "10", "--checkpoint-every", "5", "--eval-every", "5"]
@@ -124,6 +141,8 @@ def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path, mesh):
     out, t = _torch_logs_jax_losses(tmp_path, common, nproc=ranks)
     said = " ".join(out.stdout.split())
     assert "each sequence split over cp=2 ranks" in said
+    form = "passed round them by PyTorch's ring" if mesh == "cp=2" else "all-gathered over them"
+    assert form in said, said
     resumed = tmp_path / "resumed"
     if mesh == "cp=2":
         shutil.copytree(tmp_path / "torch", resumed)
@@ -201,7 +220,6 @@ def jax_main() -> None:
 
     from jaxmem.compare.weights import load_torch_state_dict
     from jaxmem.model import make_model
-    from jaxmem.parallel import parse_mesh
     from jaxmem.policy import get_policy
     from jaxmem.precision import PRECISIONS
     from jaxmem.step.build import build_step
@@ -211,7 +229,7 @@ def jax_main() -> None:
     for name in PRESETS_RUN:
         cfg, fp32 = _config(name), PRECISIONS["fp32"]
         out[name] = {}
-        for mesh in MESHES:
+        for mesh in _meshes(name):
             model = make_model(cfg, fp32)
             load_torch_state_dict(model, _initial(cfg).state_dict())
             spec = StepSpec(
@@ -220,7 +238,7 @@ def jax_main() -> None:
                 precision=fp32,
                 batch=BATCH,
                 seq_len=SEQ,
-                parallel=parse_mesh(mesh),
+                parallel=_parallel(mesh),
             )
             built, params = build_step(spec, model)
             params, opt_state = built.state(params)
@@ -237,17 +255,18 @@ def jax_main() -> None:
 def _train(cfg, model, launch, mesh: str | None) -> list[float]:
     import torch_ref.distributed as tdist
     from jaxmem.config import OptimizerConfig
-    from jaxmem.parallel import parse_mesh
     from jaxmem.policy import get_policy
     from jaxmem.precision import PRECISIONS
-    from torch_ref.context import apply_to_rank, rank_batch
+    from torch_ref.context import apply_to_rank, gathered_attention, rank_batch, ring_attention
     from torch_ref.remat import apply_memory_policy
     from torch_ref.train import accumulate_grads, make_optimizer
 
-    parallel = parse_mesh(mesh) if mesh else None
+    parallel = _parallel(mesh) if mesh else None
     if parallel:  # ranks data x context: this rank's rows, and its columns of them
         rows = launch.rows(BATCH, parallel.cp)
         apply_to_rank(model, parallel, launch, SEQ)
+        forms = {"gather": gathered_attention, "ring": ring_attention}  # the one the mesh asks
+        assert model.blocks.layers[0].self_attn.core.func is forms[parallel.cp_attention]
     apply_memory_policy(model.blocks, get_policy("full"))
     if parallel:
         model = tdist.shard(model, parallel, launch)
@@ -287,7 +306,7 @@ def main() -> None:
         cfg = _config(name)
         initial = _initial(cfg)
         out[name] = {"one_device": _train(cfg, copy.deepcopy(initial), launch, None)}
-        for mesh in sys.argv[1:]:
+        for mesh in (m for m in sys.argv[1:] if m in _meshes(name)):
             out[name][mesh] = _train(cfg, copy.deepcopy(initial), launch, mesh)
     finish(out, launch)
 
@@ -343,10 +362,90 @@ def test_pytorchs_stock_context_parallel_does_not_run_on_cpu():
     assert "mixed torch.Tensor and DTensor" in said["math"], said["math"]
 
 
+def attention_main() -> None:
+    """torch_ref's context-parallel attention cores on float64 rows against whole-row SDPA, on 4
+    gloo ranks: over every rank (cp=4) and over two groups of 2 (cp=2, each group its own row:
+    the ``fsdp=2,cp=2`` layout). Each rank compares its outputs and the gradients of ``sum(sin(
+    out))`` over every rank's outputs at its positions; rank 0 prints ``[{case, form, rank,
+    errors: [out, dq, dk, dv] max abs, within: [each elementwise within the float64
+    fused-vs-naive tolerance]}]``."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import torch_ref.distributed as tdist
+    from torch_ref.context import gathered_attention, rank_positions, ring_attention
+
+    launch = tdist.from_environment()
+    tdist.initialize(launch)
+    r = launch.rank
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    b, s, h, kv, hd = 2, 16, 4, 2, 8
+    tol = tolerance("float64", "fused_vs_naive").kwargs()
+    rows = []
+    for cp, group, seed in ((4, None, 0), (2, pairs[r // 2], 1 + r // 2)):
+        crank = r % cp
+        gen = torch.Generator().manual_seed(seed)
+        whole = [torch.randn(b, s, n, hd, generator=gen, dtype=torch.float64) for n in (h, kv, kv)]
+        ref = [t.clone().requires_grad_() for t in whole]
+        qh, kh, vh = (t.transpose(1, 2) for t in ref)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        torch.sin(out).sum().backward()
+        mine = rank_positions(s, cp, crank)
+        restore = torch.argsort(torch.cat([rank_positions(s, cp, i) for i in range(cp)]))
+        forms = {
+            "ring": functools.partial(ring_attention, group=group),
+            "gather": functools.partial(
+                gathered_attention, q_pos=mine, restore=restore, fused=True, group=group
+            ),
+        }
+        for form, core in forms.items():
+            local = [t[:, mine].clone().requires_grad_() for t in whole]
+            got = core(*local)
+            torch.sin(got).sum().backward()
+            pairs_ = [(got, out[:, mine])] + [
+                (a.grad, x.grad[:, mine]) for a, x in zip(local, ref, strict=True)
+            ]
+            within = [torch.allclose(a, e, **tol) for a, e in pairs_]
+            errors = [float((a - e).abs().max()) for a, e in pairs_]
+            row = {"case": f"cp={cp}", "form": form, "rank": r, "within": within}
+            rows.append({**row, "errors": errors})
+    gathered = [None] * launch.world_size
+    dist.all_gather_object(gathered, rows)
+    sys.path.insert(0, os.path.dirname(__file__))
+    from torch_parallel_worker import finish  # isort: skip
+
+    finish([row for part in gathered for row in part], launch)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torch_context_attention_equals_whole_row_sdpa_in_float64():
+    """PyTorch's ring (torch_ref's CPU kernel and autograd around it) and the all-gather form,
+    over 4 ranks and over two groups of 2 beside each other, grouped-query keys: each rank's
+    outputs and its shares of the queries', keys' and values' gradients are whole-row SDPA's
+    elementwise within the float64 fused-vs-naive tolerance."""
+    from parity_tests.test_sharded_parity import torchrun
+
+    proc = torchrun(os.path.abspath(__file__), "attention", nproc=4)
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 16  # 4 ranks x (cp=4, cp=2) x (ring, gather)
+    assert {(row["case"], row["form"]) for row in rows} == {
+        (c, f) for c in ("cp=4", "cp=2") for f in ("ring", "gather")
+    }
+    for row in rows:
+        assert row["within"] == [True] * 4, row
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["jax"]:
         jax_main()
     elif sys.argv[1:] == ["stock"]:
         stock_main()
+    elif sys.argv[1:] == ["attention"]:
+        attention_main()
     else:
         main()

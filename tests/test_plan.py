@@ -844,10 +844,11 @@ def test_the_planner_searches_context_parallel_layouts_where_only_they_split_a_r
 def test_plan_over_a_mesh_a_batch_of_one_cannot_split_chooses_a_context_axis_that_trains(
     tmp_path,
 ):
-    """``jaxmem plan --mesh fsdp=2 --batch-size 1`` (XLA:CPU, 2 CPU devices): the mesh's data
-    axis cannot split one row, so the plan gives the devices to a context axis (the ring under
-    fused attention, cheaper than tp=2 by the local order) and its printed command trains;
-    a batch no layout splits, and a mesh no layout of the model takes, are one line, exit 2."""
+    """``jaxmem plan --mesh fsdp=2 --batch-size 1`` (XLA:CPU, 2 CPU devices): the mesh's data axis
+    cannot split one row, so the plan gives the devices to a context axis (the ring under
+    fused attention, cheaper than tp=2 by the local order) and its printed command trains
+    (its torch command, torchrun over 2 ranks with PyTorch's ring, is printed beside it); a
+    batch no layout splits, and a mesh no layout of the model takes, are one line, exit 2."""
     common = ("--preset", "tiny-llama", "--attention", "fused", "--mesh", "fsdp=2")
     lean = ("--policies", "none", "--no-mix", "--no-tags", "--accum", "1", "--budget", "50MiB")
     out = tmp_path / "plan.json"
@@ -860,7 +861,12 @@ def test_plan_over_a_mesh_a_batch_of_one_cannot_split_chooses_a_context_axis_tha
     command = shlex.split(plan["commands"]["jax"])
     assert command[command.index("--mesh") + 1] == "cp=2"
     assert command[command.index("--cp-attention") + 1] == "ring"
-    assert plan["commands"]["torch"] is None and "ring" in plan["commands"]["torch_note"]
+    torch = shlex.split(plan["commands"]["torch"])  # PyTorch's ring (parity_tests run it)
+    assert torch[:3] == ["torchrun", "--standalone", "--nproc_per_node=2"]
+    assert torch[torch.index("--framework") + 1] == "torch"
+    assert torch[torch.index("--cp-attention") + 1] == "ring"
+    said = " ".join(proc.stdout.split())
+    assert "(torch_ref, stock APIs; extensions: its context axis (torch_ref.context)):" in said
     run = tmp_path / "run"
     proc = run_cli(*command[1:], "--steps", "2", "--out", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,6 @@
 """Context parallelism for torch_ref: each row's sequence split over ranks, keys and values
-all-gathered for attention, in the layout jaxmem's JAX side runs (``jaxmem.step.context``).
+all-gathered for attention or (``--cp-attention ring``) passed round the ranks by PyTorch's own
+ring, in the layout jaxmem's JAX side runs (``jaxmem.step.context``, ``jaxmem.step.ring``).
 
 An extension, labelled as such: PyTorch's own API, ``torch.distributed.tensor.experimental.
 context_parallel`` (a ring over SDPA), would be the stock path on CUDA (not wired in here: no GPU
@@ -23,6 +24,23 @@ tokens: each rank's share, summed by the data-parallel wrapper's gradient reduct
 FSDP2 over every rank), as over rows. The context group is every rank, or beside a data axis
 (``--mesh fsdp=2,cp=2``: ranks ``data x context``) ``torch_ref.distributed.context_group``.
 
+The ring (``ring_attention``, ``--cp-attention ring``, fused attention only) is PyTorch's: the
+forward and backward that ``context_parallel`` dispatches SDPA to
+(``torch.distributed.tensor.experimental._context_parallel._attention``'s
+``_templated_ring_attention`` and ``_templated_ring_attention_backward``: causal load balance on
+the same ``2 cp``-chunk layout, each step's partial softmax merged by its log-sum-exp, the keys'
+and values' gradients passed back round the ring), called on this rank's local tensors with the
+rotation set to ``"alltoall"`` (each step passes one rank's keys and values to the next; the
+stock default, ``"allgather"``, gathers them whole once, which is the gather form). What torch_ref
+adds, the labelled part: the CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``
+and its backward, which take grouped-query keys as they are) as the ring's per-step kernel, which
+the stock dispatcher has no entry for, and an autograd function around the pair (the dispatcher
+reaches the backward through DTensor; here the tensors are plain). The merge accumulates in
+fp32 (PyTorch's ``convert_to_f32``), in float64 for float64 inputs (PyTorch's option would round
+them to fp32). On CUDA the ring's kernel is the one the stock dispatcher pairs with it (flash for
+bf16/fp16, memory-efficient for fp32, keys repeated to the query heads for it); not run here (no
+GPU).
+
 ``gather_sequence`` is written here because the stock differentiable
 ``torch.distributed.nn.functional.all_gather`` cannot run on a subgroup over gloo: its backward
 emulates the reduce-scatter by ``dist.scatter(..., src=i, group=group)`` with ``i`` a rank
@@ -33,9 +51,10 @@ on a scatter from ranks outside it and the step hangs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -121,30 +140,182 @@ def gathered_attention(
     return torch.einsum("bhgqs,bshk->bqhgk", probs, v).reshape(b, s, -1)
 
 
+@dataclasses.dataclass(frozen=True)
+class RingKernel:
+    """The per-step attention kernel of PyTorch's ring: an aten forward returning ``(out,
+    logsumexp, *rest)`` and its backward, with the keyword arguments each takes (``rest``: what
+    the forward's extra outputs are called in the backward's)."""
+
+    forward: Callable[..., tuple[torch.Tensor, ...]]
+    backward: Callable[..., tuple[torch.Tensor, ...]]
+    grad_out_name: str
+    forward_kwargs: dict
+    backward_kwargs: dict
+    rest: tuple[str, ...] = ()
+    repeat_kv: bool = False  # the kernel takes as many key/value heads as query heads only
+
+
+def ring_kernel(device: torch.device, dtype: torch.dtype) -> RingKernel:
+    """The kernel the ring runs at each step on ``device`` for ``dtype`` inputs: the CPU flash
+    kernel (torch_ref's addition), or on CUDA the stock dispatcher's pairing (flash for
+    bf16/fp16, memory-efficient otherwise)."""
+    aten = torch.ops.aten
+    if device.type == "cpu":
+        kw = {"dropout_p": 0.0, "scale": None}
+        return RingKernel(
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            "grad_out",
+            kw,
+            kw,
+        )
+    if dtype in (torch.bfloat16, torch.float16):
+        return RingKernel(
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_backward.default,
+            "grad_out",
+            {"dropout_p": 0.0, "return_debug_mask": False, "scale": None},
+            {"dropout_p": 0.0, "scale": None},
+            ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"),
+        )
+    return RingKernel(
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_efficient_attention_backward.default,
+        "grad_out_",
+        {"attn_bias": None, "compute_log_sumexp": True, "dropout_p": 0.0, "scale": None},
+        {
+            "attn_bias": None,
+            "dropout_p": 0.0,
+            "grad_input_mask": (True, True, True, False),
+            "scale": None,
+        },
+        ("philox_seed", "philox_offset"),
+        repeat_kv=True,
+    )
+
+
+@contextlib.contextmanager
+def _ring_options(dtype: torch.dtype) -> Iterator[None]:
+    """PyTorch's ring options for one call: ``"alltoall"`` rotation (a ring), causal load
+    balance, the merge in fp32 (float64 for float64 inputs); restored after."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    options = cp._cp_options
+    saved = options.rotate_method, options.enable_load_balance, options.convert_to_f32
+    options.rotate_method = cp._RotateMethod.ALL_TO_ALL
+    options.enable_load_balance = True
+    options.convert_to_f32 = dtype != torch.float64
+    try:
+        yield
+    finally:
+        options.rotate_method, options.enable_load_balance, options.convert_to_f32 = saved
+
+
+class _RingAttention(torch.autograd.Function):
+    """PyTorch's ring attention over ``group`` on plain local ``[B, H, S/cp, K]`` tensors:
+    its templated forward, and its templated backward as this function's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, kernel: RingKernel) -> torch.Tensor:
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+        group = group if group is not None else dist.group.WORLD
+        with _ring_options(q.dtype):
+            out, lse, *rest = cp._templated_ring_attention(
+                group, 2, kernel.forward, q, k, v, is_causal=True, **kernel.forward_kwargs
+            )
+        ctx.group, ctx.kernel = group, kernel
+        ctx.rest = dict(zip(kernel.rest, rest, strict=False))
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+        q, k, v, out, lse = ctx.saved_tensors
+        kernel = ctx.kernel
+        with _ring_options(q.dtype):
+            dq, dk, dv, *_ = cp._templated_ring_attention_backward(
+                ctx.group,
+                2,
+                kernel.backward,
+                grad.contiguous(),
+                kernel.grad_out_name,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                is_causal=True,
+                **kernel.backward_kwargs,
+                **ctx.rest,
+            )
+        return dq, dk, dv, None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``[B, S/cp, D]``: this rank's queries (``[B, S/cp, H, K]``, its two chunks of the
+    balanced layout) against every rank's keys and values (``[B, S/cp, Hkv, K]`` each), passed
+    round ``group`` (None: every rank) by PyTorch's ring, causal."""
+    b, s, h, _ = q.shape
+    kernel = ring_kernel(q.device, q.dtype)
+    if kernel.repeat_kv and k.shape[2] < h:
+        k, v = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (k, v))
+    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    out = _RingAttention.apply(qh, kh, vh, group, kernel)
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
 def apply_context_parallel(
-    model: nn.Module, *, seq_len: int, cp: int, rank: int, group: dist.ProcessGroup | None = None
+    model: nn.Module,
+    *,
+    seq_len: int,
+    cp: int,
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+    attention: str = "gather",
 ) -> None:
     """Run ``model`` (a ``torch_ref.Decoder``) on context rank ``rank``'s share of ``seq_len``
-    positions (its batches from ``local_batch``), attention gathered over ``group``."""
+    positions (its batches from ``local_batch``), attention over ``group``: keys and values
+    gathered (``"gather"``) or passed round a ring (``"ring"``: fused attention only)."""
     q_pos = rank_positions(seq_len, cp, rank)
-    restore = torch.argsort(torch.tensor(balanced_order(seq_len, cp)))
     model.blocks.positions = q_pos
     fused = model.cfg.attention == "fused"
-    core = functools.partial(
-        gathered_attention, q_pos=q_pos, restore=restore, fused=fused, group=group
-    )
+    if attention == "ring":
+        if not fused:
+            raise ValueError(
+                f"the ring merges each step's partial softmax, which the fused attention does; "
+                f"the model's attention is {model.cfg.attention!r}"
+            )
+        core = functools.partial(ring_attention, group=group)
+    else:
+        restore = torch.argsort(torch.tensor(balanced_order(seq_len, cp)))
+        core = functools.partial(
+            gathered_attention, q_pos=q_pos, restore=restore, fused=fused, group=group
+        )
     for layer in model.blocks.layers:
         layer.self_attn.core = core
 
 
 def apply_to_rank(model: nn.Module, parallel, launch, seq_len: int) -> None:
     """``apply_context_parallel`` for this torchrun rank of ``parallel``'s ``data x context``
-    ranks (``launch``): its context rank, keys gathered over its context group."""
+    ranks (``launch``): its context rank, keys gathered over (or passed round) its context
+    group as ``parallel.cp_attention`` says."""
     from torch_ref.distributed import context_group
 
     group = context_group(parallel, launch)
     rank = launch.rank % parallel.cp
-    apply_context_parallel(model, seq_len=seq_len, cp=parallel.cp, rank=rank, group=group)
+    apply_context_parallel(
+        model,
+        seq_len=seq_len,
+        cp=parallel.cp,
+        rank=rank,
+        group=group,
+        attention=parallel.cp_attention,
+    )
 
 
 def rank_batch(batch: dict[str, torch.Tensor], parallel, launch) -> dict[str, torch.Tensor]:

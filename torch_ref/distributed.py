@@ -82,10 +82,14 @@ def describe(parallel: ParallelConfig) -> str:
     """What runs ``parallel``'s mesh, in words (records, the run's console)."""
     if parallel.context_parallel:
         ranks = "every rank" if parallel.data == 1 else f"{parallel.data} x {parallel.cp} ranks"
+        how = (
+            "keys and values passed round them by PyTorch's ring attention"
+            if parallel.cp_attention == "ring"
+            else "keys and values all-gathered over them"
+        )
         return (
             f"{DESCRIPTION[parallel.strategy]} over {ranks}, each sequence split over "
-            f"cp={parallel.cp} ranks (keys and values all-gathered over them: "
-            "torch_ref.context, an extension)"
+            f"cp={parallel.cp} ranks ({how}: torch_ref.context, an extension)"
         )
     if not parallel.tensor_parallel:
         return DESCRIPTION[parallel.strategy]

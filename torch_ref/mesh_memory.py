@@ -34,7 +34,7 @@ import torch_ref
 import torch_ref.distributed as tdist
 from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig
 from jaxmem.job import torch_mesh_refusal
-from jaxmem.parallel import ParallelConfig, parse_mesh
+from jaxmem.parallel import CP_ATTENTIONS, ParallelConfig, parse_mesh
 from jaxmem.policy import MemoryPolicy
 from jaxmem.policy_config import parse_policy
 from jaxmem.precision import PRECISIONS, Precision
@@ -179,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("true", "false"),
         help="with a tensor axis: split the residual stream by sequence (default true)",
     )
+    p.add_argument(
+        "--cp-attention",
+        default="gather",
+        choices=tuple(CP_ATTENTIONS),
+        help="with a context axis: gather keys and values, or pass them round a ring",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--json", required=True, help="where rank 0 writes the per-rank records")
@@ -186,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     launch = tdist.from_environment()
     try:
         parallel = parse_mesh(args.mesh) if args.mesh else ParallelConfig()
-        parallel = dataclasses.replace(parallel, sequence_parallel=args.sequence_parallel == "true")
+        parallel = dataclasses.replace(
+            parallel,
+            sequence_parallel=args.sequence_parallel == "true",
+            cp_attention=args.cp_attention,
+        )
         tdist.check_launch(parallel, launch, "python -m torch_ref.mesh_memory ...")
         policy = parse_policy(args.policy)
     except ConfigError as e:

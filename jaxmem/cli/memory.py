@@ -225,10 +225,10 @@ def _policies(args: argparse.Namespace, job) -> list:
 def _frameworks(args: argparse.Namespace, job, notes: list[str]) -> list[str]:
     parallel = job.parallel
     if parallel.sharded and args.frameworks is None:
-        torch_too = (  # not where torch_ref cannot run the mesh (a ring: its context axis gathers)
+        torch_too = (  # not where torch_ref cannot run the mesh
             f"; add --frameworks jax,torch for torch_ref's per-rank figures (its step run on "
             f"{parallel.devices} torchrun CPU processes)"
-            if parallel.cp_attention == "gather"
+            if torch_mesh_refusal(parallel, job.model) is None
             else ""
         )
         mesh = parallel.mesh_text()
@@ -275,15 +275,18 @@ def _setup(args: argparse.Namespace, job, target) -> Setup:
             "(DDP, FSDP2): use --frameworks jax,torch"
         )
     if parallel.sharded and "torch" in frameworks:
+        held = PRESETS.get(job.preset)  # the per-rank runs take the preset and its attention
         if (
             presets.planning_only(job.preset, job.model)
             or target.is_gpu
-            or job.model != PRESETS.get(job.preset)
+            or held is None
+            or job.model != held.replace(attention=job.model.attention)
         ):
             raise UsageError(
                 f"--mesh {parallel.mesh_text()} --frameworks torch runs torch_ref's step on "
                 f"{parallel.devices} CPU processes of this machine: use a preset it holds "
-                "(tiny, small) as it is, without --target, or --frameworks jax to plan"
+                "(tiny, small) as it is (--attention aside), without --target, or --frameworks "
+                "jax to plan"
             )
         from jaxmem.parallel import check_cpu_mesh
 

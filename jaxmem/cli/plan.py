@@ -566,6 +566,21 @@ def _commands(job, result) -> dict[str, str | None]:
     return {"jax": jax_cmd, "torch": shlex.join(torch), "torch_note": None}
 
 
+def _torch_apis(cand) -> str:
+    """What torch_ref runs ``cand`` with, in words: stock APIs, its extensions named."""
+    extensions = [
+        what
+        for what, on in (
+            ("its context axis (torch_ref.context)", cand.cp > 1),
+            ("its fused q/k/v split (HeadAlignedColwise)", cand.tp > 1),
+        )
+        if on
+    ]
+    if not extensions:
+        return "torch_ref, stock APIs"
+    return f"torch_ref, stock APIs; extensions: {' and '.join(extensions)}"
+
+
 def shell_lines(command: str, width: int = render.DEFAULT_WIDTH) -> str:
     """``command`` as shell lines of at most ``width`` columns, continued with `` \\``, a flag
     and its value kept together: copied into a shell, it runs as one command."""
@@ -640,7 +655,7 @@ def _summary(out, args, job, result, commands: dict) -> None:
     out.print("run it:", style="bold")
     out.print(shell_lines(commands["jax"]), soft_wrap=True, highlight=False, markup=False)
     if commands["torch"]:
-        out.print("the same in PyTorch (torch_ref, stock APIs):", style="bold")
+        out.print(f"the same in PyTorch ({_torch_apis(result.chosen.candidate)}):", style="bold")
         out.print(shell_lines(commands["torch"]), soft_wrap=True, highlight=False, markup=False)
     else:
         out.print(f"PyTorch: not in torch_ref: {commands['torch_note']}")

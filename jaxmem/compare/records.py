@@ -385,6 +385,8 @@ def torch_rank_records(
             cmd += ["--mesh", parallel.mesh_text()]
         if parallel.tensor_parallel:
             cmd += ["--sequence-parallel", "true" if parallel.sequence_parallel else "false"]
+        if parallel.context_parallel:
+            cmd += ["--cp-attention", parallel.cp_attention]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode:
