@@ -267,7 +267,11 @@ def divisors(n: int) -> list[int]:
 def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
     """Why torch_ref's job cannot run ``job``'s tensor-parallel mesh (None: it can)."""
     parallel = job.parallel
-    if parallel.tensor_parallel and parallel.data == 1 and job.precision.loss_scale == "dynamic":
+    if (
+        parallel.tensor_parallel
+        and parallel.data * parallel.cp == 1
+        and job.precision.loss_scale == "dynamic"
+    ):
         return (
             f"--mesh {parallel.mesh_text()} with precision {job.precision.name!r}: PyTorch's "
             "GradScaler cannot unscale tensor parallelism's split (DTensor) gradients beside "
@@ -280,22 +284,16 @@ def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
 
 def torch_mesh_refusal(parallel: ParallelConfig, model: ModelConfig) -> str | None:
     """Why torch_ref cannot split ``model`` over ``parallel``'s tensor axis (None: it can:
-    ``torch_ref.distributed.parallelize``, then FSDP2 over the data axis), or beside a context
-    axis."""
-    if parallel.context_parallel and parallel.tensor_parallel:
-        return (
-            f"--mesh {parallel.mesh_text()}: torch_ref runs a context axis beside a data axis, "
-            f"not beside a tensor axis; use --mesh fsdp={parallel.data * parallel.tp},"
-            f"cp={parallel.cp} or --framework jax"
-        )
+    ``torch_ref.distributed.parallelize``, then FSDP2 over the data and context axes)."""
     if not parallel.tensor_parallel:
         return None
     mesh = f"--mesh {parallel.mesh_text()}"
-    if parallel.strategy == "dp" and parallel.data > 1:
+    if parallel.strategy == "dp" and parallel.data * parallel.cp > 1:
+        axes = f"{parallel.data}" + (f",cp={parallel.cp}" if parallel.context_parallel else "")
         return (
             f"{mesh}: torch_ref has no dp over a tensor axis (PyTorch's DDP does not take "
-            f"DTensor parameters); use --mesh zero1={parallel.data},tp={parallel.tp} or "
-            f"fsdp={parallel.data},tp={parallel.tp} (FSDP2), or --framework jax"
+            f"DTensor parameters); use --mesh zero1={axes},tp={parallel.tp} or "
+            f"fsdp={axes},tp={parallel.tp} (FSDP2), or --framework jax"
         )
     if model.kv_heads % parallel.tp:
         return (

@@ -37,9 +37,13 @@ from jaxmem.parallel import parse_mesh
 
 PRESETS_RUN = ("tiny", "tiny-llama")
 BATCH, SEQ, STEPS = 4, 32, 4
-# the context axis over every rank (2 torchrun ranks: DDP), and beside a data axis (4: FSDP2);
-# "ring": --cp-attention ring (fused attention: tiny-llama's runs only)
-LAUNCHES = {2: ("cp=2", "cp=2 ring"), 4: ("fsdp=2,cp=2", "fsdp=2,cp=2 ring")}
+# the context axis over every rank (2 torchrun ranks: DDP), beside a data axis (4: FSDP2) and
+# beside a tensor axis (4: FSDP2 over the context ranks); "ring": --cp-attention ring (fused
+# attention: tiny-llama's runs only)
+LAUNCHES = {
+    2: ("cp=2", "cp=2 ring"),
+    4: ("fsdp=2,cp=2", "fsdp=2,cp=2 ring", "fsdp=1,cp=2,tp=2", "fsdp=1,cp=2,tp=2 ring"),
+}
 MESHES = tuple(m for meshes in LAUNCHES.values() for m in meshes)
 RANKS = max(LAUNCHES)
 
@@ -110,14 +114,16 @@ def test_torch_context_parallelism_logs_jax_context_parallel_losses(runs, jax_ru
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mesh", ["cp=2", "fsdp=2,cp=2"])
+@pytest.mark.parametrize("mesh", ["cp=2", "fsdp=2,cp=2", "fsdp=1,cp=2,tp=2"])
 def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path, mesh):
     """``jaxmem train --framework torch --mesh cp=2 --cp-attention ring`` (2 torchrun ranks,
-    DDP; PyTorch's ring, JAX's ring) and ``--mesh fsdp=2,cp=2`` (4, FSDP2; keys gathered; with
-    the block inputs in host memory and the MLP and loss in tiles) log the losses of ``jaxmem
-    train``'s same run over 10 steps (``adamw_loss``). ``cp=2``: cut back to its step-5
-    checkpoint and resumed, it logs the uninterrupted run's losses and gradient norms bit for
-    bit. ``fsdp=2,cp=2``: rank 3 (in the other data rank's context group) SIGKILLed after
+    DDP; PyTorch's ring, JAX's ring), ``--mesh fsdp=2,cp=2`` (4, FSDP2; keys gathered; with
+    the block inputs in host memory and the MLP and loss in tiles) and ``--mesh
+    fsdp=1,cp=2,tp=2`` (4: tensor parallelism, each rank's heads gathered over its context
+    group, FSDP2 over the context ranks) log the losses of ``jaxmem train``'s same run over 10
+    steps (``adamw_loss``). ``cp=2`` and ``fsdp=1,cp=2,tp=2``: cut back to the step-5
+    checkpoint and resumed, the run logs the uninterrupted run's losses and gradient norms bit
+    for bit. ``fsdp=2,cp=2``: rank 3 (in the other data rank's context group) SIGKILLed after
     checkpoint 5 ends the run in one line from the first survivor to see it, within seconds,
     nothing is left running, and the resumed run logs the uninterrupted run's losses and
     gradient norms bit for bit."""
@@ -134,8 +140,10 @@ def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path, mesh):
     common = ["--preset", "tiny-llama", "--mesh", mesh, "--batch-size", "4", "--seq-len", "32"]
     if mesh == "cp=2":  # PyTorch's ring beside JAX's
         common += ["--policy", "full", "--attention", "fused", "--cp-attention", "ring"]
-    else:  # with every long-sequence tool: block inputs in host memory, MLP and loss tiles
+    elif mesh == "fsdp=2,cp=2":  # every long-sequence tool: inputs in host memory, tiles
         common += ["--policy", "full-host", "--mlp-tile-tokens", "8", "--loss-tile-tokens", "16"]
+    else:
+        common += ["--policy", "full"]
     common += ["--steps", "10", "--checkpoint-every", "5", "--eval-every", "5"]
     common += ["--sample-tokens", "8"]
     out, t = _torch_logs_jax_losses(tmp_path, common, nproc=ranks)
@@ -143,8 +151,11 @@ def test_torch_context_parallel_job_logs_jax_losses_and_resumes(tmp_path, mesh):
     assert "each sequence split over cp=2 ranks" in said
     form = "passed round them by PyTorch's ring" if mesh == "cp=2" else "all-gathered over them"
     assert form in said, said
+    if "tp=2" in mesh:
+        assert "DTensor tensor parallelism over tp=2" in said
+        assert "then FSDP2 fully_shard per block" in said and "over 1 x 2 data and context" in said
     resumed = tmp_path / "resumed"
-    if mesh == "cp=2":
+    if mesh != "fsdp=2,cp=2":
         shutil.copytree(tmp_path / "torch", resumed)
         shutil.rmtree(resumed / "checkpoints" / "10")
     else:
@@ -262,8 +273,8 @@ def _train(cfg, model, launch, mesh: str | None) -> list[float]:
     from torch_ref.train import accumulate_grads, make_optimizer
 
     parallel = _parallel(mesh) if mesh else None
-    if parallel:  # ranks data x context: this rank's rows, and its columns of them
-        rows = launch.rows(BATCH, parallel.cp)
+    if parallel:  # ranks data x context (x tensor): its rows, and its columns of them
+        rows = launch.rows(BATCH, parallel.cp * parallel.tp)
         apply_to_rank(model, parallel, launch, SEQ)
         forms = {"gather": gathered_attention, "ring": ring_attention}  # the one the mesh asks
         assert model.blocks.layers[0].self_attn.core.func is forms[parallel.cp_attention]

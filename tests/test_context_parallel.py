@@ -219,8 +219,8 @@ def test_bad_context_meshes_are_refused_naming_the_value(make, fragment):
         (["--cp-attention", "ring"], "the model's attention is 'naive': add --attention fused"),
         (["--mesh", "fsdp=2", "--cp-attention", "ring"], "(e.g. --mesh fsdp=2,cp=2)"),
         (
-            ["--attention", "fused", "--cp-attention", "ring", "--framework", "torch"],
-            "torch_ref's context parallelism all-gathers keys and values",
+            ["--mesh", "cp=2,tp=2", "--framework", "torch"],
+            "use --mesh zero1=1,cp=2,tp=2 or fsdp=1,cp=2,tp=2 (FSDP2)",
         ),
     ],
 )
@@ -244,8 +244,9 @@ def test_train_refuses_what_context_parallelism_cannot_run_in_one_line(tmp_path,
             "--cp 4: [4] do not divide the mesh's 2 device(s)",
         ),
         (
-            ["memory", "--frameworks", "jax,torch", "--mesh", "fsdp=1,cp=2,tp=2"],
-            "torch_ref runs a context axis beside a data axis, not beside a tensor axis",
+            ["memory", "--frameworks", "jax,torch", "--mesh", "cp=2,tp=2"],
+            "torch_ref has no dp over a tensor axis (PyTorch's DDP does not take DTensor "
+            "parameters); use --mesh zero1=1,cp=2,tp=2 or fsdp=1,cp=2,tp=2 (FSDP2)",
         ),
     ],
 )
@@ -258,14 +259,16 @@ def test_commands_refuse_a_context_axis_they_do_not_run_in_one_line(args, fragme
     assert "measuring" not in proc.stdout and "compile" not in proc.stdout
 
 
-def test_torch_runs_a_context_axis_beside_a_data_axis_not_a_tensor_axis():
+def test_torch_runs_a_context_axis_beside_data_and_tensor_axes_not_under_dp_with_tp():
+    """torch_ref takes a context axis beside a data axis and beside a tensor axis (FSDP2 over
+    the data and context ranks); DDP cannot take a tensor axis's DTensor parameters."""
     from jaxmem.job import torch_mesh_refusal
 
     cfg = PRESETS["tiny-llama"]
-    for mesh in ("cp=2", "fsdp=1,cp=2", "fsdp=2,cp=2"):
-        assert torch_mesh_refusal(parse_mesh(mesh), cfg) is None
-    line = torch_mesh_refusal(parse_mesh("fsdp=1,cp=2,tp=2"), cfg)
-    assert "not beside a tensor axis; use --mesh fsdp=2,cp=2 or --framework jax" in line
+    for mesh in ("cp=2", "fsdp=1,cp=2", "fsdp=2,cp=2", "fsdp=1,cp=2,tp=2", "zero1=2,cp=2,tp=2"):
+        assert torch_mesh_refusal(parse_mesh(mesh), cfg) is None, mesh
+    line = torch_mesh_refusal(parse_mesh("dp=2,cp=2,tp=2"), cfg)
+    assert "use --mesh zero1=2,cp=2,tp=2 or fsdp=2,cp=2,tp=2 (FSDP2)" in line
 
 
 CP_RUN = ["--preset", "tiny-llama", "--batch-size", "2", "--seq-len", "32", "--policy", "full"]

@@ -304,10 +304,10 @@ def apply_to_rank(model: nn.Module, parallel, launch, seq_len: int) -> None:
     """``apply_context_parallel`` for this torchrun rank of ``parallel``'s ``data x context``
     ranks (``launch``): its context rank, keys gathered over (or passed round) its context
     group as ``parallel.cp_attention`` says."""
-    from torch_ref.distributed import context_group
+    from torch_ref.distributed import context_group, context_index
 
     group = context_group(parallel, launch)
-    rank = launch.rank % parallel.cp
+    rank = context_index(parallel, launch)
     apply_context_parallel(
         model,
         seq_len=seq_len,
@@ -321,7 +321,9 @@ def apply_to_rank(model: nn.Module, parallel, launch, seq_len: int) -> None:
 def rank_batch(batch: dict[str, torch.Tensor], parallel, launch) -> dict[str, torch.Tensor]:
     """``local_batch`` for this torchrun rank (``launch``) of ``parallel``'s context axis: its
     columns of its data rank's rows."""
-    return local_batch(batch, parallel.cp, launch.rank % parallel.cp)
+    from torch_ref.distributed import context_index
+
+    return local_batch(batch, parallel.cp, context_index(parallel, launch))
 
 
 @contextlib.contextmanager

@@ -18,10 +18,14 @@ q/k/v split head-aligned by torch_ref's ``HeadAlignedColwise`` extension; then F
 data axis. ``dp`` over a tensor axis is refused (``jaxmem.job.torch_mesh_refusal``).
 
 Context parallelism (``--mesh cp=C``, ``fsdp=D,cp=C``): each rank holds its columns of its data
-rank's rows (``torch_ref.context``, an extension), keys and values gathered over its context
-group (``context_group``: a ``data x context`` device mesh beside a data axis), DDP or FSDP2
-over every rank. Under torchrun a rank lost mid-run ends the run in one line: the survivors'
-failures are reported by the first of them (``first_to_say``).
+rank's rows (``torch_ref.context``, an extension), keys and values gathered over (or passed
+round) its context group (``context_group``: a ``data x context`` device mesh beside a data
+axis), DDP or FSDP2 over every rank. Beside a tensor axis (``fsdp=D,cp=C,tp=T``) the mesh is
+``data x context x tensor``: the blocks split over the tensor axis as above (each rank's
+attention runs its heads over its context group), then FSDP2 over the data and context ranks
+together (one flattened axis, as torchtitan shards over ``dp_shard x cp``). Under torchrun a
+rank lost mid-run ends the run in one line: the survivors' failures are reported by the first of
+them (``first_to_say``).
 
 Streaming (``optimizer.stream``, jaxmem's ``--stream``): FSDP2 ``fully_shard`` with
 ``CPUOffloadPolicy`` on every block and the root, on one process (a process group of one) or
@@ -80,26 +84,36 @@ DESCRIPTION = {
 
 def describe(parallel: ParallelConfig) -> str:
     """What runs ``parallel``'s mesh, in words (records, the run's console)."""
+    context = ""
     if parallel.context_parallel:
-        ranks = "every rank" if parallel.data == 1 else f"{parallel.data} x {parallel.cp} ranks"
         how = (
             "keys and values passed round them by PyTorch's ring attention"
             if parallel.cp_attention == "ring"
             else "keys and values all-gathered over them"
         )
-        return (
-            f"{DESCRIPTION[parallel.strategy]} over {ranks}, each sequence split over "
-            f"cp={parallel.cp} ranks ({how}: torch_ref.context, an extension)"
+        context = (
+            f"each sequence split over cp={parallel.cp} ranks ({how}: torch_ref.context, an "
+            "extension)"
         )
     if not parallel.tensor_parallel:
-        return DESCRIPTION[parallel.strategy]
+        if not context:
+            return DESCRIPTION[parallel.strategy]
+        ranks = "every rank" if parallel.data == 1 else f"{parallel.data} x {parallel.cp} ranks"
+        return f"{DESCRIPTION[parallel.strategy]} over {ranks}, {context}"
     sp = " + SequenceParallel norms" if parallel.sequence_parallel else ""
     text = (
         f"DTensor tensor parallelism over tp={parallel.tp} (ColwiseParallel, RowwiseParallel"
         f"{sp}; fused q/k/v rows head-aligned: torch_ref's HeadAlignedColwise extension)"
     )
-    if parallel.data > 1:
-        text += f", then {DESCRIPTION[parallel.strategy]} over {parallel.data} data ranks"
+    if context:
+        text += f", {context}"
+    if parallel.data * parallel.cp > 1:
+        ranks = (
+            f"{parallel.data} x {parallel.cp} data and context ranks"
+            if parallel.context_parallel
+            else f"{parallel.data} data ranks"
+        )
+        text += f", then {DESCRIPTION[parallel.strategy]} over {ranks}"
     return text
 
 
@@ -121,8 +135,9 @@ class Launch:
 
     def rows(self, batch_size: int, inner: int = 1) -> slice | None:
         """This rank's rows of a global batch (None: one data rank reads them all). Ranks are
-        laid out ``data x tensor`` or ``data x context`` (``device_mesh``, ``context_group``):
-        the ``inner`` tensor or context ranks of one data rank read the same rows."""
+        laid out ``data x tensor``, ``data x context`` or ``data x context x tensor``
+        (``device_mesh``, ``context_group``): the ``inner`` tensor and context ranks of one
+        data rank read the same rows."""
         data = self.world_size // inner
         if data == 1:
             return None
@@ -197,12 +212,13 @@ def shard(
     ``jaxmem.job.torch_tensor_parallel_refusal``)."""
     if not parallel.sharded and not stream:
         return model
-    mesh = None
+    data_mesh = None
     if parallel.tensor_parallel:
         mesh = device_mesh(parallel, launch)
         parallelize(model, mesh["tensor"], sequence_parallel=parallel.sequence_parallel)
-        if parallel.data == 1:
+        if parallel.data * parallel.cp == 1:
             return model
+        data_mesh = _shard_mesh(parallel, launch)
     elif parallel.strategy == "dp" and not stream:
         device_ids = [launch.local_rank] if torch.cuda.is_available() else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
@@ -211,7 +227,6 @@ def shard(
     # one process: nothing to reshard (fsdp's default); dp has no FSDP2 form (refused upstream)
     reshard = RESHARD_AFTER_FORWARD.get(parallel.strategy, True) if parallel.sharded else True
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if stream else OffloadPolicy()
-    data_mesh = None if mesh is None else mesh["data"]
     for block in model.blocks.layers:
         fully_shard(block, mesh=data_mesh, reshard_after_forward=reshard, offload_policy=policy)
     fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard, offload_policy=policy)
@@ -223,20 +238,41 @@ def shard(
 
 MESH_AXES = ("data", "tensor")
 CONTEXT_AXES = ("data", "context")
+ALL_AXES = ("data", "context", "tensor")
 
 
 @functools.cache
-def _mesh(device_type: str, data: int, tp: int, axes: tuple[str, str] = MESH_AXES) -> DeviceMesh:
+def _mesh(device_type: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (data, tp), mesh_dim_names=axes)
+    return init_device_mesh(device_type, shape, mesh_dim_names=axes)
 
 
 def device_mesh(parallel: ParallelConfig, launch: Launch) -> DeviceMesh:
-    """The run's ``data x tensor`` device mesh (``parallel.data`` by ``parallel.tp`` ranks, rank
-    = data index x tp + tensor index, as ``Launch.rows`` reads it); made once per process (a
-    collective: every rank asks for it at the same point)."""
-    return _mesh(launch.device.split(":")[0], parallel.data, parallel.tp)
+    """The run's device mesh over a tensor axis: ``data x tensor`` (rank = data index x tp +
+    tensor index), or beside a context axis ``data x context x tensor`` (rank = (data index x
+    cp + context index) x tp + tensor index), as ``Launch.rows`` reads them; made once per
+    process (a collective: every rank asks for it at the same point)."""
+    device = launch.device.split(":")[0]
+    if parallel.context_parallel:
+        return _mesh(device, (parallel.data, parallel.cp, parallel.tp), ALL_AXES)
+    return _mesh(device, (parallel.data, parallel.tp), MESH_AXES)
+
+
+@functools.cache
+def _shard_mesh(parallel: ParallelConfig, launch: Launch) -> DeviceMesh:
+    """The ranks FSDP2 shards over beside a tensor axis: the data axis, or the data and context
+    axes flattened into one (each holds distinct tokens)."""
+    mesh = device_mesh(parallel, launch)
+    if not parallel.context_parallel:
+        return mesh["data"]
+    return mesh["data", "context"]._flatten("data_context")
+
+
+def context_index(parallel: ParallelConfig, launch: Launch) -> int:
+    """This rank's place on its context axis (``device_mesh``'s and ``context_group``'s
+    layouts)."""
+    return (launch.rank // parallel.tp) % parallel.cp
 
 
 def context_group(parallel: ParallelConfig, launch: Launch) -> dist.ProcessGroup | None:
@@ -244,9 +280,11 @@ def context_group(parallel: ParallelConfig, launch: Launch) -> dist.ProcessGroup
     beside it). Ranks are ``data x context`` (rank = data index x cp + context index, as
     ``Launch.rows`` reads it); the ``data x context`` device mesh is made by every rank at the
     same point (a collective), once per process."""
-    if not parallel.context_parallel or parallel.data == 1:
+    if not parallel.context_parallel or (parallel.data == 1 and not parallel.tensor_parallel):
         return None
-    mesh = _mesh(launch.device.split(":")[0], parallel.data, parallel.cp, CONTEXT_AXES)
+    if parallel.tensor_parallel:
+        return device_mesh(parallel, launch)["context"].get_group()
+    mesh = _mesh(launch.device.split(":")[0], (parallel.data, parallel.cp), CONTEXT_AXES)
     return mesh["context"].get_group()
 
 
@@ -400,15 +438,16 @@ def all_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Te
 
 
 def data_group(parallel: ParallelConfig, launch: Launch) -> dist.ProcessGroup | None:
-    """The ranks of this rank's data axis (None: every rank, when there is no tensor axis)."""
+    """The ranks holding distinct tokens: this rank's data axis, with its context axis beside a
+    tensor axis (None: every rank, when there is no tensor axis)."""
     if not parallel.tensor_parallel:
         return None
-    return device_mesh(parallel, launch)["data"].get_group()
+    return _shard_mesh(parallel, launch).get_group()
 
 
 def data_sum(t: torch.Tensor, parallel: ParallelConfig, launch: Launch) -> torch.Tensor:
-    """Sum of ``t`` over the data axis: the whole batch's, once (the tensor ranks of one data
-    rank hold the same rows' losses and counts)."""
+    """Sum of ``t`` over the data (and context) axes: the whole batch's, once (the tensor ranks
+    of one data rank hold the same tokens' losses and counts)."""
     return all_sum(t, data_group(parallel, launch))
 
 
