@@ -18,7 +18,8 @@ Parts, in this order (results are written after each, so a stopped run leaves wh
 1. the environment: GPU, driver, versions;
 2. calibration: bf16 matmuls at the shapes the cases run, a device copy's bandwidth, a tiny
    kernel's time, beside what ``jaxmem.memory.step_time``'s model assumes for them;
-3. the GPU-only tests (``pytest -m gpu tests/test_gpu_plan.py``);
+3. the GPU-only tests (``pytest -m gpu tests/test_gpu_plan.py tests/test_context_parallel.py``:
+   the captured target, torch_ref's CUDA ring kernels);
 4. per case (model, policy, options), in a fresh process (a device's peak never goes down within
    one): the plan compiled without the device for this GPU's captured target, the plan compiled
    on it, the runtime peak (``memory_stats``), the median step time of 20 steps after 3 warm-up
@@ -460,7 +461,7 @@ PARTS = {
 # -------------------------------------------------------------------------- the parent
 def run_tests(out_dir: str, timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/test_gpu_plan.py"]  # fmt: skip
+           "tests/test_gpu_plan.py", "tests/test_context_parallel.py"]  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               timeout=max(timeout, 1))  # fmt: skip

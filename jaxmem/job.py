@@ -279,7 +279,34 @@ def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
             f"axis (--mesh fsdp=2,tp={parallel.tp}: FSDP2 makes every gradient a DTensor), or "
             "--framework jax"
         )
-    return torch_mesh_refusal(parallel, job.model)
+    return torch_mesh_refusal(parallel, job.model) or torch_ring_policy_refusal(
+        parallel, job.memory, job.model.n_layers
+    )
+
+
+# what attention outputs a policy may keep by name: under torch_ref's ring none (it is one
+# autograd function, torch_ref.context.ring_attention)
+ATTENTION_OUTPUTS = ("attn_context", "attn_lse")
+
+
+def torch_ring_policy_refusal(
+    parallel: ParallelConfig, policy: MemoryPolicy, n_layers: int
+) -> str | None:
+    """Why torch_ref cannot run ``policy`` under ``parallel``'s ring (None: it can): selective
+    checkpointing keeps op outputs, and the ring's output is an autograd function's, so a
+    policy keeping attention's output would recompute it where JAX keeps it."""
+    if not (parallel.context_parallel and parallel.cp_attention == "ring"):
+        return None
+    blocks = [b for b in policy.layer_blocks(n_layers) if b.remat]
+    named = sorted({n for b in blocks for n in (*b.save, *b.offload)} & set(ATTENTION_OUTPUTS))
+    if not named:
+        return None
+    return (
+        f"--policy {policy.name} keeps {', '.join(named)} under --cp-attention ring: "
+        "torch_ref's ring attention is one autograd function (PyTorch's ring), whose output "
+        "selective checkpointing cannot keep; use a policy that keeps neither, --cp-attention "
+        "gather, or --framework jax"
+    )
 
 
 def torch_mesh_refusal(parallel: ParallelConfig, model: ModelConfig) -> str | None:
@@ -290,9 +317,10 @@ def torch_mesh_refusal(parallel: ParallelConfig, model: ModelConfig) -> str | No
     mesh = f"--mesh {parallel.mesh_text()}"
     if parallel.strategy == "dp" and parallel.data * parallel.cp > 1:
         axes = f"{parallel.data}" + (f",cp={parallel.cp}" if parallel.context_parallel else "")
+        implicit = "" if "dp=" in mesh else " (the strategy of a mesh naming none)"
         return (
-            f"{mesh}: torch_ref has no dp over a tensor axis (PyTorch's DDP does not take "
-            f"DTensor parameters); use --mesh zero1={axes},tp={parallel.tp} or "
+            f"{mesh}: torch_ref has no dp{implicit} over a tensor axis (PyTorch's DDP does not "
+            f"take DTensor parameters); use --mesh zero1={axes},tp={parallel.tp} or "
             f"fsdp={axes},tp={parallel.tp} (FSDP2), or --framework jax"
         )
     if model.kv_heads % parallel.tp:

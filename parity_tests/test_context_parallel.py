@@ -181,7 +181,9 @@ def test_torch_per_rank_records_of_a_context_axis():
     """``torch_ref.mesh_memory`` over fsdp=2,cp=2 (4 torchrun ranks; what ``jaxmem memory
     --frameworks torch --mesh fsdp=2,cp=2`` runs): each rank holds a quarter of the parameters
     and saves under half of one device's activations for the backward (its rows' share of the
-    tokens, and the gathered keys and values whole where a block keeps them)."""
+    tokens, and the gathered keys and values whole where a block keeps them); over
+    fsdp=1,cp=2,tp=2 between a quarter and a half of the parameters, and under half the
+    activations."""
     from jaxmem.compare.records import torch_rank_records
 
     kw = {"attention": "fused", "batch": 4, "seq_len": 64}
@@ -194,6 +196,13 @@ def test_torch_per_rank_records_of_a_context_axis():
         saved = r["saved_activation_bytes_device"]
         assert one["saved_activation_bytes_device"] / 8 < saved
         assert saved < one["saved_activation_bytes_device"] / 2
+    # beside a tensor axis: the blocks a quarter (tp x FSDP2 over cp), the embeddings and head
+    # halved (whole on each tensor rank); each rank's heads of its half of the tokens
+    ranks = torch_rank_records("tiny-llama", "none", parse_mesh("fsdp=1,cp=2,tp=2"), **kw)
+    for r in ranks:
+        assert "tensor parallelism over tp=2" in r["strategy"], r["strategy"]
+        assert one["params_bytes"] / 4 < r["params_bytes"] < one["params_bytes"] / 2
+        assert r["saved_activation_bytes_device"] < one["saved_activation_bytes_device"] / 2
 
 
 def _config(name: str):
@@ -292,9 +301,13 @@ def _train(cfg, model, launch, mesh: str | None) -> list[float]:
         opt.zero_grad(set_to_none=True)
         fp32 = PRECISIONS["fp32"]
         loss_sum, n = accumulate_grads(model, batch, precision=fp32, divisor=divisor)
+        tdist.reduce_partial_grads(model.parameters())  # sequence-parallel norms' (as the job)
         opt.step()
-        if parallel:  # every rank holds distinct tokens
-            loss_sum, n = tdist.all_sum(loss_sum), tdist.all_sum(n)
+        if parallel:  # the data and context ranks hold distinct tokens
+            loss_sum, n = (
+                tdist.data_sum(loss_sum, parallel, launch),
+                tdist.data_sum(n, parallel, launch),
+            )
         losses.append(float(loss_sum / n))
     return losses
 
@@ -451,6 +464,68 @@ def test_torch_context_attention_equals_whole_row_sdpa_in_float64():
         assert row["within"] == [True] * 4, row
 
 
+def policy_main() -> None:
+    """tiny-llama (fused attention, float64) over cp=2 on 2 gloo ranks, a policy keeping
+    ``norm2_out`` and ``mlp_act`` under each translation, keys gathered and round the ring:
+    rank 0 prints ``{form: {translation: {"kept": [[layer, names, shape]], "grads": {name:
+    [values]}}}}``."""
+    import dataclasses
+
+    import torch
+
+    import torch_ref
+    import torch_ref.distributed as tdist
+    from jaxmem.policy import BlockPolicy, MemoryPolicy
+    from torch_ref.context import apply_context_parallel, local_batch
+    from torch_ref.remat import apply_memory_policy
+
+    launch = tdist.from_environment()
+    tdist.initialize(launch)
+    cfg = dataclasses.replace(_config("tiny-llama"), n_layers=2)
+    policy = MemoryPolicy.of(BlockPolicy(save=("norm2_out", "mlp_act")), name="mlp-in")
+    batch = local_batch(_batches(cfg)[0], 2, launch.rank)
+    out: dict = {}
+    for form in ("gather", "ring"):
+        for translation in ("stock", "lean"):
+            torch.manual_seed(0)
+            model = torch_ref.Decoder(cfg).double()
+            apply_context_parallel(model, seq_len=SEQ, cp=2, rank=launch.rank, attention=form)
+            runner = apply_memory_policy(model.blocks, policy, translation)
+            loss_sum, _ = model(batch["inputs"], batch["targets"])
+            loss_sum.backward()
+            kept = [[k.layer, list(k.names), list(k.shape)] for k in runner.kept]
+            grads = {n: p.grad.flatten()[:64].tolist() for n, p in model.named_parameters()}
+            out.setdefault(form, {})[translation] = {"kept": kept, "grads": grads}
+    sys.path.insert(0, os.path.dirname(__file__))
+    from torch_parallel_worker import finish  # isort: skip
+
+    finish(out, launch)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_named_policy_keeps_the_same_tensors_under_the_ring_as_under_the_gather():
+    """PyTorch's ring runs dozens of ops a block's op names would count (its merge's multiplies
+    among them): to a memory policy it is one function, so a policy keeping ``norm2_out`` and
+    ``mlp_act`` keeps the same tensors (``[B, S/cp, D]`` and ``[B, S/cp, d_ff]`` per layer) under
+    the ring as under the gather, stock and lean, and the float64 gradients agree (each rank's
+    share of its parameters' gradients, within the fused-vs-naive tolerance)."""
+    from parity_tests.test_sharded_parity import torchrun
+
+    proc = torchrun(os.path.abspath(__file__), "policy", nproc=2)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    cfg = _config("tiny-llama")
+    per_layer = [[["norm2_out"], [BATCH, SEQ // 2, cfg.d_model]],
+                 [["mlp_act"], [BATCH, SEQ // 2, cfg.d_ff]]]  # fmt: skip
+    tol = tolerance("float64", "fused_vs_naive").kwargs()
+    for translation in ("stock", "lean"):
+        gather, ring = out["gather"][translation], out["ring"][translation]
+        assert sorted(ring["kept"]) == sorted(gather["kept"]), translation
+        assert sorted(ring["kept"]) == sorted([i, *k] for i in range(2) for k in per_layer)
+        for name, values in gather["grads"].items():
+            np.testing.assert_allclose(ring["grads"][name], values, err_msg=name, **tol)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["jax"]:
         jax_main()
@@ -458,5 +533,7 @@ if __name__ == "__main__":
         stock_main()
     elif sys.argv[1:] == ["attention"]:
         attention_main()
+    elif sys.argv[1:] == ["policy"]:
+        policy_main()
     else:
         main()

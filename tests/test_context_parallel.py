@@ -222,6 +222,12 @@ def test_bad_context_meshes_are_refused_naming_the_value(make, fragment):
             ["--mesh", "cp=2,tp=2", "--framework", "torch"],
             "use --mesh zero1=1,cp=2,tp=2 or fsdp=1,cp=2,tp=2 (FSDP2)",
         ),
+        (
+            ["--attention", "fused", "--cp-attention", "ring", "--policy", "mlp"]
+            + ["--framework", "torch"],
+            "--policy mlp keeps attn_context, attn_lse under --cp-attention ring: torch_ref's "
+            "ring attention is one autograd function",
+        ),
     ],
 )
 def test_train_refuses_what_context_parallelism_cannot_run_in_one_line(tmp_path, args, fragment):
@@ -245,8 +251,9 @@ def test_train_refuses_what_context_parallelism_cannot_run_in_one_line(tmp_path,
         ),
         (
             ["memory", "--frameworks", "jax,torch", "--mesh", "cp=2,tp=2"],
-            "torch_ref has no dp over a tensor axis (PyTorch's DDP does not take DTensor "
-            "parameters); use --mesh zero1=1,cp=2,tp=2 or fsdp=1,cp=2,tp=2 (FSDP2)",
+            "torch_ref has no dp (the strategy of a mesh naming none) over a tensor axis "
+            "(PyTorch's DDP does not take DTensor parameters); use --mesh zero1=1,cp=2,tp=2 or "
+            "fsdp=1,cp=2,tp=2 (FSDP2)",
         ),
     ],
 )
@@ -411,3 +418,119 @@ def test_records_name_the_attention_kernel_a_context_axis_runs():
     ring = spec.replace(parallel=ParallelConfig(devices=2, cp=2, cp_attention="ring"))
     assert _kernel_label(ring, "cudnn").startswith("blockwise (jaxmem.model.flash) per chunk")
     assert _kernel_label(spec.replace(parallel=ParallelConfig()), "cudnn").startswith("cuDNN")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cuda_ring_kernels_merge_and_differentiate_a_share_of_any_even_length(dtype):
+    """torch_ref's ring on CUDA (no GPU here: meta tensors, shapes only): a rank's 2 x 20
+    positions (not a multiple of the memory-efficient kernel's 32-row log-sum-exp) through
+    PyTorch's merge of a whole step and a partial one (the second half of the queries), then
+    each step's backward, grouped-query keys: every shape is the queries', keys' and values'."""
+    import torch
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    from torch_ref.context import ring_kernel
+
+    kernel = ring_kernel(torch.device("cuda"), getattr(torch, dtype))
+    meta = {"device": "meta", "dtype": getattr(torch, dtype)}
+    q = torch.empty(1, 4, 40, 8, **meta)
+    kv_heads = 4 if kernel.repeat_kv else 2
+    k = v = torch.empty(1, kv_heads, 40, 8, **meta)
+    merger = cp._SDPAMerger(True, seq_dim=2)
+    steps = [(q, False, True), (q.chunk(2, dim=2)[1], True, False)]  # (queries, partial, causal)
+    rests = []
+    for queries, partial, causal in steps:
+        out, lse, *rest = kernel.forward(queries, k, v, is_causal=causal, **kernel.forward_kwargs)
+        merger.step(out, lse, partial)
+        rests.append(dict(zip(kernel.rest, rest, strict=False)))
+    out, lse = merger.results()
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    for (queries, partial, causal), rest in zip(steps, rests, strict=True):
+        half = (lambda t: t.chunk(2, dim=2)[1]) if partial else (lambda t: t)
+        grads = kernel.backward(
+            query=queries, key=k, value=v, out=half(out), logsumexp=half(lse).contiguous(),
+            is_causal=causal, **{kernel.grad_out_name: half(out)}, **kernel.backward_kwargs,
+            **rest,
+        )  # fmt: skip
+        assert [g.shape for g in grads[:3]] == [queries.shape, k.shape, v.shape]
+
+
+def _ring_steps_of_rank_one(q, k, v, dout, kernel):
+    """Rank 1 of a 2-rank ring on one device, as PyTorch's templates step it: queries chunks 1
+    and 2 of 4, their own keys causally, then rank 0's first chunk (load balance), merged by
+    log-sum-exp; each step's backward from the merged output. Returns out, dq, dk, dv."""
+    import torch
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    chunks = lambda t: t.chunk(4, dim=2)  # noqa: E731
+    mine = lambda t: torch.cat(chunks(t)[1:3], dim=2)  # noqa: E731
+    steps = [(mine(k), mine(v), True), (chunks(k)[0], chunks(v)[0], False)]
+    merger, rests = cp._SDPAMerger(q.dtype != torch.float64, seq_dim=2), []
+    for ks, vs, causal in steps:
+        out, lse, *rest = kernel.forward(mine(q), ks, vs, is_causal=causal, **kernel.forward_kwargs)
+        merger.step(out, lse, False)
+        rests.append(dict(zip(kernel.rest, rest, strict=False)))
+    out, lse = merger.results()
+    dq, dk, dv = 0, torch.zeros_like(k), torch.zeros_like(v)
+    for (ks, vs, causal), rest, at in zip(steps, rests, ((1, 3), (0, 1)), strict=True):
+        g = kernel.backward(
+            query=mine(q), key=ks, value=vs, out=out, logsumexp=lse, is_causal=causal,
+            **{kernel.grad_out_name: mine(dout)}, **kernel.backward_kwargs, **rest,
+        )  # fmt: skip
+        n = k.shape[2] // 4
+        dq = dq + g[0]
+        dk[:, :, at[0] * n : at[1] * n] += g[1]
+        dv[:, :, at[0] * n : at[1] * n] += g[2]
+    return out, dq, dk, dv
+
+
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        ("cpu", "float64"),
+        pytest.param("cuda", "float32", marks=pytest.mark.gpu),
+        pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu),
+    ],
+)
+def test_the_rings_kernel_steps_merge_to_whole_sequence_attention(device, dtype):
+    """The kernel torch_ref's ring runs on ``device`` (CPU flash; on a GPU, flash for bf16 and
+    memory-efficient for fp32), stepped and merged as PyTorch's ring does for one rank, gives
+    whole-sequence SDPA's output and gradients at that rank's positions (20 each: not a
+    multiple of the memory-efficient kernel's 32-row log-sum-exp): float64 and fp32 within the
+    table's fused-vs-naive tolerance, bf16 through its error against float64 (the fused kernel's
+    error bound)."""
+    import torch
+    import torch.nn.functional as F
+
+    from torch_ref.context import ring_kernel
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("GPU-only: PyTorch sees no CUDA device")
+    torch_dtype = getattr(torch, dtype)
+    kernel = ring_kernel(torch.device(device), torch_dtype)
+    gen = torch.Generator().manual_seed(0)
+    kv_heads = 4 if kernel.repeat_kv else 2
+    shapes = ((1, 4, 80, 16), (1, kv_heads, 80, 16), (1, kv_heads, 80, 16), (1, 4, 80, 16))
+    exact = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+
+    def whole(q, k, v, dout):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        mask = torch.zeros_like(dout)
+        mask[:, :, 20:60] = 1  # the loss reads rank 1's rows only
+        out.backward(dout * mask)
+        return out.detach()[:, :, 20:60], q.grad[:, :, 20:60], k.grad, v.grad
+
+    reference = whole(*exact)
+    got = _ring_steps_of_rank_one(*(t.to(device, torch_dtype) for t in exact), kernel)
+    got = [t.double().cpu() for t in got]
+    if dtype != "bfloat16":
+        tol = tolerance(dtype, "fused_vs_naive").kwargs()
+        for a, b in zip(got, reference, strict=True):
+            np.testing.assert_allclose(a, b, **tol)
+        return
+    fused = [t.double().cpu() for t in whole(*(t.to(device, torch_dtype) for t in exact))]
+    tol = tolerance("bfloat16", "fused_vs_naive_error")
+    for a, f, b in zip(got, fused, reference, strict=True):
+        err, bound = (float((x - b).norm() / b.norm()) for x in (a, f))
+        assert err <= bound * (1 + tol.rtol) + tol.atol, (err, bound)

@@ -2,29 +2,33 @@
 all-gathered for attention or (``--cp-attention ring``) passed round the ranks by PyTorch's own
 ring, in the layout jaxmem's JAX side runs (``jaxmem.step.context``, ``jaxmem.step.ring``).
 
-An extension, labelled as such: PyTorch's own API, ``torch.distributed.tensor.experimental.
-context_parallel`` (a ring over SDPA), would be the stock path on CUDA (not wired in here: no GPU
-to test it), but in the installed PyTorch (2.13, CPU build) it does not run on CPU: under it,
-``F.scaled_dot_product_attention`` on two gloo ranks fails with ``NotImplementedError: Operator
-aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-registered`` (torchrun, 2 ranks, float64 q/k/v [1, 2, 16, 8], causal), and under the math
-backend with ``aten.add.Tensor got mixed torch.Tensor and DTensor`` (its causal mask stays a
-plain tensor); ``parity_tests/test_context_parallel.py`` checks both. So the CPU tests run this
-module: Llama 3's all-gather of keys and values, which works with any attention
-kernel and grouped-query attention.
+An extension, labelled as such. PyTorch's public API, ``torch.distributed.tensor.experimental.
+context_parallel`` (SDPA patched to a ring over DTensors), does not run on CPU in the installed
+PyTorch (2.13; 2.14.1 the same): under it ``F.scaled_dot_product_attention`` on two gloo ranks
+fails with ``NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.
+default does not have a sharding strategy registered`` (torchrun, 2 ranks, float64 q/k/v
+[1, 2, 16, 8], causal), and under the math backend with ``aten.add.Tensor got mixed
+torch.Tensor and DTensor`` (its causal mask stays a plain tensor);
+``parity_tests/test_context_parallel.py`` checks both. So this module sets the layout itself
+and runs one of two attention forms over the rank's context group.
 
 Layout: the sequence in ``2 cp`` chunks, rank ``i`` of the context group holding chunks ``i`` and
 ``2 cp - 1 - i`` (``jaxmem.parallel.balanced_order``); ``local_batch`` permutes and slices a
 batch's token fields once, the model's ``BlockStack.positions`` carries the rank's positions (RoPE
-and position embeddings follow them), and each ``SelfAttention.core`` gathers keys and values
-over the rank's context group (``gather_sequence``: ``dist.all_gather_into_tensor`` forward,
-``dist.reduce_scatter_tensor`` backward, summing the keys' and values' gradients back to their
-ranks), puts them in position order and attends causally by position. The loss is a sum over
-tokens: each rank's share, summed by the data-parallel wrapper's gradient reduction (DDP or
-FSDP2 over every rank), as over rows. The context group is every rank, or beside a data axis
-(``--mesh fsdp=2,cp=2``: ranks ``data x context``) ``torch_ref.distributed.context_group``.
+and position embeddings follow them), and each ``SelfAttention.core`` is set from outside. The
+loss is a sum over tokens: each rank's share, summed by the gradient reduction over the data and
+context ranks (DDP or FSDP2 over every rank; beside a tensor axis FSDP2 over the data and context
+ranks), as over rows. The context group (``torch_ref.distributed.context_group``) is every rank,
+or the rank's context axis of a ``data x context`` or ``data x context x tensor`` mesh (beside a
+tensor axis each rank's attention holds its own heads).
 
-The ring (``ring_attention``, ``--cp-attention ring``, fused attention only) is PyTorch's: the
+Gathered (``gathered_attention``, the default; Llama 3's form, any attention kernel, grouped-query
+keys as they are): keys and values gathered over the context group (``gather_sequence``:
+``dist.all_gather_into_tensor`` forward, ``dist.reduce_scatter_tensor`` backward, summing the
+keys' and values' gradients back to their ranks), put in position order, attended causally by
+position.
+
+Ring (``ring_attention``, ``--cp-attention ring``, fused attention only): PyTorch's, the
 forward and backward that ``context_parallel`` dispatches SDPA to
 (``torch.distributed.tensor.experimental._context_parallel._attention``'s
 ``_templated_ring_attention`` and ``_templated_ring_attention_backward``: causal load balance on
@@ -38,8 +42,10 @@ the stock dispatcher has no entry for, and an autograd function around the pair 
 reaches the backward through DTensor; here the tensors are plain). The merge accumulates in
 fp32 (PyTorch's ``convert_to_f32``), in float64 for float64 inputs (PyTorch's option would round
 them to fp32). On CUDA the ring's kernel is the one the stock dispatcher pairs with it (flash for
-bf16/fp16, memory-efficient for fp32, keys repeated to the query heads for it); not run here (no
-GPU).
+bf16/fp16, memory-efficient for fp32, keys repeated to the query heads for it; its log-sum-exp
+cut to the queries' rows for the merge), checked on meta tensors, not run here (no GPU). To a
+memory policy the ring is one function (``inside_ring``): a policy keeping attention's output is
+refused with it (``jaxmem.job.torch_ring_policy_refusal``).
 
 ``gather_sequence`` is written here because the stock differentiable
 ``torch.distributed.nn.functional.all_gather`` cannot run on a subgroup over gloo: its backward
@@ -155,10 +161,40 @@ class RingKernel:
     repeat_kv: bool = False  # the kernel takes as many key/value heads as query heads only
 
 
+# the memory-efficient kernel pads its log-sum-exp to a multiple of this many rows
+_EFFICIENT_LSE_ROWS = 32
+
+
+def _efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object):
+    """The memory-efficient forward with its log-sum-exp cut to the queries' rows (the ring's
+    merge adds it to the output's rows; PyTorch's own dispatcher leaves it padded and fails to
+    merge unless each half of a rank's share is a multiple of 32 positions)."""
+    out, lse, *rest = torch.ops.aten._scaled_dot_product_efficient_attention.default(q, k, v, **kw)
+    return (out, lse[..., : q.shape[2]], *rest)
+
+
+def _efficient_backward(*, logsumexp: torch.Tensor, **kw: object):
+    """The memory-efficient backward given its log-sum-exp padded back as its forward made it."""
+    pad = -logsumexp.shape[-1] % _EFFICIENT_LSE_ROWS
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
+        logsumexp=F.pad(logsumexp, (0, pad)), **kw
+    )
+
+
+def _flash_backward(*, query: torch.Tensor, key: torch.Tensor, **kw: object):
+    """The CUDA flash backward with each step's own query and key lengths (PyTorch 2.11 to 2.13
+    hand every step the forward's last step's; fixed in 2.14)."""
+    kw |= {"max_q": query.shape[2], "max_k": key.shape[2]}
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+        query=query, key=key, **kw
+    )
+
+
 def ring_kernel(device: torch.device, dtype: torch.dtype) -> RingKernel:
     """The kernel the ring runs at each step on ``device`` for ``dtype`` inputs: the CPU flash
     kernel (torch_ref's addition), or on CUDA the stock dispatcher's pairing (flash for
-    bf16/fp16, memory-efficient otherwise)."""
+    bf16/fp16, memory-efficient otherwise; each wrapped as ``_efficient_forward``,
+    ``_efficient_backward`` and ``_flash_backward`` say)."""
     aten = torch.ops.aten
     if device.type == "cpu":
         kw = {"dropout_p": 0.0, "scale": None}
@@ -172,15 +208,15 @@ def ring_kernel(device: torch.device, dtype: torch.dtype) -> RingKernel:
     if dtype in (torch.bfloat16, torch.float16):
         return RingKernel(
             aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_flash_attention_backward.default,
+            _flash_backward,
             "grad_out",
             {"dropout_p": 0.0, "return_debug_mask": False, "scale": None},
             {"dropout_p": 0.0, "scale": None},
             ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"),
         )
     return RingKernel(
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_efficient_attention_backward.default,
+        _efficient_forward,
+        _efficient_backward,
         "grad_out_",
         {"attn_bias": None, "compute_log_sumexp": True, "dropout_p": 0.0, "scale": None},
         {
@@ -192,6 +228,25 @@ def ring_kernel(device: torch.device, dtype: torch.dtype) -> RingKernel:
         ("philox_seed", "philox_offset"),
         repeat_kv=True,
     )
+
+
+# > 0 while PyTorch's ring runs: torch_ref.remat's op namer takes it as one function, not ops
+_ring_depth = 0
+
+
+def inside_ring() -> bool:
+    """Whether the op being dispatched is one of the ring's own (``ring_attention``)."""
+    return _ring_depth > 0
+
+
+@contextlib.contextmanager
+def _as_one_function() -> Iterator[None]:
+    global _ring_depth
+    _ring_depth += 1
+    try:
+        yield
+    finally:
+        _ring_depth -= 1
 
 
 @contextlib.contextmanager
@@ -259,14 +314,18 @@ def ring_attention(
 ) -> torch.Tensor:
     """``[B, S/cp, D]``: this rank's queries (``[B, S/cp, H, K]``, its two chunks of the
     balanced layout) against every rank's keys and values (``[B, S/cp, Hkv, K]`` each), passed
-    round ``group`` (None: every rank) by PyTorch's ring, causal."""
+    round ``group`` (None: every rank) by PyTorch's ring, causal. Its ops are one function to
+    a memory policy's op names (``inside_ring``): the block's other ops keep their places, and
+    its output is not a tag selective checkpointing can keep
+    (``jaxmem.job.torch_ring_policy_refusal``)."""
     b, s, h, _ = q.shape
     kernel = ring_kernel(q.device, q.dtype)
-    if kernel.repeat_kv and k.shape[2] < h:
-        k, v = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (k, v))
-    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    out = _RingAttention.apply(qh, kh, vh, group, kernel)
-    return out.transpose(1, 2).reshape(b, s, -1)
+    with _as_one_function():
+        if kernel.repeat_kv and k.shape[2] < h:
+            k, v = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (k, v))
+        qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        out = _RingAttention.apply(qh, kh, vh, group, kernel)
+        return out.transpose(1, 2).reshape(b, s, -1)
 
 
 def apply_context_parallel(
@@ -301,9 +360,9 @@ def apply_context_parallel(
 
 
 def apply_to_rank(model: nn.Module, parallel, launch, seq_len: int) -> None:
-    """``apply_context_parallel`` for this torchrun rank of ``parallel``'s ``data x context``
-    ranks (``launch``): its context rank, keys gathered over (or passed round) its context
-    group as ``parallel.cp_attention`` says."""
+    """``apply_context_parallel`` for this torchrun rank (``launch``) of ``parallel``'s mesh:
+    its context rank (``torch_ref.distributed.context_index``), keys gathered over (or passed
+    round) its context group as ``parallel.cp_attention`` says."""
     from torch_ref.distributed import context_group, context_index
 
     group = context_group(parallel, launch)

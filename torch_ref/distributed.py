@@ -15,7 +15,8 @@ Tensor parallelism (``--mesh tp=T``, ``zero1|fsdp=N,tp=T``): a ``data x tensor``
 Megatron's layout on the blocks with stock ``torch.distributed.tensor.parallel`` styles as
 torchtitan's Llama plan writes them, sequence parallelism included (``parallelize``), the fused
 q/k/v split head-aligned by torch_ref's ``HeadAlignedColwise`` extension; then FSDP2 over the
-data axis. ``dp`` over a tensor axis is refused (``jaxmem.job.torch_mesh_refusal``).
+data axis (and a context axis beside it). ``dp`` over a tensor axis is refused
+(``jaxmem.job.torch_mesh_refusal``).
 
 Context parallelism (``--mesh cp=C``, ``fsdp=D,cp=C``): each rank holds its columns of its data
 rank's rows (``torch_ref.context``, an extension), keys and values gathered over (or passed
@@ -208,8 +209,8 @@ def shard(
     returns the module to call (DDP wraps it; FSDP2 changes it in place). ``stream``: FSDP2
     with ``CPUOffloadPolicy`` (module docstring), on one process too. With ``parallel.tp > 1``
     the blocks are split over the mesh's tensor axis first (``parallelize``), then FSDP2 shards
-    over its data axis (``zero1``, ``fsdp``; ``dp`` over a tensor axis is refused upstream,
-    ``jaxmem.job.torch_tensor_parallel_refusal``)."""
+    over its data axis, and its context axis beside it (``zero1``, ``fsdp``; ``dp`` over a
+    tensor axis is refused upstream, ``jaxmem.job.torch_tensor_parallel_refusal``)."""
     if not parallel.sharded and not stream:
         return model
     data_mesh = None
@@ -276,10 +277,11 @@ def context_index(parallel: ParallelConfig, launch: Launch) -> int:
 
 
 def context_group(parallel: ParallelConfig, launch: Launch) -> dist.ProcessGroup | None:
-    """The ranks of this rank's context axis (None: every rank, when there is no data axis
-    beside it). Ranks are ``data x context`` (rank = data index x cp + context index, as
-    ``Launch.rows`` reads it); the ``data x context`` device mesh is made by every rank at the
-    same point (a collective), once per process."""
+    """The ranks of this rank's context axis (None: every rank, when no data or tensor axis is
+    beside it). Ranks are ``data x context`` (rank = data index x cp + context index) or, beside
+    a tensor axis, ``data x context x tensor`` (``device_mesh``), as ``Launch.rows`` reads them;
+    the device mesh is made by every rank at the same point (a collective), once per
+    process."""
     if not parallel.context_parallel or (parallel.data == 1 and not parallel.tensor_parallel):
         return None
     if parallel.tensor_parallel:

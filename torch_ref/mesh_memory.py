@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch_ref
 import torch_ref.distributed as tdist
 from jaxmem.config import PRESETS, ConfigError, ModelConfig, OptimizerConfig
-from jaxmem.job import torch_mesh_refusal
+from jaxmem.job import torch_mesh_refusal, torch_ring_policy_refusal
 from jaxmem.parallel import CP_ATTENTIONS, ParallelConfig, parse_mesh
 from jaxmem.policy import MemoryPolicy
 from jaxmem.policy_config import parse_policy
@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.replace(attention=args.attention)
     try:
         parallel.check_model(cfg, args.seq_len)
-        refusal = torch_mesh_refusal(parallel, cfg)
+        refusal = torch_mesh_refusal(parallel, cfg) or torch_ring_policy_refusal(
+            parallel, policy, cfg.n_layers
+        )
         if refusal is not None:
             raise ConfigError(refusal)
     except ConfigError as e:

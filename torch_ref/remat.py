@@ -80,6 +80,7 @@ from jaxmem.policy import (
     nested_segment_size,
 )
 from torch_ref.compat import selective_checkpoint_contexts
+from torch_ref.context import inside_ring
 from torch_ref.model import BlockStack, EmbeddingLookup, RopeTables, materialize, run_layers
 
 Translation = Literal["stock", "lean"]
@@ -188,6 +189,8 @@ class _OpNamer:
         self.last: tuple[str, int] = ("", -1)  # (kind, occurrence) of the op just named
 
     def __call__(self, func: Any) -> tuple[str, tuple[str, ...]]:
+        if inside_ring():  # PyTorch's ring attention: one function, its ops neither counted
+            return "ring", ()  # nor named
         kind = _op_kind(func)
         index = self.counts.get(kind, 0)
         self.counts[kind] = index + 1

@@ -27,7 +27,7 @@ from jaxmem.cli.flags import STEP_FLAGS, add_flags, host_memory, job_from_args, 
 from jaxmem.config import PRESETS, ModelConfig
 from jaxmem.figures import format_bytes
 from jaxmem.files import write_json_atomic
-from jaxmem.job import torch_mesh_refusal
+from jaxmem.job import torch_mesh_refusal, torch_ring_policy_refusal
 from jaxmem.policy import EmbeddingReplay, can_replay_embedding
 from jaxmem.policy_config import parse_policy
 
@@ -352,6 +352,10 @@ def _measure(job, setup: Setup, console) -> tuple[list[dict], list[dict]]:
     for policy in setup.policies:
         for fw in setup.frameworks:
             if fw == "torch" and job.parallel.sharded:
+                why = torch_ring_policy_refusal(job.parallel, policy, job.model.n_layers)
+                if why is not None:
+                    console.print(f"no torch row for {policy.name}: {why}", style="dim")
+                    continue
                 ranks += _torch_ranks(job, policy, console)
                 continue
             if fw == "torch-lean":
