@@ -468,15 +468,17 @@ def policy_main() -> None:
     """tiny-llama (fused attention, float64) over cp=2 on 2 gloo ranks, a policy keeping
     ``norm2_out`` and ``mlp_act`` under each translation, keys gathered and round the ring:
     rank 0 prints ``{form: {translation: {"kept": [[layer, names, shape]], "grads": {name:
-    [values]}}}}``."""
+    [values]}}, "saved_by_name": {name: bytes}}}`` (the last: what autograd saves with no
+    remat, by the op that made it)."""
     import dataclasses
 
     import torch
 
     import torch_ref
     import torch_ref.distributed as tdist
-    from jaxmem.policy import BlockPolicy, MemoryPolicy
+    from jaxmem.policy import BlockPolicy, MemoryPolicy, get_policy
     from torch_ref.context import apply_context_parallel, local_batch
+    from torch_ref.forward_memory import forward_live_bytes
     from torch_ref.remat import apply_memory_policy
 
     launch = tdist.from_environment()
@@ -494,8 +496,14 @@ def policy_main() -> None:
             loss_sum, _ = model(batch["inputs"], batch["targets"])
             loss_sum.backward()
             kept = [[k.layer, list(k.names), list(k.shape)] for k in runner.kept]
-            grads = {n: p.grad.flatten()[:64].tolist() for n, p in model.named_parameters()}
+            grads = {n: p.grad.flatten().tolist() for n, p in model.named_parameters()}
             out.setdefault(form, {})[translation] = {"kept": kept, "grads": grads}
+        # no remat: what autograd saves, by the name of the op that made it
+        apply_memory_policy(model.blocks, get_policy("none"))
+        _, live = forward_live_bytes(
+            lambda m=model: m(batch["inputs"], batch["targets"]), stack=model.blocks
+        )
+        out[form]["saved_by_name"] = live.by_name
     sys.path.insert(0, os.path.dirname(__file__))
     from torch_parallel_worker import finish  # isort: skip
 
@@ -509,7 +517,8 @@ def test_a_named_policy_keeps_the_same_tensors_under_the_ring_as_under_the_gathe
     among them): to a memory policy it is one function, so a policy keeping ``norm2_out`` and
     ``mlp_act`` keeps the same tensors (``[B, S/cp, D]`` and ``[B, S/cp, d_ff]`` per layer) under
     the ring as under the gather, stock and lean, and the float64 gradients agree (each rank's
-    share of its parameters' gradients, within the fused-vs-naive tolerance)."""
+    share of its parameters' gradients, within the fused-vs-naive tolerance); with no remat the
+    per-rank records name what autograd saves the same way (the ring's own tensors as one)."""
     from parity_tests.test_sharded_parity import torchrun
 
     proc = torchrun(os.path.abspath(__file__), "policy", nproc=2)
@@ -524,6 +533,12 @@ def test_a_named_policy_keeps_the_same_tensors_under_the_ring_as_under_the_gathe
         assert sorted(ring["kept"]) == sorted([i, *k] for i in range(2) for k in per_layer)
         for name, values in gather["grads"].items():
             np.testing.assert_allclose(ring["grads"][name], values, err_msg=name, **tol)
+    # the per-rank records' names: every tag outside attention saves the same bytes
+    gather, ring = out["gather"]["saved_by_name"], out["ring"]["saved_by_name"]
+    tags = ("norm1_out", "attn_residual", "norm2_out", "mlp_gate", "mlp_up", "mlp_act")
+    for name in tags:
+        assert ring.get(name) == gather.get(name) and gather.get(name), (name, ring, gather)
+    assert "<ring attention>" in ring, ring  # its own copies of q, k, v, its output and lse
 
 
 if __name__ == "__main__":

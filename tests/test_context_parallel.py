@@ -278,6 +278,39 @@ def test_torch_runs_a_context_axis_beside_data_and_tensor_axes_not_under_dp_with
     assert "use --mesh zero1=2,cp=2,tp=2 or fsdp=2,cp=2,tp=2 (FSDP2)" in line
 
 
+def test_torch_refuses_a_policy_keeping_attentions_output_under_its_ring_only():
+    """What the torch job, its printed command in a plan and its per-rank rows check: a policy
+    keeping ``attn_context``/``attn_lse`` is refused under the ring, not under the gather, and
+    a policy keeping other tags runs under both."""
+    import dataclasses
+
+    from jaxmem.job import (
+        JobConfig,
+        RunConfig,
+        torch_ring_policy_refusal,
+        torch_tensor_parallel_refusal,
+    )
+
+    cfg = PRESETS["tiny-llama"].replace(attention="fused")
+    ring = dataclasses.replace(parse_mesh("cp=2"), cp_attention="ring")
+    for mesh, policy, refused in (
+        (ring, "mlp", True),
+        (ring, "selective", False),
+        (ring, "full", False),
+        (parse_mesh("cp=2"), "mlp", False),
+    ):
+        run = RunConfig(batch_size=2, seq_len=32)
+        job = JobConfig(
+            preset="tiny-llama", model=cfg, parallel=mesh, memory=POLICIES[policy], run=run
+        )
+        said = torch_tensor_parallel_refusal(job)
+        assert said == torch_ring_policy_refusal(mesh, POLICIES[policy], cfg.n_layers)
+        assert (said is not None) == refused, (policy, mesh, said)
+    assert "--policy mlp keeps attn_context, attn_lse under --cp-attention ring" in (
+        torch_ring_policy_refusal(ring, POLICIES["mlp"], cfg.n_layers)
+    )
+
+
 CP_RUN = ["--preset", "tiny-llama", "--batch-size", "2", "--seq-len", "32", "--policy", "full"]
 
 
@@ -496,9 +529,9 @@ def test_the_rings_kernel_steps_merge_to_whole_sequence_attention(device, dtype)
     """The kernel torch_ref's ring runs on ``device`` (CPU flash; on a GPU, flash for bf16 and
     memory-efficient for fp32), stepped and merged as PyTorch's ring does for one rank, gives
     whole-sequence SDPA's output and gradients at that rank's positions (20 each: not a
-    multiple of the memory-efficient kernel's 32-row log-sum-exp): float64 and fp32 within the
-    table's fused-vs-naive tolerance, bf16 through its error against float64 (the fused kernel's
-    error bound)."""
+    multiple of the memory-efficient kernel's 32-row log-sum-exp), in the same dtype on the
+    same device: float64 and fp32 within the table's fused-vs-naive tolerance, bf16 through
+    their errors against float64 (the fused kernel's error bound)."""
     import torch
     import torch.nn.functional as F
 
@@ -521,15 +554,15 @@ def test_the_rings_kernel_steps_merge_to_whole_sequence_attention(device, dtype)
         out.backward(dout * mask)
         return out.detach()[:, :, 20:60], q.grad[:, :, 20:60], k.grad, v.grad
 
-    reference = whole(*exact)
-    got = _ring_steps_of_rank_one(*(t.to(device, torch_dtype) for t in exact), kernel)
-    got = [t.double().cpu() for t in got]
-    if dtype != "bfloat16":
+    inputs = [t.to(device, torch_dtype) for t in exact]
+    got = [t.double().cpu() for t in _ring_steps_of_rank_one(*inputs, kernel)]
+    fused = [t.double().cpu() for t in whole(*inputs)]  # one kernel over the whole sequence
+    if dtype != "bfloat16":  # two summation orders of the same softmax
         tol = tolerance(dtype, "fused_vs_naive").kwargs()
-        for a, b in zip(got, reference, strict=True):
+        for a, b in zip(got, fused, strict=True):
             np.testing.assert_allclose(a, b, **tol)
         return
-    fused = [t.double().cpu() for t in whole(*(t.to(device, torch_dtype) for t in exact))]
+    reference = whole(*exact)
     tol = tolerance("bfloat16", "fused_vs_naive_error")
     for a, f, b in zip(got, fused, reference, strict=True):
         err, bound = (float((x - b).norm() / b.norm()) for x in (a, f))

@@ -43,7 +43,8 @@ reaches the backward through DTensor; here the tensors are plain). The merge acc
 fp32 (PyTorch's ``convert_to_f32``), in float64 for float64 inputs (PyTorch's option would round
 them to fp32). On CUDA the ring's kernel is the one the stock dispatcher pairs with it (flash for
 bf16/fp16, memory-efficient for fp32, keys repeated to the query heads for it; its log-sum-exp
-cut to the queries' rows for the merge), checked on meta tensors, not run here (no GPU). To a
+cut to the queries' rows for the merge: shapes checked on meta tensors), not run here (no GPU;
+``tests/test_context_parallel.py``'s GPU tests step and merge them on one). To a
 memory policy the ring is one function (``inside_ring``): a policy keeping attention's output is
 refused with it (``jaxmem.job.torch_ring_policy_refusal``).
 
@@ -181,20 +182,11 @@ def _efficient_backward(*, logsumexp: torch.Tensor, **kw: object):
     )
 
 
-def _flash_backward(*, query: torch.Tensor, key: torch.Tensor, **kw: object):
-    """The CUDA flash backward with each step's own query and key lengths (PyTorch 2.11 to 2.13
-    hand every step the forward's last step's; fixed in 2.14)."""
-    kw |= {"max_q": query.shape[2], "max_k": key.shape[2]}
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
-        query=query, key=key, **kw
-    )
-
-
 def ring_kernel(device: torch.device, dtype: torch.dtype) -> RingKernel:
     """The kernel the ring runs at each step on ``device`` for ``dtype`` inputs: the CPU flash
     kernel (torch_ref's addition), or on CUDA the stock dispatcher's pairing (flash for
-    bf16/fp16, memory-efficient otherwise; each wrapped as ``_efficient_forward``,
-    ``_efficient_backward`` and ``_flash_backward`` say)."""
+    bf16/fp16, memory-efficient otherwise, wrapped as ``_efficient_forward`` and
+    ``_efficient_backward`` say)."""
     aten = torch.ops.aten
     if device.type == "cpu":
         kw = {"dropout_p": 0.0, "scale": None}
@@ -208,7 +200,7 @@ def ring_kernel(device: torch.device, dtype: torch.dtype) -> RingKernel:
     if dtype in (torch.bfloat16, torch.float16):
         return RingKernel(
             aten._scaled_dot_product_flash_attention.default,
-            _flash_backward,
+            aten._scaled_dot_product_flash_attention_backward.default,
             "grad_out",
             {"dropout_p": 0.0, "return_debug_mask": False, "scale": None},
             {"dropout_p": 0.0, "scale": None},

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from jaxmem.config import ModelConfig
+from torch_ref.context import inside_ring
 from torch_ref.loss import forming_loss_gradients
 
 
@@ -131,6 +132,8 @@ class _BlockScope:
             return "<loss gradients>"  # LossPolicy.chunks: formed in the forward
         if self.depth == 0:
             return f"<{kind} outside the stack>"
+        if inside_ring():  # one function (its ops would shift the block's op names)
+            return "<ring attention>"
         index = self.counts.get(kind, 0)
         self.counts[kind] = index + 1
         names = self.ops.get((kind, index)) or self.copies.get((kind, index))
