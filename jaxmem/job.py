@@ -280,7 +280,7 @@ def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
             "--framework jax"
         )
     return torch_mesh_refusal(parallel, job.model) or torch_ring_policy_refusal(
-        parallel, job.memory, job.model.n_layers
+        parallel, job.memory
     )
 
 
@@ -289,16 +289,14 @@ def torch_tensor_parallel_refusal(job: JobConfig) -> str | None:
 ATTENTION_OUTPUTS = ("attn_context", "attn_lse")
 
 
-def torch_ring_policy_refusal(
-    parallel: ParallelConfig, policy: MemoryPolicy, n_layers: int
-) -> str | None:
+def torch_ring_policy_refusal(parallel: ParallelConfig, policy: MemoryPolicy) -> str | None:
     """Why torch_ref cannot run ``policy`` under ``parallel``'s ring (None: it can): selective
     checkpointing keeps op outputs, and the ring's output is an autograd function's, so a
     policy keeping attention's output would recompute it where JAX keeps it."""
     if not (parallel.context_parallel and parallel.cp_attention == "ring"):
         return None
-    blocks = [b for b in policy.layer_blocks(n_layers) if b.remat]
-    named = sorted({n for b in blocks for n in (*b.save, *b.offload)} & set(ATTENTION_OUTPUTS))
+    named = [n for n in ATTENTION_OUTPUTS if any(b.remat and n in b.save + b.offload
+                                                 for b in policy.blocks)]  # fmt: skip
     if not named:
         return None
     return (

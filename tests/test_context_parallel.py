@@ -304,10 +304,10 @@ def test_torch_refuses_a_policy_keeping_attentions_output_under_its_ring_only():
             preset="tiny-llama", model=cfg, parallel=mesh, memory=POLICIES[policy], run=run
         )
         said = torch_tensor_parallel_refusal(job)
-        assert said == torch_ring_policy_refusal(mesh, POLICIES[policy], cfg.n_layers)
+        assert said == torch_ring_policy_refusal(mesh, POLICIES[policy])
         assert (said is not None) == refused, (policy, mesh, said)
     assert "--policy mlp keeps attn_context, attn_lse under --cp-attention ring" in (
-        torch_ring_policy_refusal(ring, POLICIES["mlp"], cfg.n_layers)
+        torch_ring_policy_refusal(ring, POLICIES["mlp"])
     )
 
 

@@ -237,11 +237,6 @@ def shard(
     return model
 
 
-MESH_AXES = ("data", "tensor")
-CONTEXT_AXES = ("data", "context")
-ALL_AXES = ("data", "context", "tensor")
-
-
 @functools.cache
 def _mesh(device_type: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
@@ -250,14 +245,15 @@ def _mesh(device_type: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> De
 
 
 def device_mesh(parallel: ParallelConfig, launch: Launch) -> DeviceMesh:
-    """The run's device mesh over a tensor axis: ``data x tensor`` (rank = data index x tp +
-    tensor index), or beside a context axis ``data x context x tensor`` (rank = (data index x
-    cp + context index) x tp + tensor index), as ``Launch.rows`` reads them; made once per
-    process (a collective: every rank asks for it at the same point)."""
-    device = launch.device.split(":")[0]
-    if parallel.context_parallel:
-        return _mesh(device, (parallel.data, parallel.cp, parallel.tp), ALL_AXES)
-    return _mesh(device, (parallel.data, parallel.tp), MESH_AXES)
+    """The run's device mesh: ``data`` x ``context`` (with a context axis) x ``tensor`` (with a
+    tensor axis), the last axis fastest (``data x tensor``: rank = data index x tp + tensor
+    index; ``data x context x tensor``: rank = (data index x cp + context index) x tp + tensor
+    index), as ``Launch.rows`` reads them; made once per process (a collective: every rank asks
+    for it at the same point)."""
+    sizes = (("data", parallel.data), ("context", parallel.cp), ("tensor", parallel.tp))
+    axes = [(name, n) for name, n in sizes if name == "data" or n > 1]
+    names, shape = zip(*axes, strict=True)
+    return _mesh(launch.device.split(":")[0], shape, names)
 
 
 @functools.cache
@@ -271,23 +267,16 @@ def _shard_mesh(parallel: ParallelConfig, launch: Launch) -> DeviceMesh:
 
 
 def context_index(parallel: ParallelConfig, launch: Launch) -> int:
-    """This rank's place on its context axis (``device_mesh``'s and ``context_group``'s
-    layouts)."""
+    """This rank's place on its context axis (``device_mesh``'s layout)."""
     return (launch.rank // parallel.tp) % parallel.cp
 
 
 def context_group(parallel: ParallelConfig, launch: Launch) -> dist.ProcessGroup | None:
-    """The ranks of this rank's context axis (None: every rank, when no data or tensor axis is
-    beside it). Ranks are ``data x context`` (rank = data index x cp + context index) or, beside
-    a tensor axis, ``data x context x tensor`` (``device_mesh``), as ``Launch.rows`` reads them;
-    the device mesh is made by every rank at the same point (a collective), once per
-    process."""
-    if not parallel.context_parallel or (parallel.data == 1 and not parallel.tensor_parallel):
+    """The ranks of this rank's context axis of ``device_mesh`` (None: every rank, when no data
+    or tensor axis is beside it)."""
+    if not parallel.context_parallel or parallel.data * parallel.tp == 1:
         return None
-    if parallel.tensor_parallel:
-        return device_mesh(parallel, launch)["context"].get_group()
-    mesh = _mesh(launch.device.split(":")[0], (parallel.data, parallel.cp), CONTEXT_AXES)
-    return mesh["context"].get_group()
+    return device_mesh(parallel, launch)["context"].get_group()
 
 
 def head_aligned_rows(d_model: int, kv_dim: int, tp: int) -> torch.Tensor:

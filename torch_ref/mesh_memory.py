@@ -207,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.replace(attention=args.attention)
     try:
         parallel.check_model(cfg, args.seq_len)
-        refusal = torch_mesh_refusal(parallel, cfg) or torch_ring_policy_refusal(
-            parallel, policy, cfg.n_layers
-        )
+        refusal = torch_mesh_refusal(parallel, cfg) or torch_ring_policy_refusal(parallel, policy)
         if refusal is not None:
             raise ConfigError(refusal)
     except ConfigError as e:

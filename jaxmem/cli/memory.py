@@ -352,7 +352,7 @@ def _measure(job, setup: Setup, console) -> tuple[list[dict], list[dict]]:
     for policy in setup.policies:
         for fw in setup.frameworks:
             if fw == "torch" and job.parallel.sharded:
-                why = torch_ring_policy_refusal(job.parallel, policy, job.model.n_layers)
+                why = torch_ring_policy_refusal(job.parallel, policy)
                 if why is not None:
                     console.print(f"no torch row for {policy.name}: {why}", style="dim")
                     continue
